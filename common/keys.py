@@ -1,0 +1,62 @@
+"""Every Redis key, channel and queue name Spool uses is built here, and only here.
+
+A prefix (``SPOOL_REDIS_PREFIX``, default ``spool``) namespaces all of them, so tests and
+several deployments can share one Redis without seeing each other's data.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Keys:
+    prefix: str = "spool"
+
+    def job(self, job_id: str) -> str:
+        """Hash: status, params, timestamps, usage, finish_reason, error, attempt, worker."""
+        return f"{self.prefix}:job:{job_id}"
+
+    def job_log(self, job_id: str) -> str:
+        """List: every event of the job in order; entry i holds sequence number i + 1."""
+        return f"{self.prefix}:job:{job_id}:log"
+
+    def job_events(self, job_id: str) -> str:
+        """Pub/sub channel: the same events, live."""
+        return f"{self.prefix}:job:{job_id}:events"
+
+    def job_events_pattern(self) -> str:
+        """Pattern matching every job's channel (one subscription per API process)."""
+        return f"{self.prefix}:job:*:events"
+
+    def job_id_from_channel(self, channel: str) -> str:
+        return channel[len(self.prefix) + len(":job:") : -len(":events")]
+
+    def worker(self, name: str) -> str:
+        """Key with a TTL: the worker's heartbeat."""
+        return f"{self.prefix}:worker:{name}"
+
+    def workers_pattern(self) -> str:
+        return f"{self.prefix}:worker:*"
+
+    def queued_jobs(self) -> str:
+        """Sorted set of queued job ids (score: enqueue time); sized for backpressure."""
+        return f"{self.prefix}:queued"
+
+    def running_jobs(self) -> str:
+        """Sorted set of running job ids (score: lease deadline); scanned for crashed workers."""
+        return f"{self.prefix}:running"
+
+    def cancelled(self) -> str:
+        """Pub/sub channel: ids of jobs cancelled by a client, for the worker that runs them."""
+        return f"{self.prefix}:cancel"
+
+    @property
+    def queue_llm(self) -> str:
+        """Celery queue for text generation."""
+        return f"{self.prefix}.llm"
+
+    @property
+    def queue_media(self) -> str:
+        """Celery queue for non-text parts."""
+        return f"{self.prefix}.media"

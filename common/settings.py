@@ -1,0 +1,95 @@
+"""One settings object for every Spool process, read from ``SPOOL_*`` environment variables.
+
+A worker and an API started with the same variables find each other. Unknown ``SPOOL_*``
+variables and invalid values fail at start with a message that names the variable.
+"""
+
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+from typing import Literal
+
+from pydantic import Field, ValidationError, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from common.keys import Keys
+
+ENV_PREFIX = "SPOOL_"
+
+
+class SettingsError(RuntimeError):
+    """Raised at start when the environment holds an unknown or invalid SPOOL_* value."""
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", frozen=True)
+
+    # Redis and naming
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_prefix: str = Field("spool", pattern=r"^[A-Za-z0-9_.-]+$")
+
+    # Model and engine (worker)
+    model: str = ""  # hub id or local path; empty: the embedded default model
+    device: str = "cpu"
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    max_batch_size: int = Field(32, ge=1, le=4096)
+    max_model_len: int | None = Field(None, ge=16)
+    kv_cache_memory_bytes: int | None = Field(None, ge=1)
+    prefill_chunk_size: int = Field(512, ge=16)
+
+    # Jobs (API)
+    max_queued_jobs: int = Field(1000, ge=1)
+    max_tokens_cap: int = Field(4096, ge=1)  # largest max_tokens a request may ask for
+    default_max_tokens: int = Field(128, ge=1)
+    job_ttl_s: int = Field(24 * 3600, ge=1)  # finished jobs expire after this
+    max_body_bytes: int = Field(1 << 20, ge=1024)
+    detach_grace_s: float = Field(30.0, ge=0)
+    sse_ping_s: float = Field(15.0, gt=0)
+    api_keys: str = ""  # comma-separated; empty disables authentication
+
+    # Workers (liveness)
+    heartbeat_s: float = Field(2.0, gt=0)
+    heartbeat_ttl_s: float = Field(10.0, gt=0)
+    lease_s: float = Field(30.0, gt=0)  # a running job whose lease lapses is taken over
+    worker_name: str = ""  # empty: celery's hostname
+
+    # API process
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=1, le=65535)
+    served_model_name: str = ""  # name in /v1/models; empty: derived from model
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, v: str) -> str:
+        if v != "cpu" and v != "mps" and not (v == "cuda" or v.startswith("cuda:")):
+            raise ValueError("must be cpu, cuda, cuda:N or mps")
+        return v
+
+    @property
+    def keys(self) -> Keys:
+        return Keys(self.redis_prefix)
+
+    @property
+    def api_key_set(self) -> frozenset[str]:
+        return frozenset(k.strip() for k in self.api_keys.split(",") if k.strip())
+
+
+def load_settings(**overrides: object) -> Settings:
+    """Build Settings from the environment, failing with the names of the bad variables."""
+    known = {ENV_PREFIX + name.upper() for name in Settings.model_fields}
+    unknown = sorted(k for k in os.environ if k.startswith(ENV_PREFIX) and k not in known)
+    if unknown:
+        raise SettingsError(f"unknown setting(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+    try:
+        return Settings(**overrides)  # type: ignore[arg-type]
+    except ValidationError as e:
+        problems = "; ".join(
+            f"{ENV_PREFIX}{'.'.join(str(p) for p in err['loc']).upper()}: {err['msg']}" for err in e.errors()
+        )
+        raise SettingsError(f"invalid settings: {problems}") from None
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    return load_settings()

@@ -1,0 +1,82 @@
+"""Values that cross the engine's boundary: configuration, sampling parameters, outputs."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens reached, or the slot is full (max_model_len)
+    CANCELLED = "cancelled"  # abort() was called
+    ERROR = "error"  # the request failed inside the engine; see Delta.error
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16  # new tokens to generate at most
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0  # nucleus sampling mass, (0, 1]
+    top_k: int | None = None  # keep the k most likely tokens; None keeps all
+    seed: int | None = None  # same seed, same tokens, whatever else is in the batch
+    stop: tuple[str, ...] = ()  # stop strings; the match is not part of the output
+    stop_token_ids: tuple[int, ...] = ()  # extra token ids that end the request (kept out of the text)
+    ignore_eos: bool = False  # keep going past EOS (benchmarks)
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k is not None and self.top_k < 1:
+            raise ValueError(f"top_k must be at least 1 or None, got {self.top_k}")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must not be empty")
+        # Accept lists from callers, keep the dataclass hashable.
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str  # hub id or local directory, loaded with from_pretrained
+    device: str = "cpu"  # "cpu", "cuda", "cuda:1", ...
+    dtype: str = "float32"  # "float32" | "bfloat16" | "float16"
+    max_batch_size: int = 32  # KV-cache slots: requests decoded together
+    max_model_len: int | None = None  # prompt + generated tokens per request; None: the model's limit, capped at 2048
+    kv_cache_memory_bytes: int | None = None  # KV budget; fewer slots are allocated when it cannot hold them all
+    prefill_chunk_size: int = 512  # prompt tokens one request prefills per step
+    max_prefill_tokens_per_step: int = 2048  # prompt tokens all requests prefill per step
+    trust_remote_code: bool = False
+
+
+@dataclass(frozen=True)
+class Delta:
+    """What one step produced for one request. Concatenating a request's deltas gives its output."""
+
+    request_id: str
+    token_ids: tuple[int, ...]  # new generated token ids (a stop token id is included, EOS too)
+    text: str  # new text, incrementally detokenized, stop strings held back and cut
+    finish_reason: FinishReason | None = None  # set on the request's last delta
+    num_prompt_tokens: int = 0  # prompt length in tokens
+    num_generated_tokens: int = 0  # generated so far, this delta included
+    error: str | None = None  # set when finish_reason is ERROR
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class CompletionOutput:
+    """Result of Engine.generate for one prompt."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: FinishReason | None = None
+    error: str | None = None
