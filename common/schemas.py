@@ -1,0 +1,189 @@
+"""Schemas shared by the API and the worker: the job request, job events and the job view.
+
+The JSON of a log entry (``{"seq", "type", "data"}``) is the contract of docs/internals.md; the
+encode/decode helpers here are the only code that writes or reads it.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from common.settings import get_settings
+
+MAX_STOP_STRINGS = 4
+
+
+class JobStatus(str, enum.Enum):
+    QUEUED = "queued"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    PARTIAL = "partial"  # some parts succeeded, some failed (multimodal jobs)
+
+    @property
+    def terminal(self) -> bool:
+        return self not in (JobStatus.QUEUED, JobStatus.RUNNING)
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    role: Literal["system", "user", "assistant"]
+    content: str
+
+
+def _finite(v: float | None) -> float | None:
+    # NOTE: pydantic accepts "nan" and "inf" for floats; a NaN temperature would reach the sampler.
+    if v is not None and not math.isfinite(v):
+        raise ValueError("must be a finite number")
+    return v
+
+
+class JobRequest(BaseModel):
+    """A validated generation request, stored as JSON in the job hash's ``request`` field."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    max_tokens: int = Field(default_factory=lambda: get_settings().default_max_tokens, ge=1)
+    temperature: float = Field(1.0, ge=0, le=2)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int | None = Field(None, ge=1)
+    stop: str | list[Annotated[str, Field(min_length=1)]] | None = None
+    seed: int | None = None
+    timeout_s: float | None = Field(None, gt=0)  # counted from job creation; past it the job fails
+    background: bool = True  # the API answers at once; False: it waits for the result
+
+    @field_validator("temperature", "top_p", "timeout_s")
+    @classmethod
+    def _finite_floats(cls, v: float | None) -> float | None:
+        return _finite(v)
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _max_tokens_cap(cls, v: int) -> int:
+        cap = get_settings().max_tokens_cap
+        if v > cap:
+            raise ValueError(f"must be at most {cap} (SPOOL_MAX_TOKENS_CAP)")
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(v, str) and not v:
+            raise ValueError("stop strings must not be empty")
+        if isinstance(v, list) and len(v) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings")
+        return v
+
+    @model_validator(mode="after")
+    def _prompt_or_messages(self) -> JobRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt or messages")
+        return self
+
+    @property
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+class Usage(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int) -> Usage:
+        return cls(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+        )
+
+
+class TokenEvent(BaseModel):
+    index: int  # counts token events of the job from 0
+    text: str
+    token_ids: list[int]
+
+
+class DoneEvent(BaseModel):
+    status: JobStatus  # succeeded | cancelled
+    finish_reason: str | None  # stop | length | cancelled
+    usage: Usage
+
+
+class ErrorEvent(BaseModel):
+    status: Literal[JobStatus.FAILED] = JobStatus.FAILED
+    message: str
+    type: str  # engine_error | request_too_long | timeout | ...
+
+
+EventType = Literal["token", "done", "error"]
+
+
+class LogEntry(BaseModel):
+    """One entry of ``{p}:job:{id}:log``; the same JSON is published on the job's channel."""
+
+    seq: int  # consecutive from 1 across all events of the job
+    type: EventType
+    data: dict[str, Any]
+
+    @property
+    def terminal(self) -> bool:
+        return self.type != "token"
+
+    def encode(self) -> str:
+        return self.model_dump_json()
+
+    @classmethod
+    def decode(cls, raw: str | bytes) -> LogEntry:
+        return cls.model_validate_json(raw)
+
+    @classmethod
+    def token(cls, seq: int, event: TokenEvent) -> LogEntry:
+        return cls(seq=seq, type="token", data=event.model_dump(mode="json"))
+
+    @classmethod
+    def done(cls, seq: int, event: DoneEvent) -> LogEntry:
+        return cls(seq=seq, type="done", data=event.model_dump(mode="json"))
+
+    @classmethod
+    def error(cls, seq: int, event: ErrorEvent) -> LogEntry:
+        return cls(seq=seq, type="error", data=event.model_dump(mode="json"))
+
+
+class JobError(BaseModel):
+    message: str
+    type: str
+
+
+class Job(BaseModel):
+    """The job as the API shows it."""
+
+    id: str
+    status: JobStatus
+    text: str  # concatenated token texts; partial while running
+    finish_reason: str | None = None
+    usage: Usage
+    error: JobError | None = None
+    created_at: float
+    started_at: float | None = None
+    finished_at: float | None = None
+    parts: list[dict[str, Any]] = Field(default_factory=list)  # multimodal parts; empty for text jobs
+    model: str | None = None  # the model the worker loaded; None until a worker takes the job
+
+
+class WorkerHeartbeat(BaseModel):
+    name: str
+    ts: float  # unix seconds of the last beat
+    engine: dict[str, Any]  # engine.stats(): running, waiting, peak_batch_size, ...
+    model: str

@@ -1,0 +1,503 @@
+"""The job store: jobs, their event logs and worker heartbeats in Redis.
+
+``SyncJobStore`` (worker threads, ``redis.Redis``) and ``AsyncJobStore`` (API, ``redis.asyncio``)
+are thin shells over the same pure parts: the Lua scripts, the argument builders and the
+parsers below. Every status transition is one Lua script, so it is atomic without WATCH retries.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+import uuid
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+import redis.asyncio as aredis
+from redis.exceptions import NoScriptError
+
+from common.keys import Keys
+from common.schemas import (
+    DoneEvent,
+    Job,
+    JobError,
+    JobRequest,
+    JobStatus,
+    LogEntry,
+    TokenEvent,
+    Usage,
+    WorkerHeartbeat,
+)
+from common.settings import Settings
+
+
+class StoreError(RuntimeError):
+    """Base of the errors the store raises on purpose."""
+
+
+class JobNotFound(StoreError):
+    def __init__(self, job_id: str) -> None:
+        super().__init__(f"job {job_id!r} not found")
+        self.job_id = job_id
+
+
+class Conflict(StoreError):
+    """The job is in a state that does not allow the operation (e.g. cancelling a finished job)."""
+
+
+class QueueFull(StoreError):
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"the queue is full ({limit} jobs queued); retry later")
+        self.limit = limit
+
+
+# KEYS: queued zset, job hash. ARGV: max queued, job id, now, field, value, ...
+CREATE_LUA = """
+if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[1]) then return 0 end
+redis.call('HSET', KEYS[2], unpack(ARGV, 4))
+redis.call('ZADD', KEYS[1], ARGV[3], ARGV[2])
+return 1
+"""
+
+# KEYS: job hash, log, queued zset, running zset. ARGV: job id, worker, model, now, lease deadline.
+# A running job is taken over only when its lease lapsed (its worker died or hung).
+TAKE_LUA = """
+local status = redis.call('HGET', KEYS[1], 'status')
+if not status then return {'missing'} end
+if status == 'running' then
+  local lease = redis.call('ZSCORE', KEYS[4], ARGV[1])
+  if lease and tonumber(lease) > tonumber(ARGV[4]) then return {'busy', lease} end
+elseif status ~= 'queued' then
+  return {'finished', status}
+end
+local attempt = redis.call('HINCRBY', KEYS[1], 'attempt', 1)
+redis.call('HSET', KEYS[1], 'status', 'running', 'worker', ARGV[2], 'model', ARGV[3])
+if status == 'queued' then redis.call('HSET', KEYS[1], 'started_at', ARGV[4]) end
+redis.call('ZREM', KEYS[3], ARGV[1])
+redis.call('ZADD', KEYS[4], ARGV[5], ARGV[1])
+return {'taken', tostring(attempt), redis.call('HGETALL', KEYS[1]), redis.call('LRANGE', KEYS[2], 0, -1)}
+"""
+
+# KEYS: job hash, log, job channel, running zset.
+# ARGV: attempt, first seq, prompt tokens, completion tokens, final status ('' if not final),
+#       finish reason, finished_at, error JSON, ttl, job id, entry, entry, ...
+# Fencing: only the holder of the current attempt writes. The seq check makes a retried
+# append (after a dropped connection) a no-op instead of a duplicate.
+APPEND_LUA = """
+if redis.call('HGET', KEYS[1], 'attempt') ~= ARGV[1] then return 0 end
+local n = #ARGV - 10
+local len = redis.call('LLEN', KEYS[2])
+local first = tonumber(ARGV[2])
+if len >= first - 1 + n and n > 0 then return 2 end
+if len ~= first - 1 then return -1 end
+if n > 0 then
+  redis.call('RPUSH', KEYS[2], unpack(ARGV, 11))
+  for i = 11, #ARGV do redis.call('PUBLISH', KEYS[3], ARGV[i]) end
+end
+redis.call('HSET', KEYS[1], 'prompt_tokens', ARGV[3], 'completion_tokens', ARGV[4])
+if ARGV[5] ~= '' then
+  redis.call('HSET', KEYS[1], 'status', ARGV[5], 'finish_reason', ARGV[6], 'finished_at', ARGV[7],
+             'error', ARGV[8])
+  redis.call('ZREM', KEYS[4], ARGV[10])
+  redis.call('EXPIRE', KEYS[1], ARGV[9])
+  redis.call('EXPIRE', KEYS[2], ARGV[9])
+end
+return 1
+"""
+
+# KEYS: job hash, log, job channel, queued zset, cancel channel.
+# ARGV: job id, now, ttl, the done entry (seq 1: a queued job's log is empty).
+CANCEL_LUA = """
+local status = redis.call('HGET', KEYS[1], 'status')
+if not status then return 'missing' end
+if status == 'queued' then
+  if redis.call('LLEN', KEYS[2]) ~= 0 then return redis.error_reply('queued job with a non-empty log') end
+  redis.call('HSET', KEYS[1], 'status', 'cancelled', 'finish_reason', 'cancelled', 'finished_at', ARGV[2],
+             'cancel_requested', '1')
+  redis.call('ZREM', KEYS[4], ARGV[1])
+  redis.call('RPUSH', KEYS[2], ARGV[4])
+  redis.call('PUBLISH', KEYS[3], ARGV[4])
+  redis.call('EXPIRE', KEYS[1], ARGV[3])
+  redis.call('EXPIRE', KEYS[2], ARGV[3])
+  return 'cancelled'
+end
+if status == 'running' then
+  redis.call('HSET', KEYS[1], 'cancel_requested', '1')
+  redis.call('PUBLISH', KEYS[5], ARGV[1])
+  return 'requested'
+end
+return status
+"""
+
+
+@dataclass(frozen=True)
+class JobRecord:
+    """Everything stored about a job: the API view plus what only the server needs."""
+
+    job: Job
+    request: JobRequest
+    owner: str  # API key hash; empty without keys
+    attempt: int
+    worker: str
+    cancel_requested: bool
+
+
+class TakeStatus(str, enum.Enum):
+    TAKEN = "taken"  # this worker now runs the job
+    BUSY = "busy"  # another worker runs it and its lease is live
+    FINISHED = "finished"  # already terminal (e.g. cancelled while queued)
+    MISSING = "missing"  # unknown or expired
+
+
+@dataclass(frozen=True)
+class TakeResult:
+    status: TakeStatus
+    attempt: int = 0  # the fencing token for every later write (TAKEN)
+    record: JobRecord | None = None  # TAKEN
+    log: list[LogEntry] = field(default_factory=list)  # TAKEN: events written by earlier attempts
+    lease_left_s: float = 0.0  # BUSY
+
+
+@dataclass(frozen=True)
+class Final:
+    """How a job ended; rides on its last append."""
+
+    status: JobStatus
+    finish_reason: str | None
+    error: JobError | None = None
+
+
+@dataclass(frozen=True)
+class Append:
+    """One job's writes for one engine step."""
+
+    job_id: str
+    attempt: int  # fencing token from take_job
+    entries: Sequence[LogEntry]  # consecutive seqs
+    prompt_tokens: int
+    completion_tokens: int
+    final: Final | None = None
+
+
+# ---- pure parts shared by both stores ------------------------------------------------------
+
+ScriptCall = tuple[list[str], list[Any]]  # (KEYS, ARGV) of one Lua script call
+
+
+def new_job_id() -> str:
+    return uuid.uuid4().hex
+
+
+def new_job_fields(job_id: str, request: JobRequest, owner: str, now: float) -> dict[str, str]:
+    return {
+        "id": job_id,
+        "status": JobStatus.QUEUED.value,
+        "request": request.model_dump_json(),
+        "created_at": repr(now),
+        "prompt_tokens": "0",
+        "completion_tokens": "0",
+        "attempt": "0",
+        "owner": owner,
+    }
+
+
+def create_args(keys: Keys, job_id: str, fields: dict[str, str], max_queued: int, now: float) -> ScriptCall:
+    flat = [x for kv in fields.items() for x in kv]
+    return [keys.queued_jobs(), keys.job(job_id)], [max_queued, job_id, repr(now), *flat]
+
+
+def _float_or_none(v: str | None) -> float | None:
+    return float(v) if v else None
+
+
+def job_text(log: Iterable[LogEntry]) -> str:
+    return "".join(e.data["text"] for e in log if e.type == "token")
+
+
+def decode_log(raw: Iterable[str | bytes]) -> list[LogEntry]:
+    return [LogEntry.decode(r) for r in raw]
+
+
+def record_from_hash(h: dict[str, str], log: list[LogEntry]) -> JobRecord:
+    prompt_tokens, completion_tokens = int(h.get("prompt_tokens") or 0), int(h.get("completion_tokens") or 0)
+    job = Job(
+        id=h["id"],
+        status=JobStatus(h["status"]),
+        text=job_text(log),
+        finish_reason=h.get("finish_reason") or None,
+        usage=Usage.of(prompt_tokens, completion_tokens),
+        error=JobError.model_validate_json(h["error"]) if h.get("error") else None,
+        created_at=float(h["created_at"]),
+        started_at=_float_or_none(h.get("started_at")),
+        finished_at=_float_or_none(h.get("finished_at")),
+        model=h.get("model") or None,
+    )
+    return JobRecord(
+        job=job,
+        request=JobRequest.model_validate_json(h["request"]),
+        owner=h.get("owner", ""),
+        attempt=int(h.get("attempt") or 0),
+        worker=h.get("worker", ""),
+        cancel_requested=h.get("cancel_requested") == "1",
+    )
+
+
+def take_args(keys: Keys, job_id: str, worker: str, model: str, now: float, lease_s: float) -> ScriptCall:
+    return (
+        [keys.job(job_id), keys.job_log(job_id), keys.queued_jobs(), keys.running_jobs()],
+        [job_id, worker, model, repr(now), repr(now + lease_s)],
+    )
+
+
+def parse_take(reply: list[Any], now: float) -> TakeResult:
+    status = TakeStatus(reply[0])
+    if status is TakeStatus.BUSY:
+        return TakeResult(status, lease_left_s=max(0.0, float(reply[1]) - now))
+    if status is not TakeStatus.TAKEN:
+        return TakeResult(status)
+    flat = reply[2]
+    log = decode_log(reply[3])
+    return TakeResult(status, attempt=int(reply[1]), record=record_from_hash(_pairs(flat), log), log=log)
+
+
+def _pairs(flat: list[str]) -> dict[str, str]:
+    return dict(zip(flat[::2], flat[1::2], strict=True))
+
+
+def append_args(keys: Keys, a: Append, ttl_s: int, now: float) -> ScriptCall:
+    final = a.final
+    first_seq = a.entries[0].seq if a.entries else 0
+    return (
+        [keys.job(a.job_id), keys.job_log(a.job_id), keys.job_events(a.job_id), keys.running_jobs()],
+        [
+            str(a.attempt),
+            first_seq,
+            a.prompt_tokens,
+            a.completion_tokens,
+            final.status.value if final else "",
+            (final.finish_reason or "") if final else "",
+            repr(now),
+            final.error.model_dump_json() if final and final.error else "",
+            ttl_s,
+            a.job_id,
+            *(e.encode() for e in a.entries),
+        ],
+    )
+
+
+def cancelled_done_entry() -> LogEntry:
+    """The terminal event of a job cancelled while queued (its log is empty, so seq 1)."""
+    return LogEntry.done(
+        1, DoneEvent(status=JobStatus.CANCELLED, finish_reason="cancelled", usage=Usage.of(0, 0))
+    )
+
+
+def cancel_args(keys: Keys, job_id: str, ttl_s: int, now: float) -> ScriptCall:
+    return (
+        [
+            keys.job(job_id),
+            keys.job_log(job_id),
+            keys.job_events(job_id),
+            keys.queued_jobs(),
+            keys.cancelled(),
+        ],
+        [job_id, repr(now), ttl_s, cancelled_done_entry().encode()],
+    )
+
+
+def check_cancel(reply: str, job_id: str) -> None:
+    if reply == "missing":
+        raise JobNotFound(job_id)
+    if reply not in ("cancelled", "requested"):
+        raise Conflict(f"job {job_id!r} already finished with status {reply!r}")
+
+
+def check_created(reply: int, max_queued: int) -> None:
+    if not reply:
+        raise QueueFull(max_queued)
+
+
+def heartbeats_from(values: Iterable[str | bytes | None]) -> list[WorkerHeartbeat]:
+    # NOTE: a key can expire between SCAN and MGET; it then reads as None.
+    return [WorkerHeartbeat.model_validate_json(v) for v in values if v]
+
+
+def token_entry(seq: int, index: int, text: str, token_ids: Sequence[int]) -> LogEntry:
+    return LogEntry.token(seq, TokenEvent(index=index, text=text, token_ids=list(token_ids)))
+
+
+# ---- the stores ----------------------------------------------------------------------------
+
+
+class _Base:
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.keys = settings.keys
+
+
+class SyncJobStore(_Base):
+    """The worker's store. Thread-safe: redis.Redis draws a connection from its pool per call."""
+
+    def __init__(self, client: redis.Redis, settings: Settings) -> None:
+        super().__init__(settings)
+        self.redis = client
+        self._create = client.register_script(CREATE_LUA)
+        self._take = client.register_script(TAKE_LUA)
+        self._cancel = client.register_script(CANCEL_LUA)
+        self._append = client.register_script(APPEND_LUA)
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> SyncJobStore:
+        return cls(redis.Redis.from_url(settings.redis_url, decode_responses=True), settings)
+
+    def close(self) -> None:
+        self.redis.close()
+
+    def create_job(self, request: JobRequest, owner: str = "") -> Job:
+        now, job_id = time.time(), new_job_id()
+        fields = new_job_fields(job_id, request, owner, now)
+        keys, args = create_args(self.keys, job_id, fields, self.settings.max_queued_jobs, now)
+        check_created(self._create(keys, args), self.settings.max_queued_jobs)
+        return record_from_hash(fields, []).job
+
+    def get_record(self, job_id: str) -> JobRecord:
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.hgetall(self.keys.job(job_id))
+        pipe.lrange(self.keys.job_log(job_id), 0, -1)
+        h, raw = pipe.execute()
+        if not h:
+            raise JobNotFound(job_id)
+        return record_from_hash(h, decode_log(raw))
+
+    def get_job(self, job_id: str) -> Job:
+        return self.get_record(job_id).job
+
+    def read_log(self, job_id: str, after: int = 0) -> list[LogEntry]:
+        return decode_log(self.redis.lrange(self.keys.job_log(job_id), after, -1))
+
+    def take_job(self, job_id: str, worker: str, model: str) -> TakeResult:
+        now = time.time()
+        keys, args = take_args(self.keys, job_id, worker, model, now, self.settings.lease_s)
+        return parse_take(self._take(keys, args), now)
+
+    def request_cancel(self, job_id: str) -> Job:
+        keys, args = cancel_args(self.keys, job_id, self.settings.job_ttl_s, time.time())
+        check_cancel(self._cancel(keys, args), job_id)
+        return self.get_job(job_id)
+
+    def append_batch(self, appends: Sequence[Append]) -> list[bool]:
+        """Write one engine step for many jobs in one round trip; False where the job is no longer ours."""
+        now = time.time()
+        calls = [append_args(self.keys, a, self.settings.job_ttl_s, now) for a in appends]
+        replies = self._evalsha_all(calls)
+        return [r in (1, 2) for r in replies]
+
+    def _evalsha_all(self, calls: list[ScriptCall]) -> list[Any]:
+        # NOTE: Script objects in a pipeline cost an extra SCRIPT EXISTS round trip per execute;
+        # EVALSHA directly, and load the script only when Redis answers NOSCRIPT (after a restart).
+        script = self._append
+        pipe = self.redis.pipeline(transaction=False)
+        for keys, args in calls:
+            pipe.evalsha(script.sha, len(keys), *keys, *args)
+        replies = pipe.execute(raise_on_error=False)
+        if any(isinstance(r, NoScriptError) for r in replies):
+            script.sha = self.redis.script_load(script.script)
+            replies = [
+                script(keys, args) if isinstance(r, NoScriptError) else r
+                for r, (keys, args) in zip(replies, calls, strict=True)
+            ]
+        for r in replies:
+            if isinstance(r, Exception):
+                raise r
+        return replies
+
+    def renew_leases(self, job_ids: Iterable[str]) -> None:
+        deadline = time.time() + self.settings.lease_s
+        ids = list(job_ids)
+        if ids:
+            # XX: never re-add a job that finished meanwhile.
+            self.redis.zadd(self.keys.running_jobs(), dict.fromkeys(ids, deadline), xx=True)
+
+    def cancel_requested(self, job_ids: Sequence[str]) -> list[str]:
+        """Which of these jobs a client asked to cancel (covers cancel messages missed on pub/sub)."""
+        pipe = self.redis.pipeline(transaction=False)
+        for job_id in job_ids:
+            pipe.hget(self.keys.job(job_id), "cancel_requested")
+        return [j for j, flag in zip(job_ids, pipe.execute(), strict=True) if flag == "1"]
+
+    def beat(self, heartbeat: WorkerHeartbeat) -> None:
+        ttl_ms = int(self.settings.heartbeat_ttl_s * 1000)
+        self.redis.set(self.keys.worker(heartbeat.name), heartbeat.model_dump_json(), px=ttl_ms)
+
+    def remove_heartbeat(self, name: str) -> None:
+        self.redis.delete(self.keys.worker(name))
+
+    def list_workers(self) -> list[WorkerHeartbeat]:
+        names = list(self.redis.scan_iter(match=self.keys.workers_pattern(), count=100))
+        return heartbeats_from(self.redis.mget(names)) if names else []
+
+
+class AsyncJobStore(_Base):
+    """The API's store, over redis.asyncio."""
+
+    def __init__(self, client: aredis.Redis, settings: Settings) -> None:
+        super().__init__(settings)
+        self.redis = client
+        self._create = client.register_script(CREATE_LUA)
+        self._cancel = client.register_script(CANCEL_LUA)
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> AsyncJobStore:
+        return cls(aredis.Redis.from_url(settings.redis_url, decode_responses=True), settings)
+
+    async def close(self) -> None:
+        await self.redis.aclose()
+
+    async def ping(self) -> bool:
+        return bool(await self.redis.ping())
+
+    async def create_job(self, request: JobRequest, owner: str = "") -> Job:
+        """Store a queued job; raises QueueFull when SPOOL_MAX_QUEUED_JOBS jobs are queued."""
+        now, job_id = time.time(), new_job_id()
+        fields = new_job_fields(job_id, request, owner, now)
+        keys, args = create_args(self.keys, job_id, fields, self.settings.max_queued_jobs, now)
+        check_created(await self._create(keys, args), self.settings.max_queued_jobs)
+        return record_from_hash(fields, []).job
+
+    async def get_record(self, job_id: str) -> JobRecord:
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.hgetall(self.keys.job(job_id))
+            pipe.lrange(self.keys.job_log(job_id), 0, -1)
+            h, raw = await pipe.execute()
+        if not h:
+            raise JobNotFound(job_id)
+        return record_from_hash(h, decode_log(raw))
+
+    async def get_job(self, job_id: str) -> Job:
+        return (await self.get_record(job_id)).job
+
+    async def read_log(self, job_id: str, after: int = 0) -> list[LogEntry]:
+        """The events with seq > after (entry i holds seq i + 1)."""
+        return decode_log(await self.redis.lrange(self.keys.job_log(job_id), after, -1))
+
+    async def request_cancel(self, job_id: str) -> Job:
+        """Cancel a job: at once if queued, at the worker's next step if running.
+
+        Raises JobNotFound, or Conflict if the job already finished otherwise than cancelled.
+        """
+        keys, args = cancel_args(self.keys, job_id, self.settings.job_ttl_s, time.time())
+        check_cancel(await self._cancel(keys, args), job_id)
+        return await self.get_job(job_id)
+
+    async def queued_count(self) -> int:
+        return int(await self.redis.zcard(self.keys.queued_jobs()))
+
+    async def list_workers(self) -> list[WorkerHeartbeat]:
+        names = [n async for n in self.redis.scan_iter(match=self.keys.workers_pattern(), count=100)]
+        return heartbeats_from(await self.redis.mget(names)) if names else []
+
+    async def log_length(self, job_id: str) -> int:
+        """The seq of the job's last event so far (0 before the first); bounds an SSE cursor."""
+        return int(await self.redis.llen(self.keys.job_log(job_id)))

@@ -1,0 +1,249 @@
+"""The job store against the real Redis: transitions, fencing, cancel, expiry, heartbeats."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import redis
+
+from common.schemas import (
+    DoneEvent,
+    ErrorEvent,
+    JobError,
+    JobRequest,
+    JobStatus,
+    LogEntry,
+    Usage,
+    WorkerHeartbeat,
+)
+from common.settings import Settings
+from common.store import (
+    Append,
+    AsyncJobStore,
+    Conflict,
+    Final,
+    JobNotFound,
+    QueueFull,
+    SyncJobStore,
+    TakeStatus,
+    cancelled_done_entry,
+    token_entry,
+)
+
+
+def subscribe(store: SyncJobStore, channel: str) -> redis.client.PubSub:
+    """A subscription that Redis has confirmed, so nothing published afterwards is missed."""
+    pubsub = store.redis.pubsub()
+    pubsub.subscribe(channel)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        msg = pubsub.get_message(timeout=0.5)
+        if msg and msg["type"] == "subscribe":
+            return pubsub
+    raise AssertionError(f"no subscribe confirmation for {channel}")
+
+
+def next_messages(pubsub: redis.client.PubSub, n: int, timeout: float = 5.0) -> list[str]:
+    deadline = time.monotonic() + timeout
+    got: list[str] = []
+    while len(got) < n and time.monotonic() < deadline:
+        msg = pubsub.get_message(ignore_subscribe_messages=True, timeout=0.5)
+        if msg:
+            got.append(msg["data"])
+    return got
+
+
+def run_job(store: SyncJobStore, texts: list[str], attempt: int, job_id: str, first_seq: int = 1) -> Append:
+    entries = [token_entry(first_seq + i, first_seq - 1 + i, t, [i]) for i, t in enumerate(texts)]
+    return Append(job_id, attempt, entries, prompt_tokens=3, completion_tokens=first_seq - 1 + len(texts))
+
+
+def done(seq: int, status: JobStatus = JobStatus.SUCCEEDED, reason: str = "stop") -> LogEntry:
+    return LogEntry.done(seq, DoneEvent(status=status, finish_reason=reason, usage=Usage.of(3, seq - 1)))
+
+
+def test_create_and_get(store: SyncJobStore) -> None:
+    job = store.create_job(JobRequest(prompt="hello", max_tokens=5))
+    rec = store.get_record(job.id)
+    assert rec.job == job
+    assert job.status is JobStatus.QUEUED and job.text == "" and job.usage.total_tokens == 0
+    assert rec.request.prompt == "hello" and rec.attempt == 0 and not rec.cancel_requested
+    assert store.redis.zscore(store.keys.queued_jobs(), job.id) is not None
+    with pytest.raises(JobNotFound):
+        store.get_job("nope")
+
+
+def test_queue_full_refuses_atomically(store: SyncJobStore, settings: Settings) -> None:
+    for _ in range(settings.max_queued_jobs):
+        store.create_job(JobRequest(prompt="x"))
+    with pytest.raises(QueueFull):
+        store.create_job(JobRequest(prompt="x"))
+    assert store.redis.zcard(store.keys.queued_jobs()) == settings.max_queued_jobs
+    # Taking a job frees a place in the queue.
+    queued = store.redis.zrange(store.keys.queued_jobs(), 0, 0)[0]
+    assert store.take_job(queued, "w", "m").status is TakeStatus.TAKEN
+    store.create_job(JobRequest(prompt="x"))
+
+
+def test_take_then_append_then_finish(store: SyncJobStore, settings: Settings) -> None:
+    job = store.create_job(JobRequest(prompt="hello"))
+    taken = store.take_job(job.id, "w1", "tiny")
+    assert taken.status is TakeStatus.TAKEN and taken.attempt == 1 and taken.log == []
+    assert taken.record is not None and taken.record.job.status is JobStatus.RUNNING
+    assert taken.record.worker == "w1" and taken.record.job.model == "tiny" and taken.record.job.started_at
+    assert store.redis.zscore(store.keys.queued_jobs(), job.id) is None
+    assert store.redis.zscore(store.keys.running_jobs(), job.id) is not None
+    assert store.take_job(job.id, "w2", "tiny").status is TakeStatus.BUSY
+
+    pubsub = subscribe(store, store.keys.job_events(job.id))
+    assert store.append_batch([run_job(store, ["he", "llo"], 1, job.id)]) == [True]
+    final = Final(JobStatus.SUCCEEDED, "stop")
+    last = Append(job.id, 1, [token_entry(3, 2, "!", [9]), done(4)], 3, 3, final)
+    assert store.append_batch([last]) == [True]
+    published = next_messages(pubsub, 4)
+    pubsub.close()
+    assert [LogEntry.decode(m).seq for m in published] == [1, 2, 3, 4]
+
+    got = store.get_job(job.id)
+    assert got.status is JobStatus.SUCCEEDED and got.text == "hello!" and got.finish_reason == "stop"
+    assert got.usage.model_dump() == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
+    assert got.finished_at and got.finished_at >= got.started_at  # type: ignore[operator]
+    assert [e.seq for e in store.read_log(job.id, after=2)] == [3, 4]
+    for key in (store.keys.job(job.id), store.keys.job_log(job.id)):
+        assert 0 < store.redis.ttl(key) <= settings.job_ttl_s
+    assert store.redis.zscore(store.keys.running_jobs(), job.id) is None
+    assert store.take_job(job.id, "w2", "tiny").status is TakeStatus.FINISHED
+
+
+def test_failed_job_stores_its_error(store: SyncJobStore) -> None:
+    job = store.create_job(JobRequest(prompt="hello"))
+    attempt = store.take_job(job.id, "w1", "tiny").attempt
+    err = ErrorEvent(message="too long", type="request_too_long")
+    final = Final(JobStatus.FAILED, "error", JobError(message="too long", type="request_too_long"))
+    assert store.append_batch([Append(job.id, attempt, [LogEntry.error(1, err)], 0, 0, final)]) == [True]
+    got = store.get_job(job.id)
+    assert got.status is JobStatus.FAILED and got.error == JobError(
+        message="too long", type="request_too_long"
+    )
+
+
+def test_appends_are_fenced_and_idempotent(store: SyncJobStore) -> None:
+    job = store.create_job(JobRequest(prompt="hello"))
+    store.take_job(job.id, "w1", "tiny")
+    first = run_job(store, ["a", "b"], 1, job.id)
+    assert store.append_batch([first]) == [True]
+    assert store.append_batch([first]) == [True]  # a retry after a dropped connection: no duplicate
+    assert store.redis.llen(store.keys.job_log(job.id)) == 2
+    gap = run_job(store, ["z"], 1, job.id, first_seq=5)
+    stale = run_job(store, ["x"], 0, job.id, first_seq=3)  # a worker that lost the job
+    assert store.append_batch([gap, stale]) == [False, False]
+    assert store.get_job(job.id).text == "ab"
+
+
+def test_lapsed_lease_is_taken_over_with_the_log(store: SyncJobStore) -> None:
+    job = store.create_job(JobRequest(prompt="hello"))
+    store.take_job(job.id, "w1", "tiny")
+    store.append_batch([run_job(store, ["a", "b"], 1, job.id)])
+    # The worker died: its lease is not renewed and lapses.
+    store.redis.zadd(store.keys.running_jobs(), {job.id: time.time() - 1})
+    taken = store.take_job(job.id, "w2", "tiny")
+    assert taken.status is TakeStatus.TAKEN and taken.attempt == 2
+    assert [e.data["text"] for e in taken.log] == ["a", "b"]
+    assert taken.record is not None and taken.record.worker == "w2"
+    assert store.append_batch([run_job(store, ["c"], 1, job.id, first_seq=3)]) == [False]
+    assert store.append_batch([run_job(store, ["c"], 2, job.id, first_seq=3)]) == [True]
+    assert store.get_job(job.id).text == "abc"
+
+
+def test_renew_leases_keeps_the_job(store: SyncJobStore) -> None:
+    job = store.create_job(JobRequest(prompt="hello"))
+    store.take_job(job.id, "w1", "tiny")
+    store.redis.zadd(store.keys.running_jobs(), {job.id: time.time() - 1})
+    store.renew_leases([job.id, "finished-meanwhile"])
+    assert store.take_job(job.id, "w2", "tiny").status is TakeStatus.BUSY
+    assert store.redis.zscore(store.keys.running_jobs(), "finished-meanwhile") is None
+
+
+def test_cancel_queued_job_writes_the_terminal_event(store: SyncJobStore) -> None:
+    job = store.create_job(JobRequest(prompt="hello"))
+    pubsub = subscribe(store, store.keys.job_events(job.id))
+    got = store.request_cancel(job.id)
+    assert got.status is JobStatus.CANCELLED and got.finish_reason == "cancelled" and got.finished_at
+    assert store.request_cancel(job.id).status is JobStatus.CANCELLED  # twice is harmless
+    assert store.read_log(job.id) == [cancelled_done_entry()]
+    assert [LogEntry.decode(m) for m in next_messages(pubsub, 1)] == store.read_log(job.id)
+    pubsub.close()
+    assert store.redis.zscore(store.keys.queued_jobs(), job.id) is None
+    assert store.redis.ttl(store.keys.job(job.id)) > 0
+    assert store.take_job(job.id, "w1", "tiny").status is TakeStatus.FINISHED
+
+
+def test_cancel_running_job_asks_its_worker(store: SyncJobStore) -> None:
+    job = store.create_job(JobRequest(prompt="hello"))
+    store.take_job(job.id, "w1", "tiny")
+    pubsub = subscribe(store, store.keys.cancelled())
+    assert store.request_cancel(job.id).status is JobStatus.RUNNING
+    assert store.request_cancel(job.id).status is JobStatus.RUNNING
+    assert next_messages(pubsub, 2) == [job.id, job.id]
+    pubsub.close()
+    assert store.get_record(job.id).cancel_requested
+    assert store.cancel_requested([job.id, "other"]) == [job.id]
+
+
+def test_cancel_finished_job_is_a_conflict(store: SyncJobStore) -> None:
+    job = store.create_job(JobRequest(prompt="hello"))
+    store.take_job(job.id, "w1", "tiny")
+    store.append_batch([Append(job.id, 1, [done(1)], 1, 0, Final(JobStatus.SUCCEEDED, "stop"))])
+    with pytest.raises(Conflict):
+        store.request_cancel(job.id)
+    with pytest.raises(JobNotFound):
+        store.request_cancel("nope")
+
+
+def test_appends_survive_a_script_cache_flush(store: SyncJobStore) -> None:
+    job = store.create_job(JobRequest(prompt="hello"))
+    store.take_job(job.id, "w1", "tiny")
+    real_sha = store._append.sha
+    # What Redis answers after a restart: NOSCRIPT for the sha the store knows.
+    store._append.sha = "0" * 40
+    assert store.append_batch([run_job(store, ["a"], 1, job.id)]) == [True]
+    assert store._append.sha == real_sha
+    assert store.get_job(job.id).text == "a"
+
+
+def test_heartbeats_expire(store: SyncJobStore, settings: Settings) -> None:
+    beat = WorkerHeartbeat(name="w1", ts=time.time(), engine={"peak_batch_size": 2}, model="tiny")
+    store.beat(beat)
+    assert store.list_workers() == [beat]
+    assert 0 < store.redis.pttl(store.keys.worker("w1")) <= settings.heartbeat_ttl_s * 1000
+    store.remove_heartbeat("w1")
+    assert store.list_workers() == []
+
+
+def test_async_store(store: SyncJobStore, settings: Settings) -> None:
+    async def scenario() -> None:
+        astore = AsyncJobStore.from_settings(settings)
+        try:
+            assert await astore.ping()
+            job = await astore.create_job(JobRequest(prompt="hi"), owner="k1")
+            assert (await astore.get_record(job.id)).owner == "k1"
+            assert await astore.queued_count() == 1
+            store.take_job(job.id, "w1", "tiny")
+            store.append_batch([run_job(store, ["x", "y"], 1, job.id)])
+            assert (await astore.get_job(job.id)).text == "xy"
+            assert [e.seq for e in await astore.read_log(job.id, after=1)] == [2]
+            assert (await astore.request_cancel(job.id)).status is JobStatus.RUNNING
+            with pytest.raises(JobNotFound):
+                await astore.get_job("nope")
+            store.beat(WorkerHeartbeat(name="w1", ts=1.0, engine={}, model="tiny"))
+            assert [w.name for w in await astore.list_workers()] == ["w1"]
+            for _ in range(settings.max_queued_jobs):
+                await astore.create_job(JobRequest(prompt="x"))
+            with pytest.raises(QueueFull):
+                await astore.create_job(JobRequest(prompt="x"))
+        finally:
+            await astore.close()
+
+    asyncio.run(scenario())

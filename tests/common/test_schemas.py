@@ -1,0 +1,63 @@
+import math
+
+import pytest
+from pydantic import ValidationError
+
+from common.schemas import DoneEvent, JobRequest, JobStatus, LogEntry, TokenEvent, Usage
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {},
+        {"prompt": "a", "messages": [{"role": "user", "content": "b"}]},
+        {"messages": []},
+        {"prompt": "a", "temperature": math.nan},
+        {"prompt": "a", "temperature": 2.5},
+        {"prompt": "a", "top_p": 0},
+        {"prompt": "a", "top_k": 0},
+        {"prompt": "a", "max_tokens": 0},
+        {"prompt": "a", "max_tokens": 10**9},
+        {"prompt": "a", "stop": ""},
+        {"prompt": "a", "stop": ["x", ""]},
+        {"prompt": "a", "stop": ["a", "b", "c", "d", "e"]},
+        {"prompt": "a", "timeout_s": math.inf},
+        {"prompt": "a", "timeout_s": 0},
+        {"prompt": "a", "unknown": 1},
+        {"messages": [{"role": "robot", "content": "b"}]},
+    ],
+)
+def test_invalid_requests_are_refused(body: dict) -> None:
+    with pytest.raises(ValidationError):
+        JobRequest.model_validate(body)
+
+
+def test_request_defaults_and_stop_list() -> None:
+    r = JobRequest(prompt="hi", stop="x")
+    assert r.max_tokens >= 1 and r.temperature == 1.0 and r.background
+    assert r.stop_list == ["x"]
+    assert JobRequest(prompt="hi", stop=["a", "b"]).stop_list == ["a", "b"]
+    assert JobRequest(prompt="hi").stop_list == []
+    assert JobRequest.model_validate_json(r.model_dump_json()) == r
+
+
+def test_request_rejects_nan_in_json() -> None:
+    with pytest.raises(ValidationError):
+        JobRequest.model_validate_json('{"prompt": "a", "top_p": NaN}')
+
+
+def test_log_entries_round_trip_in_the_documented_shape() -> None:
+    tok = LogEntry.token(1, TokenEvent(index=0, text="hé", token_ids=[5, 6]))
+    done = LogEntry.done(2, DoneEvent(status=JobStatus.SUCCEEDED, finish_reason="stop", usage=Usage.of(3, 1)))
+    assert LogEntry.decode(tok.encode()) == tok
+    assert LogEntry.decode(done.encode()).model_dump() == {
+        "seq": 2,
+        "type": "done",
+        "data": {
+            "status": "succeeded",
+            "finish_reason": "stop",
+            "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4},
+        },
+    }
+    assert not tok.terminal and done.terminal
+    assert JobStatus.CANCELLED.terminal and not JobStatus.RUNNING.terminal
