@@ -1,0 +1,17 @@
+"""Spool's inference engine: continuous batching over a KV-cached Hugging Face causal LM.
+
+A library on its own: it imports torch, transformers and tokenizers, never Redis, Celery or HTTP.
+"""
+
+from workers.engine.engine import Engine, RequestTooLongError
+from workers.engine.types import CompletionOutput, Delta, EngineConfig, FinishReason, SamplingParams
+
+__all__ = [
+    "CompletionOutput",
+    "Delta",
+    "Engine",
+    "EngineConfig",
+    "FinishReason",
+    "RequestTooLongError",
+    "SamplingParams",
+]

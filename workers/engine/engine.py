@@ -1,0 +1,275 @@
+"""The engine: continuous batching over a KV-cached Hugging Face model.
+
+One ``step()`` applies aborts, admits waiting requests, runs the planned prefill chunks and
+one batched decode forward, samples every row that is due a token (one host transfer per step),
+detokenizes, and retires finished requests at once so their slots serve the next step.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from workers.engine.detokenizer import IncrementalDetokenizer
+from workers.engine.model_runner import ModelRunner
+from workers.engine.request import Request, RequestStatus
+from workers.engine.sampler import Sampler
+from workers.engine.scheduler import Scheduler, SchedulerOutput
+from workers.engine.types import CompletionOutput, Delta, EngineConfig, FinishReason, SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class RequestTooLongError(ValueError):
+    """The prompt plus max_tokens cannot fit the model's context."""
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    generated_tokens: int = 0
+    prompt_tokens: int = 0  # prefilled, resumed tokens included
+    peak_batch_size: int = 0  # most requests that got a token in one step
+    peak_running: int = 0  # most requests holding a slot at once
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, *, seed: int | None = None) -> None:
+        self.config = config
+        self.runner = ModelRunner(config)
+        self.tokenizer = self.runner.tokenizer
+        self.max_model_len = self.runner.max_model_len
+        self.num_slots = self.runner.cache.num_slots
+        self.scheduler = Scheduler(
+            num_slots=self.num_slots,
+            prefill_chunk_size=config.prefill_chunk_size,
+            max_prefill_tokens_per_step=config.max_prefill_tokens_per_step,
+        )
+        self.sampler = Sampler(self.runner.device, seed)
+        self.eos_token_ids = self._eos_token_ids()
+        self._requests: dict[str, Request] = {}
+        self._generators: dict[str, torch.Generator] = {}
+        self._aborted: set[str] = set()
+        self._stats = EngineStats()
+
+    # -- public API -----------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        params: SamplingParams,
+        *,
+        resume_token_ids: Sequence[int] = (),
+        resume_text: str = "",
+    ) -> int:
+        """Queue a request; returns its prompt length in tokens.
+
+        ``resume_token_ids`` are tokens an earlier run already generated (and ``resume_text`` the
+        text it already delivered): they are prefilled with the prompt, count towards
+        ``max_tokens`` and are not emitted again.
+        """
+        if request_id in self._requests:
+            raise ValueError(f"request {request_id!r} already exists")
+        prompt_ids = self._encode(prompt)
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        total = len(prompt_ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise RequestTooLongError(
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} tokens "
+                f"exceeds max_model_len ({self.max_model_len})"
+            )
+        if len(resume_token_ids) >= params.max_tokens:
+            raise ValueError(f"{len(resume_token_ids)} resumed tokens leave nothing of max_tokens {params.max_tokens}")
+        detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop)
+        detokenizer.warm(resume_token_ids, resume_text)
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=prompt_ids,
+            params=params,
+            detokenizer=detokenizer,
+            output_token_ids=list(resume_token_ids),
+            num_resumed=len(resume_token_ids),
+        )
+        if params.seed is not None:
+            generator = self.sampler.request_generator(params.seed)
+            self.sampler.skip(generator, self.runner.vocab_size, len(resume_token_ids))
+            self._generators[request_id] = generator
+        self._requests[request_id] = request
+        self.scheduler.add(request)
+        return len(prompt_ids)
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a request; it gets a final CANCELLED delta at the next step. Unknown ids are ignored."""
+        if request_id in self._requests:
+            self._aborted.add(request_id)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+            "slots": self.num_slots,
+            "max_model_len": self.max_model_len,
+            **vars(self._stats),
+        }
+
+    def step(self) -> list[Delta]:
+        deltas = [self._finish(self._requests[rid], FinishReason.CANCELLED) for rid in self._aborted]
+        self._aborted.clear()
+        plan = self.scheduler.schedule()
+        if plan.empty:
+            return deltas
+        self._stats.steps += 1
+        self._stats.peak_running = max(self._stats.peak_running, len(self.scheduler.running))
+        try:
+            due, logits = self._run(plan)
+        except Exception as e:  # NOTE: a failed forward fails its requests, not the engine.
+            log.exception("engine step failed")
+            failed = [c.request for c in plan.prefills] + plan.decodes
+            return deltas + [self._finish(r, FinishReason.ERROR, error=f"{type(e).__name__}: {e}") for r in failed]
+        if due:
+            token_ids = self.sampler.sample(
+                logits,
+                [r.params for r in due],
+                [self._generators.get(r.request_id) for r in due],
+            ).tolist()  # the step's one device-to-host transfer
+            deltas += self._postprocess(due, token_ids)
+        return deltas
+
+    def generate(
+        self, prompts: Sequence[str | Sequence[int]], params: SamplingParams | Sequence[SamplingParams]
+    ) -> list[CompletionOutput]:
+        """Run prompts to completion (offline use); outputs come back in prompt order."""
+        per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        outputs: dict[str, CompletionOutput] = {}
+        for i, (prompt, p) in enumerate(zip(prompts, per_prompt, strict=True)):
+            rid = f"generate-{time.monotonic_ns()}-{i}"
+            self.add_request(rid, prompt, p)
+            outputs[rid] = CompletionOutput(rid, list(self._requests[rid].prompt_token_ids))
+        while self.has_unfinished():
+            for d in self.step():
+                out = outputs[d.request_id]
+                out.token_ids += d.token_ids
+                out.text += d.text
+                if d.finished:
+                    out.finish_reason, out.error = d.finish_reason, d.error
+        return list(outputs.values())
+
+    # -- internals ------------------------------------------------------------------------------
+
+    def _encode(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return list(self.tokenizer.encode(prompt, add_special_tokens=True))
+        ids = [int(t) for t in prompt]
+        if any(not 0 <= t < self.runner.vocab_size for t in ids):
+            raise ValueError(f"prompt token ids must be in [0, {self.runner.vocab_size})")
+        return ids
+
+    def _eos_token_ids(self) -> frozenset[int]:
+        ids: set[int] = set()
+        for source in (self.runner.model.generation_config.eos_token_id, self.tokenizer.eos_token_id):
+            if isinstance(source, int):
+                ids.add(source)
+            elif source:
+                ids.update(source)
+        return frozenset(ids)
+
+    def _run(self, plan: SchedulerOutput) -> tuple[list[Request], torch.Tensor | None]:
+        """Run the plan's forwards; return the requests due a token and their logits [n, V]."""
+        due: list[Request] = []
+        rows: list[torch.Tensor] = []
+        for chunk in plan.prefills:
+            request = chunk.request
+            tokens = request.tokens(chunk.start, chunk.start + chunk.length)
+            logits = self.runner.prefill(request.slot or 0, chunk.start, tokens)
+            request.num_computed += chunk.length
+            self._stats.prompt_tokens += chunk.length
+            if chunk.completes_prompt:
+                due.append(request)
+                rows.append(logits)
+        if plan.decodes:
+            running = self.scheduler.running[: plan.num_rows]
+            # Rows that are not decoding (a prompt still being prefilled in chunks) ride along with
+            # a dummy token at their next position; the next chunk overwrites what it wrote there.
+            decoding = {id(r) for r in plan.decodes}
+            tokens = [r.last_token_id if id(r) in decoding else 0 for r in running]
+            positions = [min(r.num_computed, self.max_model_len - 1) for r in running]
+            logits = self.runner.decode(tokens, positions)
+            for r in plan.decodes:
+                r.num_computed += 1
+            due.extend(plan.decodes)
+            rows.append(logits[[r.slot for r in plan.decodes]] if len(plan.decodes) < len(running) else logits)
+        self._stats.peak_batch_size = max(self._stats.peak_batch_size, len(due))
+        return due, (torch.cat(rows) if rows else None)
+
+    def _postprocess(self, due: list[Request], token_ids: list[int]) -> list[Delta]:
+        deltas = []
+        self._stats.generated_tokens += len(due)
+        for request, token_id in zip(due, token_ids, strict=True):
+            request.output_token_ids.append(token_id)
+            text = request.detokenizer.add([token_id])
+            reason = self._stop_reason(request, token_id)
+            if reason is None:
+                deltas.append(self._delta(request, (token_id,), text))
+            else:
+                deltas.append(self._finish(request, reason, token_ids=(token_id,), text=text))
+        return deltas
+
+    def _stop_reason(self, request: Request, token_id: int) -> FinishReason | None:
+        params = request.params
+        if request.detokenizer.stopped or token_id in params.stop_token_ids:
+            return FinishReason.STOP
+        if token_id in self.eos_token_ids and not params.ignore_eos:
+            return FinishReason.STOP
+        if request.num_generated >= params.max_tokens or request.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _finish(
+        self,
+        request: Request,
+        reason: FinishReason,
+        *,
+        token_ids: tuple[int, ...] = (),
+        text: str = "",
+        error: str | None = None,
+    ) -> Delta:
+        """Retire a request now: free its slot (keeping slots contiguous) and build its last delta."""
+        move = self.scheduler.remove(request)
+        if move is not None:
+            self.runner.cache.move(move.src, move.dst, move.length)
+        request.finish_reason = reason
+        text += request.detokenizer.flush()
+        del self._requests[request.request_id]
+        self._generators.pop(request.request_id, None)
+        self._aborted.discard(request.request_id)
+        return self._delta(request, token_ids, text, reason, error)
+
+    def _delta(
+        self,
+        request: Request,
+        token_ids: tuple[int, ...],
+        text: str,
+        reason: FinishReason | None = None,
+        error: str | None = None,
+    ) -> Delta:
+        return Delta(
+            request_id=request.request_id,
+            token_ids=token_ids,
+            text=text,
+            finish_reason=reason,
+            num_prompt_tokens=len(request.prompt_token_ids),
+            num_generated_tokens=request.num_generated,
+            error=error,
+        )
+
+
+__all__ = ["Engine", "RequestTooLongError", "RequestStatus"]

@@ -1,0 +1,58 @@
+"""One request's state, shared by the scheduler, the model runner and the engine."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from workers.engine.types import FinishReason, SamplingParams
+
+if TYPE_CHECKING:
+    from workers.engine.detokenizer import IncrementalDetokenizer
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # queued, holds no slot
+    RUNNING = "running"  # holds a KV slot (prefilling or decoding)
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    detokenizer: IncrementalDetokenizer
+    # Generated tokens, the ones resumed from an earlier worker included.
+    output_token_ids: list[int] = field(default_factory=list)
+    num_resumed: int = 0  # leading output tokens that came from resume_token_ids (not emitted again)
+    num_computed: int = 0  # tokens whose keys and values are in the cache
+    slot: int | None = None
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_uncomputed(self) -> int:
+        """Tokens still to feed through the model. Exactly 1 means the request is decoding."""
+        return self.num_tokens - self.num_computed
+
+    @property
+    def is_decoding(self) -> bool:
+        return self.num_uncomputed == 1
+
+    @property
+    def last_token_id(self) -> int:
+        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
+
+    def tokens(self, start: int, stop: int) -> list[int]:
+        """Token ids at positions [start, stop) of prompt + output."""
+        return (self.prompt_token_ids + self.output_token_ids)[start:stop]
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.output_token_ids)

@@ -1,0 +1,81 @@
+"""Batched sampling with per-request parameters, on the device, without host synchronisation.
+
+Sampling uses the exponential race (Gumbel-max in another form): ``argmax(p / q)`` with
+``q ~ Exp(1)`` draws from ``p``. A request with a seed draws its noise from its own generator,
+one draw per token, so the same seed gives the same tokens whatever else is in the batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from workers.engine.types import SamplingParams
+
+
+class Sampler:
+    def __init__(self, device: torch.device, seed: int | None = None) -> None:
+        self.device = device
+        self._generator = torch.Generator(device=device)
+        if seed is None:
+            self._generator.seed()
+        else:
+            self._generator.manual_seed(seed)
+
+    def request_generator(self, seed: int) -> torch.Generator:
+        g = torch.Generator(device=self.device)
+        g.manual_seed(seed)
+        return g
+
+    def skip(self, generator: torch.Generator, vocab_size: int, draws: int) -> None:
+        """Advance a request's generator as if ``draws`` tokens had been sampled (resume)."""
+        for _ in range(draws):
+            torch.empty(vocab_size, device=self.device).exponential_(generator=generator)
+
+    @torch.inference_mode()
+    def sample(
+        self,
+        logits: torch.Tensor,  # [n, V], any float dtype
+        params: Sequence[SamplingParams],  # one per row
+        generators: Sequence[torch.Generator | None],  # one per row; None: the engine's
+    ) -> torch.Tensor:  # [n] token ids, on the device
+        greedy = [p.temperature == 0 for p in params]
+        if all(greedy):
+            return logits.argmax(dim=-1)
+
+        logits = logits.float()
+        temperature = torch.tensor([p.temperature or 1.0 for p in params], device=self.device)
+        scaled = logits / temperature[:, None]
+        if any(p.top_k is not None or p.top_p < 1 for p in params):
+            scaled = self._truncate(scaled, params)
+        probs = torch.softmax(scaled, dim=-1)
+
+        noise = torch.empty_like(probs)
+        shared = [i for i, g in enumerate(generators) if g is None]
+        if shared:
+            noise[shared] = torch.empty(len(shared), probs.shape[1], device=self.device).exponential_(
+                generator=self._generator
+            )
+        for i, g in enumerate(generators):
+            if g is not None:
+                noise[i].exponential_(generator=g)
+        sampled = (probs / noise).argmax(dim=-1)
+
+        if any(greedy):
+            is_greedy = torch.tensor(greedy, device=self.device)
+            sampled = torch.where(is_greedy, logits.argmax(dim=-1), sampled)
+        return sampled
+
+    def _truncate(self, scaled: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+        vocab = scaled.shape[1]
+        top_k = torch.tensor([min(p.top_k or vocab, vocab) for p in params], device=self.device)
+        top_p = torch.tensor([p.top_p for p in params], device=self.device)
+        sorted_logits, order = scaled.sort(dim=-1, descending=True)  # [n, V]
+        ranks = torch.arange(vocab, device=self.device)[None, :]
+        drop = ranks >= top_k[:, None]
+        probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
+        # Drop a token when the mass before it already reaches top_p (the top token always stays).
+        drop |= (probs.cumsum(dim=-1) - probs) >= top_p[:, None]
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        return torch.empty_like(scaled).scatter_(1, order, sorted_logits)
