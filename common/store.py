@@ -482,6 +482,10 @@ class AsyncJobStore(_Base):
         """The events with seq > after (entry i holds seq i + 1)."""
         return decode_log(await self.redis.lrange(self.keys.job_log(job_id), after, -1))
 
+    async def log_length(self, job_id: str) -> int:
+        """The seq of the job's last event (0 before the first)."""
+        return int(await self.redis.llen(self.keys.job_log(job_id)))
+
     async def request_cancel(self, job_id: str) -> Job:
         """Cancel a job: at once if queued, at the worker's next step if running.
 

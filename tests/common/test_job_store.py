@@ -234,6 +234,7 @@ def test_async_store(store: SyncJobStore, settings: Settings) -> None:
             store.append_batch([run_job(store, ["x", "y"], 1, job.id)])
             assert (await astore.get_job(job.id)).text == "xy"
             assert [e.seq for e in await astore.read_log(job.id, after=1)] == [2]
+            assert await astore.log_length(job.id) == 2
             assert (await astore.request_cancel(job.id)).status is JobStatus.RUNNING
             with pytest.raises(JobNotFound):
                 await astore.get_job("nope")
