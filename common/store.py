@@ -501,7 +501,3 @@ class AsyncJobStore(_Base):
     async def list_workers(self) -> list[WorkerHeartbeat]:
         names = [n async for n in self.redis.scan_iter(match=self.keys.workers_pattern(), count=100)]
         return heartbeats_from(await self.redis.mget(names)) if names else []
-
-    async def log_length(self, job_id: str) -> int:
-        """The seq of the job's last event so far (0 before the first); bounds an SSE cursor."""
-        return int(await self.redis.llen(self.keys.job_log(job_id)))
