@@ -1,0 +1,72 @@
+"""Dependencies as ``Annotated`` aliases: routes declare what they need by type."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Annotated
+
+from fastapi import Depends, Header, Path, Query, Request
+
+from api.errors import ApiError
+from api.hub import Inbox
+from api.services import Services
+from common.schemas import Job
+from common.store import AsyncJobStore
+
+
+def _services(request: Request) -> Services:
+    services: Services = request.app.state.services
+    return services
+
+
+ServicesDep = Annotated[Services, Depends(_services)]
+
+
+def _store(services: ServicesDep) -> AsyncJobStore:
+    return services.store
+
+
+StoreDep = Annotated[AsyncJobStore, Depends(_store)]
+
+JobId = Annotated[str, Path(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
+
+
+async def _job(job_id: JobId, store: StoreDep) -> Job:
+    return await store.get_job(job_id)  # JobNotFound becomes the 404 envelope (api/errors.py)
+
+
+JobDep = Annotated[Job, Depends(_job)]
+
+
+async def _cursor(
+    job: JobDep,
+    store: StoreDep,
+    last_event_id: Annotated[int | None, Header(ge=0)] = None,
+    after: Annotated[int | None, Query(ge=0)] = None,
+) -> int:
+    # A browser's EventSource reconnects to the same URL and adds Last-Event-ID, so the header
+    # is the fresher cursor when both are present.
+    cursor = last_event_id if last_event_id is not None else (after or 0)
+    if cursor > await store.log_length(job.id):
+        # Ids come from the log, so a larger one was never sent; honouring it would hang.
+        raise ApiError(
+            400,
+            f"Event id {cursor} is past the job's last event",
+            param="Last-Event-ID",
+            code="invalid_cursor",
+        )
+    return cursor
+
+
+CursorDep = Annotated[int, Depends(_cursor)]
+
+
+async def _inbox(job: JobDep, services: ServicesDep) -> AsyncIterator[Inbox]:
+    # A dependency, not a ``with`` inside the stream's generator: FastAPI closes dependencies
+    # when the request ends, while a generator abandoned by a client that hung up is only
+    # finalized whenever the garbage collector gets to it, leaving its subscription behind.
+    with services.hub.watch(job.id) as inbox:
+        yield inbox
+
+
+InboxDep = Annotated[Inbox, Depends(_inbox)]

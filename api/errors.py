@@ -1,0 +1,130 @@
+"""The one error envelope, ``{"error": {"message", "type", "param", "code"}}``, for every error.
+
+Handlers map FastAPI's own errors (HTTPException, request validation, the body-size limit) and
+infrastructure failures (Redis or the Celery broker unreachable) into it, so a client parses
+one shape whatever went wrong.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from kombu.exceptions import OperationalError as BrokerError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+from starlette.exceptions import HTTPException
+
+from common.store import Conflict, JobNotFound
+
+# OpenAI-style error types, so clients written against that API branch on familiar names.
+_TYPES: Mapping[int, str] = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    409: "conflict_error",
+    413: "invalid_request_error",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+    503: "service_unavailable_error",
+}
+
+
+class ApiError(Exception):
+    """Raised by routes and dependencies; rendered as the envelope with ``status``."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.headers = dict(headers or {})
+
+
+def error_body(
+    status: int, message: str, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    return {
+        "error": {"message": message, "type": _TYPES.get(status, "api_error"), "param": param, "code": code}
+    }
+
+
+def _respond(err: ApiError) -> JSONResponse:
+    return JSONResponse(error_body(err.status, err.message, err.param, err.code), err.status, err.headers)
+
+
+async def _api_error(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, ApiError)
+    return _respond(exc)
+
+
+async def _http_error(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, HTTPException)
+    code = {404: "not_found", 405: "method_not_allowed", 413: "body_too_large"}.get(exc.status_code)
+    return _respond(ApiError(exc.status_code, str(exc.detail), code=code, headers=exc.headers))
+
+
+def _location(loc: Sequence[int | str]) -> str | None:
+    # ("body", "messages", 0, "role") -> "messages.0.role"; the "body"/"query" root says nothing.
+    parts = (
+        [str(p) for p in loc[1:]]
+        if loc and loc[0] in ("body", "query", "path", "header")
+        else list(map(str, loc))
+    )
+    return ".".join(parts) or None
+
+
+async def _validation_error(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestValidationError)
+    errors = exc.errors()
+    first = errors[0]
+    if first["type"] == "json_invalid":
+        # Not JSON at all: a malformed request (400) rather than a schema violation (422).
+        return _respond(
+            ApiError(400, f"Body is not valid JSON: {first['ctx']['error']}", code="invalid_json")
+        )
+    message = "; ".join(f"{_location(e['loc']) or 'body'}: {e['msg']}" for e in errors)
+    return _respond(ApiError(422, message, param=_location(first["loc"]), code=str(first["type"])))
+
+
+async def _not_found(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, JobNotFound)
+    return _respond(
+        ApiError(
+            404, f"No job with id {exc.job_id!r} (unknown, or expired)", param="job_id", code="job_not_found"
+        )
+    )
+
+
+async def _conflict(_: Request, exc: Exception) -> JSONResponse:
+    return _respond(ApiError(409, str(exc), param="job_id", code="conflict"))
+
+
+async def _backend_down(_: Request, exc: Exception) -> JSONResponse:
+    what = "the message broker" if isinstance(exc, BrokerError) else "Redis"
+    return _respond(
+        ApiError(503, f"Service unavailable: {what} is unreachable ({exc})", code="backend_unavailable")
+    )
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    app.add_exception_handler(ApiError, _api_error)
+    app.add_exception_handler(HTTPException, _http_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(JobNotFound, _not_found)
+    app.add_exception_handler(Conflict, _conflict)
+    for exc in (RedisConnectionError, RedisTimeoutError, BrokerError):
+        app.add_exception_handler(exc, _backend_down)

@@ -1,0 +1,25 @@
+"""The Spool API: ``uvicorn api.main:app`` (or ``spool api``)."""
+
+from __future__ import annotations
+
+from fastapi import FastAPI
+
+from api.errors import install_error_handlers
+from api.limits import BodyLimitMiddleware
+from api.routes import health, jobs
+from api.services import lifespan
+from common.settings import Settings, get_settings
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    settings = settings or get_settings()
+    app = FastAPI(title="Spool", version="0.1.0", lifespan=lifespan)
+    app.state.settings = settings
+    install_error_handlers(app)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+    app.include_router(jobs.router)
+    app.include_router(health.router)
+    return app
+
+
+app = create_app()

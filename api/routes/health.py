@@ -1,0 +1,37 @@
+"""Liveness, readiness and Prometheus metrics."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter
+from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from api.deps import ServicesDep, StoreDep
+from api.errors import ApiError
+
+router = APIRouter(tags=["operations"])
+
+
+@router.get("/healthz")
+async def healthz() -> dict[str, str]:
+    """The process is up; says nothing about Redis or workers (that is /readyz)."""
+    return {"status": "ok"}
+
+
+@router.get("/readyz")
+async def readyz(store: StoreDep) -> dict[str, Any]:
+    """Ready when Redis answers and at least one worker's heartbeat is fresh (its key has a TTL)."""
+    workers = await store.list_workers()
+    if not workers:
+        raise ApiError(503, "No worker is running (no live heartbeat in Redis)", code="no_worker")
+    return {"status": "ready", "workers": [w.model_dump() for w in workers]}
+
+
+@router.get("/metrics")
+async def metrics(services: ServicesDep) -> Response:
+    m = services.metrics
+    m.queued_jobs.set(await services.store.queued_count())
+    m.workers.set(len(await services.store.list_workers()))
+    return Response(generate_latest(m.registry), media_type=CONTENT_TYPE_LATEST)

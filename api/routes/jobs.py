@@ -1,0 +1,72 @@
+"""Jobs: submit, look up, cancel, and stream a job's events over SSE."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter, Response
+from fastapi.sse import EventSourceResponse, ServerSentEvent
+
+from api.deps import CursorDep, InboxDep, JobDep, JobId, ServicesDep
+from api.errors import ApiError
+from api.sse import relay
+from common.schemas import Job, JobRequest
+from common.store import QueueFull
+
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
+
+RETRY_AFTER_S = 2  # a full queue drains at the workers' pace; retrying sooner only adds load
+
+
+@router.post(
+    "", status_code=202, responses={200: {"model": Job, "description": "Finished (background=false)"}}
+)
+async def create_job(body: JobRequest, services: ServicesDep, response: Response) -> Job:
+    """Queue a job; with ``"background": false`` wait for it and answer 200 with the result."""
+    store, metrics = services.store, services.metrics
+    try:
+        job = await store.create_job(body)
+    except QueueFull as e:
+        metrics.jobs_rejected.labels("queue_full").inc()
+        raise ApiError(429, str(e), code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+    try:
+        await services.enqueuer.generate(job.id)
+    except Exception:
+        # No worker will ever see this job: take it off the queue (and out of the backpressure
+        # count). The client never learns its id, so cancelled is as good a state as any.
+        await store.request_cancel(job.id)
+        raise
+    metrics.jobs_submitted.inc()
+    response.headers["Location"] = f"/v1/jobs/{job.id}"
+    if body.background:
+        return job
+    # relay() ends after the terminal event whatever the timing, so the job is then final.
+    with services.hub.watch(job.id) as inbox:
+        async for _ in relay(store, inbox, job.id, 0, services.settings.sse_ping_s):
+            pass
+    response.status_code = 200
+    return await store.get_job(job.id)
+
+
+@router.get("/{job_id}")
+async def get_job(job: JobDep) -> Job:
+    return job
+
+
+@router.post("/{job_id}/cancel")
+async def cancel_job(job_id: JobId, services: ServicesDep) -> Job:
+    """Idempotent; a queued job ends at once, a running one at the worker's next step.
+
+    A job that already succeeded or failed answers 409 (the store checks atomically).
+    """
+    services.metrics.jobs_cancelled.inc()
+    return await services.store.request_cancel(job_id)
+
+
+@router.get("/{job_id}/events", response_class=EventSourceResponse)
+async def job_events(
+    job: JobDep, cursor: CursorDep, inbox: InboxDep, services: ServicesDep
+) -> AsyncIterator[ServerSentEvent]:
+    """Events after the cursor (``Last-Event-ID`` or ``?after=``), ending with done or error."""
+    async for event in relay(services.store, inbox, job.id, cursor, services.settings.sse_ping_s):
+        yield event

@@ -1,0 +1,41 @@
+"""What one API process holds for its lifetime, opened and closed by the app's lifespan."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+from fastapi import FastAPI
+
+from api.enqueue import Enqueuer
+from api.hub import Hub
+from api.metrics import Metrics
+from common.settings import Settings
+from common.store import AsyncJobStore
+
+
+@dataclass(frozen=True)
+class Services:
+    settings: Settings
+    store: AsyncJobStore
+    hub: Hub
+    enqueuer: Enqueuer
+    metrics: Metrics
+
+
+@asynccontextmanager
+async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    settings: Settings = app.state.settings
+    hub = Hub(settings.redis_url, settings.keys, client_name=f"{settings.redis_prefix}-api-hub-{os.getpid()}")
+    enqueuer = Enqueuer(settings)
+    await hub.start()
+    store = AsyncJobStore.from_settings(settings)
+    app.state.services = Services(settings, store, hub, enqueuer, Metrics(hub))
+    try:
+        yield
+    finally:
+        await hub.stop()
+        enqueuer.close()
+        await store.close()

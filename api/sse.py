@@ -1,0 +1,61 @@
+"""The relay behind ``GET /v1/jobs/{id}/events``: stored log first, then live events.
+
+Correctness does not depend on timing: the stream subscribes (via the hub) before it reads
+the log, so every event is either in what it read or still to come live; it drops live events
+it has already sent, and when a live event skips ahead of its cursor (or the hub says it may
+have missed some) it re-reads the log from the cursor. No gap, no duplicate.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+from fastapi.sse import ServerSentEvent
+
+from api.hub import Inbox
+from common.schemas import LogEntry
+from common.store import AsyncJobStore
+
+
+def to_sse(entry: LogEntry) -> ServerSentEvent:
+    data = entry.data
+    if entry.type == "token":
+        # token_ids stay internal; the HTTP contract streams text.
+        data = {"index": data["index"], "text": data["text"]}
+    return ServerSentEvent(id=str(entry.seq), event=entry.type, data=data)
+
+
+async def relay(
+    store: AsyncJobStore, inbox: Inbox, job_id: str, after: int, ping_s: float
+) -> AsyncIterator[ServerSentEvent]:
+    """Yield the job's events with seq > ``after``, then close after the terminal one.
+
+    ``inbox`` must already watch the job (``Hub.watch``): subscribed before the first read.
+    """
+    last = after
+    while True:
+        # Read from the cursor's own entry, not the next one: if the client resumes right
+        # after the terminal event, that entry is how we know to close at once.
+        for entry in await store.read_log(job_id, after=max(last - 1, 0)):
+            if entry.seq > last:
+                yield to_sse(entry)
+                last = entry.seq
+            if entry.terminal:
+                return
+        while True:
+            try:
+                item = await asyncio.wait_for(inbox.get(), ping_s)
+            except TimeoutError:
+                yield ServerSentEvent(comment="ping")
+                # Idle: re-read the log too, so even a hub that silently stopped receiving
+                # (a half-open connection) costs latency, never events.
+                break
+            if not isinstance(item, LogEntry) or item.seq > last + 1:
+                break  # RESYNC (the hub may have missed events), or this one skips ahead: re-read
+            if item.seq <= last:
+                continue  # already sent from the log
+            yield to_sse(item)
+            last = item.seq
+            if item.terminal:
+                return

@@ -1,0 +1,139 @@
+"""Session fixtures: a tiny model, unique Redis prefixes, and real worker and API processes.
+
+Every fixture that needs isolation picks its own ``SPOOL_REDIS_PREFIX``, so runs share the Redis
+at ``SPOOL_TEST_REDIS_URL`` (default 127.0.0.1:6379) without seeing each other; every key under
+those prefixes is deleted at the end. When a test fails, the tail of every running process's
+log is attached to its report.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import redis
+from procs import REDIS_URL, Service, running, start_api, start_worker
+
+from common.keys import Keys
+
+
+@dataclass
+class Prefixes:
+    """Hands out unique prefixes and deletes every key under them at the end."""
+
+    client: redis.Redis
+    made: list[str] = field(default_factory=list)
+
+    def new(self) -> str:
+        prefix = f"test-{uuid.uuid4().hex[:8]}"
+        self.made.append(prefix)
+        return prefix
+
+    def cleanup(self) -> None:
+        for prefix in self.made:
+            keys = Keys(prefix)
+            # Job keys, the Celery queue lists (named after keys.queue_llm, plus kombu's
+            # priority-suffixed variants) and kombu's binding sets for those queues.
+            patterns = (
+                f"{prefix}:*",
+                f"{keys.queue_llm}*",
+                f"{keys.queue_media}*",
+                f"_kombu.binding.{prefix}.*",
+            )
+            for pattern in patterns:
+                for key in self.client.scan_iter(pattern):
+                    self.client.delete(key)
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> str:
+    return REDIS_URL
+
+
+@pytest.fixture(scope="session")
+def redis_client() -> Iterator[redis.Redis]:
+    client = redis.Redis.from_url(REDIS_URL)
+    client.ping()
+    yield client
+    client.close()
+
+
+@pytest.fixture(scope="session")
+def prefixes(redis_client: redis.Redis) -> Iterator[Prefixes]:
+    made = Prefixes(redis_client)
+    yield made
+    made.cleanup()
+
+
+@pytest.fixture(scope="session")
+def log_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("logs")
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from workers.engine.tiny import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"), "llama")
+
+
+@dataclass(frozen=True)
+class Cluster:
+    prefix: str
+    worker: Service
+    api: Service
+
+    @property
+    def url(self) -> str:
+        return self.api.url
+
+    @property
+    def keys(self) -> Keys:
+        return Keys(self.prefix)
+
+
+@pytest.fixture(scope="session")
+def cluster(prefixes: Prefixes, tiny_model: Path, log_dir: Path) -> Iterator[Cluster]:
+    """One worker (32 slots) and one API on a prefix of their own."""
+    prefix = prefixes.new()
+    worker = start_worker(prefix, tiny_model, log_dir, max_batch_size=32)
+    api = start_api(prefix, log_dir, sse_ping_s=1)
+    yield Cluster(prefix, worker, api)
+    api.stop()
+    worker.stop()
+
+
+@pytest.fixture(scope="session")
+def second_api(cluster: Cluster, log_dir: Path) -> Iterator[Service]:
+    """Another API process on the cluster's prefix: any replica serves any job's stream."""
+    api = start_api(cluster.prefix, log_dir, sse_ping_s=1)
+    yield api
+    api.stop()
+
+
+@pytest.fixture(scope="session")
+def bare_api(prefixes: Prefixes, log_dir: Path) -> Iterator[Service]:
+    """An API with no worker on its prefix; tests write job logs into Redis themselves."""
+    api = start_api(prefixes.new(), log_dir, ready=False, sse_ping_s=0.5)
+    yield api
+    api.stop()
+
+
+@pytest.fixture
+def client() -> Iterator[httpx.Client]:
+    with httpx.Client(timeout=30) as c:
+        yield c
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[Any]) -> Iterator[None]:
+    report = yield
+    if report.failed:
+        for s in running:
+            report.sections.append((f"log of {s.name} ({s.log_path})", s.log_tail()))
+    return report

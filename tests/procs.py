@@ -1,0 +1,127 @@
+"""Real processes for the tests: ``spool worker`` and uvicorn as subprocesses on a real Redis.
+
+Each runs in its own process group with its output in a log file; ``running`` lists those
+still up, so a failing test's report can carry their logs (see conftest.py).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+import redis
+
+from common.keys import Keys
+
+REDIS_URL = os.environ.get("SPOOL_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+ROOT = Path(__file__).resolve().parents[1]
+SPOOL = str(Path(sys.executable).with_name("spool"))  # the console script of this venv
+START_TIMEOUT_S = 120.0  # a worker loads torch and the model before its first heartbeat
+LOG_TAIL_CHARS = 6000
+
+running: list[Service] = []  # processes whose logs go into a failing test's report
+
+
+@dataclass
+class Service:
+    name: str
+    prefix: str  # its SPOOL_REDIS_PREFIX
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+    url: str = ""
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def log_tail(self) -> str:
+        return self.log_path.read_text(errors="replace")[-LOG_TAIL_CHARS:]
+
+    def stop(self) -> None:
+        if self.alive():
+            # The process leads its own group: celery's pool children go with it.
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(5)
+        if self in running:
+            running.remove(self)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def spool_env(prefix: str, **settings: object) -> dict[str, str]:
+    """This environment minus any SPOOL_* of the caller, plus the given settings."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPOOL_")}
+    env.update(SPOOL_REDIS_URL=REDIS_URL, SPOOL_REDIS_PREFIX=prefix, PYTHONUNBUFFERED="1")
+    env.update({f"SPOOL_{k.upper()}": str(v) for k, v in settings.items()})
+    return env
+
+
+def start(name: str, argv: list[str], env: dict[str, str], log_dir: Path) -> Service:
+    """Start a process in its own group, output to ``log_dir/name.log``."""
+    log_path = log_dir / f"{name}.log"
+    with log_path.open("wb") as out:
+        proc = subprocess.Popen(
+            argv, env=env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    service = Service(name, env["SPOOL_REDIS_PREFIX"], proc, log_path)
+    running.append(service)
+    return service
+
+
+def wait_until(check: Callable[[], bool], what: str, timeout: float, watch: tuple[Service, ...] = ()) -> None:
+    """Poll ``check`` until it holds; fail early, with its log, if a watched process exits."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        for s in watch:
+            if not s.alive():
+                pytest.fail(
+                    f"{s.name} exited with {s.proc.returncode} while waiting for {what}:\n{s.log_tail()}"
+                )
+        if time.monotonic() > deadline:
+            logs = "\n".join(f"--- {s.name}\n{s.log_tail()}" for s in watch)
+            pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}\n{logs}")
+        time.sleep(0.05)
+
+
+def http_status(url: str) -> int | None:
+    try:
+        return httpx.get(url, timeout=2).status_code
+    except httpx.TransportError:
+        return None
+
+
+def start_api(prefix: str, log_dir: Path, *, ready: bool = True, **settings: object) -> Service:
+    """uvicorn api.main:app on a free port; waits for /readyz 200 (a worker) or /healthz 200."""
+    port = free_port()
+    argv = [sys.executable, "-m", "uvicorn", "api.main:app", "--host", "127.0.0.1", "--port", str(port)]
+    api = start(f"api-{prefix}-{port}", argv, spool_env(prefix, **settings), log_dir)
+    api.url = f"http://127.0.0.1:{port}"
+    path = "/readyz" if ready else "/healthz"
+    wait_until(lambda: http_status(api.url + path) == 200, f"{api.name} {path}", START_TIMEOUT_S, (api,))
+    return api
+
+
+def start_worker(prefix: str, model: Path, log_dir: Path, name: str = "w1", **settings: object) -> Service:
+    """``spool worker`` with a fast heartbeat; waits for its heartbeat key in Redis."""
+    env = spool_env(prefix, model=model, worker_name=f"{prefix}-{name}", heartbeat_s=0.5, **settings)
+    worker = start(f"worker-{prefix}-{name}", [SPOOL, "worker"], env, log_dir)
+    r = redis.Redis.from_url(REDIS_URL)
+    key = Keys(prefix).worker(f"{prefix}-{name}")
+    wait_until(lambda: bool(r.exists(key)), f"{worker.name} heartbeat", START_TIMEOUT_S, (worker,))
+    return worker
