@@ -1,0 +1,201 @@
+"""EngineRuntime with the real engine (tiny model) and the real Redis."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from common.schemas import ChatMessage, Job, JobRequest, JobStatus, LogEntry
+from common.store import Append, SyncJobStore, token_entry
+from workers.engine import Engine, SamplingParams
+from workers.runtime import EngineRuntime, Outcome
+
+LONG_PROMPT = "the quick brown fox"  # greedy on the tiny model runs to max_tokens (no EOS)
+
+
+def poll(check: Callable[[], object], what: str, timeout: float = 30.0) -> object:
+    """Poll ``check`` until it returns something truthy, and return it; fail at the deadline."""
+    deadline = time.monotonic() + timeout
+    while not (result := check()):
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(0.01)
+    return result
+
+
+def greedy(engine: Engine, prompt: str, max_tokens: int) -> tuple[str, list[int]]:
+    out = engine.generate([prompt], SamplingParams(max_tokens=max_tokens, temperature=0.0))[0]
+    return out.text, out.token_ids
+
+
+def check_log(store: SyncJobStore, job: Job) -> list[LogEntry]:
+    """The log contract: seqs 1..n, token indexes 0..k-1, one terminal event, last."""
+    log = store.read_log(job.id)
+    assert [e.seq for e in log] == list(range(1, len(log) + 1))
+    tokens = [e for e in log if e.type == "token"]
+    assert [e.data["index"] for e in tokens] == list(range(len(tokens)))
+    assert [e.terminal for e in log] == [False] * (len(log) - 1) + [True]
+    return log
+
+
+def run_in_thread(runtime: EngineRuntime, job_id: str) -> tuple[threading.Thread, list[Outcome]]:
+    outcomes: list[Outcome] = []
+    t = threading.Thread(target=lambda: outcomes.append(runtime.run_job(job_id).outcome))
+    t.start()
+    return t, outcomes
+
+
+def test_job_runs_to_its_greedy_output(
+    runtime: EngineRuntime, store: SyncJobStore, reference: Engine
+) -> None:
+    job = store.create_job(JobRequest(prompt=LONG_PROMPT, max_tokens=24, temperature=0))
+    assert runtime.run_job(job.id).outcome is Outcome.FINISHED
+    got = store.get_job(job.id)
+    text, ids = greedy(reference, LONG_PROMPT, 24)
+    assert got.status is JobStatus.SUCCEEDED and got.finish_reason == "length"
+    assert got.text == text and got.usage.completion_tokens == 24 and got.usage.prompt_tokens > 0
+    assert got.model and got.started_at and got.finished_at
+    log = check_log(store, got)
+    assert [i for e in log if e.type == "token" for i in e.data["token_ids"]] == ids
+    assert log[-1].data["usage"] == got.usage.model_dump()
+    assert store.redis.ttl(store.keys.job_log(job.id)) > 0
+    assert runtime.run_job(job.id).outcome is Outcome.SKIPPED  # a redelivered message
+
+
+def test_concurrent_jobs_share_the_batch(
+    runtime: EngineRuntime, store: SyncJobStore, reference: Engine
+) -> None:
+    prompts = [f"{LONG_PROMPT} {i}" for i in range(6)]
+    jobs = [store.create_job(JobRequest(prompt=p, max_tokens=30, temperature=0)) for p in prompts]
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        outcomes = list(pool.map(lambda j: runtime.run_job(j.id).outcome, jobs))
+    assert outcomes == [Outcome.FINISHED] * len(jobs)
+    for prompt, job in zip(prompts, jobs, strict=True):
+        got = store.get_job(job.id)
+        assert got.status is JobStatus.SUCCEEDED and got.text == greedy(reference, prompt, 30)[0]
+        check_log(store, got)
+    beat = poll(
+        lambda: [w for w in store.list_workers() if w.engine.get("peak_batch_size", 0) > 1], "a batched step"
+    )
+    assert beat[0].name == "test-worker"  # type: ignore[index]
+
+
+def test_chat_messages(runtime: EngineRuntime, store: SyncJobStore) -> None:
+    request = JobRequest(
+        messages=[ChatMessage(role="user", content="hello there")], max_tokens=8, temperature=0
+    )
+    job = store.create_job(request)
+    assert runtime.run_job(job.id).outcome is Outcome.FINISHED
+    assert store.get_job(job.id).status is JobStatus.SUCCEEDED
+
+
+def test_cancel_a_running_job(runtime: EngineRuntime, store: SyncJobStore) -> None:
+    job = store.create_job(JobRequest(prompt=LONG_PROMPT, max_tokens=400, temperature=0))
+    thread, outcomes = run_in_thread(runtime, job.id)
+    poll(lambda: store.read_log(job.id), "a first token")
+    store.request_cancel(job.id)
+    thread.join(30)
+    assert outcomes == [Outcome.FINISHED]
+    got = store.get_job(job.id)
+    assert got.status is JobStatus.CANCELLED and got.finish_reason == "cancelled"
+    assert 0 < got.usage.completion_tokens < 400
+    assert check_log(store, got)[-1].data["status"] == "cancelled"
+
+
+def test_missed_cancel_message_is_caught_by_the_heartbeat(
+    runtime: EngineRuntime, store: SyncJobStore
+) -> None:
+    job = store.create_job(JobRequest(prompt=LONG_PROMPT, max_tokens=400, temperature=0))
+    thread, outcomes = run_in_thread(runtime, job.id)
+    poll(lambda: store.read_log(job.id), "a first token")
+    store.redis.hset(store.keys.job(job.id), "cancel_requested", "1")  # the flag without the message
+    thread.join(30)
+    assert outcomes == [Outcome.FINISHED] and store.get_job(job.id).status is JobStatus.CANCELLED
+
+
+def test_job_cancelled_while_queued_never_reaches_the_engine(
+    runtime: EngineRuntime, store: SyncJobStore
+) -> None:
+    job = store.create_job(JobRequest(prompt="hello", max_tokens=8))
+    store.request_cancel(job.id)
+    assert runtime.run_job(job.id).outcome is Outcome.SKIPPED
+    assert len(store.read_log(job.id)) == 1
+
+
+def test_too_long_request_fails_with_the_engine_message(runtime: EngineRuntime, store: SyncJobStore) -> None:
+    job = store.create_job(JobRequest(prompt="hello", max_tokens=4000))
+    assert runtime.run_job(job.id).outcome is Outcome.FINISHED
+    got = store.get_job(job.id)
+    assert got.status is JobStatus.FAILED and got.error is not None
+    assert got.error.type == "request_too_long" and "max_model_len" in got.error.message
+    last = check_log(store, got)[-1]
+    assert last.type == "error" and last.data == {"status": "failed", **got.error.model_dump()}
+
+
+def test_timeout_before_the_engine(runtime: EngineRuntime, store: SyncJobStore) -> None:
+    job = store.create_job(JobRequest(prompt="hello", max_tokens=8, timeout_s=0.01))
+    poll(lambda: time.time() > job.created_at + 0.01, "the deadline")
+    assert runtime.run_job(job.id).outcome is Outcome.FINISHED
+    got = store.get_job(job.id)
+    assert got.status is JobStatus.FAILED and got.error is not None and got.error.type == "timeout"
+
+
+def test_timeout_in_the_engine(runtime: EngineRuntime, store: SyncJobStore, reference: Engine) -> None:
+    # A quarter of the time the whole generation takes here, so the deadline falls mid-way.
+    started = time.monotonic()
+    greedy(reference, LONG_PROMPT, 400)
+    timeout = (time.monotonic() - started) / 4
+    job = store.create_job(JobRequest(prompt=LONG_PROMPT, max_tokens=400, temperature=0, timeout_s=timeout))
+    assert runtime.run_job(job.id).outcome is Outcome.FINISHED
+    got = store.get_job(job.id)
+    assert got.status is JobStatus.FAILED and got.error is not None and got.error.type == "timeout"
+    assert got.finished_at is not None and got.finished_at >= job.created_at + timeout
+    assert got.usage.completion_tokens < 400
+    check_log(store, got)
+
+
+def test_takeover_resumes_from_the_stored_tokens(
+    runtime: EngineRuntime, store: SyncJobStore, reference: Engine
+) -> None:
+    text, ids = greedy(reference, LONG_PROMPT, 20)
+    # A cut after which the text so far is final (no UTF-8 sequence split across it).
+    decode = reference.tokenizer.decode
+    k = next(
+        k for k in range(7, 15) if text.startswith(decode(ids[:k])) and not decode(ids[:k]).endswith("\ufffd")
+    )
+    job = store.create_job(JobRequest(prompt=LONG_PROMPT, max_tokens=20, temperature=0))
+    # A worker that wrote k tokens and died: its lease lapses.
+    first = store.take_job(job.id, "dead-worker", "m")
+    entries = [token_entry(1, 0, decode(ids[:k]), ids[:k])]
+    assert store.append_batch([Append(job.id, first.attempt, entries, 3, k)]) == [True]
+    store.redis.zadd(store.keys.running_jobs(), {job.id: time.time() - 1})
+    assert runtime.run_job(job.id).outcome is Outcome.FINISHED
+    got = store.get_job(job.id)
+    log = check_log(store, got)
+    assert [i for e in log if e.type == "token" for i in e.data["token_ids"]] == ids
+    assert got.text == text  # nothing repeated, nothing lost
+    assert got.status is JobStatus.SUCCEEDED and got.finish_reason == "length"
+    assert got.usage.completion_tokens == 20 and store.get_record(job.id).attempt == 2
+
+
+def test_a_job_taken_over_is_dropped(runtime: EngineRuntime, store: SyncJobStore) -> None:
+    job = store.create_job(JobRequest(prompt=LONG_PROMPT, max_tokens=400, temperature=0))
+    thread, outcomes = run_in_thread(runtime, job.id)
+    poll(lambda: store.read_log(job.id), "a first token")
+    store.redis.zadd(store.keys.running_jobs(), {job.id: time.time() - 1})
+    assert store.take_job(job.id, "other-worker", "m").attempt == 2
+    thread.join(30)
+    assert outcomes == [Outcome.LOST]
+    n = len(store.read_log(job.id))
+    poll(lambda: runtime.job_ids() == [], "the runtime to forget the job")
+    assert len(store.read_log(job.id)) == n  # fenced: nothing more from the old attempt
+    assert store.get_record(job.id).worker == "other-worker"
+
+
+def test_heartbeat_names_the_model(runtime: EngineRuntime, store: SyncJobStore) -> None:
+    beat = poll(lambda: store.list_workers(), "a heartbeat")
+    assert beat[0].model and "peak_batch_size" in beat[0].engine  # type: ignore[index]

@@ -1,0 +1,116 @@
+"""Turns one engine step's deltas into job log entries and writes them in one Redis round trip."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from common.schemas import DoneEvent, ErrorEvent, JobError, JobStatus, LogEntry, Usage
+from common.store import Append, Final, SyncJobStore, token_entry
+from workers.engine import Delta, FinishReason
+
+log = logging.getLogger(__name__)
+
+RETRY_MAX_S = 2.0  # longest pause between two tries while Redis is unreachable
+
+
+@dataclass
+class JobCursor:
+    """What the worker must remember to append a job's next events."""
+
+    job_id: str
+    attempt: int  # fencing token from take_job
+    next_seq: int  # seq of the next log entry (LLEN + 1 when the job was taken)
+    next_index: int  # index of the next token event
+    prompt_tokens: int = 0
+    completion_tokens: int = 0  # resumed tokens included
+    error: JobError | None = None  # why the runtime aborted the job (timeout, too long): it fails with it
+
+    def next(self) -> int:
+        seq, self.next_seq = self.next_seq, self.next_seq + 1
+        return seq
+
+
+def _final(delta: Delta, cursor: JobCursor) -> Final:
+    ended_early = delta.finish_reason in (FinishReason.CANCELLED, FinishReason.ERROR)
+    if ended_early and cursor.error is not None:
+        return Final(JobStatus.FAILED, "error", cursor.error)
+    if delta.finish_reason is FinishReason.ERROR:
+        return Final(
+            JobStatus.FAILED, "error", JobError(message=delta.error or "engine error", type="engine_error")
+        )
+    if delta.finish_reason is FinishReason.CANCELLED:
+        return Final(JobStatus.CANCELLED, "cancelled")
+    assert delta.finish_reason is not None
+    return Final(JobStatus.SUCCEEDED, delta.finish_reason.value)
+
+
+def _terminal_entry(seq: int, final: Final, usage: Usage) -> LogEntry:
+    if final.error is not None:
+        return LogEntry.error(seq, ErrorEvent(message=final.error.message, type=final.error.type))
+    return LogEntry.done(seq, DoneEvent(status=final.status, finish_reason=final.finish_reason, usage=usage))
+
+
+def build_append(delta: Delta, cursor: JobCursor) -> Append | None:
+    """The writes for one delta; advances the cursor. None when the delta carries nothing."""
+    cursor.prompt_tokens = delta.num_prompt_tokens or cursor.prompt_tokens
+    cursor.completion_tokens = max(cursor.completion_tokens, delta.num_generated_tokens)
+    entries: list[LogEntry] = []
+    if delta.token_ids or delta.text:
+        # NOTE: a token event may carry ids and no text yet (held back for a stop string or an
+        # unfinished UTF-8 sequence): the ids must be in the log for a resumed attempt.
+        entries.append(token_entry(cursor.next(), cursor.next_index, delta.text, delta.token_ids))
+        cursor.next_index += 1
+    final = None
+    if delta.finished:
+        final = _final(delta, cursor)
+        entries.append(
+            _terminal_entry(cursor.next(), final, Usage.of(cursor.prompt_tokens, cursor.completion_tokens))
+        )
+    if not entries:
+        return None
+    return Append(
+        cursor.job_id, cursor.attempt, entries, cursor.prompt_tokens, cursor.completion_tokens, final
+    )
+
+
+class Publisher:
+    def __init__(self, store: SyncJobStore, stop: threading.Event) -> None:
+        self.store = store
+        self.stop = stop  # set at shutdown: stop retrying against an unreachable Redis
+
+    def publish(
+        self, deltas: Sequence[Delta], cursors: Mapping[str, JobCursor]
+    ) -> tuple[list[str], list[str]]:
+        """Write the deltas of jobs in ``cursors``; returns (finished job ids, lost job ids).
+
+        A job is lost when its append was refused: another worker took it over (fencing).
+        """
+        appends = [
+            a for d in deltas if d.request_id in cursors if (a := build_append(d, cursors[d.request_id]))
+        ]
+        if not appends:
+            return [], []
+        accepted = self._send(appends)
+        finished = [a.job_id for a, ok in zip(appends, accepted, strict=True) if ok and a.final]
+        lost = [a.job_id for a, ok in zip(appends, accepted, strict=True) if not ok]
+        return finished, lost
+
+    def _send(self, appends: list[Append]) -> list[bool]:
+        # The appends are idempotent (the store skips entries already in the log), so a try that
+        # failed halfway can be sent again as it is.
+        pause = 0.05
+        while True:
+            try:
+                return self.store.append_batch(appends)
+            except (RedisConnectionError, RedisTimeoutError) as e:
+                if self.stop.is_set():
+                    raise
+                log.warning("redis unreachable while publishing (%s); retrying in %.2fs", e, pause)
+                self.stop.wait(pause)
+                pause = min(pause * 2, RETRY_MAX_S)
