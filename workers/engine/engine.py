@@ -122,8 +122,8 @@ class Engine:
         }
 
     def step(self) -> list[Delta]:
-        deltas = [self._finish(self._requests[rid], FinishReason.CANCELLED) for rid in self._aborted]
-        self._aborted.clear()
+        aborted, self._aborted = self._aborted, set()
+        deltas = [self._finish(self._requests[rid], FinishReason.CANCELLED) for rid in aborted]
         plan = self.scheduler.schedule()
         if plan.empty:
             return deltas
@@ -204,6 +204,8 @@ class Engine:
             positions = [min(r.num_computed, self.max_model_len - 1) for r in running]
             logits = self.runner.decode(tokens, positions)
             for r in plan.decodes:
+                # A prompt's last token takes this path when chunking left it alone.
+                self._stats.prompt_tokens += r.num_computed < len(r.prompt_token_ids)
                 r.num_computed += 1
             due.extend(plan.decodes)
             rows.append(logits[[r.slot for r in plan.decodes]] if len(plan.decodes) < len(running) else logits)
@@ -250,7 +252,7 @@ class Engine:
         text += request.detokenizer.flush()
         del self._requests[request.request_id]
         self._generators.pop(request.request_id, None)
-        self._aborted.discard(request.request_id)
+        self._aborted.discard(request.request_id)  # it may have finished on its own meanwhile
         return self._delta(request, token_ids, text, reason, error)
 
     def _delta(

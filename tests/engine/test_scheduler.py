@@ -1,0 +1,50 @@
+"""The scheduler on its own: no model, no torch."""
+
+from __future__ import annotations
+
+from workers.engine.request import Request, RequestStatus
+from workers.engine.scheduler import Move, Scheduler
+from workers.engine.types import SamplingParams
+
+
+class _NoDetok:
+    pass
+
+
+def request(rid: str, prompt_len: int) -> Request:
+    return Request(rid, list(range(1, prompt_len + 1)), SamplingParams(), _NoDetok())  # type: ignore[arg-type]
+
+
+def test_admits_first_come_first_served_into_free_slots() -> None:
+    s = Scheduler(num_slots=2, prefill_chunk_size=8, max_prefill_tokens_per_step=64)
+    reqs = [request(str(i), 4) for i in range(3)]
+    for r in reqs:
+        s.add(r)
+    plan = s.schedule()
+    assert [c.request for c in plan.prefills] == reqs[:2]
+    assert [r.slot for r in reqs] == [0, 1, None] and reqs[2].status is RequestStatus.WAITING
+
+
+def test_long_prompt_is_prefilled_in_chunks_within_the_step_budget() -> None:
+    s = Scheduler(num_slots=4, prefill_chunk_size=8, max_prefill_tokens_per_step=10)
+    long, short = request("long", 20), request("short", 5)
+    s.add(long)
+    s.add(short)
+    plan = s.schedule()
+    assert [(c.request.request_id, c.start, c.length) for c in plan.prefills] == [("long", 0, 8), ("short", 0, 2)]
+    assert not plan.prefills[0].completes_prompt
+
+
+def test_decoding_rows_and_contiguous_slots_after_removal() -> None:
+    s = Scheduler(num_slots=3, prefill_chunk_size=8, max_prefill_tokens_per_step=64)
+    a, b, c = request("a", 3), request("b", 3), request("c", 3)
+    for r in (a, b, c):
+        s.add(r)
+        r.num_computed = 3
+        r.output_token_ids.append(7)  # one token to feed: decoding
+    plan = s.schedule()
+    assert plan.decodes == [a, b, c] and plan.num_rows == 3
+    # Removing the first request moves the last one into its slot, copying its cached tokens.
+    assert s.remove(a) == Move(src=2, dst=0, length=3)
+    assert [r.slot for r in s.running] == [0, 1] and s.running == [c, b]
+    assert s.remove(b) is None  # the last slot: nothing to move
