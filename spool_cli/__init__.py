@@ -1,0 +1,1 @@
+"""The ``spool`` console script."""

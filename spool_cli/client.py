@@ -1,0 +1,127 @@
+"""``spool generate`` and ``spool batch``: HTTP clients of a running API (httpx, no torch)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+TERMINAL = {"succeeded", "failed", "cancelled", "partial"}
+MAX_RECONNECTS = 20  # consecutive failed tries to reach the event stream before giving up
+POLL_S = 0.5  # between two rounds of status checks in `spool batch`
+TIMEOUT = httpx.Timeout(30.0, read=120.0)  # the API pings idle streams every SPOOL_SSE_PING_S
+
+
+def _headers(api_key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def _error(resp: httpx.Response) -> str:
+    try:
+        return str(resp.json()["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return f"HTTP {resp.status_code}: {resp.text[:200]}"
+
+
+def sse_events(lines: Iterator[str]) -> Iterator[tuple[str, str, str]]:
+    """(id, event, data) of each event of a text/event-stream; comments (pings) are skipped."""
+    event_id, event, data = "", "message", list[str]()
+    for line in lines:
+        if not line:
+            if data:
+                yield event_id, event, "\n".join(data)
+            event, data = "message", []
+            continue
+        name, _, value = line.partition(":")
+        value = value.removeprefix(" ")
+        if name == "id":
+            event_id = value
+        elif name == "event":
+            event = value
+        elif name == "data":
+            data.append(value)
+
+
+def generate(url: str, body: dict[str, Any], api_key: str | None) -> int:
+    """Submit, then print the tokens as they arrive; resumes with Last-Event-ID after a drop."""
+    with httpx.Client(base_url=url, headers=_headers(api_key), timeout=TIMEOUT) as client:
+        resp = client.post("/v1/jobs", json=body)
+        if resp.is_error:
+            print(f"spool: {_error(resp)}", file=sys.stderr)
+            return 1
+        job_id = resp.json()["id"]
+        last, failures = "0", 0
+        while failures <= MAX_RECONNECTS:
+            try:
+                with client.stream(
+                    "GET", f"/v1/jobs/{job_id}/events", headers={"Last-Event-ID": last}
+                ) as stream:
+                    if stream.is_error:
+                        stream.read()
+                        print(f"\nspool: {_error(stream)}", file=sys.stderr)
+                        return 1
+                    for event_id, event, data in sse_events(stream.iter_lines()):
+                        last, failures = event_id, 0
+                        if (code := _show(event, json.loads(data))) is not None:
+                            return code
+            except httpx.TransportError as e:
+                print(f"\nspool: connection lost ({e}); resuming after event {last}", file=sys.stderr)
+            failures += 1
+            time.sleep(min(0.2 * failures, 5.0))  # back off before reconnecting
+        print(f"spool: gave up on job {job_id}", file=sys.stderr)
+        return 1
+
+
+def _show(event: str, data: dict[str, Any]) -> int | None:
+    """Print one event; the exit code once the job ended, else None."""
+    if event == "token":
+        print(data["text"], end="", flush=True)
+        return None
+    print()
+    if event == "error":
+        print(f"spool: job failed ({data['type']}): {data['message']}", file=sys.stderr)
+        return 1
+    return 0 if data["status"] == "succeeded" else 1
+
+
+def _submit(client: httpx.Client, body: dict[str, Any]) -> tuple[str | None, str | None]:
+    """(job id, None) or (None, error message); waits out a full queue (429 + Retry-After)."""
+    while True:
+        resp = client.post("/v1/jobs", json=body)
+        if resp.status_code != 429:
+            return (None, _error(resp)) if resp.is_error else (resp.json()["id"], None)
+        time.sleep(float(resp.headers.get("Retry-After", "1")))
+
+
+def batch(url: str, file: Path, out: Path | None, api_key: str | None) -> int:
+    rows = [json.loads(line) for line in file.read_text().splitlines() if line.strip()]
+    results: list[dict[str, Any]] = []
+    with httpx.Client(base_url=url, headers=_headers(api_key), timeout=TIMEOUT) as client:
+        for row in rows:
+            custom_id = row.pop("custom_id", None)
+            job_id, error = _submit(client, row)
+            result: dict[str, Any] = {"custom_id": custom_id, "job_id": job_id}
+            if error:
+                result.update(status="rejected", error={"message": error, "type": "rejected"})
+            results.append(result)
+        pending = {r["job_id"]: r for r in results if r["job_id"] and "status" not in r}
+        while pending:
+            for job_id in list(pending):
+                job = client.get(f"/v1/jobs/{job_id}").json()
+                if job["status"] in TERMINAL:
+                    pending.pop(job_id).update(
+                        {k: job.get(k) for k in ("status", "text", "finish_reason", "usage", "error")}
+                    )
+            if pending:
+                time.sleep(POLL_S)
+    text = "".join(json.dumps(r) + "\n" for r in results)
+    if out is None:
+        sys.stdout.write(text)
+    else:
+        out.write_text(text)
+    return 0 if all(r["status"] == "succeeded" for r in results) else 1

@@ -1,0 +1,92 @@
+"""The real `spool worker` process (the session's cluster), driven through Celery by task name."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from celery import Celery
+from procs import REDIS_URL, Service, start_worker
+
+from common.schemas import Job, JobRequest, JobStatus
+from common.settings import load_settings
+from common.store import SyncJobStore
+from workers.celery_app import GENERATE_TASK, make_app
+
+LONG_PROMPT = "the quick brown fox"  # greedy on the tiny model runs to max_tokens (no EOS)
+
+
+@pytest.fixture(scope="module")
+def worker(prefixes, tiny_model: Path, log_dir: Path) -> Iterator[tuple[str, Service]]:  # type: ignore[no-untyped-def]
+    """A `spool worker` process alone on a prefix of its own (8 slots)."""
+    prefix = prefixes.new()
+    service = start_worker(prefix, tiny_model, log_dir, max_batch_size=8)
+    yield prefix, service
+    service.stop()
+
+
+@pytest.fixture(scope="module")
+def store(worker: tuple[str, Service]) -> Iterator[SyncJobStore]:
+    s = SyncJobStore.from_settings(load_settings(redis_url=REDIS_URL, redis_prefix=worker[0]))
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def celery_app(store: SyncJobStore) -> Celery:
+    return make_app(store.settings)
+
+
+def finished(store: SyncJobStore, job_id: str, timeout: float = 60.0) -> Job:
+    deadline = time.monotonic() + timeout
+    while not (job := store.get_job(job_id)).status.terminal:
+        assert time.monotonic() < deadline, f"job {job_id} still {job.status.value} after {timeout}s"
+        time.sleep(0.02)
+    return job
+
+
+def test_task_by_name_runs_the_job(store: SyncJobStore, celery_app: Celery) -> None:
+    job = store.create_job(JobRequest(prompt="hello", max_tokens=12, temperature=0))
+    celery_app.send_task(GENERATE_TASK, [job.id])
+    got = finished(store, job.id)
+    assert got.status is JobStatus.SUCCEEDED and got.usage.completion_tokens > 0
+    assert store.get_record(job.id).worker.endswith("-w1")
+
+
+def test_a_duplicate_message_does_not_run_the_job_twice(store: SyncJobStore, celery_app: Celery) -> None:
+    job = store.create_job(JobRequest(prompt=LONG_PROMPT, max_tokens=300, temperature=0))
+    celery_app.send_task(GENERATE_TASK, [job.id])
+    celery_app.send_task(GENERATE_TASK, [job.id])  # e.g. redelivered after the visibility timeout
+    got = finished(store, job.id)
+    log = store.read_log(job.id)
+    assert got.status is JobStatus.SUCCEEDED and store.get_record(job.id).attempt == 1
+    assert [e.seq for e in log] == list(range(1, len(log) + 1)) and sum(e.terminal for e in log) == 1
+
+
+def test_cancel_reaches_the_worker(store: SyncJobStore, celery_app: Celery) -> None:
+    job = store.create_job(JobRequest(prompt=LONG_PROMPT, max_tokens=400, temperature=0))
+    celery_app.send_task(GENERATE_TASK, [job.id])
+    deadline = time.monotonic() + 60
+    while not store.read_log(job.id):
+        assert time.monotonic() < deadline, "no token within 60s"
+        time.sleep(0.01)
+    store.request_cancel(job.id)
+    got = finished(store, job.id)
+    assert got.status is JobStatus.CANCELLED and got.usage.completion_tokens < 400
+
+
+def test_warm_shutdown_finishes_the_running_job(
+    worker: tuple[str, Service], store: SyncJobStore, celery_app: Celery
+) -> None:
+    job = store.create_job(JobRequest(prompt=LONG_PROMPT, max_tokens=300, temperature=0))
+    celery_app.send_task(GENERATE_TASK, [job.id])
+    deadline = time.monotonic() + 60
+    while not store.read_log(job.id):
+        assert time.monotonic() < deadline, "no token within 60s"
+        time.sleep(0.01)
+    worker[1].stop()  # SIGTERM: Celery's warm shutdown lets running tasks end
+    got = store.get_job(job.id)
+    assert got.status is JobStatus.SUCCEEDED and got.usage.completion_tokens == 300
+    assert store.list_workers() == []  # the heartbeat goes with the worker

@@ -1,0 +1,42 @@
+"""The Celery app of the workers. Results live in the job store, so there is no result backend."""
+
+from __future__ import annotations
+
+from celery import Celery
+
+from common.settings import Settings, get_settings
+
+GENERATE_TASK = "spool.generate"
+SPARE_TASK_THREADS = 4  # beyond one per batch slot: tasks that only find a job busy or finished
+# An unacknowledged message is handed out again after this long. That is how the job of a
+# worker that died (SIGKILL, lost machine) reaches another; a redelivered job that is still
+# running under a live lease just retries until it ends (workers/tasks.py).
+VISIBILITY_TIMEOUT_S = 300
+
+
+def worker_concurrency(settings: Settings) -> int:
+    return settings.max_batch_size + SPARE_TASK_THREADS
+
+
+def make_app(settings: Settings) -> Celery:
+    app = Celery("spool", broker=settings.redis_url, include=["workers.tasks"])
+    app.conf.update(
+        task_ignore_result=True,
+        # A job's message is acknowledged when its task returns, and given back if the worker
+        # process dies, so no job is lost with a worker.
+        task_acks_late=True,
+        task_reject_on_worker_lost=True,
+        worker_prefetch_multiplier=1,
+        task_default_queue=settings.keys.queue_llm,
+        task_routes={GENERATE_TASK: {"queue": settings.keys.queue_llm}},
+        broker_transport_options={"visibility_timeout": VISIBILITY_TIMEOUT_S},
+        broker_connection_retry_on_startup=True,
+        # NOTE: CUDA is not fork-safe and the engine must be one per process: threads, no fork.
+        worker_pool="threads",
+        worker_concurrency=worker_concurrency(settings),
+        worker_cancel_long_running_tasks_on_connection_loss=False,
+    )
+    return app
+
+
+app = make_app(get_settings())
