@@ -1,0 +1,102 @@
+"""The `spool` console script: help, settings errors, and the clients against a real cluster."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+from procs import SPOOL, free_port, spool_env, wait_until
+
+from spool_cli.client import sse_events
+
+
+def spool(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [SPOOL, *args], check=False, env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def test_every_command_has_help() -> None:
+    for command in ("worker", "api", "up", "generate", "batch", "tiny-model"):
+        assert spool(command, "--help").returncode == 0
+
+
+def test_a_bad_setting_exits_2_naming_the_variable() -> None:
+    env = {**os.environ, "SPOOL_MAX_BATCH_SIZE": "0"}
+    result = spool("api", env=env)
+    assert result.returncode == 2 and "SPOOL_MAX_BATCH_SIZE" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_clients_never_import_torch() -> None:
+    code = "import sys, spool_cli.main, spool_cli.client, api.main; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
+
+
+def test_sse_parser_skips_comments_and_keeps_ids() -> None:
+    lines = [
+        ": ping",
+        "",
+        "id: 1",
+        "event: token",
+        'data: {"text": "a"}',
+        "",
+        "id: 2",
+        "event: done",
+        "data: {}",
+        "",
+    ]
+    assert list(sse_events(iter(lines))) == [("1", "token", '{"text": "a"}'), ("2", "done", "{}")]
+
+
+def test_generate_streams_the_job_text(cluster) -> None:  # type: ignore[no-untyped-def]
+    result = spool("generate", "hello", "--max-tokens", "12", "--temperature", "0", "--url", cluster.url)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.endswith("\n") and len(result.stdout) > 1
+
+
+def test_batch_writes_results_in_order(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    rows = [
+        {"custom_id": f"r{i}", "prompt": f"hello {i}", "max_tokens": 6, "temperature": 0} for i in range(3)
+    ]
+    rows.append({"custom_id": "bad", "prompt": "x", "temperature": 9})
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    result = spool("batch", str(src), "--out", str(out), "--url", cluster.url)
+    results = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["custom_id"] for r in results] == ["r0", "r1", "r2", "bad"]
+    assert [r["status"] for r in results] == ["succeeded"] * 3 + ["rejected"]
+    assert all(r["usage"]["completion_tokens"] > 0 for r in results[:3])
+    assert result.returncode == 1  # one line was rejected
+
+
+def test_up_runs_worker_and_api_and_stops_on_ctrl_c(prefixes, tiny_model: Path, log_dir: Path) -> None:  # type: ignore[no-untyped-def]
+    port = free_port()
+    env = spool_env(prefixes.new(), model=tiny_model, port=port, heartbeat_s=0.5)
+    with (log_dir / "spool-up.log").open("wb") as log:
+        proc = subprocess.Popen(
+            [SPOOL, "up"], env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    try:
+
+        def ready() -> bool:
+            try:
+                return httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=2).status_code == 200
+            except httpx.TransportError:
+                return False
+
+        wait_until(ready, "spool up: /readyz", 120)
+        os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    # Nothing of the group is left: every child stopped with it.
+    assert subprocess.run(["pgrep", "-g", str(proc.pid)], check=False, capture_output=True).stdout == b""
