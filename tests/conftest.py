@@ -8,46 +8,14 @@ log is attached to its report.
 
 from __future__ import annotations
 
-import uuid
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from collections.abc import Generator, Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 import redis
-from procs import REDIS_URL, Service, running, start_api, start_worker
-
-from common.keys import Keys
-
-
-@dataclass
-class Prefixes:
-    """Hands out unique prefixes and deletes every key under them at the end."""
-
-    client: redis.Redis
-    made: list[str] = field(default_factory=list)
-
-    def new(self) -> str:
-        prefix = f"test-{uuid.uuid4().hex[:8]}"
-        self.made.append(prefix)
-        return prefix
-
-    def cleanup(self) -> None:
-        for prefix in self.made:
-            keys = Keys(prefix)
-            # Job keys, the Celery queue lists (named after keys.queue_llm, plus kombu's
-            # priority-suffixed variants) and kombu's binding sets for those queues.
-            patterns = (
-                f"{prefix}:*",
-                f"{keys.queue_llm}*",
-                f"{keys.queue_media}*",
-                f"_kombu.binding.{prefix}.*",
-            )
-            for pattern in patterns:
-                for key in self.client.scan_iter(pattern):
-                    self.client.delete(key)
+from procs import REDIS_URL, Cluster, Prefixes, Service, running, start_api, start_worker
 
 
 @pytest.fixture(scope="session")
@@ -80,21 +48,6 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from workers.engine.tiny import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"), "llama")
-
-
-@dataclass(frozen=True)
-class Cluster:
-    prefix: str
-    worker: Service
-    api: Service
-
-    @property
-    def url(self) -> str:
-        return self.api.url
-
-    @property
-    def keys(self) -> Keys:
-        return Keys(self.prefix)
 
 
 @pytest.fixture(scope="session")
@@ -131,7 +84,9 @@ def client() -> Iterator[httpx.Client]:
 
 
 @pytest.hookimpl(wrapper=True)
-def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[Any]) -> Iterator[None]:
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[Any]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
     report = yield
     if report.failed:
         for s in running:

@@ -19,7 +19,7 @@ class LogWriter:
 
     def running_job(self, prompt: str = "hello") -> str:
         """A job created and taken, as a worker would; its log is empty."""
-        job = self.store.create_job(JobRequest(prompt=prompt, max_tokens=64))
+        job = self.store.create_job(JobRequest.model_validate({"prompt": prompt, "max_tokens": 64}))
         taken = self.store.take_job(job.id, "test-writer", "test-model")
         self._attempt[job.id], self._seq[job.id], self._tokens[job.id] = taken.attempt, 0, 0
         return job.id

@@ -12,8 +12,9 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -125,3 +126,46 @@ def start_worker(prefix: str, model: Path, log_dir: Path, name: str = "w1", **se
     key = Keys(prefix).worker(f"{prefix}-{name}")
     wait_until(lambda: bool(r.exists(key)), f"{worker.name} heartbeat", START_TIMEOUT_S, (worker,))
     return worker
+
+
+@dataclass
+class Prefixes:
+    """Hands out unique prefixes and deletes every key under them at the end."""
+
+    client: redis.Redis
+    made: list[str] = field(default_factory=list)
+
+    def new(self) -> str:
+        prefix = f"test-{uuid.uuid4().hex[:8]}"
+        self.made.append(prefix)
+        return prefix
+
+    def cleanup(self) -> None:
+        for prefix in self.made:
+            keys = Keys(prefix)
+            # Job keys, the Celery queue lists (named after keys.queue_llm, plus kombu's
+            # priority-suffixed variants) and kombu's binding sets for those queues.
+            patterns = (
+                f"{prefix}:*",
+                f"{keys.queue_llm}*",
+                f"{keys.queue_media}*",
+                f"_kombu.binding.{prefix}.*",
+            )
+            for pattern in patterns:
+                for key in self.client.scan_iter(pattern):
+                    self.client.delete(key)
+
+
+@dataclass(frozen=True)
+class Cluster:
+    prefix: str
+    worker: Service
+    api: Service
+
+    @property
+    def url(self) -> str:
+        return self.api.url
+
+    @property
+    def keys(self) -> Keys:
+        return Keys(self.prefix)

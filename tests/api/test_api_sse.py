@@ -157,7 +157,7 @@ def test_hub_reconnects_and_streams_resync(
     writer.tokens(job_id, TEXTS[0])
     wait_until(lambda: len(stream.events) == 1, "first event", 10)
     [old] = hub_client_ids(redis_client, bare_api.prefix)
-    redis_client.client_kill_filter(_id=old)
+    redis_client.client_kill_filter(_id=str(old))
     # Written while the hub has no subscription: only a re-read of the log can deliver these.
     writer.tokens(job_id, *TEXTS[1:4])
     wait_until(lambda: hub_client_ids(redis_client, bare_api.prefix) not in ([], [old]), "hub reconnect", 10)
