@@ -25,6 +25,10 @@ class Keys:
         """Pub/sub channel: the same events, live."""
         return f"{self.prefix}:job:{job_id}:events"
 
+    def job_watchers(self, job_id: str) -> str:
+        """Sorted set: the streams watching the job, from every API process (score: lease deadline)."""
+        return f"{self.prefix}:job:{job_id}:watchers"
+
     def job_events_pattern(self) -> str:
         """Pattern matching every job's channel (one subscription per API process)."""
         return f"{self.prefix}:job:*:events"

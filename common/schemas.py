@@ -59,6 +59,8 @@ class JobRequest(BaseModel):
     seed: int | None = None
     timeout_s: float | None = Field(None, gt=0)  # counted from job creation; past it the job fails
     background: bool = True  # the API answers at once; False: it waits for the result
+    user: str | None = Field(None, max_length=256)  # the end user, as the OpenAI API's `user`; stored only
+    stream_include_usage: bool = False  # OpenAI stream format: end with a usage chunk (stream_options)
 
     @field_validator("temperature", "top_p", "timeout_s")
     @classmethod
@@ -187,3 +189,5 @@ class WorkerHeartbeat(BaseModel):
     ts: float  # unix seconds of the last beat
     engine: dict[str, Any]  # engine.stats(): running, waiting, peak_batch_size, ...
     model: str
+    chat_template: bool | None = None  # the tokenizer has one (messages can be rendered); None: not said
+    max_model_len: int | None = None  # prompt + generated tokens per request

@@ -92,15 +92,16 @@ def sampling_params(r: JobRequest) -> SamplingParams:
 def prompt_of(request: JobRequest, tokenizer: Any) -> str | list[int]:
     if request.prompt is not None:
         return request.prompt
+    if not tokenizer.chat_template:
+        # NOTE: no made-up fallback format: the model was never trained on it.
+        raise ValueError("the model has no chat template, so it cannot take messages; send a prompt")
     messages = [m.model_dump() for m in request.messages or ()]
-    if tokenizer.chat_template:
-        # NOTE: token ids, not text: templates often start with BOS and encoding the rendered
-        # text would add a second one.
-        ids: list[int] = tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True, return_dict=False
-        )
-        return ids
-    return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
+    # NOTE: token ids, not text: templates often start with BOS and encoding the rendered
+    # text would add a second one.
+    ids: list[int] = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    return ids
 
 
 def new_job(taken: TakeResult) -> _Job:
@@ -345,7 +346,14 @@ class EngineRuntime:
     def _beat(self) -> None:
         while True:
             try:
-                beat = WorkerHeartbeat(name=self.name, ts=time.time(), engine=self._stats, model=self.model)
+                beat = WorkerHeartbeat(
+                    name=self.name,
+                    ts=time.time(),
+                    engine=self._stats,
+                    model=self.model,
+                    chat_template=bool(self.engine.tokenizer.chat_template),
+                    max_model_len=self.engine.max_model_len,
+                )
                 self.store.beat(beat)
                 job_ids = self.job_ids()
                 self.store.renew_leases(job_ids)
