@@ -1,0 +1,67 @@
+"""docker-compose.yml says only what the code understands: real commands, real settings."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from common.settings import ENV_PREFIX, Settings
+from spool_cli.main import parser
+
+COMPOSE = Path(__file__).resolve().parents[1] / "docker-compose.yml"
+INTERPOLATION = re.compile(r"\$\{[A-Z0-9_]+:-([^}]*)\}")  # ${VAR:-default} -> default
+
+
+@pytest.fixture(scope="module")
+def services() -> dict[str, dict[str, Any]]:
+    spec = yaml.safe_load(COMPOSE.read_text())  # safe_load resolves the `<<:` merges of the anchors
+    return spec["services"]  # type: ignore[no-any-return]
+
+
+def environment(service: dict[str, Any]) -> dict[str, str]:
+    env = service.get("environment", {})
+    if isinstance(env, list):  # the "KEY=value" form
+        env = dict(item.split("=", 1) for item in env)
+    return {k: INTERPOLATION.sub(r"\1", str(v)) for k, v in env.items()}
+
+
+def test_the_services(services: dict[str, dict[str, Any]]) -> None:
+    assert {"redis", "api", "worker"} <= set(services)
+    assert services["redis"]["command"][-2:] == ["--appendonly", "yes"]
+    assert "monitoring" in services["flower"]["profiles"]  # optional: only with --profile monitoring
+
+
+def test_commands_are_spool_subcommands(services: dict[str, dict[str, Any]]) -> None:
+    spool_commands = {
+        name: s["command"] for name, s in services.items() if s.get("command", [""])[0] == "spool"
+    }
+    assert set(spool_commands) == {"api", "worker"}
+    for name, command in spool_commands.items():
+        args = parser().parse_args(command[1:])  # exits (fails the test) on an unknown command or option
+        assert args.command == name
+    assert parser().parse_args(spool_commands["api"][1:]).host == "0.0.0.0"  # reachable from outside
+
+
+def test_spool_variables_are_settings(services: dict[str, dict[str, Any]]) -> None:
+    seen = 0
+    for name, service in services.items():
+        values = {
+            k.removeprefix(ENV_PREFIX).lower(): v
+            for k, v in environment(service).items()
+            if k.startswith(ENV_PREFIX)
+        }
+        unknown = set(values) - set(Settings.model_fields)
+        assert not unknown, f"{name}: {sorted(unknown)} are not Settings fields"
+        Settings(**values)  # type: ignore[arg-type]  # and each value is valid for its field
+        seen += len(values)
+    assert seen > 0
+
+
+def test_worker_reserves_a_gpu(services: dict[str, dict[str, Any]]) -> None:
+    [device] = services["worker"]["deploy"]["resources"]["reservations"]["devices"]
+    assert "gpu" in device["capabilities"]
+    assert environment(services["worker"])["SPOOL_DEVICE"].startswith("cuda")
