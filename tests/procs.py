@@ -144,12 +144,13 @@ class Prefixes:
         for prefix in self.made:
             keys = Keys(prefix)
             # Job keys, the Celery queue lists (named after keys.queue_llm, plus kombu's
-            # priority-suffixed variants) and kombu's binding sets for those queues.
+            # priority-suffixed variants) and kombu's binding keys for those queues
+            # (_kombu.binding.Q and _kombu.binding_permanent.Q).
             patterns = (
                 f"{prefix}:*",
                 f"{keys.queue_llm}*",
                 f"{keys.queue_media}*",
-                f"_kombu.binding.{prefix}.*",
+                f"_kombu.binding*.{prefix}.*",
             )
             for pattern in patterns:
                 for key in self.client.scan_iter(pattern):
