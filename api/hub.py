@@ -15,6 +15,7 @@ import logging
 from collections.abc import Iterator
 from typing import Final
 
+from pydantic import ValidationError
 from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -110,9 +111,15 @@ class Hub:
         watchers = self._inboxes.get(self._keys.job_id_from_channel(channel))
         if not watchers:
             return
-        event = LogEntry.decode(data)
+        item: Item
+        try:
+            item = LogEntry.decode(data)
+        except ValidationError:
+            # Whatever was published, the log holds the real event: let the streams re-read it.
+            log.warning("malformed event on %s: %.200r", channel, data)
+            item = RESYNC
         for inbox in watchers:
-            self._put(inbox, event)
+            self._put(inbox, item)
 
     def _broadcast_resync(self) -> None:
         for watchers in self._inboxes.values():

@@ -184,3 +184,19 @@ def test_closed_streams_are_released(bare_api: Service, writer: LogWriter, clien
         return float(line.split()[1])
 
     wait_until(lambda: open_streams() == 0, "dropped streams to unsubscribe", 10)
+
+
+def test_malformed_publish_does_not_break_the_hub(
+    bare_api: Service, writer: LogWriter, reader: Callable[[str], Reader], redis_client: redis.Redis
+) -> None:
+    job_id = writer.running_job()
+    stream = reader(job_id)
+    writer.tokens(job_id, TEXTS[0])
+    wait_until(lambda: len(stream.events) == 1, "first event", 10)
+    hub_before = hub_client_ids(redis_client, bare_api.prefix)
+    redis_client.publish(writer.store.keys.job_events(job_id), b"not json")
+    writer.tokens(job_id, *TEXTS[1:])
+    writer.finish(job_id)
+    assert check_full_stream(stream.result()) == "".join(TEXTS)
+    # Same subscription: the hub skipped the message rather than dying with it.
+    assert hub_client_ids(redis_client, bare_api.prefix) == hub_before
