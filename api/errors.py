@@ -120,6 +120,11 @@ async def _backend_down(_: Request, exc: Exception) -> JSONResponse:
     )
 
 
+async def _internal(_: Request, exc: Exception) -> JSONResponse:
+    # Starlette logs the traceback; the client gets the envelope, without internals.
+    return _respond(ApiError(500, "Internal server error", code="internal_error"))
+
+
 def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(HTTPException, _http_error)
@@ -128,3 +133,4 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(Conflict, _conflict)
     for exc in (RedisConnectionError, RedisTimeoutError, BrokerError):
         app.add_exception_handler(exc, _backend_down)
+    app.add_exception_handler(Exception, _internal)  # the last resort, answered as a 500

@@ -8,9 +8,13 @@ from typing import Any
 
 import httpx
 import pytest
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
 from joblog import LogWriter
 from procs import Prefixes, Service, free_port, start_api
 from sse_client import read_events
+
+from api.errors import install_error_handlers
 
 ENVELOPE_FIELDS = {"message", "type", "param", "code"}
 
@@ -148,3 +152,17 @@ def test_redis_down_is_503(api_without_redis: Service, client: httpx.Client) -> 
         client.get(f"{url}/v1/jobs/{'a' * 32}"),
     ):
         assert error_of(r, 503)["code"] == "backend_unavailable"
+
+
+def test_unexpected_exception_is_a_500_envelope() -> None:
+    """In-process, on a bare app with the handlers: nothing in Spool raises on purpose to test this."""
+    app = FastAPI()
+    install_error_handlers(app)
+
+    @app.get("/boom")
+    async def boom() -> None:
+        raise RuntimeError("secret internals")
+
+    r = TestClient(app, raise_server_exceptions=False).get("/boom")
+    assert error_of(r, 500)["code"] == "internal_error"
+    assert "secret" not in r.text
