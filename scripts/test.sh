@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Fresh machine to a tested tree: installs into .venv with the test extras, then runs pytest.
+# The tests start what they need themselves (celery workers, uvicorn, extra redis-servers);
+# they use the Redis at SPOOL_TEST_REDIS_URL (default 127.0.0.1:6379) under private key
+# prefixes, and when none answers there this script starts a private redis-server.
+# Extra arguments go to pytest (e.g. scripts/test.sh tests/engine -x).
+set -euo pipefail
+source "$(dirname "$0")/bootstrap.sh" test "[test]"
+
+url="${SPOOL_TEST_REDIS_URL:-redis://127.0.0.1:6379/0}"
+if ! python -c "import redis,sys; redis.Redis.from_url(sys.argv[1]).ping()" "$url" 2>/dev/null; then
+  dir="$(mktemp -d)"
+  port="$(python -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
+  redis-server --port "$port" --bind 127.0.0.1 --save "" --appendonly no --dir "$dir" --daemonize yes \
+    --pidfile "$dir/redis.pid" --logfile "$dir/redis.log"
+  trap 'kill "$(cat "$dir/redis.pid")" 2>/dev/null; rm -rf "$dir"' EXIT
+  url="redis://127.0.0.1:$port/0"
+  python -c "
+import redis, sys, time
+r = redis.Redis.from_url(sys.argv[1]); deadline = time.monotonic() + 10
+while True:
+    try:
+        r.ping(); break
+    except redis.ConnectionError:
+        if time.monotonic() > deadline: raise
+        time.sleep(0.05)
+" "$url"
+fi
+export SPOOL_TEST_REDIS_URL="$url"
+python -m pytest "$@"
