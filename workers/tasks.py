@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from celery import Task, signals
+from redis.exceptions import RedisError
 
 from common.settings import get_settings
 from workers.celery_app import GENERATE_TASK, app
@@ -32,7 +33,16 @@ def stop_runtime(**_: Any) -> None:
         _runtime.close()
 
 
-@app.task(name=GENERATE_TASK, bind=True, max_retries=None)
+# NOTE: a Redis error (e.g. while taking the job) must not drop the message: the job would
+# stay queued forever. Retry with backoff instead.
+@app.task(
+    name=GENERATE_TASK,
+    bind=True,
+    max_retries=None,
+    autoretry_for=(RedisError,),
+    retry_backoff=True,
+    retry_backoff_max=30,
+)
 def generate(self: Task, job_id: str) -> None:
     if _runtime is None:
         raise RuntimeError("the engine runtime starts with the worker (worker_init); none is running")
