@@ -10,7 +10,7 @@ import os
 from functools import lru_cache
 from typing import Literal
 
-from pydantic import Field, ValidationError, field_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from common.keys import Keys
@@ -49,9 +49,11 @@ class Settings(BaseSettings):
     api_keys: str = ""  # comma-separated; empty disables authentication
 
     # Workers (liveness)
+    # A killed worker's jobs are taken over about max(lease_s, heartbeat_ttl_s) + heartbeat_s
+    # after its last beat: another worker's sweep finds the lapsed lease (workers/reaper.py).
     heartbeat_s: float = Field(2.0, gt=0)
     heartbeat_ttl_s: float = Field(10.0, gt=0)
-    lease_s: float = Field(30.0, gt=0)  # a running job whose lease lapses is taken over
+    lease_s: float = Field(20.0, gt=0)  # a running job whose lease lapses is taken over
     worker_name: str = ""  # empty: celery's hostname
 
     # API process
@@ -65,6 +67,15 @@ class Settings(BaseSettings):
         if v != "cpu" and v != "mps" and not (v == "cuda" or v.startswith("cuda:")):
             raise ValueError("must be cpu, cuda, cuda:N or mps")
         return v
+
+    @model_validator(mode="after")
+    def _liveness(self) -> Settings:
+        # A worker renews its heartbeat and leases every heartbeat_s; either lapsing between two
+        # beats would make live workers look dead.
+        for name in ("heartbeat_ttl_s", "lease_s"):
+            if getattr(self, name) <= self.heartbeat_s:
+                raise ValueError(f"{ENV_PREFIX}{name.upper()} must be longer than {ENV_PREFIX}HEARTBEAT_S")
+        return self
 
     @property
     def keys(self) -> Keys:
@@ -85,7 +96,10 @@ def load_settings(**overrides: object) -> Settings:
         return Settings(**overrides)  # type: ignore[arg-type]
     except ValidationError as e:
         problems = "; ".join(
-            f"{ENV_PREFIX}{'.'.join(str(p) for p in err['loc']).upper()}: {err['msg']}" for err in e.errors()
+            f"{ENV_PREFIX}{'.'.join(str(p) for p in err['loc']).upper()}: {err['msg']}"
+            if err["loc"]
+            else err["msg"].removeprefix("Value error, ")
+            for err in e.errors()
         )
         raise SettingsError(f"invalid settings: {problems}") from None
 

@@ -8,9 +8,9 @@ parsers below. Every status transition is one Lua script, so it is atomic withou
 from __future__ import annotations
 
 import enum
+import secrets
 import time
-import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -132,6 +132,45 @@ return status
 """
 
 
+# KEYS: running zset, job hash, job hash, ... ARGV: lease deadline, job id, attempt, job id, attempt, ...
+# Renews the leases of the jobs a worker still holds (attempt unchanged); returns the ids it lost.
+# Fenced like the appends: a worker that was taken over must not keep the new holder's lease alive.
+RENEW_LUA = """
+local lost = {}
+for i = 2, #KEYS do
+  local id, attempt = ARGV[2 * i - 2], ARGV[2 * i - 1]
+  if redis.call('HGET', KEYS[i], 'attempt') == attempt and redis.call('HGET', KEYS[i], 'status') == 'running' then
+    redis.call('ZADD', KEYS[1], 'XX', ARGV[1], id)
+  else
+    lost[#lost + 1] = id
+  end
+end
+return lost
+"""
+
+# KEYS: job hash, running zset, queued zset. ARGV: job id, now, min gap between two requeues (s).
+# The claim that makes one worker, and only one, send a job's message again: a running job whose
+# lease lapsed (its worker died), or a queued job whose message may have been lost. Once per gap,
+# so a requeue that itself got lost is retried, and duplicates stay rare (they are harmless).
+REQUEUE_LUA = """
+local status = redis.call('HGET', KEYS[1], 'status')
+if status == 'running' then
+  local lease = redis.call('ZSCORE', KEYS[2], ARGV[1])
+  if lease and tonumber(lease) > tonumber(ARGV[2]) then return 0 end
+elseif status == 'queued' then
+  if not redis.call('ZSCORE', KEYS[3], ARGV[1]) then return 0 end
+else
+  redis.call('ZREM', KEYS[2], ARGV[1])
+  redis.call('ZREM', KEYS[3], ARGV[1])
+  return 0
+end
+local last = tonumber(redis.call('HGET', KEYS[1], 'requeued_at') or '0')
+if last > tonumber(ARGV[2]) - tonumber(ARGV[3]) then return 0 end
+redis.call('HSET', KEYS[1], 'requeued_at', ARGV[2])
+return 1
+"""
+
+
 @dataclass(frozen=True)
 class JobRecord:
     """Everything stored about a job: the API view plus what only the server needs."""
@@ -186,8 +225,11 @@ class Append:
 ScriptCall = tuple[list[str], list[Any]]  # (KEYS, ARGV) of one Lua script call
 
 
+JOB_ID_BYTES = 16  # 128 random bits: a job id is its own capability, so it must not be guessable
+
+
 def new_job_id() -> str:
-    return uuid.uuid4().hex
+    return secrets.token_hex(JOB_ID_BYTES)
 
 
 def new_job_fields(job_id: str, request: JobRequest, owner: str, now: float) -> dict[str, str]:
@@ -347,6 +389,8 @@ class SyncJobStore(_Base):
         self._take = client.register_script(TAKE_LUA)
         self._cancel = client.register_script(CANCEL_LUA)
         self._append = client.register_script(APPEND_LUA)
+        self._renew = client.register_script(RENEW_LUA)
+        self._requeue = client.register_script(REQUEUE_LUA)
 
     @classmethod
     def from_settings(cls, settings: Settings) -> SyncJobStore:
@@ -413,12 +457,56 @@ class SyncJobStore(_Base):
                 raise r
         return replies
 
-    def renew_leases(self, job_ids: Iterable[str]) -> None:
+    def renew_leases(self, held: Mapping[str, int]) -> list[str]:
+        """Extend the leases of the jobs this worker holds (job id -> attempt); returns those it lost.
+
+        A job is lost when another worker took it over (its attempt moved on) or it ended.
+        """
+        if not held:
+            return []
         deadline = time.time() + self.settings.lease_s
-        ids = list(job_ids)
-        if ids:
-            # XX: never re-add a job that finished meanwhile.
-            self.redis.zadd(self.keys.running_jobs(), dict.fromkeys(ids, deadline), xx=True)
+        keys = [self.keys.running_jobs(), *(self.keys.job(j) for j in held)]
+        args: list[Any] = [repr(deadline)]
+        for job_id, attempt in held.items():
+            args += [job_id, str(attempt)]
+        return list(self._renew(keys, args))
+
+    def lapsed_leases(self, now: float, limit: int = 100) -> list[tuple[str, str]]:
+        """(job id, worker) of running jobs whose lease lapsed: their worker stopped renewing it."""
+        ids = self.redis.zrangebyscore(self.keys.running_jobs(), "-inf", now, start=0, num=limit)
+        if not ids:
+            return []
+        pipe = self.redis.pipeline(transaction=False)
+        for job_id in ids:
+            pipe.hget(self.keys.job(job_id), "worker")
+        return [(j, w or "") for j, w in zip(ids, pipe.execute(), strict=True)]
+
+    def stale_queued(self, queued_before: float, limit: int = 100) -> list[str]:
+        """Jobs queued since before ``queued_before`` although the Celery queue is empty.
+
+        With messages in the queue, old queued jobs are just waiting their turn; with none, a job
+        still queued long after it was sent lost its message (e.g. Redis went down as a worker
+        received it), and only sending it again runs it.
+        """
+        if self.redis.llen(self.keys.queue_llm):
+            return []
+        ids = self.redis.zrangebyscore(self.keys.queued_jobs(), "-inf", queued_before, start=0, num=limit)
+        return list(ids)
+
+    def live_workers(self, names: Iterable[str]) -> set[str]:
+        """Which of these workers have a live heartbeat."""
+        names = sorted(set(names))
+        if not names:
+            return set()
+        pipe = self.redis.pipeline(transaction=False)
+        for name in names:
+            pipe.exists(self.keys.worker(name))
+        return {n for n, alive in zip(names, pipe.execute(), strict=True) if alive}
+
+    def claim_requeue(self, job_id: str, now: float, min_gap_s: float) -> bool:
+        """Atomically claim sending this job's message again; True for exactly one claimer per gap."""
+        keys = [self.keys.job(job_id), self.keys.running_jobs(), self.keys.queued_jobs()]
+        return bool(self._requeue(keys, [job_id, repr(now), repr(min_gap_s)]))
 
     def cancel_requested(self, job_ids: Sequence[str]) -> list[str]:
         """Which of these jobs a client asked to cancel (covers cancel messages missed on pub/sub)."""

@@ -8,10 +8,11 @@ from common.settings import Settings, get_settings
 
 GENERATE_TASK = "spool.generate"
 SPARE_TASK_THREADS = 4  # beyond one per batch slot: tasks that only find a job busy or finished
-# An unacknowledged message is handed out again after this long. That is how the job of a
-# worker that died (SIGKILL, lost machine) reaches another; a redelivered job that is still
-# running under a live lease just retries until it ends (workers/tasks.py).
-VISIBILITY_TIMEOUT_S = 300
+# An unacknowledged message is handed out again after this long. It is only the last resort:
+# the job of a worker that died (SIGKILL, lost machine) is found by the other workers' sweeps
+# within a lease (SPOOL_LEASE_S, workers/reaper.py) and requeued; a redelivered message whose
+# job is running or finished meanwhile is dropped (workers/tasks.py).
+VISIBILITY_TIMEOUT_S = 3600
 
 
 def worker_concurrency(settings: Settings) -> int:

@@ -39,7 +39,9 @@ class JobCursor:
 def _final(delta: Delta, cursor: JobCursor) -> Final:
     ended_early = delta.finish_reason in (FinishReason.CANCELLED, FinishReason.ERROR)
     if ended_early and cursor.error is not None:
-        return Final(JobStatus.FAILED, "error", cursor.error)
+        # A job past its timeout_s ends with finish reason "timeout"; other runtime errors "error".
+        reason = "timeout" if cursor.error.type == "timeout" else "error"
+        return Final(JobStatus.FAILED, reason, cursor.error)
     if delta.finish_reason is FinishReason.ERROR:
         return Final(
             JobStatus.FAILED, "error", JobError(message=delta.error or "engine error", type="engine_error")

@@ -6,8 +6,9 @@ inbox's commands (add, abort), ``engine.step()``, write the step's events in one
 wake the task threads whose jobs ended. With nothing to run it blocks on the inbox.
 
 Two helper threads: a cancel listener (``{p}:cancel`` pub/sub) and the heartbeat, which also
-renews the leases of this worker's jobs and re-reads their cancel flags in case a pub/sub
-message was missed.
+renews the leases of this worker's jobs (dropping those another worker took over), re-reads
+their cancel flags in case a pub/sub message was missed, and sweeps for jobs whose worker died
+(workers/reaper.py).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from common.store import SyncJobStore, TakeResult, TakeStatus
 from workers.engine import Delta, Engine, EngineConfig, FinishReason, RequestTooLongError, SamplingParams
 from workers.engine.tiny import default_model_path
 from workers.publisher import JobCursor, Publisher
+from workers.reaper import Reaper, Requeue
 
 log = logging.getLogger(__name__)
 
@@ -138,13 +140,22 @@ def end_delta(job: _Job, reason: FinishReason, error: str | None = None) -> Delt
 
 class EngineRuntime:
     def __init__(
-        self, engine: Engine, store: SyncJobStore, settings: Settings, name: str, model: str
+        self,
+        engine: Engine,
+        store: SyncJobStore,
+        settings: Settings,
+        name: str,
+        model: str,
+        requeue: Requeue | None = None,
     ) -> None:
         self.engine = engine
         self.store = store
         self.settings = settings
         self.name = name  # heartbeat key and the job hash's `worker`
         self.model = model  # shown in heartbeats and jobs
+        # Sends a job's message again (the Celery app's send_task); None: no sweep for orphans.
+        self._reaper = Reaper(store, name, requeue) if requeue is not None else None
+        self.requeued = 0  # jobs this worker's sweeps requeued, for the logs and tests
         self._stop = threading.Event()
         self._inbox: queue.SimpleQueue[_Add | _Abort | object] = queue.SimpleQueue()
         self._jobs: dict[str, _Job] = {}
@@ -159,7 +170,7 @@ class EngineRuntime:
         ]
 
     @classmethod
-    def from_settings(cls, settings: Settings, name: str) -> EngineRuntime:
+    def from_settings(cls, settings: Settings, name: str, requeue: Requeue | None = None) -> EngineRuntime:
         """Load the model and start the threads (the worker's first heartbeat follows)."""
         path = settings.model or str(default_model_path())
         engine = Engine(
@@ -174,7 +185,7 @@ class EngineRuntime:
             )
         )
         model = settings.served_model_name or settings.model or "spool-default"
-        runtime = cls(engine, SyncJobStore.from_settings(settings), settings, name, model)
+        runtime = cls(engine, SyncJobStore.from_settings(settings), settings, name, model, requeue)
         runtime.start()
         return runtime
 
@@ -223,6 +234,11 @@ class EngineRuntime:
     def job_ids(self) -> list[str]:
         with self._lock:
             return list(self._jobs)
+
+    def held(self) -> dict[str, int]:
+        """The jobs this worker runs, with the attempt that fences its writes."""
+        with self._lock:
+            return {job_id: j.cursor.attempt for job_id, j in self._jobs.items()}
 
     # -- the engine thread -----------------------------------------------------------------------
 
@@ -344,6 +360,7 @@ class EngineRuntime:
                 pubsub.close()
 
     def _beat(self) -> None:
+        connected_since: float | None = None  # start of the current run of successful beats
         while True:
             try:
                 beat = WorkerHeartbeat(
@@ -355,11 +372,18 @@ class EngineRuntime:
                     max_model_len=self.engine.max_model_len,
                 )
                 self.store.beat(beat)
-                job_ids = self.job_ids()
-                self.store.renew_leases(job_ids)
-                for job_id in self.store.cancel_requested(job_ids):
+                connected_since = connected_since or beat.ts
+                held = self.held()
+                for job_id in self.store.renew_leases(held):
+                    # Taken over while this worker could not renew (frozen, cut off): stop it
+                    # now; its writes are refused anyway (fencing), so it ends as LOST.
+                    log.warning("lost the lease of job %s; dropping it", job_id)
                     self.abort(job_id)
+                for job_id in self.store.cancel_requested(list(held)):
+                    self.abort(job_id)
+                self._sweep(set(held), time.time() - connected_since >= self.settings.heartbeat_ttl_s)
             except RedisError as e:
+                connected_since = None
                 log.warning("heartbeat failed: %s", e)
             if self._stop.wait(self.settings.heartbeat_s):
                 break
@@ -367,3 +391,13 @@ class EngineRuntime:
             self.store.remove_heartbeat(self.name)  # a stopped worker is not ready at once
         except RedisError:
             pass
+
+    def _sweep(self, mine: set[str], others_too: bool) -> None:
+        if self._reaper is None or self._stop.is_set():
+            return
+        try:
+            self.requeued += len(self._reaper.sweep(mine, others_too))
+        except RedisError:
+            raise
+        except Exception:  # e.g. the broker refused the message: the claim lapses, the next sweep retries
+            log.exception("sweep for orphaned jobs failed")

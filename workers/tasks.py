@@ -15,16 +15,21 @@ from common.settings import get_settings
 from workers.celery_app import GENERATE_TASK, app
 from workers.runtime import EngineRuntime, Outcome
 
-RETRY_MARGIN_S = 0.5  # past the other worker's lease deadline
+RETRY_MARGIN_S = 0.5  # past this worker's lease deadline
 
 _runtime: EngineRuntime | None = None
+
+
+def requeue(job_id: str) -> None:
+    """Send a job's message again (the runtime's sweep found it orphaned: workers/reaper.py)."""
+    app.send_task(GENERATE_TASK, args=[job_id], queue=get_settings().keys.queue_llm)
 
 
 @signals.worker_init.connect
 def start_runtime(sender: Any, **_: Any) -> None:
     global _runtime
     settings = get_settings()
-    _runtime = EngineRuntime.from_settings(settings, settings.worker_name or sender.hostname)
+    _runtime = EngineRuntime.from_settings(settings, settings.worker_name or sender.hostname, requeue)
 
 
 @signals.worker_shutdown.connect
@@ -47,9 +52,8 @@ def generate(self: Task, job_id: str) -> None:
     if _runtime is None:
         raise RuntimeError("the engine runtime starts with the worker (worker_init); none is running")
     result = _runtime.run_job(job_id)
-    if result.outcome is Outcome.BUSY:
-        # Another worker runs it. Ask again when its lease would lapse: if that worker died,
-        # this one takes the job over and resumes from the stored tokens.
-        raise self.retry(countdown=result.retry_in_s + RETRY_MARGIN_S)
+    # BUSY: a duplicate message (a requeue that raced the old worker's return, or the broker's
+    # redelivery after its visibility timeout) while a live worker runs the job. Dropping it is
+    # safe: should that worker die, the sweep (workers/reaper.py) sends the job again.
     if result.outcome is Outcome.SHUTDOWN:
         raise self.retry(countdown=get_settings().lease_s + RETRY_MARGIN_S)

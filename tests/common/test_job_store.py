@@ -161,9 +161,51 @@ def test_renew_leases_keeps_the_job(store: SyncJobStore) -> None:
     job = store.create_job(JobRequest(prompt="hello"))
     store.take_job(job.id, "w1", "tiny")
     store.redis.zadd(store.keys.running_jobs(), {job.id: time.time() - 1})
-    store.renew_leases([job.id, "finished-meanwhile"])
+    assert store.renew_leases({job.id: 1, "finished-meanwhile": 1}) == ["finished-meanwhile"]
     assert store.take_job(job.id, "w2", "tiny").status is TakeStatus.BUSY
     assert store.redis.zscore(store.keys.running_jobs(), "finished-meanwhile") is None
+
+
+def test_renew_leases_is_fenced(store: SyncJobStore) -> None:
+    """A worker that was taken over cannot keep the new holder's lease alive."""
+    job = store.create_job(JobRequest(prompt="hello"))
+    store.take_job(job.id, "w1", "tiny")
+    store.redis.zadd(store.keys.running_jobs(), {job.id: time.time() - 1})
+    assert store.take_job(job.id, "w2", "tiny").attempt == 2
+    store.redis.zadd(store.keys.running_jobs(), {job.id: time.time() - 1})  # w2 died too
+    assert store.renew_leases({job.id: 1}) == [job.id]  # w1 comes back: not its job any more
+    assert store.redis.zscore(store.keys.running_jobs(), job.id) < time.time()
+
+
+def test_requeue_claim_is_once_per_gap(store: SyncJobStore) -> None:
+    job = store.create_job(JobRequest(prompt="hello"))
+    store.take_job(job.id, "w1", "tiny")
+    now = time.time()
+    assert not store.claim_requeue(job.id, now, 10)  # its lease is live
+    assert store.lapsed_leases(now) == []
+    store.redis.zadd(store.keys.running_jobs(), {job.id: now - 1})
+    assert store.lapsed_leases(now) == [(job.id, "w1")]
+    assert store.live_workers(["w1"]) == set()
+    assert [store.claim_requeue(job.id, now, 10) for _ in range(3)] == [True, False, False]
+    assert store.claim_requeue(job.id, now + 11, 10)  # the requeue got lost: claim again
+    store.append_batch([Append(job.id, 1, [done(1)], 1, 0, Final(JobStatus.SUCCEEDED, "stop"))])
+    assert not store.claim_requeue(job.id, now + 30, 10)
+
+
+def test_stale_queued_only_with_an_empty_celery_queue(store: SyncJobStore) -> None:
+    job = store.create_job(JobRequest(prompt="hello"))
+    later = time.time() + 1
+    assert store.stale_queued(later) == [job.id]
+    store.redis.rpush(store.keys.queue_llm, "a message")
+    assert store.stale_queued(later) == []
+    store.redis.delete(store.keys.queue_llm)
+    assert store.stale_queued(later - 60) == []  # not old enough
+    assert store.claim_requeue(job.id, later, 10) and not store.claim_requeue(job.id, later, 10)
+
+
+def test_job_ids_carry_128_random_bits(store: SyncJobStore) -> None:
+    ids = {store.create_job(JobRequest(prompt="p")).id for _ in range(3)}
+    assert len(ids) == 3 and all(len(i) == 32 and int(i, 16) >= 0 for i in ids)
 
 
 def test_cancel_queued_job_writes_the_terminal_event(store: SyncJobStore) -> None:

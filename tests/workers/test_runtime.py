@@ -142,6 +142,7 @@ def test_timeout_before_the_engine(runtime: EngineRuntime, store: SyncJobStore) 
     assert runtime.run_job(job.id).outcome is Outcome.FINISHED
     got = store.get_job(job.id)
     assert got.status is JobStatus.FAILED and got.error is not None and got.error.type == "timeout"
+    assert got.finish_reason == "timeout"
 
 
 def test_timeout_in_the_engine(runtime: EngineRuntime, store: SyncJobStore, reference: Engine) -> None:
@@ -153,6 +154,7 @@ def test_timeout_in_the_engine(runtime: EngineRuntime, store: SyncJobStore, refe
     assert runtime.run_job(job.id).outcome is Outcome.FINISHED
     got = store.get_job(job.id)
     assert got.status is JobStatus.FAILED and got.error is not None and got.error.type == "timeout"
+    assert got.finish_reason == "timeout"
     assert got.finished_at is not None and got.finished_at >= job.created_at + timeout
     assert got.usage.completion_tokens < 400
     check_log(store, got)

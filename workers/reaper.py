@@ -1,0 +1,72 @@
+"""Finds the jobs nobody runs any more and sends their messages again, so another worker takes them.
+
+Every live worker runs a sweep from its heartbeat thread, so recovery needs no extra process:
+
+- A running job whose lease lapsed (its worker stopped renewing it: killed, frozen, cut off) and
+  whose worker has no live heartbeat is requeued. The take-over then happens in ``take_job``
+  (attempt + 1 fences the old worker out) and the runtime resumes from the stored tokens. A job
+  whose worker is this very one, restarted (same name), is requeued without waiting for the
+  heartbeat, since this process knows it does not run it.
+- A queued job that has waited longer than a lease while the Celery queue is empty lost its
+  message (Redis went down as a worker received it, or the API died between storing the job and
+  sending it): it is sent again.
+
+Celery's visibility timeout would also redeliver a dead worker's message, but only after it
+expires (minutes, and it must exceed the longest job); the sweep acts within a lease.
+``claim_requeue`` (one Lua call) makes exactly one worker send each requeue, and duplicates are
+harmless anyway: a second message finds the job running or finished and is dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
+
+from common.store import SyncJobStore
+
+log = logging.getLogger(__name__)
+
+Requeue = Callable[[str], None]  # sends the job's task message (Celery's send_task, by name)
+
+
+@dataclass(frozen=True)
+class Requeued:
+    job_id: str
+    reason: str  # "lease lapsed" | "message lost"
+    previous_worker: str  # the worker whose lease lapsed; empty for a queued job
+
+
+class Reaper:
+    def __init__(self, store: SyncJobStore, name: str, requeue: Requeue) -> None:
+        self.store = store
+        self.name = name  # this worker's name, as in the job hashes' `worker`
+        self.requeue = requeue
+        self.settings = store.settings
+
+    def sweep(self, mine: Collection[str], others_too: bool) -> list[Requeued]:
+        """Requeue what lost its worker; ``mine``: the jobs this process runs now.
+
+        ``others_too`` is False until this worker has been connected to Redis for a whole
+        heartbeat TTL: after an outage every worker's heartbeat and leases may have lapsed,
+        and the live ones must get the time to beat again before their jobs count as orphans.
+        """
+        now = time.time()
+        done: list[Requeued] = []
+        lapsed = [(j, w) for j, w in self.store.lapsed_leases(now) if j not in mine]
+        alive = self.store.live_workers(w for _, w in lapsed if w != self.name) if others_too else set()
+        for job_id, worker in lapsed:
+            if worker == self.name or (others_too and worker not in alive):
+                done += self._requeue(job_id, now, "lease lapsed", worker)
+        if others_too:
+            for job_id in self.store.stale_queued(now - self.settings.lease_s):
+                done += self._requeue(job_id, now, "message lost", "")
+        return done
+
+    def _requeue(self, job_id: str, now: float, reason: str, worker: str) -> list[Requeued]:
+        if not self.store.claim_requeue(job_id, now, self.settings.lease_s):
+            return []
+        self.requeue(job_id)
+        log.warning("requeued job %s (%s; it was on %r)", job_id, reason, worker)
+        return [Requeued(job_id, reason, worker)]
