@@ -65,8 +65,9 @@ async def _inbox(job: JobDep, services: ServicesDep) -> AsyncIterator[Inbox]:
     # A dependency, not a ``with`` inside the stream's generator: FastAPI closes dependencies
     # when the request ends, while a generator abandoned by a client that hung up is only
     # finalized whenever the garbage collector gets to it, leaving its subscription behind.
-    with services.hub.watch(job.id) as inbox:
-        yield inbox
+    async with services.watchers.watch(job.id):
+        with services.hub.watch(job.id) as inbox:
+            yield inbox
 
 
 InboxDep = Annotated[Inbox, Depends(_inbox)]

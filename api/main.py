@@ -6,7 +6,7 @@ from fastapi import FastAPI
 
 from api.errors import install_error_handlers
 from api.limits import BodyLimitMiddleware
-from api.routes import health, jobs
+from api.routes import health, jobs, openai
 from api.services import lifespan
 from common.settings import Settings, get_settings
 
@@ -19,6 +19,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     app.include_router(jobs.router)
     app.include_router(health.router)
+    app.include_router(openai.router)
     return app
 
 

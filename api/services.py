@@ -12,6 +12,7 @@ from fastapi import FastAPI
 from api.enqueue import Enqueuer
 from api.hub import Hub
 from api.metrics import Metrics
+from api.openai_compat.detach import Watchers
 from common.settings import Settings
 from common.store import AsyncJobStore
 
@@ -23,6 +24,7 @@ class Services:
     hub: Hub
     enqueuer: Enqueuer
     metrics: Metrics
+    watchers: Watchers  # streams per job across API processes; cancels abandoned foreground jobs
 
 
 @asynccontextmanager
@@ -32,10 +34,13 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     enqueuer = Enqueuer(settings)
     await hub.start()
     store = AsyncJobStore.from_settings(settings)
-    app.state.services = Services(settings, store, hub, enqueuer, Metrics(hub))
+    watchers = Watchers(store, settings.detach_grace_s)
+    await watchers.start()
+    app.state.services = Services(settings, store, hub, enqueuer, Metrics(hub), watchers)
     try:
         yield
     finally:
+        await watchers.stop()
         await hub.stop()
         enqueuer.close()
         await store.close()

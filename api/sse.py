@@ -9,13 +9,19 @@ have missed some) it re-reads the log from the cursor. No gap, no duplicate.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from fastapi.sse import ServerSentEvent
 
 from api.hub import Inbox
 from common.schemas import LogEntry
 from common.store import AsyncJobStore
+
+Render = Callable[[LogEntry], list[ServerSentEvent]]  # a log entry as the events a client gets
+
+
+def to_sse_list(entry: LogEntry) -> list[ServerSentEvent]:
+    return [to_sse(entry)]
 
 
 def to_sse(entry: LogEntry) -> ServerSentEvent:
@@ -27,7 +33,12 @@ def to_sse(entry: LogEntry) -> ServerSentEvent:
 
 
 async def relay(
-    store: AsyncJobStore, inbox: Inbox, job_id: str, after: int, ping_s: float
+    store: AsyncJobStore,
+    inbox: Inbox,
+    job_id: str,
+    after: int,
+    ping_s: float,
+    render: Render = to_sse_list,
 ) -> AsyncIterator[ServerSentEvent]:
     """Yield the job's events with seq > ``after``, then close after the terminal one.
 
@@ -39,7 +50,8 @@ async def relay(
         # after the terminal event, that entry is how we know to close at once.
         for entry in await store.read_log(job_id, after=max(last - 1, 0)):
             if entry.seq > last:
-                yield to_sse(entry)
+                for event in render(entry):
+                    yield event
                 last = entry.seq
             if entry.terminal:
                 return
@@ -55,7 +67,8 @@ async def relay(
                 break  # RESYNC (the hub may have missed events), or this one skips ahead: re-read
             if item.seq <= last:
                 continue  # already sent from the log
-            yield to_sse(item)
+            for event in render(item):
+                yield event
             last = item.seq
             if item.terminal:
                 return

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from typing import Literal
 
 from fastapi import APIRouter, Response
 from fastapi.sse import EventSourceResponse, ServerSentEvent
 
 from api.deps import CursorDep, InboxDep, JobDep, JobId, ServicesDep
 from api.errors import ApiError
-from api.sse import relay
+from api.openai_compat.stream import openai_view
+from api.services import Services
+from api.sse import relay, to_sse_list
 from common.schemas import Job, JobRequest
 from common.store import QueueFull
 
@@ -23,6 +26,16 @@ RETRY_AFTER_S = 2  # a full queue drains at the workers' pace; retrying sooner o
 )
 async def create_job(body: JobRequest, services: ServicesDep, response: Response) -> Job:
     """Queue a job; with ``"background": false`` wait for it and answer 200 with the result."""
+    job = await submit_job(services, body)
+    response.headers["Location"] = f"/v1/jobs/{job.id}"
+    if body.background:
+        return job
+    response.status_code = 200
+    return await wait_for_job(services, job.id)
+
+
+async def submit_job(services: Services, body: JobRequest) -> Job:
+    """Store the job and hand it to the workers (429 when the queue is full)."""
     store, metrics = services.store, services.metrics
     try:
         job = await store.create_job(body)
@@ -37,15 +50,17 @@ async def create_job(body: JobRequest, services: ServicesDep, response: Response
         await store.request_cancel(job.id)
         raise
     metrics.jobs_submitted.inc()
-    response.headers["Location"] = f"/v1/jobs/{job.id}"
-    if body.background:
-        return job
+    return job
+
+
+async def wait_for_job(services: Services, job_id: str) -> Job:
+    """The job once it is final; the caller counts as a watcher meanwhile (api/openai_compat/detach.py)."""
     # relay() ends after the terminal event whatever the timing, so the job is then final.
-    with services.hub.watch(job.id) as inbox:
-        async for _ in relay(store, inbox, job.id, 0, services.settings.sse_ping_s):
-            pass
-    response.status_code = 200
-    return await store.get_job(job.id)
+    async with services.watchers.watch(job_id):
+        with services.hub.watch(job_id) as inbox:
+            async for _ in relay(services.store, inbox, job_id, 0, services.settings.sse_ping_s):
+                pass
+    return await services.store.get_job(job_id)
 
 
 @router.get("/{job_id}")
@@ -65,8 +80,16 @@ async def cancel_job(job_id: JobId, services: ServicesDep) -> Job:
 
 @router.get("/{job_id}/events", response_class=EventSourceResponse)
 async def job_events(
-    job: JobDep, cursor: CursorDep, inbox: InboxDep, services: ServicesDep
+    job: JobDep,
+    cursor: CursorDep,
+    inbox: InboxDep,
+    services: ServicesDep,
+    format: Literal["spool", "openai"] = "spool",
 ) -> AsyncIterator[ServerSentEvent]:
-    """Events after the cursor (``Last-Event-ID`` or ``?after=``), ending with done or error."""
-    async for event in relay(services.store, inbox, job.id, cursor, services.settings.sse_ping_s):
+    """Events after the cursor (``Last-Event-ID`` or ``?after=``), ending with done or error.
+
+    ``?format=openai``: the same ids, as OpenAI stream chunks ending with ``data: [DONE]``.
+    """
+    render = to_sse_list if format == "spool" else (await openai_view(services, job.id)).render
+    async for event in relay(services.store, inbox, job.id, cursor, services.settings.sse_ping_s, render):
         yield event

@@ -1,0 +1,122 @@
+"""A job in the OpenAI shapes: the completion objects, and stream chunks from its log entries.
+
+Each log entry becomes its own chunks with the entry's seq as the SSE id, so a stream resumed
+after id n (``Last-Event-ID``) gets exactly the chunks that followed n: the first token entry
+carries the assistant role, the terminal entry gives the finish chunk, the usage chunk when the
+request asked for it (``stream_options.include_usage``) and ``data: [DONE]``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi.sse import ServerSentEvent
+
+from api.errors import ApiError, error_body
+from common.schemas import Job, JobError, JobRequest, LogEntry, Usage
+
+DONE = ServerSentEvent(raw_data="[DONE]")
+
+# How a failed job answers: (HTTP status, code). The job's error type is the key.
+_FAILURES: dict[str, tuple[int, str]] = {
+    "request_too_long": (400, "context_length_exceeded"),
+    "invalid_request": (400, "invalid_request"),
+    "timeout": (504, "timeout"),
+}
+
+
+def failure(error: JobError, param: str | None = None) -> ApiError:
+    status, code = _FAILURES.get(error.type, (500, error.type))
+    return ApiError(status, error.message, param=param if status == 400 else None, code=code)
+
+
+@dataclass(frozen=True)
+class View:
+    """How one job looks in the OpenAI format."""
+
+    chat: bool  # chat.completion(.chunk) for messages, text_completion for a prompt
+    id: str  # chatcmpl-<job id> | cmpl-<job id>
+    created: int  # the job's creation, unix seconds
+    model: str  # the served model's name
+    include_usage: bool  # the stream ends with a usage chunk
+
+    @classmethod
+    def of(cls, job: Job, request: JobRequest, model: str) -> View:
+        chat = request.messages is not None
+        return cls(
+            chat=chat,
+            id=f"{'chatcmpl' if chat else 'cmpl'}-{job.id}",
+            created=int(job.created_at),
+            model=model,
+            include_usage=request.stream_include_usage,
+        )
+
+    @property
+    def prompt_param(self) -> str:
+        return "messages" if self.chat else "prompt"
+
+    def _head(self, obj: str) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    # -- non-streamed -----------------------------------------------------------------------------
+
+    def completion(self, job: Job) -> dict[str, Any]:
+        """The response body of a finished job; raises the job's failure as an ApiError."""
+        if job.error is not None:
+            raise failure(job.error, self.prompt_param)
+        if self.chat:
+            choice: dict[str, Any] = {"message": {"role": "assistant", "content": job.text, "refusal": None}}
+        else:
+            choice = {"text": job.text}
+        return {
+            **self._head("chat.completion" if self.chat else "text_completion"),
+            "system_fingerprint": None,
+            "choices": [{"index": 0, **choice, "logprobs": None, "finish_reason": job.finish_reason}],
+            "usage": job.usage.model_dump(),
+        }
+
+    # -- streamed ---------------------------------------------------------------------------------
+
+    def render(self, entry: LogEntry) -> list[ServerSentEvent]:
+        """The stream chunks of one log entry (``api.sse.relay``'s ``render``)."""
+        sid = str(entry.seq)
+        if entry.type == "token":
+            # The first token entry opens the assistant's turn, as OpenAI's first chunk does.
+            return [self._chunk(sid, entry.data["text"], None, first=entry.data["index"] == 0)]
+        if entry.type == "error":
+            err = failure(JobError.model_validate(entry.data), self.prompt_param)
+            return [_event(sid, error_body(err.status, err.message, err.param, err.code)), DONE]
+        # done: a job that ended before any token (seq 1) still opens the turn.
+        events = [self._chunk(sid, "", entry.data["finish_reason"], first=entry.seq == 1)]
+        if self.include_usage:
+            usage = Usage.model_validate(entry.data["usage"]).model_dump()
+            events.append(_event(sid, {**self._chunk_head(), "choices": [], "usage": usage}))
+        return [*events, DONE]
+
+    def _chunk_head(self) -> dict[str, Any]:
+        return {
+            **self._head("chat.completion.chunk" if self.chat else "text_completion"),
+            "system_fingerprint": None,
+        }
+
+    def _chunk(self, sid: str, text: str, finish_reason: str | None, first: bool) -> ServerSentEvent:
+        if self.chat:
+            delta: dict[str, str] = {"role": "assistant"} if first else {}
+            if text or finish_reason is None:
+                delta["content"] = text
+            choice: dict[str, Any] = {"delta": delta}
+        else:
+            choice = {"text": text}
+        body = {
+            **self._chunk_head(),
+            "choices": [{"index": 0, **choice, "logprobs": None, "finish_reason": finish_reason}],
+        }
+        if self.include_usage:
+            body["usage"] = None  # only the last chunk carries it
+        return _event(sid, body)
+
+
+def _event(sid: str, body: dict[str, Any]) -> ServerSentEvent:
+    return ServerSentEvent(id=sid, raw_data=json.dumps(body, ensure_ascii=False, separators=(",", ":")))

@@ -1,0 +1,128 @@
+"""Who watches which job, across API processes, and the cancel of abandoned foreground jobs.
+
+Every stream (or non-streamed wait) on a job holds a token in the job's watcher set in Redis,
+scored with a lease deadline that its API process renews; a process that dies leaves tokens
+that lapse on their own. A watcher that leaves is replaced by a ghost that counts for
+``SPOOL_DETACH_GRACE_S`` more, and a check runs once it is gone: if the job is still queued or
+running, was not submitted with ``background: true`` and nobody watches it, it is cancelled,
+which frees its engine slot at the worker's next step. So a job is cancelled only after a
+whole grace period without a watcher, whichever process's check sees it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Coroutine
+from typing import Any
+
+from redis.exceptions import RedisError
+
+from common.schemas import JobRequest, JobStatus
+from common.store import AsyncJobStore, StoreError
+
+log = logging.getLogger(__name__)
+
+LEASE_S = 15.0  # a watcher token lapses this long after its process stopped renewing it
+RENEW_S = LEASE_S / 3
+
+
+class Watchers:
+    def __init__(self, store: AsyncJobStore, grace_s: float) -> None:
+        self._store = store
+        self._keys = store.keys
+        self._grace_s = grace_s
+        self._mine: dict[str, str] = {}  # token -> job id: this process's live watchers
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def start(self) -> None:
+        self._spawn(self._renew_forever())
+
+    async def stop(self) -> None:
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    @contextlib.asynccontextmanager
+    async def watch(self, job_id: str) -> AsyncIterator[None]:
+        """Count as a watcher of the job while inside."""
+        token, key = uuid.uuid4().hex, self._keys.job_watchers(job_id)
+        self._mine[token] = job_id
+        async with self._store.redis.pipeline(transaction=True) as pipe:
+            pipe.zadd(key, {token: time.time() + LEASE_S})
+            pipe.expire(key, self._store.settings.job_ttl_s)
+            await pipe.execute()
+        try:
+            yield
+        finally:
+            # NOTE: no await here: a stream's client that hung up cancels the task this runs in,
+            # and any await would be cancelled again; the leaving happens in a task of its own.
+            del self._mine[token]
+            self._spawn(self._leave(job_id, token))
+
+    def check_later(self, job_id: str) -> None:
+        """Decide after the grace period whether the job lost all its watchers."""
+        self._spawn(self._check(job_id))
+
+    async def count(self, job_id: str) -> int:
+        key = self._keys.job_watchers(job_id)
+        async with self._store.redis.pipeline(transaction=True) as pipe:
+            pipe.zremrangebyscore(key, "-inf", time.time())  # past ghosts; tokens of dead processes
+            pipe.zcard(key)
+            _, n = await pipe.execute()
+        return int(n)
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _leave(self, job_id: str, token: str) -> None:
+        key = self._keys.job_watchers(job_id)
+        try:
+            # NOTE: the ghost is a new member, so a renewal already on its way (ZADD XX) cannot
+            # revive the token and stretch the grace.
+            async with self._store.redis.pipeline(transaction=True) as pipe:
+                pipe.zrem(key, token)
+                pipe.zadd(key, {f"left:{token}": time.time() + self._grace_s})
+                await pipe.execute()
+        except RedisError as e:
+            log.warning("could not remove watcher of job %s (%s); its lease lapses instead", job_id, e)
+        await self._check(job_id)
+
+    async def _check(self, job_id: str) -> None:
+        await asyncio.sleep(self._grace_s)  # the grace period itself: ghosts made before now are gone
+        try:
+            if await self.count(job_id) or not await self._foreground_and_live(job_id):
+                return
+            await self._store.request_cancel(job_id)
+            log.info("cancelled job %s: its client left and nobody resumed it", job_id)
+        except StoreError:
+            pass  # it finished (or expired) meanwhile
+        except RedisError as e:
+            log.warning("could not check job %s for detached streams: %s", job_id, e)
+
+    async def _foreground_and_live(self, job_id: str) -> bool:
+        status, request = await self._store.redis.hmget(self._keys.job(job_id), ["status", "request"])
+        if status not in (JobStatus.QUEUED.value, JobStatus.RUNNING.value) or not request:
+            return False
+        return not JobRequest.model_validate_json(request).background
+
+    async def _renew_forever(self) -> None:
+        while True:
+            await asyncio.sleep(RENEW_S)
+            mine = list(self._mine.items())
+            if not mine:
+                continue
+            deadline = time.time() + LEASE_S
+            try:
+                async with self._store.redis.pipeline(transaction=False) as pipe:
+                    for token, job_id in mine:
+                        pipe.zadd(self._keys.job_watchers(job_id), {token: deadline}, xx=True)
+                    await pipe.execute()
+            except RedisError as e:
+                log.warning("could not renew stream watchers: %s", e)

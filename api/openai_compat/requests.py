@@ -1,0 +1,208 @@
+"""OpenAI request bodies, and their translation into a ``JobRequest``.
+
+Nothing is silently dropped: a parameter Spool does not implement is refused with a 400 that
+names it, unless its value asks for nothing (null, or OpenAI's own neutral value such as
+``"frequency_penalty": 0``), which many clients send by default.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from api.errors import ApiError
+from common.schemas import JobRequest
+
+# Values of unsupported parameters that change nothing, so a client sending them is served.
+_NEUTRAL: dict[str, object] = {
+    "frequency_penalty": 0,
+    "presence_penalty": 0,
+    "logit_bias": {},
+    "logprobs": False,
+    "echo": False,
+    "best_of": 1,
+    "tools": [],
+    "functions": [],
+    "store": False,
+    "metadata": {},
+}
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+
+def _neutral(name: str, value: object) -> bool:
+    if value is None:
+        return True
+    if name not in _NEUTRAL:
+        return False
+    want = _NEUTRAL[name]
+    return isinstance(value, bool) == isinstance(want, bool) and value == want
+
+
+def _refuse_extras(extra: dict[str, Any] | None, where: str = "") -> None:
+    for name, value in (extra or {}).items():
+        if not _neutral(name, value):
+            raise ApiError(
+                400,
+                f"Unsupported parameter: '{where}{name}' is not supported by Spool",
+                param=f"{where}{name}",
+                code="unsupported_parameter",
+            )
+
+
+class _Open(BaseModel):
+    # Unknown fields are kept so they can be refused by name with a 400 (not a bare 422).
+    model_config = ConfigDict(extra="allow")
+
+
+class StreamOptions(_Open):
+    include_usage: bool | None = None
+
+
+class TextPart(_Open):
+    type: str
+    text: str | None = None
+
+
+class Message(_Open):
+    role: str
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+
+class OpenAIRequest(_Open):
+    """What completions and chat completions share. ``background`` and ``top_k`` are Spool's."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    n: int | None = None
+    user: str | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    background: bool = False  # a stream that runs to the end even when its client goes away
+
+    def prompt_fields(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def max_tokens_field(self) -> tuple[str, int | None]:
+        return "max_tokens", self.max_tokens
+
+    def to_job_request(self) -> JobRequest:
+        """The job to run; ApiError 400 for what Spool refuses, RequestValidationError for bad values."""
+        _refuse_extras(self.model_extra)
+        if self.n not in (None, 1):
+            raise ApiError(
+                400,
+                f"n={self.n} is not supported: Spool returns one choice per request (n=1); "
+                "send n requests instead",
+                param="n",
+                code="unsupported_parameter",
+            )
+        include_usage = False
+        if self.stream_options is not None:
+            if not self.stream:
+                raise ApiError(
+                    400, "stream_options is only allowed with stream: true", param="stream_options"
+                )
+            _refuse_extras(self.stream_options.model_extra, "stream_options.")
+            include_usage = bool(self.stream_options.include_usage)
+        tokens_name, max_tokens = self.max_tokens_field()
+        fields: dict[str, Any] = {
+            **self.prompt_fields(),
+            "max_tokens": max_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "stop": self.stop,
+            "seed": self.seed,
+            "user": self.user,
+            "background": self.background,
+            "stream_include_usage": include_usage,
+        }
+        try:
+            return JobRequest.model_validate({k: v for k, v in fields.items() if v is not None})
+        except ValidationError as e:
+            renamed = {"max_tokens": tokens_name}
+            raise RequestValidationError(
+                [
+                    {**err, "loc": ("body", *(renamed.get(str(p), p) for p in err["loc"]))}
+                    for err in e.errors()
+                ]
+            ) from None
+
+
+class CompletionRequest(OpenAIRequest):
+    prompt: str | list[str] | list[int] | list[list[int]]
+
+    def prompt_fields(self) -> dict[str, Any]:
+        prompt = self.prompt
+        if isinstance(prompt, list):
+            if len(prompt) != 1 or not isinstance(prompt[0], str):
+                raise ApiError(
+                    400,
+                    "prompt must be a string or a list of one string; "
+                    "batches and token-id prompts are not supported",
+                    param="prompt",
+                    code="unsupported_parameter",
+                )
+            prompt = prompt[0]
+        return {"prompt": prompt}
+
+
+class ChatCompletionRequest(OpenAIRequest):
+    messages: list[Message]
+    max_completion_tokens: int | None = None
+
+    def max_tokens_field(self) -> tuple[str, int | None]:
+        if self.max_completion_tokens is not None:
+            if self.max_tokens is not None and self.max_tokens != self.max_completion_tokens:
+                raise ApiError(
+                    400,
+                    "max_tokens and max_completion_tokens disagree; give one of them",
+                    param="max_completion_tokens",
+                )
+            return "max_completion_tokens", self.max_completion_tokens
+        return "max_tokens", self.max_tokens
+
+    def prompt_fields(self) -> dict[str, Any]:
+        return {"messages": [_message(m, i) for i, m in enumerate(self.messages)]}
+
+
+def _message(m: Message, i: int) -> dict[str, str]:
+    where = f"messages[{i}]"
+    if m.role not in _ROLES:
+        raise ApiError(
+            400,
+            f"{where}.role {m.role!r} is not supported; use one of {', '.join(_ROLES)}",
+            param=f"{where}.role",
+            code="unsupported_parameter",
+        )
+    _refuse_extras(m.model_extra, f"{where}.")
+    if m.name is not None:
+        _refuse_extras({"name": m.name}, f"{where}.")
+    if m.content is None:
+        raise ApiError(400, f"{where}.content is required", param=f"{where}.content")
+    return {"role": _ROLES[m.role], "content": _text(m.content, where)}
+
+
+def _text(content: str | list[TextPart], where: str) -> str:
+    if isinstance(content, str):
+        return content
+    texts = []
+    for j, part in enumerate(content):
+        if part.type != "text" or part.text is None:
+            raise ApiError(
+                400,
+                f"{where}.content[{j}].type {part.type!r} is not supported; only text parts are",
+                param=f"{where}.content[{j}].type",
+                code="unsupported_parameter",
+            )
+        _refuse_extras(part.model_extra, f"{where}.content[{j}].")
+        texts.append(part.text)
+    return "".join(texts)

@@ -1,0 +1,62 @@
+"""Which model is served, and what it can take, read from the workers' heartbeats.
+
+The API imports no tokenizer, so it learns the model's facts (its name, whether it has a chat
+template, its max_model_len) from the heartbeats and refuses what the model cannot serve before
+a job is queued.
+"""
+
+from __future__ import annotations
+
+from api.errors import ApiError
+from common.schemas import JobRequest, WorkerHeartbeat
+from common.store import AsyncJobStore
+
+NO_WORKER_RETRY_S = 2
+
+
+async def served_models(store: AsyncJobStore) -> dict[str, WorkerHeartbeat]:
+    """One heartbeat per served model name, from the workers that are alive now."""
+    return {w.model: w for w in sorted(await store.list_workers(), key=lambda w: w.name)}
+
+
+async def resolve_model(store: AsyncJobStore, requested: str | None) -> WorkerHeartbeat:
+    """The served model a request names (or the one served, when it names none)."""
+    models = await served_models(store)
+    if not models:
+        raise ApiError(
+            503,
+            "No worker is serving a model right now (no live heartbeat); retry later",
+            code="no_worker",
+            headers={"Retry-After": str(NO_WORKER_RETRY_S)},
+        )
+    if requested is None:
+        return models[min(models)]
+    if requested not in models:
+        raise ApiError(
+            404,
+            f"The model {requested!r} does not exist; this server serves {', '.join(map(repr, models))}",
+            param="model",
+            code="model_not_found",
+        )
+    return models[requested]
+
+
+def check_servable(request: JobRequest, worker: WorkerHeartbeat) -> None:
+    """Refuse, before queueing, what the served model cannot take."""
+    if request.messages is not None and worker.chat_template is False:
+        raise ApiError(
+            400,
+            f"The model {worker.model!r} has no chat template, so it cannot render messages; "
+            "use /v1/completions with a prompt",
+            param="messages",
+            code="no_chat_template",
+        )
+    limit = worker.max_model_len
+    if limit is not None and request.max_tokens >= limit:
+        raise ApiError(
+            400,
+            f"max_tokens is {request.max_tokens}, but the model's context length is {limit} tokens "
+            "for the prompt and the completion together",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )

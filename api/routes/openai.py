@@ -1,0 +1,85 @@
+"""The OpenAI API on the job queue: /v1/completions, /v1/chat/completions and /v1/models.
+
+Each request becomes a job like any other (batched, stored, resumable); the response carries its
+id in ``X-Spool-Job-Id``, and ``/v1/jobs/{id}/events?format=openai`` resumes its stream.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from fastapi import APIRouter
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
+
+from api.deps import ServicesDep, StoreDep
+from api.errors import ApiError
+from api.openai_compat.chunks import View
+from api.openai_compat.requests import ChatCompletionRequest, CompletionRequest, OpenAIRequest
+from api.openai_compat.served import check_servable, resolve_model, served_models
+from api.openai_compat.stream import stream_body
+from api.routes.jobs import submit_job, wait_for_job
+from common.schemas import WorkerHeartbeat
+
+router = APIRouter(prefix="/v1", tags=["openai"])
+
+JOB_ID_HEADER = "X-Spool-Job-Id"
+
+
+@router.post("/completions")
+async def completions(body: CompletionRequest, services: ServicesDep) -> Response:
+    return await _serve(body, services)
+
+
+@router.post("/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, services: ServicesDep) -> Response:
+    return await _serve(body, services)
+
+
+@router.get("/models")
+async def list_models(store: StoreDep) -> dict[str, Any]:
+    """The models the live workers serve (empty while no worker runs)."""
+    return {"object": "list", "data": [_model(w) for w in (await served_models(store)).values()]}
+
+
+@router.get("/models/{model:path}")
+async def retrieve_model(model: str, store: StoreDep) -> dict[str, Any]:
+    return _model(await resolve_model(store, model))
+
+
+def _model(worker: WorkerHeartbeat) -> dict[str, Any]:
+    # NOTE: a served model has no creation date of its own; like vLLM, answer with the time now.
+    return {
+        "id": worker.model,
+        "object": "model",
+        "created": int(time.time()),
+        "owned_by": "spool",
+        "max_model_len": worker.max_model_len,
+    }
+
+
+async def _serve(body: OpenAIRequest, services: ServicesDep) -> Response:
+    request = body.to_job_request()
+    worker = await resolve_model(services.store, body.model)
+    check_servable(request, worker)
+    job = await submit_job(services, request)
+    view = View.of(job, request, worker.model)
+    headers = {JOB_ID_HEADER: job.id}
+    if body.stream:
+        if not request.background:
+            # Covers a client that leaves before the stream's first byte: no watcher ever joins.
+            services.watchers.check_later(job.id)
+        headers.update({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        chunks = stream_body(services, view, job.id)
+        # NOTE: a client that hangs up leaves the body suspended at a yield, finalized whenever
+        # the garbage collector gets to it; closing it when the response ends makes its stream
+        # stop watching the job at once (the response's background task runs after a disconnect).
+        return StreamingResponse(
+            chunks, media_type="text/event-stream", headers=headers, background=BackgroundTask(chunks.aclose)
+        )
+    try:
+        return JSONResponse(view.completion(await wait_for_job(services, job.id)), headers=headers)
+    except ApiError as e:
+        e.headers.update(headers)
+        raise

@@ -1,0 +1,126 @@
+"""Foreground and background OpenAI streams whose client goes away, on a worker with one slot.
+
+The worker serves a model without a chat template (so chat requests are refused), and the API
+runs with a short SPOOL_DETACH_GRACE_S.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from openai_stream import JOB_ID_HEADER, iter_chunks, read_stream
+from procs import Cluster, Prefixes, start_api, start_worker, wait_until
+from transformers import AutoTokenizer
+
+GRACE_S = 1.0
+# Greedy, the plain model runs past max_tokens here (852 tokens before its EOS).
+LONG: dict[str, Any] = {"prompt": "In the beginning", "max_tokens": 800, "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def plain_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model without its chat template, and long enough for LONG to run for seconds."""
+    from workers.engine.tiny import build_tiny_model
+
+    path = build_tiny_model(tmp_path_factory.mktemp("tiny-plain"), "llama", max_position_embeddings=4096)
+    (path / "chat_template.jinja").unlink()
+    assert AutoTokenizer.from_pretrained(path).chat_template is None
+    return path
+
+
+@pytest.fixture(scope="module")
+def solo(prefixes: Prefixes, plain_model: Path, log_dir: Path) -> Iterator[Cluster]:
+    prefix = prefixes.new()
+    worker = start_worker(prefix, plain_model, log_dir, max_batch_size=1)
+    api = start_api(prefix, log_dir, sse_ping_s=0.5, detach_grace_s=GRACE_S)
+    yield Cluster(prefix, worker, api)
+    api.stop()
+    worker.stop()
+
+
+@pytest.fixture(scope="module")
+def oai(solo: Cluster) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=f"{solo.url}/v1", api_key="unused", max_retries=0) as c:
+        yield c
+
+
+def finished_job(client: httpx.Client, url: str, job_id: str) -> dict[str, Any]:
+    job: dict[str, Any] = {}
+
+    def final() -> bool:
+        job.update(client.get(f"{url}/v1/jobs/{job_id}").json())
+        return job["status"] not in ("queued", "running")
+
+    wait_until(final, f"job {job_id} to end", 60)
+    return job
+
+
+def test_chat_without_a_chat_template_is_400(oai: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError, match="no chat template") as e:
+        oai.chat.completions.create(
+            model=oai.models.list().data[0].id, messages=[{"role": "user", "content": "hi"}]
+        )
+    assert e.value.code == "no_chat_template"
+    assert oai.completions.create(model=oai.models.list().data[0].id, prompt="hi", max_tokens=2).choices
+
+
+def test_the_worker_refuses_messages_without_a_chat_template(solo: Cluster, client: httpx.Client) -> None:
+    # The jobs API does not look at the model first; the worker still renders no made-up format.
+    r = client.post(f"{solo.url}/v1/jobs", json={"messages": [{"role": "user", "content": "hi"}]})
+    job = finished_job(client, solo.url, r.json()["id"])
+    assert job["status"] == "failed" and "chat template" in job["error"]["message"]
+
+
+def test_abandoned_foreground_stream_is_cancelled_after_the_grace_and_frees_the_slot(
+    solo: Cluster, oai: openai.OpenAI, client: httpx.Client
+) -> None:
+    with client.stream("POST", f"{solo.url}/v1/completions", json={**LONG, "stream": True}) as r:
+        job_id = r.headers[JOB_ID_HEADER]
+        chunks = iter_chunks(r)
+        next(chunks), next(chunks)
+        dropped_at = time.time()  # before the connection closes: a lower bound of the server's view
+    job = finished_job(client, solo.url, job_id)
+    assert (job["status"], job["finish_reason"]) == ("cancelled", "cancelled")
+    assert 0 < job["usage"]["completion_tokens"] < LONG["max_tokens"]
+    assert job["finished_at"] >= dropped_at + GRACE_S
+    # The one slot is free again.
+    got = oai.completions.create(model=oai.models.list().data[0].id, prompt="hi", max_tokens=4, temperature=0)
+    assert got.usage is not None and got.usage.completion_tokens == 4
+
+
+def test_foreground_stream_resumed_within_the_grace_runs_on(solo: Cluster, client: httpx.Client) -> None:
+    first = read_stream(
+        client, "POST", f"{solo.url}/v1/completions", body={**LONG, "stream": True}, stop_after=2
+    )
+    dropped_at = time.time()
+    events = f"{solo.url}/v1/jobs/{first.job_id}/events?format=openai"
+    rest = read_stream(client, "GET", events, last_event_id=2)
+    assert rest.chunks[-1].done and rest.chunks[0].id == 3
+    job = finished_job(client, solo.url, first.job_id)
+    assert job["status"] == "succeeded" and job["usage"]["completion_tokens"] == LONG["max_tokens"]
+    assert job["finished_at"] > dropped_at + GRACE_S  # it outlived the check after the drop
+
+
+def test_background_stream_runs_to_the_end(solo: Cluster, oai: openai.OpenAI, client: httpx.Client) -> None:
+    raw = oai.completions.with_raw_response.create(
+        model=oai.models.list().data[0].id,
+        prompt=LONG["prompt"],
+        max_tokens=LONG["max_tokens"],
+        temperature=0,
+        stream=True,
+        extra_body={"background": True},
+    )
+    stream = raw.parse()
+    next(iter(stream))
+    stream.close()
+    dropped_at = time.time()
+    job = finished_job(client, solo.url, raw.headers[JOB_ID_HEADER])
+    assert job["status"] == "succeeded" and job["finish_reason"] == "length"
+    assert job["usage"]["completion_tokens"] == LONG["max_tokens"]
+    assert job["finished_at"] > dropped_at + GRACE_S  # it outlived the check after the drop
