@@ -122,7 +122,7 @@ def start_worker(prefix: str, model: Path, log_dir: Path, name: str = "w1", **se
     """``spool worker`` with a fast heartbeat; waits for its heartbeat key in Redis."""
     env = spool_env(prefix, model=model, worker_name=f"{prefix}-{name}", heartbeat_s=0.5, **settings)
     worker = start(f"worker-{prefix}-{name}", [SPOOL, "worker"], env, log_dir)
-    r = redis.Redis.from_url(REDIS_URL)
+    r = redis.Redis.from_url(str(settings.get("redis_url", REDIS_URL)))
     key = Keys(prefix).worker(f"{prefix}-{name}")
     wait_until(lambda: bool(r.exists(key)), f"{worker.name} heartbeat", START_TIMEOUT_S, (worker,))
     return worker

@@ -1,0 +1,179 @@
+"""Tools for breaking things on purpose: killable workers, a private redis-server, SSE readers."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import redis
+from procs import Service, free_port, start_worker, wait_until
+from sse_client import Event, iter_sse
+
+from common.keys import Keys
+from common.schemas import LogEntry
+
+
+@dataclass
+class Workers:
+    """Named ``spool worker`` processes on one prefix that a test kills and restarts."""
+
+    prefix: str
+    model: Path
+    log_dir: Path
+    settings: dict[str, object]
+    procs: dict[str, Service] = field(default_factory=dict)
+    restarts: int = 0
+
+    def start(self, name: str) -> Service:
+        old = self.procs.get(name)
+        if old is not None and old.log_path.exists():
+            # Keep the log of the previous life: the new process writes a fresh one.
+            self.restarts += 1
+            old.log_path.rename(old.log_path.with_suffix(f".{self.restarts}.log"))
+        self.procs[name] = start_worker(self.prefix, self.model, self.log_dir, name=name, **self.settings)
+        return self.procs[name]
+
+    def full_name(self, name: str) -> str:
+        return f"{self.prefix}-{name}"
+
+    def by_full_name(self, full: str) -> str:
+        return full.removeprefix(f"{self.prefix}-")
+
+    def kill(self, name: str, sig: signal.Signals = signal.SIGKILL) -> None:
+        """SIGKILL the whole process group: no shutdown code runs, as when a machine dies."""
+        proc = self.procs[name].proc
+        os.killpg(proc.pid, sig)
+        if sig is signal.SIGKILL:
+            proc.wait(10)
+
+    def stop_all(self) -> None:
+        for s in self.procs.values():
+            if s.alive():
+                os.killpg(s.proc.pid, signal.SIGCONT)  # a frozen one must wake up to stop
+            s.stop()
+
+
+class RedisServer:
+    """A redis-server of the test's own, with an append-only file, that the test may restart."""
+
+    def __init__(self, dir: Path, *extra: str) -> None:
+        self.dir = dir
+        self.port = free_port()
+        self.extra = extra
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.client = redis.Redis.from_url(self.url, decode_responses=True)
+
+    def start(self) -> None:
+        argv = [
+            "redis-server",
+            "--port", str(self.port),
+            "--bind", "127.0.0.1",
+            "--dir", str(self.dir),
+            "--save", "",
+            "--appendonly", "yes",
+            *self.extra,
+        ]  # fmt: skip
+        with (self.dir / "redis.log").open("ab") as out:
+            self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        wait_until(self._up, "redis-server to answer", 30)
+
+    def _up(self) -> bool:
+        try:
+            return bool(self.client.ping())
+        except (redis.ConnectionError, redis.BusyLoadingError):
+            return False
+
+    def stop(self, sig: signal.Signals = signal.SIGTERM) -> None:
+        """SIGTERM: a clean shutdown (the AOF is flushed); SIGKILL: a crash."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            self.proc.wait(30)
+        self.client.connection_pool.disconnect()
+
+    def close(self) -> None:
+        self.stop()
+        self.client.close()
+
+
+def clean_prefix(client: redis.Redis, prefix: str) -> None:
+    keys = Keys(prefix)
+    for pattern in (f"{prefix}:*", f"{keys.queue_llm}*", f"_kombu.binding*.{prefix}.*"):
+        for key in client.scan_iter(pattern):
+            client.delete(key)
+
+
+def poll(check: Any, what: str, timeout: float) -> Any:
+    """Poll until ``check()`` is truthy and return it (a deadline, never a bare sleep)."""
+    deadline = time.monotonic() + timeout
+    while not (got := check()):
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(0.01)
+    return got
+
+
+@dataclass(frozen=True)
+class Greedy:
+    text: str
+    token_ids: list[int]  # the EOS that ended it included
+    eos_token_id: int
+
+    def same_ids(self, logged: list[int]) -> bool:
+        """The log's ids are these, whether or not the final EOS was logged."""
+        ids = self.token_ids
+        return logged == ids or (bool(ids) and ids[-1] == self.eos_token_id and logged == ids[:-1])
+
+
+class Stream:
+    """One SSE connection read to its end on a thread of its own, never reconnected."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.events: list[Event] = []
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        try:
+            with (
+                httpx.Client(timeout=httpx.Timeout(60, read=30)) as client,
+                client.stream("GET", self.url) as r,
+            ):
+                assert r.status_code == 200
+                for item in iter_sse(r):
+                    if isinstance(item, Event):
+                        self.events.append(item)
+        except Exception as e:  # noqa: BLE001 (reported by join())
+            self.error = e
+
+    def join(self, timeout: float) -> list[Event]:
+        self._thread.join(timeout)
+        assert not self._thread.is_alive(), f"stream {self.url} still open after {timeout}s"
+        assert self.error is None, repr(self.error)
+        return self.events
+
+
+class JobWatch:
+    """Reads a job's hash and log straight from Redis (what the workers wrote)."""
+
+    def __init__(self, r: redis.Redis, keys: Keys, job_id: str) -> None:
+        self.r, self.keys, self.id = r, keys, job_id
+
+    def tokens(self) -> int:
+        return int(self.r.llen(self.keys.job_log(self.id)))
+
+    def field(self, name: str) -> str:
+        return str(self.r.hget(self.keys.job(self.id), name) or "")
+
+    def log(self) -> list[LogEntry]:
+        return [LogEntry.decode(x) for x in self.r.lrange(self.keys.job_log(self.id), 0, -1)]

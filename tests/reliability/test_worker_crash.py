@@ -1,0 +1,184 @@
+"""Workers killed with SIGKILL (or frozen with SIGSTOP) mid-generation: their jobs go on elsewhere.
+
+What must hold after every break: each job's single, never-reconnected SSE stream has ids 1..n
+and token indexes 0..k-1 with one terminal event; its text equals transformers' greedy output
+for an unbroken run; the log's token ids are exactly the reference's (nothing regenerated twice,
+nothing skipped); the job's attempt counts the take-overs.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import statistics
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import redis
+from breakers import JobWatch, Stream, Workers, poll
+from procs import REDIS_URL, Prefixes, Service, start_api
+from sse_client import Event, check_full_stream
+
+from common.keys import Keys
+
+LONG_PROMPT = "the quick brown fox"  # greedy on the tiny model: no EOS within 400 tokens
+MAX_TOKENS = 400
+PROMPTS = [LONG_PROMPT, "once upon a time there", "a long way from home, the"]
+
+
+@pytest.fixture(scope="module")
+def r() -> Iterator[redis.Redis]:
+    client = redis.Redis.from_url(REDIS_URL, decode_responses=True)
+    yield client
+    client.close()
+
+
+@pytest.fixture(scope="module")
+def crash_api(worker_pool: Workers, log_dir: Path) -> Iterator[Service]:
+    with ThreadPoolExecutor(3) as pool:
+        list(pool.map(worker_pool.start, ["a", "b", "c"]))
+    api = start_api(worker_pool.prefix, log_dir, sse_ping_s=1)
+    yield api
+    api.stop()
+
+
+def submit(client: httpx.Client, url: str, prompt: str) -> str:
+    r = client.post(f"{url}/v1/jobs", json={"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0})
+    assert r.status_code == 202, r.text
+    return str(r.json()["id"])
+
+
+def check_job(
+    client: httpx.Client, url: str, watch: JobWatch, events: list[Event], expected: Any
+) -> dict[str, Any]:
+    text = check_full_stream(events)  # ids 1..n, indexes 0..k-1, exactly one terminal event, last
+    assert events[-1].event == "done" and events[-1].data["status"] == "succeeded", events[-1]
+    assert text == expected.text
+    job = client.get(f"{url}/v1/jobs/{watch.id}").json()
+    assert job["status"] == "succeeded" and job["text"] == expected.text
+    assert job["usage"]["completion_tokens"] == len(expected.token_ids)
+    logged_ids = [i for e in watch.log() if e.type == "token" for i in e.data["token_ids"]]
+    assert expected.same_ids(logged_ids)  # nothing generated twice, nothing skipped
+    return job  # type: ignore[no-any-return]
+
+
+def test_sigkill_mid_stream_several_times(
+    worker_pool: Workers,
+    crash_api: Service,
+    r: redis.Redis,
+    client: httpx.Client,
+    greedy_reference: Any,
+    figures: dict[str, Any],
+) -> None:
+    keys = Keys(worker_pool.prefix)
+    seed = int(os.environ.get("SPOOL_RELIABILITY_SEED", time.time_ns() % 1_000_000))
+    figures["kill_seed"] = seed  # SPOOL_RELIABILITY_SEED=<seed> replays the same kill points
+    kill_at = sorted(random.Random(seed).sample(range(10, 300), 3))  # token counts of the first job
+    ids = [submit(client, crash_api.url, p) for p in PROMPTS]
+    streams = [Stream(f"{crash_api.url}/v1/jobs/{job_id}/events") for job_id in ids]
+    main = JobWatch(r, keys, ids[0])
+    takeovers: list[float] = []
+    restarts: list[threading.Thread] = []
+    for k in kill_at:
+        poll(lambda: main.tokens() >= k, f"{k} tokens in the log", 60)  # noqa: B023
+        holder = worker_pool.by_full_name(main.field("worker"))
+        attempt = int(main.field("attempt"))
+        worker_pool.kill(holder)
+        killed_at, tokens_at_kill = time.monotonic(), main.tokens()
+        # Taken over when a new attempt has written its first event.
+        poll(
+            lambda: int(main.field("attempt")) > attempt and main.tokens() > tokens_at_kill,  # noqa: B023
+            f"a take-over of job {main.id} after killing {holder}",
+            60,
+        )
+        takeovers.append(time.monotonic() - killed_at)
+        # The killed worker comes back meanwhile (as a supervisor would restart it).
+        t = threading.Thread(target=worker_pool.start, args=(holder,))
+        t.start()
+        restarts.append(t)
+    jobs = [
+        check_job(
+            client, crash_api.url, JobWatch(r, keys, job_id), s.join(120), greedy_reference(p, MAX_TOKENS)
+        )
+        for job_id, s, p in zip(ids, streams, PROMPTS, strict=True)
+    ]
+    for t in restarts:
+        t.join(180)
+    attempts = [int(JobWatch(r, keys, j["id"]).field("attempt")) for j in jobs]
+    assert attempts[0] == 1 + len(kill_at)
+    figures["worker_kills_sigkill"] = len(kill_at)
+    figures["killed_at_token_counts"] = kill_at
+    figures["jobs_taken_over"] = sum(a - 1 for a in attempts)
+    figures["takeover_s_lease_3s"] = [round(t, 2) for t in takeovers]
+    figures["takeover_s_lease_3s_median"] = round(statistics.median(takeovers), 2)
+    assert max(takeovers) < 30
+
+
+def test_frozen_worker_is_fenced_out(
+    worker_pool: Workers,
+    crash_api: Service,
+    r: redis.Redis,
+    client: httpx.Client,
+    greedy_reference: Any,
+    figures: dict[str, Any],
+) -> None:
+    """SIGSTOP the worker mid-job past its lease, let another take over, then wake it up: it may
+    not write one more event to the job, and it drops the job instead of finishing it twice."""
+    keys = Keys(worker_pool.prefix)
+    poll(lambda: all(s.alive() for s in worker_pool.procs.values()), "every worker up", 120)
+    job_id = submit(client, crash_api.url, LONG_PROMPT)
+    stream = Stream(f"{crash_api.url}/v1/jobs/{job_id}/events")
+    watch = JobWatch(r, keys, job_id)
+    poll(lambda: watch.tokens() >= 50, "50 tokens", 60)
+    holder = worker_pool.by_full_name(watch.field("worker"))
+    worker_pool.kill(holder, signal.SIGSTOP)
+    try:
+        poll(lambda: watch.field("attempt") == "2", "a take-over of the frozen worker's job", 60)
+    finally:
+        worker_pool.kill(holder, signal.SIGCONT)
+    check_job(client, crash_api.url, watch, stream.join(120), greedy_reference(LONG_PROMPT, MAX_TOKENS))
+    # It woke up, found the job gone (a refused append or a refused lease renewal) and dropped it.
+    poll(lambda: job_id in worker_pool.procs[holder].log_tail(), "the woken worker to log its lost job", 30)
+    assert worker_pool.procs[holder].alive()
+    assert watch.field("worker") != worker_pool.full_name(holder)
+    figures["frozen_workers_fenced_out"] = 1
+
+
+def test_the_same_worker_restarted_takes_its_job_back_with_default_lease(
+    prefixes: Prefixes,
+    tiny_model: Path,
+    log_dir: Path,
+    r: redis.Redis,
+    client: httpx.Client,
+    greedy_reference: Any,
+    figures: dict[str, Any],
+) -> None:
+    """One worker, default lease and heartbeat settings: kill it, restart it under its name."""
+    solo = Workers(prefixes.new(), tiny_model, log_dir, {"max_batch_size": 4})
+    solo.start("solo")
+    api = start_api(solo.prefix, log_dir, sse_ping_s=1)
+    try:
+        job_id = submit(client, api.url, LONG_PROMPT)
+        stream = Stream(f"{api.url}/v1/jobs/{job_id}/events")
+        watch = JobWatch(r, Keys(solo.prefix), job_id)
+        k = random.Random(7).randrange(20, 200)
+        poll(lambda: watch.tokens() >= k, f"{k} tokens", 60)
+        solo.kill("solo")
+        killed_at, tokens_at_kill = time.monotonic(), watch.tokens()
+        solo.start("solo")
+        poll(lambda: watch.tokens() > tokens_at_kill, "the restarted worker to go on with the job", 60)
+        takeover = time.monotonic() - killed_at
+        check_job(client, api.url, watch, stream.join(120), greedy_reference(LONG_PROMPT, MAX_TOKENS))
+        assert watch.field("attempt") == "2"
+        figures["takeover_s_default_lease_same_worker_restarted"] = round(takeover, 2)
+        assert takeover < 30
+    finally:
+        api.stop()
+        solo.stop_all()
