@@ -77,6 +77,8 @@ def up() -> int:
         url, proc = started
         procs.append(proc)
         print(f"spool: started redis-server at {url} (no persistence)", file=sys.stderr)
+    # SIGTERM (a service manager's stop) takes the same path as Ctrl-C: children are stopped, not orphaned.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     env = {**os.environ, "SPOOL_REDIS_URL": url}
     spool = [sys.executable, "-m", "spool_cli.main"]
     try:
