@@ -1,0 +1,979 @@
+#!/usr/bin/env python
+"""Spool engine benchmark: throughput against the bare model and transformers, and decode latency.
+
+One run, one model (a random ~58M-parameter Llama, float32, built in a temp dir), the same
+seeded token-id prompts for every method, EOS ignored everywhere. Three sections:
+
+uniform  32 prompts of 16..128 tokens, 64 new tokens each, all submitted at once, batch 32.
+         ceiling (bare forwards), model.generate() one prompt at a time, transformers'
+         generate_batch() (continuous batching), Spool's Engine.generate().
+mixed    64 requests, prompts of 16..128 tokens, max_tokens drawn from 16..128, batch 16.
+         ceiling, static batching with model.generate() (waves of 16, left-padded), transformers'
+         ContinuousBatchingManager (per-request max_new_tokens), Spool's engine.
+decode   ms per generated token at batch 1 after a prompt of 64 and of 1024 tokens: Spool's
+         engine (timed step() calls), the bare model with a DynamicCache (reference), and the
+         no-cache loop (re-runs the whole sequence every token: the anti-example).
+
+Every method is warmed up once (on a small slice of its workload) before it is timed. Targets
+are printed next to the figures, never asserted. See docs/benchmarks.md.
+
+    .venv/bin/python bench/engine_bench.py                 # full run (~10 min on a quiet 2-core CPU)
+    .venv/bin/python bench/engine_bench.py --quick         # smoke run, tiny model, a few seconds
+    .venv/bin/python bench/engine_bench.py --only decode --json /tmp/decode.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import math
+import os
+import platform
+import random
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+import torch
+import transformers
+from tokenizers import Tokenizer
+from transformers import (
+    AutoModelForCausalLM,
+    DynamicCache,
+    GenerationConfig,
+    LlamaConfig,
+    PreTrainedTokenizerFast,
+    StaticCache,
+)
+
+from workers.engine import Engine, EngineConfig, SamplingParams
+from workers.engine.tiny import special_token_ids, tiny_tokenizer, wrap_tokenizer
+
+SECTIONS = ("uniform", "mixed", "decode")
+TARGET_ENGINE_VS_CEILING = 0.85  # engine tok/s >= 0.85 x ceiling tok/s
+TARGET_DECODE_GROWTH = 1.3  # cached decode ms/token at ctx 1024 <= 1.3 x at ctx 64
+
+# transformers' type hints for model methods (generate, generate_batch, ...) confuse mypy.
+HFModel = Any
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+# -- sizes ----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelSize:
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    max_position_embeddings: int
+
+
+@dataclass(frozen=True)
+class Plan:
+    model: ModelSize
+    # uniform
+    uniform_requests: int
+    uniform_prompt_len: tuple[int, int]
+    uniform_new_tokens: int
+    uniform_batch: int
+    # mixed
+    mixed_requests: int
+    mixed_prompt_len: tuple[int, int]
+    mixed_max_tokens: tuple[int, int]
+    mixed_batch: int
+    # decode
+    decode_contexts: tuple[int, int]
+    decode_steps: int  # timed step() calls per context, cached paths
+    nocache_steps: tuple[int, int]  # timed steps per context, no-cache loop
+    decode_max_model_len: int
+    # a warm-up runs this many requests (and at most warmup_tokens new tokens each)
+    warmup_requests: int
+    warmup_tokens: int
+
+
+FULL = Plan(
+    model=ModelSize(
+        vocab_size=32000,
+        hidden_size=512,
+        num_layers=8,
+        num_heads=8,
+        num_kv_heads=8,
+        intermediate_size=1408,
+        max_position_embeddings=2048,
+    ),
+    uniform_requests=32,
+    uniform_prompt_len=(16, 128),
+    uniform_new_tokens=64,
+    uniform_batch=32,
+    mixed_requests=64,
+    mixed_prompt_len=(16, 128),
+    mixed_max_tokens=(16, 128),
+    mixed_batch=16,
+    decode_contexts=(64, 1024),
+    decode_steps=32,
+    nocache_steps=(16, 4),
+    decode_max_model_len=2048,
+    warmup_requests=4,
+    warmup_tokens=8,
+)
+
+QUICK = Plan(
+    model=ModelSize(
+        vocab_size=4096,
+        hidden_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=128,
+        max_position_embeddings=512,
+    ),
+    uniform_requests=8,
+    uniform_prompt_len=(4, 16),
+    uniform_new_tokens=8,
+    uniform_batch=8,
+    mixed_requests=12,
+    mixed_prompt_len=(4, 16),
+    mixed_max_tokens=(2, 8),
+    mixed_batch=4,
+    decode_contexts=(16, 128),
+    decode_steps=4,
+    nocache_steps=(2, 2),
+    decode_max_model_len=256,
+    warmup_requests=2,
+    warmup_tokens=2,
+)
+
+
+# -- helpers --------------------------------------------------------------------------------------
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def quiet_libraries() -> None:
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+    logging.getLogger("ContinuousBatchingLogger").setLevel(logging.CRITICAL)  # "no psutil" noise on CPU
+    warnings.filterwarnings("ignore")
+
+
+_SYNC: Callable[[], None] = lambda: None  # torch.cuda.synchronize on a CUDA device (set in main)
+
+
+@contextlib.contextmanager
+def timer() -> Iterator[list[float]]:
+    """``with timer() as t: ...`` then ``t[0]`` is the elapsed seconds (perf_counter, device synchronised)."""
+    box: list[float] = []
+    _SYNC()
+    start = time.perf_counter()
+    try:
+        yield box
+    finally:
+        _SYNC()
+        box.append(time.perf_counter() - start)
+
+
+def loadavg() -> list[float] | None:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return None if not a or not b else a / b
+
+
+def random_prompts(rng: random.Random, n: int, lengths: tuple[int, int], vocab: int) -> list[list[int]]:
+    # Ids 4.. avoid the special tokens (pad, bos, <|im_start|>, eos) of the tiny tokenizer.
+    return [[rng.randrange(4, vocab) for _ in range(rng.randint(*lengths))] for _ in range(n)]
+
+
+# -- the model ------------------------------------------------------------------------------------
+
+
+def bench_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
+    """The tiny tokenizer's byte-level BPE, its vocabulary padded with plain words to ``vocab_size``.
+
+    Prompts are token ids, so the tokenizer only matters for the engine's incremental
+    detokenizer; padding the vocabulary makes every id the model can emit decode to text
+    (ids past the end of a vocabulary decode to nothing, which would make detokenizing free).
+    """
+    base = tiny_tokenizer()
+    data = json.loads(base.backend_tokenizer.to_str())
+    vocab = data["model"]["vocab"]
+    for i in range(len(vocab), vocab_size):
+        vocab[f"\u0120w{i}"] = i  # "\u0120" is the byte-level space: id i decodes to " w{i}"
+    return wrap_tokenizer(Tokenizer.from_str(json.dumps(data)))
+
+
+def build_model(out_dir: Path, size: ModelSize, seed: int) -> int:
+    """Write a random Llama and its tokenizer to ``out_dir``; return its parameter count."""
+    tokenizer = bench_tokenizer(size.vocab_size)
+    assert len(tokenizer) == size.vocab_size, (len(tokenizer), size.vocab_size)
+    ids = special_token_ids(tokenizer)
+    config = LlamaConfig(
+        vocab_size=size.vocab_size,
+        hidden_size=size.hidden_size,
+        num_hidden_layers=size.num_layers,
+        num_attention_heads=size.num_heads,
+        num_key_value_heads=size.num_kv_heads,
+        intermediate_size=size.intermediate_size,
+        max_position_embeddings=size.max_position_embeddings,
+        tie_word_embeddings=False,
+        **ids,
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.generation_config = GenerationConfig(**ids)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return sum(p.numel() for p in model.parameters())
+
+
+def load_hf_model(model_dir: Path, device: str, dtype: str) -> HFModel:
+    """The model as the transformers baselines use it: loaded like the engine loads it, EOS off."""
+    model: HFModel = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=DTYPES[dtype], attn_implementation="sdpa"
+    )
+    model = model.to(torch.device(device)).eval()
+    model.generation_config.eos_token_id = None  # every method generates exactly its max tokens
+    return model
+
+
+# -- the ceiling: bare forwards -----------------------------------------------------------------
+
+
+@torch.inference_mode()
+def ceiling_seconds(
+    model: HFModel, prompts: Sequence[Sequence[int]], batch: int, decode_forwards: int, segment: int
+) -> dict[str, float]:
+    """Time the forwards the work needs and nothing else.
+
+    Each prompt is prefilled once at batch 1 (its first token comes from that forward), then
+    ``decode_forwards`` forwards of ``batch`` single tokens run over a StaticCache (written in
+    place, like the engine's), feeding back the argmax. The cache rows start at the mean prompt
+    length and are refilled (untimed) every ``segment`` forwards so that the attended length
+    stays that of the workload. Attention is a small part of a forward at these lengths.
+    """
+    device = model.device
+    prefill = 0.0
+    for p in prompts:
+        ids = torch.tensor([list(p)], device=device)
+        with timer() as t:
+            out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
+            out.logits[:, -1].argmax(-1).tolist()
+        prefill += t[0]
+
+    start_len = max(1, round(statistics.fmean(len(p) for p in prompts)))
+    segment = max(1, segment)
+    gen = torch.Generator().manual_seed(0)
+    decode = 0.0
+    done = 0
+    while done < decode_forwards:
+        steps = min(segment, decode_forwards - done)
+        cache = StaticCache(config=model.config, max_cache_len=start_len + steps)
+        fill = torch.randint(4, model.config.vocab_size, (batch, start_len), generator=gen).to(device)
+        model(
+            input_ids=fill, cache=cache, use_cache=True, logits_to_keep=1
+        )  # untimed: stands for the prefills
+        tokens = fill[:, -1:]
+        with timer() as t:
+            for _ in range(steps):
+                out = model(input_ids=tokens, cache=cache, use_cache=True, logits_to_keep=1)
+                tokens = out.logits[:, -1:].argmax(-1)
+            tokens.tolist()
+        decode += t[0]
+        done += steps
+    return {"prefill_s": prefill, "decode_s": decode, "seconds": prefill + decode}
+
+
+# -- transformers baselines ---------------------------------------------------------------------
+
+
+@torch.inference_mode()
+def hf_generate_one_by_one(model: HFModel, prompts: Sequence[Sequence[int]], new_tokens: int) -> int:
+    """model.generate() on one prompt at a time; returns the tokens generated."""
+    total = 0
+    for p in prompts:
+        ids = torch.tensor([list(p)], device=model.device)
+        out = model.generate(ids, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+        total += out.shape[1] - ids.shape[1]
+    return total
+
+
+@torch.inference_mode()
+def hf_static_waves(
+    model: HFModel, prompts: Sequence[Sequence[int]], max_tokens: Sequence[int], batch: int
+) -> tuple[int, int]:
+    """Static batching: waves of ``batch`` left-padded requests, each running to its longest request.
+
+    Returns (useful tokens: each request's own max_tokens, tokens the waves computed).
+    """
+    useful = computed = 0
+    for w in range(0, len(prompts), batch):
+        wave, wave_max = prompts[w : w + batch], max_tokens[w : w + batch]
+        width = max(len(p) for p in wave)
+        ids = torch.tensor([[0] * (width - len(p)) + list(p) for p in wave], device=model.device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in wave], device=model.device)
+        out = model.generate(
+            input_ids=ids, attention_mask=mask, max_new_tokens=max(wave_max), do_sample=False, pad_token_id=0
+        )
+        computed += (out.shape[1] - width) * len(wave)
+        useful += sum(min(m, out.shape[1] - width) for m in wave_max)
+    return useful, computed
+
+
+def cb_config(batch: int, prompts: Sequence[Sequence[int]], max_new: int) -> Any:
+    """transformers' continuous batching sized for the workload (on CPU nothing can be inferred from memory)."""
+    from transformers import ContinuousBatchingConfig
+
+    page = 256
+    per_request = math.ceil((max(len(p) for p in prompts) + max_new) / page)
+    return ContinuousBatchingConfig(
+        page_size=page,
+        num_blocks=(batch + 2) * per_request,
+        max_batch_tokens=2048,  # like the engine's max_prefill_tokens_per_step
+        max_requests_per_batch=batch,
+        allow_block_sharing=False,  # random prompts share no prefix
+    )
+
+
+@torch.inference_mode()
+def hf_generate_batch(
+    model: HFModel, prompts: Sequence[Sequence[int]], new_tokens: int, cb: Any, *, keep: bool
+) -> int:
+    """transformers' generate_batch (continuous batching); returns the tokens generated."""
+    gc = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
+    out = model.generate_batch(
+        [list(p) for p in prompts],
+        generation_config=gc,
+        continuous_batching_config=cb,
+        persistent_manager=keep,
+    )
+    if len(out) != len(prompts) or any(r.error for r in out.values()):
+        raise RuntimeError(f"generate_batch returned {len(out)} of {len(prompts)} results or errors")
+    return sum(len(r.generated_tokens) for r in out.values())
+
+
+class HFContinuousBatching:
+    """transformers' ContinuousBatchingManager, started once; requests with their own max_new_tokens."""
+
+    @torch.inference_mode()  # the manager's thread runs in the inference mode of the thread that starts it
+    def __init__(self, model: HFModel, cb: Any) -> None:
+        gc = GenerationConfig(do_sample=False, eos_token_id=None, pad_token_id=0)
+        self.manager = model.init_continuous_batching(generation_config=gc, continuous_batching_config=cb)
+        self.manager.warmup()
+        self.manager.start()
+        self._next = 0
+
+    @torch.inference_mode()
+    def run(self, prompts: Sequence[Sequence[int]], max_tokens: Sequence[int]) -> int:
+        ids = []
+        for p, m in zip(prompts, max_tokens, strict=True):
+            rid = f"bench-{self._next}"
+            self._next += 1
+            self.manager.add_request(list(p), request_id=rid, max_new_tokens=m, eos_token_id=-1)
+            ids.append(rid)
+        pending, total = set(ids), 0
+        while pending:
+            result = self.manager.get_result(timeout=1)
+            if result is None:
+                if not self.manager.is_running():
+                    raise RuntimeError("transformers' continuous batching thread stopped")
+                continue
+            if result.is_finished() and result.request_id in pending:
+                if result.error:
+                    raise RuntimeError(f"request {result.request_id} failed: {result.error}")
+                pending.discard(result.request_id)
+                total += len(result.generated_tokens)
+        return total
+
+    def close(self) -> None:
+        self.manager.stop(block=True, timeout=10)
+        self.manager.destroy()
+
+
+# -- Spool --------------------------------------------------------------------------------------
+
+
+def spool_engine(model_dir: Path, args: argparse.Namespace, batch: int, max_model_len: int) -> Engine:
+    return Engine(
+        EngineConfig(
+            model=str(model_dir),
+            device=args.device,
+            dtype=args.dtype,
+            max_batch_size=batch,
+            max_model_len=max_model_len,
+        ),
+        seed=0,
+    )
+
+
+def engine_generate(
+    engine: Engine, prompts: Sequence[Sequence[int]], max_tokens: Sequence[int]
+) -> dict[str, int]:
+    """Engine.generate on the prompts; returns the tokens generated and the steps it took."""
+    steps = engine.stats()["steps"]
+    params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in max_tokens]
+    outputs = engine.generate([list(p) for p in prompts], params)
+    return {"tokens": sum(len(o.token_ids) for o in outputs), "steps": engine.stats()["steps"] - steps}
+
+
+def fcfs_decode_forwards(max_tokens: Sequence[int], slots: int) -> int:
+    """Decode forwards a perfect first-come-first-served continuous batcher needs for this workload.
+
+    Requests are admitted in order into free slots; a request's first token comes from its
+    prefill, each later token from one decode forward over all running requests; a finished
+    request frees its slot for the next step. Compare with ceil((sum - n) / slots), which
+    assumes every forward is full: the difference is the tail, where fewer requests are left
+    than slots (a property of the workload, not of any engine's overheads).
+    """
+    waiting = list(reversed(max_tokens))
+    running: list[int] = []  # tokens still to generate by decode forwards
+    forwards = 0
+    while waiting or running:
+        admitted: list[int] = []
+        while waiting and len(running) + len(admitted) < slots:
+            admitted.append(waiting.pop() - 1)  # the prefill gives the first token
+        if running:
+            forwards += 1
+            running = [r - 1 for r in running]
+        running = [r for r in running + admitted if r > 0]
+    return forwards
+
+
+# -- sections -----------------------------------------------------------------------------------
+
+
+@dataclass
+class Row:
+    section: str
+    method: str
+    tokens: int  # useful generated tokens
+    seconds: float
+    tok_s: float
+    note: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def measure(
+    section: str,
+    method: str,
+    warm: Callable[[], Any],
+    run: Callable[[], Any],
+    expected_tokens: int,
+    note: str = "",
+) -> Row:
+    """Warm up once, then time one run. ``run`` returns the tokens generated (or a dict with 'tokens')."""
+    log(f"{section}: {method}: warm-up")
+    warm()
+    log(f"{section}: {method}: timed run")
+    with timer() as t:
+        result = run()
+    extra = dict(result) if isinstance(result, dict) else {"tokens": result}
+    tokens = int(extra.pop("tokens"))
+    if tokens != expected_tokens:
+        raise RuntimeError(f"{section}/{method}: generated {tokens} tokens, expected {expected_tokens}")
+    seconds = extra.pop("seconds", t[0])
+    row = Row(section, method, tokens, seconds, tokens / seconds, note, extra)
+    log(f"{section}: {method}: {row.tok_s:.1f} tok/s ({seconds:.2f} s)")
+    return row
+
+
+def run_uniform(plan: Plan, args: argparse.Namespace, model_dir: Path, hf: HFModel) -> dict[str, Any]:
+    rng = random.Random(args.seed)
+    prompts = random_prompts(rng, plan.uniform_requests, plan.uniform_prompt_len, plan.model.vocab_size)
+    n_new, batch = plan.uniform_new_tokens, plan.uniform_batch
+    expected = n_new * len(prompts)
+    few = prompts[: plan.warmup_requests]
+    few_new = min(n_new, plan.warmup_tokens)
+    max_model_len = args.max_model_len or plan.decode_max_model_len
+    rows: dict[str, Row] = {}
+
+    decode_forwards = math.ceil(
+        (expected - len(prompts)) / batch
+    )  # the first token of each comes from its prefill
+    fcfs = fcfs_decode_forwards([n_new] * len(prompts), batch)
+
+    def ceiling() -> dict[str, Any]:
+        r = ceiling_seconds(hf, prompts, batch, decode_forwards, segment=n_new - 1)
+        return {"tokens": expected, **r}
+
+    rows["ceiling"] = measure(
+        "uniform",
+        "ceiling",
+        lambda: ceiling_seconds(hf, few, min(batch, len(few)), 2, segment=2),
+        ceiling,
+        expected,
+        note=f"{len(prompts)} prefills at batch 1 + {decode_forwards} forwards at batch {batch}",
+    )
+    if not args.skip_hf:
+        rows["generate"] = measure(
+            "uniform",
+            "model.generate (one at a time)",
+            lambda: hf_generate_one_by_one(hf, few[:1], few_new),
+            lambda: hf_generate_one_by_one(hf, prompts, n_new),
+            expected,
+        )
+        cb = cb_config(batch, prompts, n_new)
+        try:
+            rows["generate_batch"] = measure(
+                "uniform",
+                "transformers generate_batch",
+                lambda: hf_generate_batch(hf, few, few_new, cb, keep=True),
+                lambda: hf_generate_batch(hf, prompts, n_new, cb, keep=False),
+                expected,
+                note=f"max_requests_per_batch={batch}",
+            )
+        finally:
+            hf.destroy_cached_continuous_batching_manager()
+
+    log(f"uniform: loading the engine (max_batch_size={batch}, max_model_len={max_model_len})")
+    engine = spool_engine(model_dir, args, batch, max_model_len)
+    rows["engine"] = measure(
+        "uniform",
+        "spool Engine.generate",
+        lambda: engine_generate(engine, few, [few_new] * len(few)),
+        lambda: engine_generate(engine, prompts, [n_new] * len(prompts)),
+        expected,
+        note=f"max_batch_size={batch}, max_model_len={max_model_len}",
+    )
+    rows["engine"].note += f", {rows['engine'].extra['steps']} steps"
+
+    e = rows["engine"].tok_s
+    ratios = {
+        "engine/ceiling": ratio(e, rows["ceiling"].tok_s),
+        "engine/generate": ratio(e, rows["generate"].tok_s) if "generate" in rows else None,
+        "engine/generate_batch": ratio(e, rows["generate_batch"].tok_s) if "generate_batch" in rows else None,
+    }
+    return {
+        "workload": {
+            "requests": len(prompts),
+            "prompt_tokens": sum(len(p) for p in prompts),
+            "new_tokens_each": n_new,
+            "batch": batch,
+            "ceiling_decode_forwards": decode_forwards,
+            "fcfs_decode_forwards": fcfs,
+        },
+        "rows": {k: asdict(v) for k, v in rows.items()},
+        "ratios": ratios,
+    }
+
+
+def run_mixed(plan: Plan, args: argparse.Namespace, model_dir: Path, hf: HFModel) -> dict[str, Any]:
+    rng = random.Random(args.seed + 1)
+    prompts = random_prompts(rng, plan.mixed_requests, plan.mixed_prompt_len, plan.model.vocab_size)
+    max_tokens = [rng.randint(*plan.mixed_max_tokens) for _ in prompts]
+    batch = plan.mixed_batch
+    expected = sum(max_tokens)
+    few = prompts[: plan.warmup_requests]
+    few_max = [min(m, plan.warmup_tokens) for m in max_tokens[: plan.warmup_requests]]
+    max_model_len = args.max_model_len or plan.decode_max_model_len
+    rows: dict[str, Row] = {}
+
+    decode_forwards = math.ceil((expected - len(prompts)) / batch)
+    fcfs = fcfs_decode_forwards(max_tokens, batch)
+    segment = max(1, round(statistics.fmean(max_tokens)) - 1)
+
+    def ceiling() -> dict[str, Any]:
+        return {"tokens": expected, **ceiling_seconds(hf, prompts, batch, decode_forwards, segment)}
+
+    rows["ceiling"] = measure(
+        "mixed",
+        "ceiling",
+        lambda: ceiling_seconds(hf, few, min(batch, len(few)), 2, segment=2),
+        ceiling,
+        expected,
+        note=f"{len(prompts)} prefills at batch 1 + {decode_forwards} forwards at batch {batch}",
+    )
+    if not args.skip_hf:
+
+        def static() -> dict[str, Any]:
+            useful, computed = hf_static_waves(hf, prompts, max_tokens, batch)
+            return {"tokens": useful, "computed_tokens": computed}
+
+        rows["static"] = measure(
+            "mixed",
+            "static batching (generate, waves)",
+            lambda: hf_static_waves(hf, few, few_max, batch),
+            static,
+            expected,
+            note=f"waves of {batch}, left-padded, each to its longest request",
+        )
+        cb = cb_config(batch, prompts, max(max_tokens))
+        hf.destroy_cached_continuous_batching_manager()
+        log("mixed: starting transformers' ContinuousBatchingManager")
+        manager = HFContinuousBatching(hf, cb)
+        try:
+            rows["transformers_cb"] = measure(
+                "mixed",
+                "transformers CB manager",
+                lambda: manager.run(few, few_max),
+                lambda: manager.run(prompts, max_tokens),
+                expected,
+                note=f"add_request(max_new_tokens=own), max_requests_per_batch={batch}",
+            )
+        finally:
+            manager.close()
+
+    log(f"mixed: loading the engine (max_batch_size={batch}, max_model_len={max_model_len})")
+    engine = spool_engine(model_dir, args, batch, max_model_len)
+    rows["engine"] = measure(
+        "mixed",
+        "spool Engine.generate",
+        lambda: engine_generate(engine, few, few_max),
+        lambda: engine_generate(engine, prompts, max_tokens),
+        expected,
+        note=f"max_batch_size={batch}, max_model_len={max_model_len}",
+    )
+    rows["engine"].note += f", {rows['engine'].extra['steps']} steps"
+
+    e = rows["engine"].tok_s
+    ratios = {
+        "engine/ceiling": ratio(e, rows["ceiling"].tok_s),
+        "engine/static": ratio(e, rows["static"].tok_s) if "static" in rows else None,
+        "engine/transformers_cb": ratio(e, rows["transformers_cb"].tok_s)
+        if "transformers_cb" in rows
+        else None,
+    }
+    return {
+        "workload": {
+            "requests": len(prompts),
+            "prompt_tokens": sum(len(p) for p in prompts),
+            "generated_tokens": expected,
+            "max_tokens_range": list(plan.mixed_max_tokens),
+            "batch": batch,
+            "ceiling_decode_forwards": decode_forwards,
+            "fcfs_decode_forwards": fcfs,
+        },
+        "rows": {k: asdict(v) for k, v in rows.items()},
+        "ratios": ratios,
+    }
+
+
+def engine_decode_ms(engine: Engine, prompt: list[int], steps: int, warm: int = 2) -> list[float]:
+    """Prefill ``prompt`` as one request, then time ``steps`` step() calls (one token each)."""
+    rid = f"decode-{len(prompt)}-{time.monotonic_ns()}"
+    engine.add_request(
+        rid, prompt, SamplingParams(max_tokens=1 + warm + steps, temperature=0.0, ignore_eos=True)
+    )
+    engine.step()  # prefill (+ the first token)
+    for _ in range(warm):
+        engine.step()
+    times = []
+    for _ in range(steps):
+        with timer() as t:
+            deltas = engine.step()
+        assert len(deltas) == 1 and len(deltas[0].token_ids) == 1
+        times.append(t[0] * 1e3)
+    while engine.has_unfinished():
+        engine.step()
+    return times
+
+
+@torch.inference_mode()
+def bare_decode_ms(model: HFModel, prompt: list[int], steps: int, warm: int = 2) -> list[float]:
+    """Reference: the bare model, batch 1, DynamicCache, argmax fed back; times each decode forward."""
+    cache = DynamicCache(config=model.config)
+    out = model(
+        input_ids=torch.tensor([prompt], device=model.device), cache=cache, use_cache=True, logits_to_keep=1
+    )
+    token = out.logits[:, -1:].argmax(-1)
+    times = []
+    for i in range(warm + steps):
+        with timer() as t:
+            out = model(input_ids=token, cache=cache, use_cache=True, logits_to_keep=1)
+            token = out.logits[:, -1:].argmax(-1)
+            token.item()
+        if i >= warm:
+            times.append(t[0] * 1e3)
+    return times
+
+
+@torch.inference_mode()
+def nocache_decode_ms(model: HFModel, prompt: list[int], steps: int, warm: int = 1) -> list[float]:
+    """The anti-example: every token re-runs the whole sequence without a cache and takes the argmax."""
+    tokens = list(prompt)
+    times = []
+    for i in range(warm + steps):
+        with timer() as t:
+            logits = model(input_ids=torch.tensor([tokens], device=model.device), use_cache=False).logits
+            tokens.append(int(logits[0, -1].argmax()))
+        if i >= warm:
+            times.append(t[0] * 1e3)
+    return times
+
+
+def run_decode(plan: Plan, args: argparse.Namespace, model_dir: Path, hf: HFModel) -> dict[str, Any]:
+    rng = random.Random(args.seed + 2)
+    max_model_len = args.max_model_len or plan.decode_max_model_len
+    log(f"decode: loading the engine (max_batch_size=1, max_model_len={max_model_len})")
+    engine = spool_engine(model_dir, args, 1, max_model_len)
+    engine_decode_ms(engine, random_prompts(rng, 1, (8, 8), plan.model.vocab_size)[0], 2)  # warm-up
+    results: dict[str, Any] = {}
+    for ctx, nc_steps in zip(plan.decode_contexts, plan.nocache_steps, strict=True):
+        prompt = [rng.randrange(4, plan.model.vocab_size) for _ in range(ctx)]
+        log(f"decode: ctx {ctx}")
+        per = {
+            "engine": engine_decode_ms(engine, prompt, plan.decode_steps),
+            "bare_cached": bare_decode_ms(hf, prompt, plan.decode_steps),
+            "nocache": nocache_decode_ms(hf, prompt, nc_steps),
+        }
+        results[str(ctx)] = {
+            name: {
+                "ms_per_token": statistics.median(ts),
+                "mean_ms": statistics.fmean(ts),
+                "min_ms": min(ts),
+                "steps": len(ts),
+            }
+            for name, ts in per.items()
+        }
+    lo, hi = (str(c) for c in plan.decode_contexts)
+    ratios = {
+        f"engine ctx{hi}/ctx{lo}": ratio(
+            results[hi]["engine"]["ms_per_token"], results[lo]["engine"]["ms_per_token"]
+        ),
+        f"bare_cached ctx{hi}/ctx{lo}": ratio(
+            results[hi]["bare_cached"]["ms_per_token"], results[lo]["bare_cached"]["ms_per_token"]
+        ),
+        f"nocache ctx{hi}/ctx{lo}": ratio(
+            results[hi]["nocache"]["ms_per_token"], results[lo]["nocache"]["ms_per_token"]
+        ),
+        f"nocache/engine ctx{hi}": ratio(
+            results[hi]["nocache"]["ms_per_token"], results[hi]["engine"]["ms_per_token"]
+        ),
+    }
+    return {
+        "contexts": list(plan.decode_contexts),
+        "max_model_len": max_model_len,
+        "ms": results,
+        "ratios": ratios,
+    }
+
+
+# -- report -------------------------------------------------------------------------------------
+
+
+def fmt(x: float | None, spec: str = ".2f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def verdict(ok: bool | None) -> str:
+    return "" if ok is None else ("  [meets target]" if ok else "  [BELOW target]")
+
+
+def print_report(report: dict[str, Any]) -> None:
+    meta = report["meta"]
+    print()
+    print(
+        f"Spool engine benchmark: {meta['model']['params_m']:.1f}M-param Llama (random), {meta['dtype']}, "
+        f"{meta['device']}, torch {meta['torch']} ({meta['threads']} threads), transformers {meta['transformers']}"
+    )
+    print(
+        f"load average at start {meta['loadavg_start']}, at end {meta['loadavg_end']}"
+        + (" (QUICK)" if meta["quick"] else "")
+    )
+    for name in ("uniform", "mixed"):
+        if name not in report:
+            continue
+        sec = report[name]
+        print()
+        w = sec["workload"]
+        described = {k: v for k, v in w.items() if not k.endswith("_forwards")}
+        print(f"== {name}: {json.dumps(described)}")
+        engine_steps = sec["rows"]["engine"]["extra"].get("steps")
+        print(
+            f"  decode forwards: the ceiling times {w['ceiling_decode_forwards']} (every one full); a perfect "
+            f"first-come-first-served batcher needs {w['fcfs_decode_forwards']}; the engine took {engine_steps} steps"
+        )
+        print(f"  {'method':<36} {'tok/s':>9} {'seconds':>9} {'tokens':>7}  note")
+        for row in sec["rows"].values():
+            print(
+                f"  {row['method']:<36} {row['tok_s']:>9.1f} {row['seconds']:>9.2f} {row['tokens']:>7}  {row['note']}"
+            )
+        for k, v in sec["ratios"].items():
+            target = ""
+            if k == "engine/ceiling" and v is not None:
+                target = f"   target >= {TARGET_ENGINE_VS_CEILING}" + verdict(v >= TARGET_ENGINE_VS_CEILING)
+            print(f"  {k:<36} {fmt(v):>9}{target}")
+    if "decode" in report:
+        sec = report["decode"]
+        lo, hi = (str(c) for c in sec["contexts"])
+        print()
+        print(
+            f"== decode latency, batch 1 (median ms per token; engine max_model_len {sec['max_model_len']})"
+        )
+        print(f"  {'method':<36} {'ctx ' + lo:>10} {'ctx ' + hi:>10} {'ratio':>7}")
+        labels = {
+            "engine": "spool engine step()",
+            "bare_cached": "bare model + DynamicCache (ref)",
+            "nocache": "no-cache loop (anti-example)",
+        }
+        for key, label in labels.items():
+            a, b = sec["ms"][lo][key]["ms_per_token"], sec["ms"][hi][key]["ms_per_token"]
+            target = ""
+            if key == "engine":
+                target = f"   target <= {TARGET_DECODE_GROWTH}" + verdict(b / a <= TARGET_DECODE_GROWTH)
+            print(f"  {label:<36} {a:>10.2f} {b:>10.2f} {b / a:>7.2f}{target}")
+        v = sec["ratios"][f"nocache/engine ctx{hi}"]
+        print(f"  {'no-cache / engine at ctx ' + hi:<36} {fmt(v, '.1f'):>10}x")
+
+    print()
+    print("== summary")
+    for line in report["summary"]:
+        print(f"  {line}")
+
+
+def summary_lines(report: dict[str, Any]) -> list[str]:
+    lines = []
+    for name in ("uniform", "mixed"):
+        if name in report:
+            r = report[name]["ratios"]
+            rows = report[name]["rows"]
+            others = ", ".join(f"{k} {fmt(v)}" for k, v in r.items() if k != "engine/ceiling")
+            lines.append(
+                f"{name:<8} engine {rows['engine']['tok_s']:.1f} tok/s, ceiling {rows['ceiling']['tok_s']:.1f} tok/s, "
+                f"engine/ceiling {fmt(r['engine/ceiling'])} (target >= {TARGET_ENGINE_VS_CEILING})"
+                + (f"; {others}" if others else "")
+            )
+    if "decode" in report:
+        sec = report["decode"]
+        lo, hi = (str(c) for c in sec["contexts"])
+        e_lo, e_hi = sec["ms"][lo]["engine"]["ms_per_token"], sec["ms"][hi]["engine"]["ms_per_token"]
+        lines.append(
+            f"decode   engine {e_lo:.2f} ms/token at ctx {lo}, {e_hi:.2f} at ctx {hi}: "
+            f"ratio {e_hi / e_lo:.2f} (target <= {TARGET_DECODE_GROWTH}); "
+            f"no-cache {sec['ms'][hi]['nocache']['ms_per_token']:.1f} ms/token at ctx {hi}"
+        )
+    return lines
+
+
+# -- main ---------------------------------------------------------------------------------------
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=(
+            "Benchmark Spool's engine against the bare model forward (ceiling), model.generate() and "
+            "transformers' continuous batching, on a random ~58M-parameter Llama; and decode latency "
+            "with and without a KV cache. Prints tok/s, ratios and targets; writes JSON with --json."
+        ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--quick", action="store_true", help="smoke run: tiny model and workloads, a few seconds")
+    p.add_argument("--device", default="cpu", help="torch device for every method (cpu, cuda, cuda:1, ...)")
+    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="model dtype for every method")
+    p.add_argument(
+        "--only",
+        action="append",
+        choices=SECTIONS,
+        metavar="{uniform,mixed,decode}",
+        help="run only this section (repeat for several); default: all",
+    )
+    p.add_argument("--json", type=Path, metavar="PATH", help="also write the figures as JSON to PATH")
+    p.add_argument("--seed", type=int, default=0, help="seed for the weights and the prompts")
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="the engine's max_model_len (KV slot length) for every section; default 2048 (256 with --quick)",
+    )
+    p.add_argument("--skip-hf", action="store_true", help="skip the transformers baselines (generate, CB)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch.set_num_threads(N) first; default: torch's own default (leave it for published figures; "
+        "1 gives steadier relative figures on a machine shared with other jobs)",
+    )
+    p.add_argument(
+        "--model-dir", type=Path, help="use (or write) the benchmark model here instead of a temp dir"
+    )
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    quiet_libraries()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    plan = QUICK if args.quick else FULL
+    if torch.device(args.device).type == "cuda":
+        global _SYNC
+        _SYNC = torch.cuda.synchronize
+    needed = max(plan.decode_contexts) + plan.decode_steps + 8
+    if "decode" in (args.only or SECTIONS) and args.max_model_len and args.max_model_len < needed:
+        raise SystemExit(
+            f"--max-model-len {args.max_model_len} is too short for the decode section (needs {needed})"
+        )
+    sections = [s for s in SECTIONS if not args.only or s in args.only]
+    started = time.perf_counter()
+    load_start = loadavg()
+    log(f"sections {sections}; load average {load_start}; torch threads {torch.get_num_threads()}")
+
+    with contextlib.ExitStack() as stack:
+        if args.model_dir is None:
+            model_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="spool-bench-")))
+        else:
+            model_dir = args.model_dir
+            model_dir.mkdir(parents=True, exist_ok=True)
+        log(f"building the model in {model_dir}")
+        params = build_model(model_dir, plan.model, args.seed)
+        hf = load_hf_model(model_dir, args.device, args.dtype)
+
+        report: dict[str, Any] = {
+            "meta": {
+                "quick": args.quick,
+                "device": args.device,
+                "dtype": args.dtype,
+                "model": {**asdict(plan.model), "params": params, "params_m": params / 1e6},
+                "torch": torch.__version__,
+                "transformers": transformers.__version__,
+                "threads": torch.get_num_threads(),
+                "cpu_count": os.cpu_count(),
+                "python": platform.python_version(),
+                "loadavg_start": load_start,
+                "seed": args.seed,
+            },
+            "targets": {
+                "engine/ceiling >=": TARGET_ENGINE_VS_CEILING,
+                "decode engine ctx_hi/ctx_lo <=": TARGET_DECODE_GROWTH,
+            },
+        }
+        runners = {"uniform": run_uniform, "mixed": run_mixed, "decode": run_decode}
+        for s in sections:
+            report[s] = runners[s](plan, args, model_dir, hf)
+
+    report["meta"]["loadavg_end"] = loadavg()
+    report["meta"]["wall_s"] = round(time.perf_counter() - started, 1)
+    report["summary"] = summary_lines(report)
+    print_report(report)
+    print(f"  (wall time {report['meta']['wall_s']} s)")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+        log(f"wrote {args.json}")
+    return report
+
+
+if __name__ == "__main__":
+    main()
