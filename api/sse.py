@@ -12,12 +12,24 @@ import asyncio
 from collections.abc import AsyncIterator, Callable
 
 from fastapi.sse import ServerSentEvent
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from api.errors import error_body
 from api.hub import Inbox
 from common.schemas import LogEntry
 from common.store import AsyncJobStore
 
 Render = Callable[[LogEntry], list[ServerSentEvent]]  # a log entry as the events a client gets
+
+REDIS_PATIENCE_S = 30.0  # how long an open stream waits for Redis to come back
+REDIS_RETRY_S = 0.5
+
+
+def backend_unavailable_event(e: Exception) -> ServerSentEvent:
+    """The end of a stream cut short by Redis (not a job event: no id; resume with Last-Event-ID)."""
+    message = f"Redis is unreachable ({e}); resume the stream with Last-Event-ID"
+    return ServerSentEvent(event="error", data=error_body(503, message, code="backend_unavailable"))
 
 
 def to_sse_list(entry: LogEntry) -> list[ServerSentEvent]:
@@ -45,10 +57,26 @@ async def relay(
     ``inbox`` must already watch the job (``Hub.watch``): subscribed before the first read.
     """
     last = after
+    outage: float | None = None  # loop time Redis was first found unreachable
     while True:
         # Read from the cursor's own entry, not the next one: if the client resumes right
         # after the terminal event, that entry is how we know to close at once.
-        for entry in await store.read_log(job_id, after=max(last - 1, 0)):
+        try:
+            entries = await store.read_log(job_id, after=max(last - 1, 0))
+        except (RedisConnectionError, RedisTimeoutError) as e:
+            # Redis restarting: keep the client's connection open and read again. Past the
+            # patience, end with an error event that has no id, so Last-Event-ID (the last job
+            # event sent) resumes exactly where this stream stopped.
+            now = asyncio.get_running_loop().time()
+            outage = outage or now
+            if now - outage > REDIS_PATIENCE_S:
+                yield backend_unavailable_event(e)
+                return
+            yield ServerSentEvent(comment="redis unreachable; retrying")
+            await asyncio.sleep(REDIS_RETRY_S)
+            continue
+        outage = None
+        for entry in entries:
             if entry.seq > last:
                 for event in render(entry):
                     yield event

@@ -16,7 +16,10 @@ from typing import Any
 
 import redis
 import redis.asyncio as aredis
+from redis.asyncio.retry import Retry as AsyncRetry
+from redis.backoff import ExponentialBackoff
 from redis.exceptions import NoScriptError
+from redis.retry import Retry
 
 from common.keys import Keys
 from common.schemas import (
@@ -372,6 +375,23 @@ def token_entry(seq: int, index: int, text: str, token_ids: Sequence[int]) -> Lo
 
 # ---- the stores ----------------------------------------------------------------------------
 
+# NOTE: clients made with from_url retry nothing unless told to. After a Redis restart every
+# pooled connection is dead; without retries each one fails its next command (pipelines too)
+# once, so the API would answer 503s for a while after Redis is back. A retry reconnects at once.
+# Every script is safe to run twice (appends check the seq, takes return the attempt they set).
+REDIS_RETRIES = 3
+REDIS_BACKOFF = {"base": 0.05, "cap": 0.5}  # seconds
+
+
+def _sync_client(url: str) -> redis.Redis:
+    retry = Retry(ExponentialBackoff(**REDIS_BACKOFF), REDIS_RETRIES)
+    return redis.Redis.from_url(url, decode_responses=True, retry=retry)
+
+
+def _async_client(url: str) -> aredis.Redis:
+    retry = AsyncRetry(ExponentialBackoff(**REDIS_BACKOFF), REDIS_RETRIES)
+    return aredis.Redis.from_url(url, decode_responses=True, retry=retry)
+
 
 class _Base:
     def __init__(self, settings: Settings) -> None:
@@ -394,7 +414,7 @@ class SyncJobStore(_Base):
 
     @classmethod
     def from_settings(cls, settings: Settings) -> SyncJobStore:
-        return cls(redis.Redis.from_url(settings.redis_url, decode_responses=True), settings)
+        return cls(_sync_client(settings.redis_url), settings)
 
     def close(self) -> None:
         self.redis.close()
@@ -473,7 +493,10 @@ class SyncJobStore(_Base):
 
     def lapsed_leases(self, now: float, limit: int = 100) -> list[tuple[str, str]]:
         """(job id, worker) of running jobs whose lease lapsed: their worker stopped renewing it."""
-        ids = self.redis.zrangebyscore(self.keys.running_jobs(), "-inf", now, start=0, num=limit)
+        ids = [
+            str(j)
+            for j in self.redis.zrangebyscore(self.keys.running_jobs(), "-inf", now, start=0, num=limit)
+        ]
         if not ids:
             return []
         pipe = self.redis.pipeline(transaction=False)
@@ -491,7 +514,7 @@ class SyncJobStore(_Base):
         if self.redis.llen(self.keys.queue_llm):
             return []
         ids = self.redis.zrangebyscore(self.keys.queued_jobs(), "-inf", queued_before, start=0, num=limit)
-        return list(ids)
+        return [str(j) for j in ids]
 
     def live_workers(self, names: Iterable[str]) -> set[str]:
         """Which of these workers have a live heartbeat."""
@@ -538,7 +561,7 @@ class AsyncJobStore(_Base):
 
     @classmethod
     def from_settings(cls, settings: Settings) -> AsyncJobStore:
-        return cls(aredis.Redis.from_url(settings.redis_url, decode_responses=True), settings)
+        return cls(_async_client(settings.redis_url), settings)
 
     async def close(self) -> None:
         await self.redis.aclose()

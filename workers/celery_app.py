@@ -5,6 +5,7 @@ from __future__ import annotations
 from celery import Celery
 
 from common.settings import Settings, get_settings
+from workers.broker import TRANSPORT
 
 GENERATE_TASK = "spool.generate"
 SPARE_TASK_THREADS = 4  # beyond one per batch slot: tasks that only find a job busy or finished
@@ -31,6 +32,8 @@ def make_app(settings: Settings) -> Celery:
         task_default_queue=settings.keys.queue_llm,
         task_routes={GENERATE_TASK: {"queue": settings.keys.queue_llm}},
         broker_transport_options={"visibility_timeout": VISIBILITY_TIMEOUT_S},
+        # Redis, without the restore that kills the worker when Redis restarts (workers/broker.py).
+        broker_transport=TRANSPORT,
         broker_connection_retry_on_startup=True,
         # NOTE: CUDA is not fork-safe and the engine must be one per process: threads, no fork.
         worker_pool="threads",

@@ -2,7 +2,7 @@
 
 Every test here records what it measured in ``figures`` (crashes survived, take-over times,
 requests fuzzed, ...). At the end of the session they are printed and written as JSON to
-``$SPOOL_RELIABILITY_FIGURES`` when that is set; docs/reliability.md quotes them.
+``$RELIABILITY_FIGURES`` when that is set; docs/reliability.md quotes them.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
     terminalreporter.section("reliability figures")
     for name, value in FIGURES.items():
         terminalreporter.write_line(f"{name}: {value}")
-    out = os.environ.get("SPOOL_RELIABILITY_FIGURES")
+    out = os.environ.get("RELIABILITY_FIGURES")
     if out:
         Path(out).write_text(json.dumps(FIGURES, indent=2, sort_keys=True) + "\n")
 

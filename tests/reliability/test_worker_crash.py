@@ -78,8 +78,8 @@ def test_sigkill_mid_stream_several_times(
     figures: dict[str, Any],
 ) -> None:
     keys = Keys(worker_pool.prefix)
-    seed = int(os.environ.get("SPOOL_RELIABILITY_SEED", time.time_ns() % 1_000_000))
-    figures["kill_seed"] = seed  # SPOOL_RELIABILITY_SEED=<seed> replays the same kill points
+    seed = int(os.environ.get("RELIABILITY_SEED", time.time_ns() % 1_000_000))
+    figures["kill_seed"] = seed  # RELIABILITY_SEED=<seed> replays the same kill points
     kill_at = sorted(random.Random(seed).sample(range(10, 300), 3))  # token counts of the first job
     ids = [submit(client, crash_api.url, p) for p in PROMPTS]
     streams = [Stream(f"{crash_api.url}/v1/jobs/{job_id}/events") for job_id in ids]

@@ -1,0 +1,50 @@
+"""Kombu's Redis transport, made to survive a Redis restart under Celery 5.7.
+
+Celery 5.7's worker, on losing its broker connection, first tears the connection's transport
+down and then closes its channel; closing a Redis channel restores the unacknowledged
+messages through a new client built from that transport, which is gone by then, so the
+``AttributeError`` ends the worker ("Unrecoverable error") instead of letting it reconnect.
+The same happens later when a task that was running across the reconnect acknowledges its
+message on the old channel. So this transport neither restores on close nor acknowledges on a
+channel whose transport is gone.
+
+Spool does not need that restore: a job whose message was unacknowledged is either running
+under a lease (if the worker died, its lease lapses and another worker's sweep requeues it) or
+still queued (the sweep sends it again once the Celery queue is empty); workers/reaper.py. The
+unacknowledged index in Redis stays as it is, so the broker's own visibility-timeout restore
+still works as a last resort.
+"""
+
+from __future__ import annotations
+
+from kombu.transport import redis as kombu_redis
+
+
+class QoS(kombu_redis.QoS):
+    def _torn_down(self) -> bool:
+        transport = self.channel.connection
+        return transport is None or transport.client is None
+
+    # NOTE: a task that started before the reconnect acknowledges its message on the old
+    # channel, whose transport is gone: kombu would raise AttributeError out of the event loop
+    # and end the worker. The message stays in the unacknowledged index instead; should the
+    # broker ever restore it, its job is finished and the duplicate is dropped.
+    def ack(self, delivery_tag: str) -> None:
+        if not self._torn_down():
+            super().ack(delivery_tag)
+
+    def reject(self, delivery_tag: str, requeue: bool = False) -> None:
+        if not self._torn_down():
+            super().reject(delivery_tag, requeue=requeue)
+
+
+class Channel(kombu_redis.Channel):
+    QoS = QoS
+    do_restore = False  # NOTE: read by QoS.restore_unacked_once when the channel closes
+
+
+class Transport(kombu_redis.Transport):
+    Channel = Channel
+
+
+TRANSPORT = f"{__name__}:Transport"  # for the Celery app's broker_transport
