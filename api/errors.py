@@ -18,6 +18,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from starlette.exceptions import HTTPException
 
+from common.schemas import LIMIT_EXCEEDED
 from common.store import Conflict, JobNotFound
 
 # OpenAI-style error types, so clients written against that API branch on familiar names.
@@ -97,7 +98,9 @@ async def _validation_error(_: Request, exc: Exception) -> JSONResponse:
             ApiError(400, f"Body is not valid JSON: {first['ctx']['error']}", code="invalid_json")
         )
     message = "; ".join(f"{_location(e['loc']) or 'body'}: {e['msg']}" for e in errors)
-    return _respond(ApiError(422, message, param=_location(first["loc"]), code=str(first["type"])))
+    # Valid in form but above a limit of this server (e.g. SPOOL_MAX_TOKENS_CAP): 400, with the numbers.
+    status = 400 if first["type"] == LIMIT_EXCEEDED else 422
+    return _respond(ApiError(status, message, param=_location(first["loc"]), code=str(first["type"])))
 
 
 async def _not_found(_: Request, exc: Exception) -> JSONResponse:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from fastapi import FastAPI
 
+from api.auth import AuthMiddleware
 from api.errors import install_error_handlers
 from api.limits import BodyLimitMiddleware
 from api.routes import health, jobs, openai
@@ -17,6 +18,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.settings = settings
     install_error_handlers(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+    app.add_middleware(AuthMiddleware, keys=settings.api_key_set)  # outermost: 401 before the body is read
     app.include_router(jobs.router)
     app.include_router(health.router)
     app.include_router(openai.router)

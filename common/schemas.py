@@ -10,11 +10,16 @@ import enum
 import math
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from common.settings import get_settings
 
 MAX_STOP_STRINGS = 4
+# Validation context of a request read back from the store: the API that accepted it applied its
+# own limits, which a worker started with other settings must not re-judge.
+STORED = "stored"
+LIMIT_EXCEEDED = "limit_exceeded"  # validation error type of a value above a configured limit (400)
 
 
 class JobStatus(str, enum.Enum):
@@ -69,10 +74,15 @@ class JobRequest(BaseModel):
 
     @field_validator("max_tokens")
     @classmethod
-    def _max_tokens_cap(cls, v: int) -> int:
+    def _max_tokens_cap(cls, v: int, info: ValidationInfo) -> int:
         cap = get_settings().max_tokens_cap
-        if v > cap:
-            raise ValueError(f"must be at most {cap} (SPOOL_MAX_TOKENS_CAP)")
+        if v > cap and not (info.context or {}).get(STORED):
+            # A well-formed request above a limit of this server: the API answers 400, not 422.
+            raise PydanticCustomError(
+                LIMIT_EXCEEDED,
+                "max_tokens is {value}, above this server's cap of {cap} (SPOOL_MAX_TOKENS_CAP)",
+                {"value": v, "cap": cap},
+            )
         return v
 
     @field_validator("stop")

@@ -23,6 +23,7 @@ from redis.retry import Retry
 
 from common.keys import Keys
 from common.schemas import (
+    STORED,
     DoneEvent,
     Job,
     JobError,
@@ -281,7 +282,7 @@ def record_from_hash(h: dict[str, str], log: list[LogEntry]) -> JobRecord:
     )
     return JobRecord(
         job=job,
-        request=JobRequest.model_validate_json(h["request"]),
+        request=JobRequest.model_validate_json(h["request"], context={STORED: True}),
         owner=h.get("owner", ""),
         attempt=int(h.get("attempt") or 0),
         worker=h.get("worker", ""),

@@ -8,6 +8,7 @@ from typing import Literal
 from fastapi import APIRouter, Response
 from fastapi.sse import EventSourceResponse, ServerSentEvent
 
+from api.auth import current_owner
 from api.deps import CursorDep, InboxDep, JobDep, JobId, ServicesDep
 from api.errors import ApiError
 from api.openai_compat.stream import openai_view
@@ -38,7 +39,7 @@ async def submit_job(services: Services, body: JobRequest) -> Job:
     """Store the job and hand it to the workers (429 when the queue is full)."""
     store, metrics = services.store, services.metrics
     try:
-        job = await store.create_job(body)
+        job = await store.create_job(body, owner=current_owner())
     except QueueFull as e:
         metrics.jobs_rejected.labels("queue_full").inc()
         raise ApiError(429, str(e), code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)}) from None
