@@ -41,6 +41,23 @@ class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant"]
     content: str
 
+    @field_validator("content")
+    @classmethod
+    def _content(cls, v: str) -> str:
+        return _encodable(v)  # type: ignore[no-any-return]
+
+
+def _encodable(v: Any) -> Any:
+    # NOTE: JSON's "\ud800" escapes decode to lone surrogates, which no UTF-8 encoder (Redis,
+    # the tokenizer) accepts: refuse them here rather than fail later.
+    for text in [v] if isinstance(v, str) else v if isinstance(v, list) else []:
+        if isinstance(text, str):
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ValueError("must be valid Unicode (no unpaired surrogates)") from None
+    return v
+
 
 def _finite(v: float | None) -> float | None:
     # NOTE: pydantic accepts "nan" and "inf" for floats; a NaN temperature would reach the sampler.
@@ -61,11 +78,16 @@ class JobRequest(BaseModel):
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int | None = Field(None, ge=1)
     stop: str | list[Annotated[str, Field(min_length=1)]] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(2**63), lt=2**64)  # what a torch.Generator can take
     timeout_s: float | None = Field(None, gt=0)  # counted from job creation; past it the job fails
     background: bool = True  # the API answers at once; False: it waits for the result
     user: str | None = Field(None, max_length=256)  # the end user, as the OpenAI API's `user`; stored only
     stream_include_usage: bool = False  # OpenAI stream format: end with a usage chunk (stream_options)
+
+    @field_validator("prompt", "stop", "user")
+    @classmethod
+    def _text(cls, v: Any) -> Any:
+        return _encodable(v)
 
     @field_validator("temperature", "top_p", "timeout_s")
     @classmethod

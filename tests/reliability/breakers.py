@@ -103,6 +103,12 @@ class RedisServer:
         self.stop()
         self.client.close()
 
+    def output_buffer_disconnections(self) -> int:
+        """Clients Redis dropped for their output buffer so far (counted in its log: 7.0 has no stat)."""
+        return (
+            (self.dir / "redis.log").read_text(errors="replace").count("overcoming of output buffer limits")
+        )
+
 
 def clean_prefix(client: redis.Redis, prefix: str) -> None:
     keys = Keys(prefix)
@@ -136,8 +142,9 @@ class Greedy:
 class Stream:
     """One SSE connection read to its end on a thread of its own, never reconnected."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, pace_s: float = 0.0) -> None:
         self.url = url
+        self.pace_s = pace_s  # a slow reader: pause this long after each event
         self.events: list[Event] = []
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._read, daemon=True)
@@ -153,6 +160,8 @@ class Stream:
                 for item in iter_sse(r):
                     if isinstance(item, Event):
                         self.events.append(item)
+                        if self.pace_s:
+                            time.sleep(self.pace_s)  # the reader's own pace, not a wait for something
         except Exception as e:  # noqa: BLE001 (reported by join())
             self.error = e
 

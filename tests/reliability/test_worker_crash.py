@@ -151,6 +151,28 @@ def test_frozen_worker_is_fenced_out(
     figures["frozen_workers_fenced_out"] = 1
 
 
+def test_cancel_while_its_worker_is_dead(
+    worker_pool: Workers, crash_api: Service, r: redis.Redis, client: httpx.Client
+) -> None:
+    """Cancelled between the kill and the take-over: the new worker ends it at once."""
+    keys = Keys(worker_pool.prefix)
+    poll(lambda: all(s.alive() for s in worker_pool.procs.values()), "every worker up", 120)
+    job_id = submit(client, crash_api.url, LONG_PROMPT)
+    stream = Stream(f"{crash_api.url}/v1/jobs/{job_id}/events")
+    watch = JobWatch(r, keys, job_id)
+    poll(lambda: watch.tokens() >= 20, "20 tokens", 60)
+    holder = worker_pool.by_full_name(watch.field("worker"))
+    worker_pool.kill(holder)
+    cancelled = client.post(f"{crash_api.url}/v1/jobs/{job_id}/cancel")
+    assert cancelled.status_code == 200 and cancelled.json()["status"] == "running"
+    events = stream.join(60)
+    check_full_stream(events)
+    assert events[-1].event == "done" and events[-1].data["status"] == "cancelled"
+    assert client.get(f"{crash_api.url}/v1/jobs/{job_id}").json()["status"] == "cancelled"
+    assert len(events) < MAX_TOKENS
+    worker_pool.start(holder)
+
+
 def test_the_same_worker_restarted_takes_its_job_back_with_default_lease(
     prefixes: Prefixes,
     tiny_model: Path,
