@@ -114,7 +114,7 @@ def test_redis_restarts_under_load(
     streams = [(job_id, Stream(f"{url}/v1/jobs/{job_id}/events")) for job_id, _ in load.accepted[-4:]]
     downtime: list[float] = []
     for sig in (signal.SIGTERM, signal.SIGKILL):
-        poll(lambda: any(s.events for _, s in streams), "streams under way", 60)
+        poll(lambda: all(s.events or s.error for _, s in streams), "every stream under way", 60)
         down_at = time.monotonic()
         own_redis.stop(sig)
         check_down(client, url, load.accepted[0][0])
