@@ -10,7 +10,7 @@ if [ ! -x "$venv/bin/python" ]; then
   "$python" -m venv "$venv"
   "$venv/bin/python" -m pip install -q --upgrade pip
 fi
-"$venv/bin/python" -c "import torch" 2>/dev/null || "$venv/bin/python" -m pip install -q "torch==${SPOOL_TORCH_VERSION:-2.13.0}"
+"$venv/bin/python" -c "import torch" 2>/dev/null || "$venv/bin/python" -m pip install -q "torch==${TORCH_VERSION:-2.13.0}"
 stamp="$venv/.spool-installed-$1"
 if [ ! -f "$stamp" ] || [ "$root/pyproject.toml" -nt "$stamp" ]; then
   "$venv/bin/python" -m pip install -q -e "$root$2"

@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Fresh machine to a tested tree: installs into .venv with the test extras, then runs pytest.
 # The tests start what they need themselves (celery workers, uvicorn, extra redis-servers);
-# they use the Redis at SPOOL_TEST_REDIS_URL (default 127.0.0.1:6379) under private key
+# they use the Redis at TEST_REDIS_URL (default 127.0.0.1:6379) under private key
 # prefixes, and when none answers there this script starts a private redis-server.
 # Extra arguments go to pytest (e.g. scripts/test.sh tests/engine -x).
 set -euo pipefail
 source "$(dirname "$0")/bootstrap.sh" test "[test]"
 
-url="${SPOOL_TEST_REDIS_URL:-redis://127.0.0.1:6379/0}"
+url="${TEST_REDIS_URL:-redis://127.0.0.1:6379/0}"
 if ! python -c "import redis,sys; redis.Redis.from_url(sys.argv[1]).ping()" "$url" 2>/dev/null; then
   dir="$(mktemp -d)"
   port="$(python -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
@@ -26,5 +26,5 @@ while True:
         time.sleep(0.05)
 " "$url"
 fi
-export SPOOL_TEST_REDIS_URL="$url"
+export TEST_REDIS_URL="$url"
 python -m pytest "$@"

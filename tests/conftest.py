@@ -1,7 +1,7 @@
 """Session fixtures: a tiny model, unique Redis prefixes, and real worker and API processes.
 
 Every fixture that needs isolation picks its own ``SPOOL_REDIS_PREFIX``, so runs share the Redis
-at ``SPOOL_TEST_REDIS_URL`` (default 127.0.0.1:6379) without seeing each other; every key under
+at ``TEST_REDIS_URL`` (default 127.0.0.1:6379) without seeing each other; every key under
 those prefixes is deleted at the end. When a test fails, the tail of every running process's
 log is attached to its report.
 """

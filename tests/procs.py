@@ -23,7 +23,7 @@ import redis
 
 from common.keys import Keys
 
-REDIS_URL = os.environ.get("SPOOL_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+REDIS_URL = os.environ.get("TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 ROOT = Path(__file__).resolve().parents[1]
 SPOOL = str(Path(sys.executable).with_name("spool"))  # the console script of this venv
 START_TIMEOUT_S = 120.0  # a worker loads torch and the model before its first heartbeat

@@ -10,7 +10,7 @@ import pytest
 from common.settings import Settings, load_settings
 from common.store import SyncJobStore
 
-REDIS_URL = os.environ.get("SPOOL_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+REDIS_URL = os.environ.get("TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 
 
 @pytest.fixture

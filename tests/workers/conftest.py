@@ -13,7 +13,7 @@ from common.store import SyncJobStore
 from workers.engine import Engine, EngineConfig
 from workers.runtime import EngineRuntime
 
-REDIS_URL = os.environ.get("SPOOL_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+REDIS_URL = os.environ.get("TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 
 
 @pytest.fixture(scope="module")
