@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_readme_settings_table_matches_settings() -> None:
     readme = (ROOT / "README.md").read_text()
-    table = set(re.findall(r"^\| `(SPOOL_[A-Z_]+)` \|", readme, flags=re.M))
+    table = set(re.findall(r"^\| `(SPOOL_[A-Z_]+)` \|", readme, flags=re.MULTILINE))
     fields = {ENV_PREFIX + name.upper() for name in Settings.model_fields}
     assert table == fields
 

@@ -9,16 +9,14 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from functools import cache
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-import torch
+from greedy import greedy
 from procs import Cluster, Prefixes, Service, start_api, start_worker, wait_until
 from sse_client import Event, check_full_stream, iter_sse, read_events
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 TERMINAL = {"succeeded", "failed", "cancelled", "partial"}
 Reference = Callable[[str, int], str]
@@ -26,17 +24,7 @@ Reference = Callable[[str, int], str]
 
 @pytest.fixture(scope="session")
 def reference(tiny_model: Path) -> Reference:
-    model = AutoModelForCausalLM.from_pretrained(tiny_model).eval()
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
-
-    @cache
-    def greedy_text(prompt: str, max_tokens: int) -> str:
-        ids = tokenizer(prompt, return_tensors="pt").input_ids
-        with torch.inference_mode():
-            out = model.generate(ids, max_new_tokens=max_tokens, do_sample=False)
-        return str(tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True))
-
-    return greedy_text
+    return lambda prompt, max_tokens: greedy(tiny_model, prompt, max_tokens).text
 
 
 def submit(client: httpx.Client, url: str, prompt: str, max_tokens: int, **params: Any) -> dict[str, Any]:

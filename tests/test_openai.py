@@ -9,18 +9,17 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Iterator
-from functools import cache
 from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
 import pytest
-import torch
+from greedy import greedy
 from openai.types.chat import ChatCompletionMessageParam
 from openai_stream import read_stream, text_of
 from procs import Cluster, Service
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 PROMPT = "the quick brown fox"
 MESSAGES: list[ChatCompletionMessageParam] = [
@@ -36,18 +35,12 @@ def tokenizer(tiny_model: Path) -> PreTrainedTokenizerBase:
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_model: Path, tokenizer: PreTrainedTokenizerBase) -> Reference:
-    model = AutoModelForCausalLM.from_pretrained(tiny_model).eval()
+def reference(tiny_model: Path) -> Reference:
+    def token_ids_and_text(prompt_ids: tuple[int, ...], max_tokens: int) -> tuple[list[int], str]:
+        g = greedy(tiny_model, prompt_ids, max_tokens)
+        return g.token_ids, g.text
 
-    @cache
-    def greedy(prompt_ids: tuple[int, ...], max_tokens: int) -> tuple[list[int], str]:
-        ids = torch.tensor([prompt_ids])
-        with torch.inference_mode():
-            out = model.generate(ids, max_new_tokens=max_tokens, do_sample=False)
-        new = out[0, ids.shape[1] :].tolist()
-        return new, str(tokenizer.decode(new, skip_special_tokens=True))
-
-    return greedy
+    return token_ids_and_text
 
 
 def prompt_ids(tokenizer: PreTrainedTokenizerBase, prompt: str) -> tuple[int, ...]:

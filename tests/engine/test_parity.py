@@ -6,16 +6,12 @@ import random
 from pathlib import Path
 
 import pytest
+from greedy import greedy
 
 from workers.engine import Engine, EngineConfig, SamplingParams
 from workers.engine.tiny import ARCHITECTURES
 
-from engine_reference import greedy
-
-WORDS = (
-    "the quick brown fox jumps over a lazy dog while 바람이 분다 and rivers run to the sea "
-    "under 하늘 of stars we wander through old forests singing songs of time"
-).split()
+WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while", "바람이", "분다", "and", "rivers", "run", "to", "the", "sea", "under", "하늘", "of", "stars", "we", "wander", "through", "old", "forests", "singing", "songs", "of", "time"]
 
 
 def make_prompts(n: int, seed: int = 0) -> list[str]:
@@ -61,7 +57,7 @@ def test_greedy_parity_with_continuous_batching(arch: str, tiny_model_dirs: dict
     assert finished == {str(i) for i in range(len(prompts))}
     tokenizer = engine.tokenizer
     for i, prompt in enumerate(prompts):
-        expected = greedy(model_dir, prompt, max_tokens[i])
+        expected = greedy(model_dir, prompt, max_tokens[i]).token_ids
         assert tokens[str(i)] == expected, f"{arch} request {i}: {prompt!r}"
         assert texts[str(i)] == tokenizer.decode(expected, skip_special_tokens=True)
 
@@ -77,5 +73,5 @@ def test_generate_keeps_prompt_order_and_accepts_token_ids(make_engine, llama_di
     prompts = make_prompts(5, seed=42)
     ids = engine.tokenizer.encode(prompts[0])
     outs = engine.generate([*prompts, ids], SamplingParams(max_tokens=6, temperature=0.0))
-    assert [o.token_ids for o in outs[:-1]] == [greedy(llama_dir, p, 6) for p in prompts]
+    assert [o.token_ids for o in outs[:-1]] == [greedy(llama_dir, p, 6).token_ids for p in prompts]
     assert outs[-1].token_ids == outs[0].token_ids

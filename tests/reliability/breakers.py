@@ -127,18 +127,6 @@ def poll(check: Any, what: str, timeout: float) -> Any:
     return got
 
 
-@dataclass(frozen=True)
-class Greedy:
-    text: str
-    token_ids: list[int]  # the EOS that ended it included
-    eos_token_id: int
-
-    def same_ids(self, logged: list[int]) -> bool:
-        """The log's ids are these, whether or not the final EOS was logged."""
-        ids = self.token_ids
-        return logged == ids or (bool(ids) and ids[-1] == self.eos_token_id and logged == ids[:-1])
-
-
 class Stream:
     """One SSE connection read to its end on a thread of its own, never reconnected."""
 

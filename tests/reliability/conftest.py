@@ -7,14 +7,16 @@ requests fuzzed, ...). At the end of the session they are printed and written as
 
 from __future__ import annotations
 
+import functools
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from breakers import Greedy, RedisServer, Workers
+from breakers import RedisServer, Workers
+from greedy import Greedy, greedy
 from procs import Prefixes
 
 FIGURES: dict[str, Any] = {}
@@ -55,25 +57,6 @@ def own_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]
 
 
 @pytest.fixture(scope="session")
-def greedy_reference(tiny_model: Path) -> Any:
+def greedy_reference(tiny_model: Path) -> Callable[[str, int], Greedy]:
     """transformers' own ``model.generate`` on the tiny model, alone: what an unbroken run gives."""
-    from functools import cache
-
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    model = AutoModelForCausalLM.from_pretrained(tiny_model).eval()
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
-
-    @cache
-    def greedy(prompt: str, max_tokens: int) -> Greedy:
-        ids = tokenizer(prompt, return_tensors="pt").input_ids
-        with torch.inference_mode():
-            out = model.generate(ids, max_new_tokens=max_tokens, do_sample=False)
-        new = out[0, ids.shape[1] :].tolist()
-        eos = tokenizer.eos_token_id
-        if eos in new:  # generation stops at EOS, which counts as a completion token
-            new = new[: new.index(eos) + 1]
-        return Greedy(str(tokenizer.decode(new, skip_special_tokens=True)), new, eos)
-
-    return greedy
+    return functools.partial(greedy, tiny_model)

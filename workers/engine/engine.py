@@ -274,4 +274,4 @@ class Engine:
         )
 
 
-__all__ = ["Engine", "RequestTooLongError", "RequestStatus"]
+__all__ = ["Engine", "RequestStatus", "RequestTooLongError"]
