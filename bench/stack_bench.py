@@ -80,6 +80,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 TARGET_STACK_VS_ENGINE = 0.9  # stack tok/s >= 0.9 x engine tok/s
 TARGET_ADDED_TTFT_P50_MS = 25.0  # stack p50 TTFT - engine p50 TTFT <= 25 ms
 BENCH_EOS = "<|bench_eos|>"
+LONE_REPEATS = 11  # requests sent alone, one after the other, to each side
+LONE_NEW_TOKENS = 4
 PREFIX = "bench"  # key prefix of the throughput stack
 CONN_PREFIX = "bench-conn"  # key prefix of the connections test (no worker consumes its queue)
 START_TIMEOUT_S = 180.0  # a worker loads torch and the model before its first heartbeat
@@ -311,6 +313,11 @@ def cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of a process (its threads included), from /proc/PID/stat."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_snapshot(pids: dict[str, int]) -> dict[str, float]:
+    """CPU seconds of each named process, and of this one (the clients) as ``clients``."""
+    return {**{name: cpu_seconds(pid) for name, pid in pids.items()}, "clients": time.process_time()}
 
 
 def raise_fd_limit(needed: int) -> int:
@@ -662,6 +669,9 @@ def summarize(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     s["stack/engine"] = ratio(s["stack_tok_s"], s["engine_tok_s"])
     s["added_ttft_p50_ms"] = s["stack_ttft_p50_ms"] - s["engine_ttft_p50_ms"]
     s["added_ttft_p95_ms"] = s["stack_ttft_p95_ms"] - s["engine_ttft_p95_ms"]
+    s["stack_cpu_s"] = {
+        k: statistics.median(r["stack"]["cpu_s"][k] for r in rounds) for k in rounds[0]["stack"]["cpu_s"]
+    }
     s["same_text_as_engine_min"] = min(r["stack"]["same_text_as_engine"] for r in rounds)
     s["meets_throughput_target"] = (
         s["stack/engine"] is not None and s["stack/engine"] >= TARGET_STACK_VS_ENGINE
@@ -715,6 +725,7 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
     if "summary" in report:
         s = report["summary"]
         clients = report["workload"]["clients"]
+        lone = report["lone"]
         lines += [
             (
                 f"{'engine alone':<28} {s['engine_tok_s']:>9.1f} tok/s   TTFT p50 {s['engine_ttft_p50_ms']:7.1f} ms"
@@ -730,9 +741,17 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
             + ", ".join(f"{k[:-3]} {v:.1f} ms" for k, v in s["stack_ttft_phases_p50_ms"].items())
             + "   (api: POST to job stored; queue: stored to taken by the worker; engine: taken to "
             "first token at the client)",
+            f"{'CPU seconds per stack run':<28} "
+            + ", ".join(f"{k} {v:.2f}" for k, v in s["stack_cpu_s"].items())
+            + f"   (wall {s['stack_seconds']:.2f} s, {report['meta']['cpu_count']} CPUs)",
             (
                 f"{'jobs reaching the worker':<28} first {s['stack_first_taken_ms']:.1f} ms, last "
                 f"{s['stack_last_taken_ms']:.1f} ms after the first POST (the engine alone has them all at 0)"
+            ),
+            (
+                f"{'lone request (median of ' + str(len(lone['stack_ttft_ms'])) + ')':<28} TTFT engine "
+                f"{lone['engine_ttft_p50_ms']:.1f} ms, stack {lone['stack_ttft_p50_ms']:.1f} ms: the stack adds "
+                f"{lone['added_ttft_p50_ms']:.1f} ms to a request alone ({lone['prompt_tokens']} prompt tokens)"
             ),
             f"{'TTFT added by the stack':<28} p50 {s['added_ttft_p50_ms']:+.1f} ms, p95 {s['added_ttft_p95_ms']:+.1f} ms"
             f"   target p50 <= {TARGET_ADDED_TTFT_P50_MS:.0f} ms" + verdict(s["meets_ttft_target"]),
@@ -852,6 +871,8 @@ def throughput(
 
     wait_until(ready, "the worker's heartbeat (/readyz)", START_TIMEOUT_S, [worker, api])
     report["meta"]["worker_pid"], report["meta"]["api_pid"] = worker.pid, api.pid
+    redis_pid = next(p.pid for p in procs.procs if p.name == "redis")
+    pids = {"worker": worker.pid, "api": api.pid, "redis": redis_pid}
 
     log(f"engine: loading (max_batch_size={batch}, max_model_len={max_model_len})")
     engine = spool_engine(model_dir, args, batch, max_model_len)
@@ -872,7 +893,9 @@ def throughput(
         log(f"round {i + 1}/{rounds}: engine alone")
         e = engine_run(engine, prompts, n_new)
         log(f"round {i + 1}/{rounds}: engine {e.tok_s:.1f} tok/s; stack with {len(prompts)} SSE clients")
+        cpu0 = cpu_snapshot(pids)
         s = stack_run(url, prompts, n_new, timeout=max(120.0, 20 * e.seconds))
+        cpu = {k: v - cpu0[k] for k, v in cpu_snapshot(pids).items()}
         log(f"round {i + 1}/{rounds}: stack {s.tok_s:.1f} tok/s ({s.tok_s / e.tok_s:.2f} of the engine)")
         if s.prompt_tokens != e.prompt_tokens:
             raise RuntimeError(
@@ -891,11 +914,30 @@ def throughput(
                     "ttft_ms": s.ttft_ms,
                     "submit_ms": s.submit_ms,
                     "same_text_as_engine": sum(a == b for a, b in zip(s.texts, e.texts, strict=True)),
+                    "cpu_s": cpu,
                 },
             }
         )
     report["rounds"] = results
     report["summary"] = summarize(results)
+
+    # The stack's fixed cost per request, without the batch's dynamics: one request at a time.
+    lone_prompt = sorted(prompts, key=len)[len(prompts) // 2]
+    lone_new = min(n_new, LONE_NEW_TOKENS)
+    log(f"lone requests: {LONE_REPEATS} x (engine, stack), {lone_new} new tokens")
+    lone_e, lone_s = [], []
+    for _ in range(LONE_REPEATS):
+        lone_e.append(engine_run(engine, [lone_prompt], lone_new).ttft_ms[0])
+        lone_s.append(stack_run(url, [lone_prompt], lone_new, timeout=60).ttft_ms[0])
+    report["lone"] = {
+        "prompt_tokens": len(tokenizer.encode(lone_prompt)),
+        "new_tokens": lone_new,
+        "engine_ttft_ms": lone_e,
+        "stack_ttft_ms": lone_s,
+        "engine_ttft_p50_ms": statistics.median(lone_e),
+        "stack_ttft_p50_ms": statistics.median(lone_s),
+        "added_ttft_p50_ms": statistics.median(lone_s) - statistics.median(lone_e),
+    }
     stats = httpx.get(url + "/readyz", timeout=5).json()["workers"][0]["engine"]
     report["meta"]["worker_engine_stats"] = stats
     del engine
