@@ -41,6 +41,17 @@ async def resolve_model(store: AsyncJobStore, requested: str | None) -> WorkerHe
     return models[requested]
 
 
+async def check_with_live_workers(store: AsyncJobStore, request: JobRequest) -> None:
+    """``check_servable`` against the served model, when a live worker says what it is.
+
+    A job may also be queued while no worker runs (they restart, or scale from zero); the
+    worker then refuses what its model cannot take, and the job fails with the reason.
+    """
+    models = await served_models(store)
+    if models:
+        check_servable(request, models[min(models)])
+
+
 def check_servable(request: JobRequest, worker: WorkerHeartbeat) -> None:
     """Refuse, before queueing, what the served model cannot take."""
     if request.messages is not None and worker.chat_template is False:

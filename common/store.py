@@ -384,6 +384,10 @@ REDIS_RETRIES = 3
 REDIS_BACKOFF = {"base": 0.05, "cap": 0.5}  # seconds
 
 
+ASYNC_POOL_SIZE = 128  # Redis connections per API process
+ASYNC_POOL_WAIT_S = 10.0  # how long a command waits for one before it fails
+
+
 def _sync_client(url: str) -> redis.Redis:
     retry = Retry(ExponentialBackoff(**REDIS_BACKOFF), REDIS_RETRIES)
     return redis.Redis.from_url(url, decode_responses=True, retry=retry)
@@ -391,7 +395,13 @@ def _sync_client(url: str) -> redis.Redis:
 
 def _async_client(url: str) -> aredis.Redis:
     retry = AsyncRetry(ExponentialBackoff(**REDIS_BACKOFF), REDIS_RETRIES)
-    return aredis.Redis.from_url(url, decode_responses=True, retry=retry)
+    # NOTE: the default async pool fails the 101st concurrent command with "Too many
+    # connections", which the API would report as Redis being down (seen with 1,000 open
+    # streams). A blocking pool makes a burst wait for a free connection instead.
+    pool = aredis.BlockingConnectionPool.from_url(
+        url, decode_responses=True, retry=retry, max_connections=ASYNC_POOL_SIZE, timeout=ASYNC_POOL_WAIT_S
+    )
+    return aredis.Redis.from_pool(pool)  # the client owns the pool: aclose() closes it
 
 
 class _Base:

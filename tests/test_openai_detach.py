@@ -70,11 +70,9 @@ def test_chat_without_a_chat_template_is_400(oai: openai.OpenAI) -> None:
     assert oai.completions.create(model=oai.models.list().data[0].id, prompt="hi", max_tokens=2).choices
 
 
-def test_the_worker_refuses_messages_without_a_chat_template(solo: Cluster, client: httpx.Client) -> None:
-    # The jobs API does not look at the model first; the worker still renders no made-up format.
+def test_jobs_with_messages_need_a_chat_template_too(solo: Cluster, client: httpx.Client) -> None:
     r = client.post(f"{solo.url}/v1/jobs", json={"messages": [{"role": "user", "content": "hi"}]})
-    job = finished_job(client, solo.url, r.json()["id"])
-    assert job["status"] == "failed" and "chat template" in job["error"]["message"]
+    assert r.status_code == 400 and r.json()["error"]["code"] == "no_chat_template"
 
 
 def test_abandoned_foreground_stream_is_cancelled_after_the_grace_and_frees_the_slot(

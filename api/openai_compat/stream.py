@@ -7,7 +7,7 @@ from collections.abc import AsyncGenerator
 from fastapi.sse import format_sse_event
 
 from api.openai_compat.chunks import View
-from api.openai_compat.served import served_models
+from api.served import served_models
 from api.services import Services
 from api.sse import relay
 

@@ -12,6 +12,7 @@ from api.auth import current_owner
 from api.deps import CursorDep, InboxDep, JobDep, JobId, ServicesDep
 from api.errors import ApiError
 from api.openai_compat.stream import openai_view
+from api.served import check_with_live_workers
 from api.services import Services
 from api.sse import relay, to_sse_list
 from common.schemas import Job, JobRequest
@@ -27,6 +28,7 @@ RETRY_AFTER_S = 2  # a full queue drains at the workers' pace; retrying sooner o
 )
 async def create_job(body: JobRequest, services: ServicesDep, response: Response) -> Job:
     """Queue a job; with ``"background": false`` wait for it and answer 200 with the result."""
+    await check_with_live_workers(services.store, body)
     job = await submit_job(services, body)
     response.headers["Location"] = f"/v1/jobs/{job.id}"
     if body.background:

@@ -53,7 +53,7 @@ def test_full_queue_is_429_with_retry_after(
         name="elsewhere", ts=time.time(), engine={}, model="m", chat_template=True, max_model_len=64
     )
     store.beat(beat)
-    queued = client.post(f"{api.url}/v1/jobs", json={"prompt": "waits"}).json()
+    queued = client.post(f"{api.url}/v1/jobs", json={"prompt": "waits", "max_tokens": 4}).json()
     try:
         with pytest.raises(openai.RateLimitError, match="queue is full") as e:
             oai.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=4)

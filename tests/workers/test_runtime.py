@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import threading
 import time
 from collections.abc import Callable
@@ -12,7 +13,7 @@ import pytest
 from common.schemas import ChatMessage, Job, JobRequest, JobStatus, LogEntry
 from common.store import Append, SyncJobStore, token_entry
 from workers.engine import Engine, SamplingParams
-from workers.runtime import EngineRuntime, Outcome
+from workers.runtime import EngineRuntime, Outcome, prompt_of
 
 LONG_PROMPT = "the quick brown fox"  # greedy on the tiny model runs to max_tokens (no EOS)
 
@@ -91,6 +92,16 @@ def test_chat_messages(runtime: EngineRuntime, store: SyncJobStore) -> None:
     job = store.create_job(request)
     assert runtime.run_job(job.id).outcome is Outcome.FINISHED
     assert store.get_job(job.id).status is JobStatus.SUCCEEDED
+
+
+def test_messages_without_a_chat_template_are_refused(runtime: EngineRuntime) -> None:
+    # The API refuses these when a worker tells it the model has no template; a job queued
+    # before any worker was up still meets a worker that renders no made-up format.
+    tokenizer = copy.copy(runtime.engine.tokenizer)
+    tokenizer.chat_template = None
+    request = JobRequest(messages=[ChatMessage(role="user", content="hi")], max_tokens=4)
+    with pytest.raises(ValueError, match="no chat template"):
+        prompt_of(request, tokenizer)
 
 
 def test_cancel_a_running_job(runtime: EngineRuntime, store: SyncJobStore) -> None:
