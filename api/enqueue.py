@@ -6,9 +6,8 @@ import asyncio
 
 from celery import Celery
 
+from common.keys import GENERATE_TASK
 from common.settings import Settings
-
-GENERATE_TASK = "spool.generate"  # registered under this name by workers/tasks.py
 
 # Fail fast when the broker is down (the client gets a 503 and can retry) instead of letting
 # Celery's default policy hold the request for seconds.

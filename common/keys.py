@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+GENERATE_TASK = "spool.generate"  # the Celery task a job's message names; the API sends it by name
+
 
 @dataclass(frozen=True)
 class Keys:

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from celery import Celery
 
+from common.keys import GENERATE_TASK
 from common.settings import Settings, get_settings
 from workers.broker import TRANSPORT
 
-GENERATE_TASK = "spool.generate"
 SPARE_TASK_THREADS = 4  # beyond one per batch slot: tasks that only find a job busy or finished
 # An unacknowledged message is handed out again after this long. It is only the last resort:
 # the job of a worker that died (SIGKILL, lost machine) is found by the other workers' sweeps

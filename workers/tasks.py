@@ -11,8 +11,9 @@ from typing import Any
 from celery import Task, signals
 from redis.exceptions import RedisError
 
+from common.keys import GENERATE_TASK
 from common.settings import get_settings
-from workers.celery_app import GENERATE_TASK, app
+from workers.celery_app import app
 from workers.runtime import EngineRuntime, Outcome
 
 RETRY_MARGIN_S = 0.5  # past this worker's lease deadline

@@ -17,9 +17,9 @@ from api.deps import ServicesDep, StoreDep
 from api.errors import ApiError
 from api.openai_compat.chunks import View
 from api.openai_compat.requests import ChatCompletionRequest, CompletionRequest, OpenAIRequest
-from api.served import check_servable, resolve_model, served_models
 from api.openai_compat.stream import stream_body
 from api.routes.jobs import submit_job, wait_for_job
+from api.served import check_servable, resolve_model, served_models
 from common.schemas import WorkerHeartbeat
 
 router = APIRouter(prefix="/v1", tags=["openai"])

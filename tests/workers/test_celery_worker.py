@@ -10,10 +10,11 @@ import pytest
 from celery import Celery
 from procs import REDIS_URL, Service, start_worker
 
+from common.keys import GENERATE_TASK
 from common.schemas import Job, JobRequest, JobStatus
 from common.settings import load_settings
 from common.store import SyncJobStore
-from workers.celery_app import GENERATE_TASK, make_app
+from workers.celery_app import make_app
 
 LONG_PROMPT = "the quick brown fox"  # greedy on the tiny model runs to max_tokens (no EOS)
 
