@@ -135,7 +135,7 @@ class Engine:
             log.exception("engine step failed")
             failed = [c.request for c in plan.prefills] + plan.decodes
             return deltas + [self._finish(r, FinishReason.ERROR, error=f"{type(e).__name__}: {e}") for r in failed]
-        if due:
+        if logits is not None:  # some request is due a token
             token_ids = self.sampler.sample(
                 logits,
                 [r.params for r in due],

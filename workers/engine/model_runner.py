@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, cast
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -32,13 +32,14 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.dtype = DTYPES[config.dtype]
         self.tokenizer = AutoTokenizer.from_pretrained(config.model, trust_remote_code=config.trust_remote_code)
-        self.model = AutoModelForCausalLM.from_pretrained(
+        model = AutoModelForCausalLM.from_pretrained(
             config.model,
             dtype=self.dtype,
             attn_implementation="sdpa",
             trust_remote_code=config.trust_remote_code,
-        ).to(self.device)
-        self.model.eval()
+        )
+        # NOTE: cast: transformers' typing of the decorated .to() confuses mypy.
+        self.model: Any = cast(Any, model).to(self.device).eval()
         self.vocab_size = self.model.get_output_embeddings().weight.shape[0]
 
         limit = _model_limit(self.model.config)
