@@ -10,9 +10,12 @@ import sys
 from pathlib import Path
 
 import httpx
-from procs import SPOOL, free_port, spool_env, wait_until
+from greedy import greedy
+from procs import SPOOL, free_port, spool_env, start_api, wait_until
 
 from spool_cli.client import sse_events
+
+LONG_PROMPT = "the quick brown fox"  # greedy on the tiny model runs to max_tokens (no EOS)
 
 
 def spool(
@@ -56,10 +59,28 @@ def test_sse_parser_skips_comments_and_keeps_ids() -> None:
     assert list(sse_events(iter(lines))) == [("1", "token", '{"text": "a"}'), ("2", "done", "{}")]
 
 
-def test_generate_streams_the_job_text(cluster) -> None:  # type: ignore[no-untyped-def]
+def test_generate_streams_the_job_text(cluster, tiny_model: Path) -> None:  # type: ignore[no-untyped-def]
     result = spool("generate", "hello", "--max-tokens", "12", "--temperature", "0", "--url", cluster.url)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.endswith("\n") and len(result.stdout) > 1
+    assert result.stdout == greedy(tiny_model, "hello", 12).text + "\n"
+
+
+def test_generate_resumes_when_the_api_dies_mid_stream(cluster, tiny_model: Path, log_dir: Path) -> None:  # type: ignore[no-untyped-def]
+    api = start_api(cluster.prefix, log_dir)
+    argv = [SPOOL, "generate", LONG_PROMPT, "--max-tokens", "300", "--temperature", "0", "--url", api.url]
+    proc = subprocess.Popen(argv, env=spool_env(cluster.prefix), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None
+    first = os.read(proc.stdout.fileno(), 1)  # unbuffered: a token has been printed, the stream is open
+    os.killpg(api.proc.pid, signal.SIGKILL)  # the API process dies with the connection open
+    api.stop()
+    replacement = start_api(cluster.prefix, log_dir, port=int(api.url.rsplit(":", 1)[1]))
+    try:
+        out, err = proc.communicate(timeout=120)
+    finally:
+        replacement.stop()
+    assert proc.returncode == 0, err
+    assert b"resuming after event" in err
+    assert (first + out).decode() == greedy(tiny_model, LONG_PROMPT, 300).text + "\n"
 
 
 def test_batch_writes_results_in_order(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
