@@ -1,8 +1,8 @@
 """The job store: jobs, their event logs and worker heartbeats in Redis.
 
 ``SyncJobStore`` (worker threads, ``redis.Redis``) and ``AsyncJobStore`` (API, ``redis.asyncio``)
-are thin shells over the same pure parts: the Lua scripts, the argument builders and the
-parsers below. Every status transition is one Lua script, so it is atomic without WATCH retries.
+are thin shells over the same pure parts: the Lua scripts (common/store_lua.py), and the
+argument builders and parsers below.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from common.schemas import (
     WorkerHeartbeat,
 )
 from common.settings import Settings
+from common.store_lua import APPEND_LUA, CANCEL_LUA, CREATE_LUA, RENEW_LUA, REQUEUE_LUA, TAKE_LUA
 
 
 class StoreError(RuntimeError):
@@ -55,124 +56,6 @@ class QueueFull(StoreError):
     def __init__(self, limit: int) -> None:
         super().__init__(f"the queue is full ({limit} jobs queued); retry later")
         self.limit = limit
-
-
-# KEYS: queued zset, job hash. ARGV: max queued, job id, now, field, value, ...
-CREATE_LUA = """
-if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[1]) then return 0 end
-redis.call('HSET', KEYS[2], unpack(ARGV, 4))
-redis.call('ZADD', KEYS[1], ARGV[3], ARGV[2])
-return 1
-"""
-
-# KEYS: job hash, log, queued zset, running zset. ARGV: job id, worker, model, now, lease deadline.
-# A running job is taken over only when its lease lapsed (its worker died or hung).
-TAKE_LUA = """
-local status = redis.call('HGET', KEYS[1], 'status')
-if not status then return {'missing'} end
-if status == 'running' then
-  local lease = redis.call('ZSCORE', KEYS[4], ARGV[1])
-  if lease and tonumber(lease) > tonumber(ARGV[4]) then return {'busy', lease} end
-elseif status ~= 'queued' then
-  return {'finished', status}
-end
-local attempt = redis.call('HINCRBY', KEYS[1], 'attempt', 1)
-redis.call('HSET', KEYS[1], 'status', 'running', 'worker', ARGV[2], 'model', ARGV[3])
-if status == 'queued' then redis.call('HSET', KEYS[1], 'started_at', ARGV[4]) end
-redis.call('ZREM', KEYS[3], ARGV[1])
-redis.call('ZADD', KEYS[4], ARGV[5], ARGV[1])
-return {'taken', tostring(attempt), redis.call('HGETALL', KEYS[1]), redis.call('LRANGE', KEYS[2], 0, -1)}
-"""
-
-# KEYS: job hash, log, job channel, running zset.
-# ARGV: attempt, first seq, prompt tokens, completion tokens, final status ('' if not final),
-#       finish reason, finished_at, error JSON, ttl, job id, entry, entry, ...
-# Fencing: only the holder of the current attempt writes. The seq check makes a retried
-# append (after a dropped connection) a no-op instead of a duplicate.
-APPEND_LUA = """
-if redis.call('HGET', KEYS[1], 'attempt') ~= ARGV[1] then return 0 end
-local n = #ARGV - 10
-local len = redis.call('LLEN', KEYS[2])
-local first = tonumber(ARGV[2])
-if len >= first - 1 + n and n > 0 then return 2 end
-if len ~= first - 1 then return -1 end
-if n > 0 then
-  redis.call('RPUSH', KEYS[2], unpack(ARGV, 11))
-  for i = 11, #ARGV do redis.call('PUBLISH', KEYS[3], ARGV[i]) end
-end
-redis.call('HSET', KEYS[1], 'prompt_tokens', ARGV[3], 'completion_tokens', ARGV[4])
-if ARGV[5] ~= '' then
-  redis.call('HSET', KEYS[1], 'status', ARGV[5], 'finish_reason', ARGV[6], 'finished_at', ARGV[7],
-             'error', ARGV[8])
-  redis.call('ZREM', KEYS[4], ARGV[10])
-  redis.call('EXPIRE', KEYS[1], ARGV[9])
-  redis.call('EXPIRE', KEYS[2], ARGV[9])
-end
-return 1
-"""
-
-# KEYS: job hash, log, job channel, queued zset, cancel channel.
-# ARGV: job id, now, ttl, the done entry (seq 1: a queued job's log is empty).
-CANCEL_LUA = """
-local status = redis.call('HGET', KEYS[1], 'status')
-if not status then return 'missing' end
-if status == 'queued' then
-  if redis.call('LLEN', KEYS[2]) ~= 0 then return redis.error_reply('queued job with a non-empty log') end
-  redis.call('HSET', KEYS[1], 'status', 'cancelled', 'finish_reason', 'cancelled', 'finished_at', ARGV[2],
-             'cancel_requested', '1')
-  redis.call('ZREM', KEYS[4], ARGV[1])
-  redis.call('RPUSH', KEYS[2], ARGV[4])
-  redis.call('PUBLISH', KEYS[3], ARGV[4])
-  redis.call('EXPIRE', KEYS[1], ARGV[3])
-  redis.call('EXPIRE', KEYS[2], ARGV[3])
-  return 'cancelled'
-end
-if status == 'running' then
-  redis.call('HSET', KEYS[1], 'cancel_requested', '1')
-  redis.call('PUBLISH', KEYS[5], ARGV[1])
-  return 'requested'
-end
-return status
-"""
-
-
-# KEYS: running zset, job hash, job hash, ... ARGV: lease deadline, job id, attempt, job id, attempt, ...
-# Renews the leases of the jobs a worker still holds (attempt unchanged); returns the ids it lost.
-# Fenced like the appends: a worker that was taken over must not keep the new holder's lease alive.
-RENEW_LUA = """
-local lost = {}
-for i = 2, #KEYS do
-  local id, attempt = ARGV[2 * i - 2], ARGV[2 * i - 1]
-  if redis.call('HGET', KEYS[i], 'attempt') == attempt and redis.call('HGET', KEYS[i], 'status') == 'running' then
-    redis.call('ZADD', KEYS[1], 'XX', ARGV[1], id)
-  else
-    lost[#lost + 1] = id
-  end
-end
-return lost
-"""
-
-# KEYS: job hash, running zset, queued zset. ARGV: job id, now, min gap between two requeues (s).
-# The claim that makes one worker, and only one, send a job's message again: a running job whose
-# lease lapsed (its worker died), or a queued job whose message may have been lost. Once per gap,
-# so a requeue that itself got lost is retried, and duplicates stay rare (they are harmless).
-REQUEUE_LUA = """
-local status = redis.call('HGET', KEYS[1], 'status')
-if status == 'running' then
-  local lease = redis.call('ZSCORE', KEYS[2], ARGV[1])
-  if lease and tonumber(lease) > tonumber(ARGV[2]) then return 0 end
-elseif status == 'queued' then
-  if not redis.call('ZSCORE', KEYS[3], ARGV[1]) then return 0 end
-else
-  redis.call('ZREM', KEYS[2], ARGV[1])
-  redis.call('ZREM', KEYS[3], ARGV[1])
-  return 0
-end
-local last = tonumber(redis.call('HGET', KEYS[1], 'requeued_at') or '0')
-if last > tonumber(ARGV[2]) - tonumber(ARGV[3]) then return 0 end
-redis.call('HSET', KEYS[1], 'requeued_at', ARGV[2])
-return 1
-"""
 
 
 @dataclass(frozen=True)
