@@ -42,8 +42,10 @@ class Keys:
         """Key with a TTL: the worker's heartbeat."""
         return f"{self.prefix}:worker:{name}"
 
-    def workers_pattern(self) -> str:
-        return f"{self.prefix}:worker:*"
+    def workers(self) -> str:
+        """Sorted set of worker names (score: last beat), so finding the live workers never
+        scans the keyspace; a worker is live while its heartbeat key exists."""
+        return f"{self.prefix}:workers"
 
     def queued_jobs(self) -> str:
         """Sorted set of queued job ids (score: enqueue time); sized for backpressure."""

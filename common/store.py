@@ -248,6 +248,15 @@ def check_created(reply: int, max_queued: int) -> None:
         raise QueueFull(max_queued)
 
 
+# NOTE: liveness is the heartbeat key's TTL (a lapsed worker's key reads as None below); the
+# registry only lists names to look at, and forgets a worker after an hour without a beat.
+WORKER_FORGET_S = 3600.0
+
+
+def worker_keys(keys: Keys, names: Iterable[str]) -> list[str]:
+    return [keys.worker(n) for n in names]
+
+
 def heartbeats_from(values: Iterable[str | bytes | None]) -> list[WorkerHeartbeat]:
     # NOTE: a key can expire between SCAN and MGET; it then reads as None.
     return [WorkerHeartbeat.model_validate_json(v) for v in values if v]
@@ -433,15 +442,22 @@ class SyncJobStore(_Base):
         return [j for j, flag in zip(job_ids, pipe.execute(), strict=True) if flag == "1"]
 
     def beat(self, heartbeat: WorkerHeartbeat) -> None:
-        ttl_ms = int(self.settings.heartbeat_ttl_s * 1000)
-        self.redis.set(self.keys.worker(heartbeat.name), heartbeat.model_dump_json(), px=ttl_ms)
+        now, ttl_ms = time.time(), int(self.settings.heartbeat_ttl_s * 1000)
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.set(self.keys.worker(heartbeat.name), heartbeat.model_dump_json(), px=ttl_ms)
+        pipe.zadd(self.keys.workers(), {heartbeat.name: now})
+        pipe.zremrangebyscore(self.keys.workers(), "-inf", now - WORKER_FORGET_S)
+        pipe.execute()
 
     def remove_heartbeat(self, name: str) -> None:
-        self.redis.delete(self.keys.worker(name))
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.delete(self.keys.worker(name))
+        pipe.zrem(self.keys.workers(), name)
+        pipe.execute()
 
     def list_workers(self) -> list[WorkerHeartbeat]:
-        names = list(self.redis.scan_iter(match=self.keys.workers_pattern(), count=100))
-        return heartbeats_from(self.redis.mget(names)) if names else []
+        names = [str(n) for n in self.redis.zrange(self.keys.workers(), 0, -1)]
+        return heartbeats_from(self.redis.mget(worker_keys(self.keys, names))) if names else []
 
 
 class AsyncJobStore(_Base):
@@ -504,5 +520,5 @@ class AsyncJobStore(_Base):
         return int(await self.redis.zcard(self.keys.queued_jobs()))
 
     async def list_workers(self) -> list[WorkerHeartbeat]:
-        names = [n async for n in self.redis.scan_iter(match=self.keys.workers_pattern(), count=100)]
-        return heartbeats_from(await self.redis.mget(names)) if names else []
+        names = [str(n) for n in await self.redis.zrange(self.keys.workers(), 0, -1)]
+        return heartbeats_from(await self.redis.mget(worker_keys(self.keys, names))) if names else []
