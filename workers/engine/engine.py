@@ -16,7 +16,7 @@ import torch
 
 from workers.engine.detokenizer import IncrementalDetokenizer
 from workers.engine.model_runner import ModelRunner
-from workers.engine.request import Request, RequestStatus
+from workers.engine.request import Request
 from workers.engine.sampler import Sampler
 from workers.engine.scheduler import Scheduler, SchedulerOutput
 from workers.engine.types import CompletionOutput, Delta, EngineConfig, FinishReason, SamplingParams
@@ -94,7 +94,6 @@ class Engine:
             params=params,
             detokenizer=detokenizer,
             output_token_ids=list(resume_token_ids),
-            num_resumed=len(resume_token_ids),
         )
         if params.seed is not None:
             generator = self.sampler.request_generator(params.seed)
@@ -273,5 +272,3 @@ class Engine:
             error=error,
         )
 
-
-__all__ = ["Engine", "RequestStatus", "RequestTooLongError"]

@@ -24,9 +24,8 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     detokenizer: IncrementalDetokenizer
-    # Generated tokens, the ones resumed from an earlier worker included.
+    # Generated tokens, the ones resumed from an earlier worker (resume_token_ids) included.
     output_token_ids: list[int] = field(default_factory=list)
-    num_resumed: int = 0  # leading output tokens that came from resume_token_ids (not emitted again)
     num_computed: int = 0  # tokens whose keys and values are in the cache
     slot: int | None = None
     status: RequestStatus = RequestStatus.WAITING
