@@ -1,8 +1,8 @@
 """The engine: continuous batching over a KV-cached Hugging Face model.
 
-One ``step()`` applies aborts, admits waiting requests, runs the planned prefill chunks and
-one batched decode forward, samples every row that is due a token (one host transfer per step),
-detokenizes, and retires finished requests at once so their slots serve the next step.
+One ``step()`` applies aborts, admits waiting requests, runs one packed forward over the decode
+rows and the planned prefill chunks, samples every row that is due a token (one host transfer
+per step), detokenizes, and retires finished requests at once so their slots serve the next step.
 """
 
 from __future__ import annotations
@@ -182,34 +182,26 @@ class Engine:
         return frozenset(ids)
 
     def _run(self, plan: SchedulerOutput) -> tuple[list[Request], torch.Tensor | None]:
-        """Run the plan's forwards; return the requests due a token and their logits [n, V]."""
-        due: list[Request] = []
-        rows: list[torch.Tensor] = []
-        for chunk in plan.prefills:
-            request = chunk.request
-            tokens = request.tokens(chunk.start, chunk.start + chunk.length)
-            logits = self.runner.prefill(request.slot or 0, chunk.start, tokens)
-            request.num_computed += chunk.length
+        """Run the plan as one packed forward; return the requests due a token and their logits [n, V]."""
+        decode = [(r.slot, r.num_computed, r.last_token_id) for r in plan.decodes]
+        prefills = [(c.request.slot, c.start, c.request.tokens(c.start, c.start + c.length)) for c in plan.prefills]
+        logits = self.runner.forward(decode, prefills)  # type: ignore[arg-type]  # running requests hold a slot
+        for r in plan.decodes:
+            # A prompt's last token takes this path when chunking left it alone.
+            self._stats.prompt_tokens += r.num_computed < len(r.prompt_token_ids)
+            r.num_computed += 1
+        rows = list(range(len(plan.decodes)))
+        due = list(plan.decodes)
+        for i, chunk in enumerate(plan.prefills):
+            chunk.request.num_computed += chunk.length
             self._stats.prompt_tokens += chunk.length
             if chunk.completes_prompt:
-                due.append(request)
-                rows.append(logits)
-        if plan.decodes:
-            running = self.scheduler.running[: plan.num_rows]
-            # Rows that are not decoding (a prompt still being prefilled in chunks) ride along with
-            # a dummy token at their next position; the next chunk overwrites what it wrote there.
-            decoding = {id(r) for r in plan.decodes}
-            tokens = [r.last_token_id if id(r) in decoding else 0 for r in running]
-            positions = [min(r.num_computed, self.max_model_len - 1) for r in running]
-            logits = self.runner.decode(tokens, positions)
-            for r in plan.decodes:
-                # A prompt's last token takes this path when chunking left it alone.
-                self._stats.prompt_tokens += r.num_computed < len(r.prompt_token_ids)
-                r.num_computed += 1
-            due.extend(plan.decodes)
-            rows.append(logits[[r.slot for r in plan.decodes]] if len(plan.decodes) < len(running) else logits)
+                due.append(chunk.request)
+                rows.append(len(plan.decodes) + i)
         self._stats.peak_batch_size = max(self._stats.peak_batch_size, len(due))
-        return due, (torch.cat(rows) if rows else None)
+        if not due:
+            return due, None
+        return due, logits if len(rows) == logits.shape[0] else logits[rows]
 
     def _postprocess(self, due: list[Request], token_ids: list[int]) -> list[Delta]:
         deltas = []

@@ -2,21 +2,25 @@
 
 Storage is allocated once: keys and values of shape ``[layers, slots, kv_heads, max_len, head_dim]``.
 Every running request owns one slot; the scheduler keeps the occupied slots contiguous
-(``0..n-1``), so a decode forward reads ``[:n]`` as a view and nothing is ever gathered,
-concatenated or re-stacked per step. When a request leaves, the request in the last slot is
-moved into the hole (one copy of that request's tokens, once).
+(``0..n-1``), so the decode rows are read as the view ``[:n]`` and nothing is gathered,
+concatenated or re-stacked per step (only while a request in the middle of the slots is still
+being prefilled in chunks are the decoding rows gathered). When a request leaves, the request in
+the last slot is moved into the hole (one copy of that request's tokens, once).
 
-The object is passed to the model as its ``cache``: each attention layer calls
-``update(key, value, layer_idx)``, which writes the new keys/values at the positions of the
-current forward and returns the views the layer attends over. ``begin_prefill`` /
-``begin_decode`` set up those positions (and the attention mask) before each forward.
+The object is passed to the model as its ``cache``: ``begin`` lays out the next packed forward
+(see ``attention.py``), then each attention layer calls ``update(key, value, layer_idx)``, which
+writes the forward's keys/values at their (slot, position) in one ``index_put_`` and returns the
+layer for ``packed_attention`` to read.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+from workers.engine.attention import PackedBatch, PrefillSegment
 
 
 @dataclass(frozen=True)
@@ -63,39 +67,45 @@ class SlotKVCache:
         self.keys = torch.zeros(size, device=device, dtype=dtype)
         self.values = torch.zeros(size, device=device, dtype=dtype)
         self._device = device
-        self._rows = torch.arange(num_slots, device=device)
         self._positions = torch.arange(max_len, device=device)
-        # Set by begin_prefill / begin_decode for the next forward.
-        self._slot = 0  # prefill: the request's slot
-        self._start = 0  # prefill: position of the chunk's first token
-        self._num_rows = 0  # decode: rows 0..n-1 take part
-        self._decode_pos: torch.Tensor | None = None  # decode: [n] position each row writes
-        self._kv_len = 0  # keys/values the layers attend over
+        self._batch: PackedBatch | None = None  # set by begin() for the next forward
 
     # -- set-up before a forward ------------------------------------------------------------
 
-    def begin_prefill(self, slot: int, start: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Prefill ``length`` tokens of ``slot`` at positions [start, start+length).
+    def begin(self, decode: Sequence[tuple[int, int]], prefills: Sequence[tuple[int, int, int]]) -> PackedBatch:
+        """Lay out one packed forward: ``decode`` is (slot, position) per decoding request,
+        ``prefills`` is (slot, start, length) per prefill chunk; the packed tokens come in that order.
 
-        Returns position_ids ``[1, length]`` and the attention mask ``[1, 1, length, start+length]``.
+        Everything here is known on the host, so the layout goes to the device in one copy and
+        nothing reads back from it.
         """
-        self._slot, self._start, self._decode_pos = slot, start, None
-        self._kv_len = start + length
-        query_pos = self._positions[start : start + length]  # [L]
-        mask = self._positions[None, : self._kv_len] <= query_pos[:, None]  # [L, S]: causal, offset by start
-        return query_pos[None, :], mask[None, None]
-
-    def begin_decode(self, positions: torch.Tensor, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Decode one token in each of the slots 0..n-1, slot i at ``positions[i]``.
-
-        ``kv_len`` is 1 + the largest position (known on the host, so no device sync).
-        Returns position_ids ``[n, 1]`` and the attention mask ``[n, 1, 1, kv_len]``.
-        """
-        self._num_rows = positions.shape[0]
-        self._decode_pos = positions
-        self._kv_len = kv_len
-        mask = self._positions[None, :kv_len] <= positions[:, None]  # [n, S]
-        return positions[:, None], mask[:, None, None, :]
+        slots: list[int] = [s for s, _ in decode]
+        positions: list[int] = [p for _, p in decode]
+        segments = []
+        for slot, start, length in prefills:
+            offset = len(slots)
+            slots += [slot] * length
+            positions += range(start, start + length)
+            mask = None
+            if start:
+                query_pos = self._positions[start : start + length]
+                mask = (self._positions[None, : start + length] <= query_pos[:, None])[None, None]
+            segments.append(PrefillSegment(offset, slot, start, length, mask))
+        layout = torch.tensor([slots, positions], dtype=torch.long).to(self._device, non_blocking=True)
+        n = len(decode)
+        decode_slots = None if slots[:n] == list(range(n)) else layout[0, :n]
+        kv_len = max(positions[:n], default=-1) + 1
+        decode_mask = (self._positions[None, :kv_len] <= layout[1, :n, None])[:, None, None, :] if n else None
+        self._batch = PackedBatch(
+            slots=layout[0],
+            positions=layout[1],
+            num_decode=n,
+            decode_slots=decode_slots,
+            decode_mask=decode_mask,
+            decode_kv_len=kv_len,
+            prefills=tuple(segments),
+        )
+        return self._batch
 
     # -- the Hugging Face cache protocol (what attention layers call) --------------------------
 
@@ -106,19 +116,16 @@ class SlotKVCache:
     def update(
         self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args: object, **kwargs: object
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write the forward's keys/values [1, H, T, D] at their (slot, position); return the whole layer.
+
+        ``packed_attention`` reads each request's part of the layer as a view.
+        """
+        assert self._batch is not None, "begin() sets up a forward before the model runs"
         k_layer, v_layer = self.keys[layer_idx], self.values[layer_idx]  # [slots, H, max_len, D]
-        if self._decode_pos is None:
-            # key: [1, H, L, D]
-            end = self._start + key.shape[2]
-            k_layer[self._slot, :, self._start : end] = key[0]
-            v_layer[self._slot, :, self._start : end] = value[0]
-            s = slice(self._slot, self._slot + 1)
-            return k_layer[s, :, : self._kv_len], v_layer[s, :, : self._kv_len]
-        # key: [n, H, 1, D]; index_put_ writes each row at its own position.
-        rows = self._rows[: self._num_rows]
-        k_layer[rows, :, self._decode_pos] = key[:, :, 0]
-        v_layer[rows, :, self._decode_pos] = value[:, :, 0]
-        return k_layer[: self._num_rows, :, : self._kv_len], v_layer[: self._num_rows, :, : self._kv_len]
+        # index_put_ with the slot and position index on dims 0 and 2: values come as [T, H, D].
+        k_layer[self._batch.slots, :, self._batch.positions] = key[0].transpose(0, 1)
+        v_layer[self._batch.slots, :, self._batch.positions] = value[0].transpose(0, 1)
+        return k_layer, v_layer
 
     # -- slot management ---------------------------------------------------------------------
 

@@ -8,6 +8,7 @@ from typing import Any, cast
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from workers.engine import attention
 from workers.engine.kv_cache import ShapeProbe, SlotKVCache
 from workers.engine.types import EngineConfig
 
@@ -35,7 +36,7 @@ class ModelRunner:
         model = AutoModelForCausalLM.from_pretrained(
             config.model,
             dtype=self.dtype,
-            attn_implementation="sdpa",
+            attn_implementation=attention.ATTN_IMPLEMENTATION,
             trust_remote_code=config.trust_remote_code,
         )
         # NOTE: cast: transformers' typing of the decorated .to() confuses mypy.
@@ -61,37 +62,53 @@ class ModelRunner:
         log.info(
             "KV cache: %d slots x %d tokens, %.1f MiB", num_slots, self.max_model_len, num_slots * slot_bytes / 2**20
         )
+        # The largest forward a step can run, once, before any request: the allocator (and, on a
+        # GPU, the kernels) meet its sizes now rather than in the first burst's time to first token,
+        # and a model too big for its activations fails here. It writes only positions that any
+        # later prefill of slot 0 overwrites before reading.
+        self.forward([], [(0, 0, [0] * min(config.max_prefill_tokens_per_step, self.max_model_len))])
 
     @torch.inference_mode()
     def _probe_cache_shape(self) -> Any:
         probe = ShapeProbe()
         one = torch.zeros((1, 1), dtype=torch.long, device=self.device)
         mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=self.device)
+        calls = attention.calls
         self.model(input_ids=one, position_ids=one, attention_mask=mask, cache=probe, use_cache=True)
+        if attention.calls == calls:
+            raise ValueError(
+                f"unsupported model {type(self.model).__name__}: its attention layers do not dispatch through "
+                "transformers' AttentionInterface"
+            )
         return probe.cache_shape()
 
-    def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        out = self.model(
-            input_ids=input_ids,
-            position_ids=position_ids,
-            attention_mask=mask,
-            cache=self.cache,
-            use_cache=True,
-            logits_to_keep=1,
+    @torch.inference_mode()
+    def forward(
+        self, decode: list[tuple[int, int, int]], prefills: list[tuple[int, int, list[int]]]
+    ) -> torch.Tensor:
+        """One packed forward over every token of a step.
+
+        ``decode``: (slot, position, token id) per decoding request; ``prefills``: (slot, start,
+        token ids) per prefill chunk. Returns logits [len(decode) + len(prefills), V]: one row per
+        decode row, then one per chunk (its last token's).
+        """
+        token_ids = [t for _, _, t in decode]
+        keep = list(range(len(decode)))
+        for _, _, chunk in prefills:
+            token_ids += chunk
+            keep.append(len(token_ids) - 1)
+        batch = self.cache.begin(
+            [(slot, pos) for slot, pos, _ in decode], [(slot, start, len(chunk)) for slot, start, chunk in prefills]
         )
-        return out.logits[:, -1, :]  # [B, V]
-
-    @torch.inference_mode()
-    def prefill(self, slot: int, start: int, token_ids: list[int]) -> torch.Tensor:
-        """Feed ``token_ids`` at positions [start, ...) of ``slot``; return the last position's logits [1, V]."""
-        input_ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)  # [1, L]
-        position_ids, mask = self.cache.begin_prefill(slot, start, len(token_ids))
-        return self._forward(input_ids, position_ids, mask)
-
-    @torch.inference_mode()
-    def decode(self, token_ids: list[int], positions: list[int]) -> torch.Tensor:
-        """Feed one token to each of the slots 0..n-1 at its position; return logits [n, V]."""
-        input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)[:, None]  # [n, 1]
-        pos = torch.tensor(positions, dtype=torch.long, device=self.device)  # [n]
-        position_ids, mask = self.cache.begin_decode(pos, max(positions) + 1)
-        return self._forward(input_ids, position_ids, mask)
+        inputs = torch.tensor([token_ids, keep + [0] * (len(token_ids) - len(keep))], dtype=torch.long)
+        inputs = inputs.to(self.device, non_blocking=True)
+        with attention.active(batch):
+            out = self.model(
+                input_ids=inputs[:1],
+                position_ids=batch.positions[None, :],
+                attention_mask=None,
+                cache=self.cache,
+                use_cache=True,
+                logits_to_keep=inputs[1, : len(keep)],
+            )
+        return out.logits[0]  # [len(keep), V]

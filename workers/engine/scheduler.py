@@ -40,7 +40,6 @@ class Move:
 class SchedulerOutput:
     prefills: list[PrefillChunk] = field(default_factory=list)
     decodes: list[Request] = field(default_factory=list)  # requests with one token to feed
-    num_rows: int = 0  # the decode forward covers slots 0..num_rows-1
 
     @property
     def empty(self) -> bool:
@@ -80,8 +79,6 @@ class Scheduler:
                 length = min(request.num_uncomputed, self.prefill_chunk_size, budget)
                 out.prefills.append(PrefillChunk(request, request.num_computed, length))
                 budget -= length
-        if out.decodes:
-            out.num_rows = max(r.slot for r in out.decodes if r.slot is not None) + 1
         return out
 
     def remove(self, request: Request) -> Move | None:

@@ -1,0 +1,107 @@
+"""Packed attention: every token of a step (decode rows and prefill chunks) in one forward.
+
+The engine feeds the model one packed sequence ``[1, T]``: first one token per decoding
+request, then each scheduled prefill chunk. The linear layers, which dominate a forward, run
+once over all ``T`` tokens; only attention is split, here, because each token attends over its
+own request's KV slot. ``SlotKVCache.update`` writes the step's keys and values in place and
+hands back the whole layer; ``packed_attention`` then runs one batched SDPA over the decode
+rows and one causal SDPA per prefill chunk, reading the slots as views.
+
+It is registered with transformers' ``AttentionInterface`` under the name ``"spool"`` and the
+model is loaded with ``attn_implementation="spool"``, so any model whose attention layers
+dispatch through that interface (Llama, Qwen2, GPT-2, OPT, ...) runs packed. Outside a packed
+forward (no ``PackedBatch`` active) it is plain SDPA.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+ATTN_IMPLEMENTATION = "spool"
+
+
+@dataclass(frozen=True)
+class PrefillSegment:
+    offset: int  # index of the chunk's first token in the packed sequence
+    slot: int
+    start: int  # position of the chunk's first token
+    length: int
+    mask: torch.Tensor | None  # [1, 1, length, start + length]; None when start == 0 (plain causal)
+
+
+@dataclass(frozen=True)
+class PackedBatch:
+    """Where each token of one packed forward goes, set up by ``SlotKVCache.begin``."""
+
+    slots: torch.Tensor  # [T] the KV slot of each token
+    positions: torch.Tensor  # [T] the position of each token
+    num_decode: int  # tokens 0..num_decode-1 are decode rows, one per request
+    decode_slots: torch.Tensor | None  # [num_decode]; None when the rows are slots 0..num_decode-1
+    decode_mask: torch.Tensor | None  # [num_decode, 1, 1, decode_kv_len]
+    decode_kv_len: int
+    prefills: tuple[PrefillSegment, ...]
+
+
+_current: ContextVar[PackedBatch | None] = ContextVar("spool_packed_batch", default=None)
+calls = 0  # attention calls seen; the model runner checks that a model dispatches here
+
+
+@contextmanager
+def active(batch: PackedBatch) -> Iterator[None]:
+    token = _current.set(batch)
+    try:
+        yield
+    finally:
+        _current.reset(token)
+
+
+def packed_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,  # [1, Hq, T, D]
+    key: torch.Tensor,  # packed: the layer's whole cache [slots, Hkv, max_len, D]
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    global calls
+    calls += 1
+    batch = _current.get()
+    if batch is None:
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
+        )
+    gqa = query.shape[1] != key.shape[1]
+    out = query.new_empty(query.shape[2], query.shape[1], query.shape[3])  # [T, Hq, D]
+    n = batch.num_decode
+    if n:
+        kv = batch.decode_kv_len
+        if batch.decode_slots is None:
+            k, v = key[:n, :, :kv], value[:n, :, :kv]
+        else:
+            k, v = key[batch.decode_slots, :, :kv], value[batch.decode_slots, :, :kv]
+        q = query[0, :, :n].transpose(0, 1).unsqueeze(2)  # [n, Hq, 1, D]
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=batch.decode_mask, scale=scaling, enable_gqa=gqa)
+        out[:n] = o[:, :, 0]
+    for seg in batch.prefills:
+        end = seg.start + seg.length
+        q = query[:, :, seg.offset : seg.offset + seg.length]  # [1, Hq, L, D]
+        k, v = key[seg.slot : seg.slot + 1, :, :end], value[seg.slot : seg.slot + 1, :, :end]
+        o = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=seg.mask, is_causal=seg.mask is None, scale=scaling, enable_gqa=gqa
+        )
+        out[seg.offset : seg.offset + seg.length] = o[0].transpose(0, 1)
+    return out.unsqueeze(0), None  # [1, T, Hq, D], as transformers' attention functions return
+
+
+AttentionInterface.register(ATTN_IMPLEMENTATION, packed_attention)
