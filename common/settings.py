@@ -37,6 +37,7 @@ class Settings(BaseSettings):
     max_model_len: int | None = Field(None, ge=16)
     kv_cache_memory_bytes: int | None = Field(None, ge=1)
     prefill_chunk_size: int = Field(512, ge=16)
+    max_prefill_tokens_per_step: int = Field(2048, ge=16)
 
     # Jobs (API)
     max_queued_jobs: int = Field(1000, ge=1)

@@ -182,6 +182,7 @@ class EngineRuntime:
                 max_model_len=settings.max_model_len,
                 kv_cache_memory_bytes=settings.kv_cache_memory_bytes,
                 prefill_chunk_size=settings.prefill_chunk_size,
+                max_prefill_tokens_per_step=settings.max_prefill_tokens_per_step,
             )
         )
         model = settings.served_model_name or settings.model or "spool-default"
