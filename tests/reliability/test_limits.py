@@ -169,7 +169,9 @@ def test_cancel_at_every_stage(
     keys = Keys(workers.prefix)
     url = api.url
     # Five blockers take the worker's five task threads; the sixth job stays queued in Redis.
-    blockers = [submit(client, url, PROMPTS[i % 4], max_tokens=60) for i in range(5)]
+    # They cannot end on their own while the queued job is checked (greedy on LONG: no EOS
+    # within 400 tokens, and one slot runs them one after the other), so no task thread frees.
+    blockers = [submit(client, url, max_tokens=400) for _ in range(5)]
     poll(lambda: r.zcard(keys.queued_jobs()) == 0, "the blockers taken by the worker", 60)
     queued = submit(client, url, max_tokens=8)
     assert client.get(f"{url}/v1/jobs/{queued['id']}").json()["status"] == "queued"
@@ -178,6 +180,10 @@ def test_cancel_at_every_stage(
         assert got.status_code == 200 and got.json()["status"] == "cancelled"
     [done] = read_events(client, f"{url}/v1/jobs/{queued['id']}/events")
     assert (done.id, done.event, done.data["finish_reason"]) == (1, "done", "cancelled")
+    for b in blockers:  # running or waiting for the slot inside the worker
+        assert client.post(f"{url}/v1/jobs/{b['id']}/cancel").status_code == 200
+    for b in blockers:
+        assert wait_job(client, url, b["id"])["status"] == "cancelled"
 
     # Running: cancel after a few tokens; the stream ends with its terminal event at the next step.
     running = submit(client, url, max_tokens=400)
@@ -197,10 +203,8 @@ def test_cancel_at_every_stage(
     assert wait_job(client, url, after["id"])["status"] == "succeeded"  # the slot was freed
 
     # Finished: 409, and the job is unchanged.
-    for b in blockers:
-        assert wait_job(client, url, b["id"])["status"] == "succeeded"
-    assert envelope(client.post(f"{url}/v1/jobs/{blockers[0]['id']}/cancel"), 409)["code"] == "conflict"
-    assert client.get(f"{url}/v1/jobs/{blockers[0]['id']}").json()["status"] == "succeeded"
+    assert envelope(client.post(f"{url}/v1/jobs/{after['id']}/cancel"), 409)["code"] == "conflict"
+    assert client.get(f"{url}/v1/jobs/{after['id']}").json()["status"] == "succeeded"
 
     # The queued job never reached the engine: once its message was consumed (the Celery queue
     # is empty) it still has no attempt, no worker, no start, and one event.
