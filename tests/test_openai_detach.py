@@ -6,17 +6,23 @@ runs with a short SPOOL_DETACH_GRACE_S.
 
 from __future__ import annotations
 
+import json
+import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 import openai
 import pytest
+import redis
 from openai_stream import JOB_ID_HEADER, iter_chunks, read_stream
-from procs import Cluster, Prefixes, start_api, start_worker, wait_until
+from procs import REDIS_URL, Cluster, Prefixes, start_api, start_worker, wait_until
 from transformers import AutoTokenizer
+
+from common.keys import Keys
 
 GRACE_S = 1.0
 # Greedy, the plain model runs past max_tokens here (852 tokens before its EOS).
@@ -122,3 +128,28 @@ def test_background_stream_runs_to_the_end(solo: Cluster, oai: openai.OpenAI, cl
     assert job["status"] == "succeeded" and job["finish_reason"] == "length"
     assert job["usage"]["completion_tokens"] == LONG["max_tokens"]
     assert job["finished_at"] > dropped_at + GRACE_S  # it outlived the check after the drop
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [("/v1/completions", LONG), ("/v1/jobs", {**LONG, "background": False})],
+    ids=["openai-completion", "job-background-false"],
+)
+def test_waiting_request_whose_client_hangs_up_is_cancelled_after_the_grace(
+    solo: Cluster, client: httpx.Client, path: str, body: dict[str, Any]
+) -> None:
+    url = urlsplit(solo.url)
+    payload = json.dumps(body).encode()
+    head = f"POST {path} HTTP/1.1\r\nHost: {url.netloc}\r\nContent-Type: application/json\r\n"
+    r = redis.Redis.from_url(REDIS_URL, decode_responses=True)
+    running = Keys(solo.prefix).running_jobs()
+    with socket.create_connection((url.hostname, url.port)) as sock:
+        sock.sendall(f"{head}Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
+        wait_until(lambda: r.zcard(running) == 1, "the job running", 30)
+        [job_id] = r.zrange(running, 0, -1)
+        dropped_at = time.time()  # the client hangs up before any answer
+    job = finished_job(client, solo.url, job_id)
+    r.close()
+    assert (job["status"], job["finish_reason"]) == ("cancelled", "cancelled")
+    assert 0 < job["usage"]["completion_tokens"] < LONG["max_tokens"]
+    assert job["finished_at"] >= dropped_at + GRACE_S

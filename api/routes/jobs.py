@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from typing import Literal
 
-from fastapi import APIRouter, Response
+from fastapi import APIRouter, Request, Response
 from fastapi.sse import EventSourceResponse, ServerSentEvent
 
 from api.auth import current_owner
@@ -21,12 +22,13 @@ from common.store import QueueFull
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 
 RETRY_AFTER_S = 2  # a full queue drains at the workers' pace; retrying sooner only adds load
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for it; logged, never received
 
 
 @router.post(
     "", status_code=202, responses={200: {"model": Job, "description": "Finished (background=false)"}}
 )
-async def create_job(body: JobRequest, services: ServicesDep, response: Response) -> Job:
+async def create_job(body: JobRequest, services: ServicesDep, request: Request, response: Response) -> Job:
     """Queue a job; with ``"background": false`` wait for it and answer 200 with the result."""
     await check_with_live_workers(services.store, body)
     job = await submit_job(services, body)
@@ -34,7 +36,7 @@ async def create_job(body: JobRequest, services: ServicesDep, response: Response
     if body.background:
         return job
     response.status_code = 200
-    return await wait_for_job(services, job.id)
+    return await wait_for_job(services, job.id, request)
 
 
 async def submit_job(services: Services, body: JobRequest) -> Job:
@@ -56,13 +58,34 @@ async def submit_job(services: Services, body: JobRequest) -> Job:
     return job
 
 
-async def wait_for_job(services: Services, job_id: str) -> Job:
-    """The job once it is final; the caller counts as a watcher meanwhile (api/openai_compat/detach.py)."""
-    # relay() ends after the terminal event whatever the timing, so the job is then final.
-    async with services.watchers.watch(job_id):
+async def wait_for_job(services: Services, job_id: str, request: Request) -> Job:
+    """The job once it is final; the caller counts as a watcher meanwhile (api/openai_compat/detach.py).
+
+    A client that hangs up stops watching at once, so a foreground job nobody else watches is
+    cancelled after ``SPOOL_DETACH_GRACE_S``, as an abandoned stream's is.
+    """
+
+    async def final() -> None:
+        # relay() ends after the terminal event whatever the timing, so the job is then final.
         with services.hub.watch(job_id) as inbox:
             async for _ in relay(services.store, inbox, job_id, 0, services.settings.sse_ping_s):
                 pass
+
+    async def hung_up() -> None:
+        # The body was read, so the next ASGI message is the disconnect (or nothing).
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    async with services.watchers.watch(job_id):
+        waits = [asyncio.ensure_future(final()), asyncio.ensure_future(hung_up())]
+        try:
+            done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in waits:
+                task.cancel()
+        if waits[0] not in done:
+            raise ApiError(CLIENT_CLOSED_REQUEST, "the client closed the request", code="client_closed_request")
+        waits[0].result()  # relay's errors (Redis unreachable) go to their handlers
     return await services.store.get_job(job_id)
 
 

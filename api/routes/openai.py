@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
@@ -28,13 +28,13 @@ JOB_ID_HEADER = "X-Spool-Job-Id"
 
 
 @router.post("/completions")
-async def completions(body: CompletionRequest, services: ServicesDep) -> Response:
-    return await _serve(body, services)
+async def completions(body: CompletionRequest, services: ServicesDep, http: Request) -> Response:
+    return await _serve(body, services, http)
 
 
 @router.post("/chat/completions")
-async def chat_completions(body: ChatCompletionRequest, services: ServicesDep) -> Response:
-    return await _serve(body, services)
+async def chat_completions(body: ChatCompletionRequest, services: ServicesDep, http: Request) -> Response:
+    return await _serve(body, services, http)
 
 
 @router.get("/models")
@@ -59,7 +59,7 @@ def _model(worker: WorkerHeartbeat) -> dict[str, Any]:
     }
 
 
-async def _serve(body: OpenAIRequest, services: ServicesDep) -> Response:
+async def _serve(body: OpenAIRequest, services: ServicesDep, http: Request) -> Response:
     request = body.to_job_request()
     worker = await resolve_model(services.store, body.model)
     check_servable(request, worker)
@@ -79,7 +79,7 @@ async def _serve(body: OpenAIRequest, services: ServicesDep) -> Response:
             chunks, media_type="text/event-stream", headers=headers, background=BackgroundTask(chunks.aclose)
         )
     try:
-        return JSONResponse(view.completion(await wait_for_job(services, job.id)), headers=headers)
+        return JSONResponse(view.completion(await wait_for_job(services, job.id, http)), headers=headers)
     except ApiError as e:
         e.headers.update(headers)
         raise
