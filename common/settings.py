@@ -55,6 +55,9 @@ class Settings(BaseSettings):
     heartbeat_s: float = Field(2.0, gt=0)
     heartbeat_ttl_s: float = Field(10.0, gt=0)
     lease_s: float = Field(20.0, gt=0)  # a running job whose lease lapses is taken over
+    # A worker whose engine step runs longer than this exits (a hung kernel, a deadlock): its jobs'
+    # leases lapse and other workers (or this one, restarted by its supervisor) take them over.
+    engine_stall_s: float = Field(300.0, gt=0)
     worker_name: str = ""  # empty: celery's hostname
 
     # API process

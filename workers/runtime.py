@@ -5,19 +5,24 @@ Everything that touches the engine happens on the engine thread, which loops: ap
 inbox's commands (add, abort), ``engine.step()``, write the step's events in one round trip,
 wake the task threads whose jobs ended. With nothing to run it blocks on the inbox.
 
-Two helper threads: a cancel listener (``{p}:cancel`` pub/sub) and the heartbeat, which also
+Three helper threads: a cancel listener (``{p}:cancel`` pub/sub); the heartbeat, which also
 renews the leases of this worker's jobs (dropping those another worker took over), re-reads
 their cancel flags in case a pub/sub message was missed, and sweeps for jobs whose worker died
-(workers/reaper.py).
+(workers/reaper.py); and a watchdog that ends the process when one engine step runs past
+``SPOOL_ENGINE_STALL_S`` (a hung kernel cannot be stopped from inside the process, and a
+worker that beats while its engine is stuck would hold its jobs' leases forever).
 """
 
 from __future__ import annotations
 
 import enum
 import logging
+import os
 import queue
+import sys
 import threading
 import time
+import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,6 +40,7 @@ from workers.reaper import Reaper, Requeue
 log = logging.getLogger(__name__)
 
 CANCEL_POLL_S = 1.0  # how long the cancel listener blocks for a message before checking for shutdown
+EXIT_ENGINE_STALLED = 70  # the worker's exit status when the watchdog ends it (EX_SOFTWARE)
 
 
 class Outcome(str, enum.Enum):
@@ -163,10 +169,12 @@ class EngineRuntime:
         self._stats: dict[str, Any] = engine.stats()  # engine thread writes, heartbeat reads
         self._pending: list[Delta] = []  # ends made outside engine.step(), written with the next step
         self._publisher = Publisher(store, self._stop)
+        self._step_started: float | None = None  # monotonic; set by the engine thread around a step
         self._threads = [
             threading.Thread(target=self._engine_loop, name="spool-engine", daemon=True),
             threading.Thread(target=self._listen_cancels, name="spool-cancels", daemon=True),
             threading.Thread(target=self._beat, name="spool-heartbeat", daemon=True),
+            threading.Thread(target=self._watch_engine, name="spool-watchdog", daemon=True),
         ]
 
     @classmethod
@@ -247,7 +255,7 @@ class EngineRuntime:
         while self._drain_inbox(block=not self.engine.has_unfinished() and not self._pending):
             try:
                 self._expire()
-                deltas = self._pending + (self.engine.step() if self.engine.has_unfinished() else [])
+                deltas = self._pending + (self._step() if self.engine.has_unfinished() else [])
                 self._pending = []
                 self._stats = self.engine.stats()
                 self._publish(deltas)
@@ -257,6 +265,15 @@ class EngineRuntime:
                 log.exception("could not write the step's events; going on")
             except Exception:
                 log.exception("engine loop error; going on")
+
+    def _step(self) -> list[Delta]:
+        """``engine.step()``, watched: only the engine's own work counts towards a stall, not a
+        wait for an unreachable Redis."""
+        self._step_started = time.monotonic()
+        try:
+            return self.engine.step()
+        finally:
+            self._step_started = None
 
     def _drain_inbox(self, block: bool) -> bool:
         """Apply every queued command, first waiting for one if ``block``; False on stop."""
@@ -392,6 +409,34 @@ class EngineRuntime:
             self.store.remove_heartbeat(self.name)  # a stopped worker is not ready at once
         except RedisError:
             pass
+
+    def _watch_engine(self) -> None:
+        limit = self.settings.engine_stall_s
+        while True:
+            started = self._step_started
+            left = limit if started is None else started + limit - time.monotonic()
+            if left > 0:
+                if self._stop.wait(left):
+                    return
+                continue
+            if self._step_started != started:
+                continue  # that step ended just now
+            engine = self._threads[0]
+            frame = sys._current_frames().get(engine.ident or -1)
+            stack = "".join(traceback.format_stack(frame)) if frame else "(no frame)\n"
+            log.critical(
+                "engine step running for over SPOOL_ENGINE_STALL_S=%gs; exiting with status %d so that "
+                "the jobs of this worker pass to others. The engine thread is at:\n%s",
+                limit,
+                EXIT_ENGINE_STALLED,
+                stack,
+            )
+            try:
+                self.store.remove_heartbeat(self.name)  # not ready from now on
+            except RedisError:
+                pass
+            logging.shutdown()
+            os._exit(EXIT_ENGINE_STALLED)  # the stuck thread cannot be joined; nothing else can run on
 
     def _sweep(self, mine: set[str], others_too: bool) -> None:
         if self._reaper is None or self._stop.is_set():

@@ -23,7 +23,7 @@ import httpx
 import pytest
 import redis
 from breakers import JobWatch, Stream, Workers, poll
-from procs import REDIS_URL, Prefixes, Service, start_api
+from procs import REDIS_URL, Prefixes, Service, start_api, start_worker
 from sse_client import Event, check_full_stream
 
 from common.keys import Keys
@@ -204,3 +204,40 @@ def test_the_same_worker_restarted_takes_its_job_back_with_default_lease(
     finally:
         api.stop()
         solo.stop_all()
+
+
+def test_worker_whose_engine_step_stalls_exits_and_its_job_goes_on_elsewhere(
+    prefixes: Prefixes,
+    tiny_model: Path,
+    log_dir: Path,
+    r: redis.Redis,
+    client: httpx.Client,
+    greedy_reference: Any,
+    figures: dict[str, Any],
+) -> None:
+    """SPOOL_ENGINE_STALL_S: a step that runs past it ends the worker (status 70), not the job.
+
+    The 'stuck' worker's limit is 1 ms, so its first real step counts as a stall, as a hung
+    kernel would after the default 300 s; the other worker has the default limit.
+    """
+    pool = Workers(prefixes.new(), tiny_model, log_dir, {"lease_s": 3, "heartbeat_ttl_s": 3, "max_batch_size": 4})
+    stuck = start_worker(pool.prefix, tiny_model, log_dir, name="stuck", engine_stall_s=0.001, **pool.settings)
+    api = start_api(pool.prefix, log_dir, sse_ping_s=1)
+    try:
+        job_id = submit(client, api.url, LONG_PROMPT)
+        stream = Stream(f"{api.url}/v1/jobs/{job_id}/events")
+        watch = JobWatch(r, Keys(pool.prefix), job_id)
+        poll(lambda: not stuck.alive(), "the stalled worker to exit", 60)
+        assert stuck.proc.returncode == 70
+        assert "engine step running for over SPOOL_ENGINE_STALL_S" in stuck.log_tail()
+        assert "in step" in stuck.log_tail()  # the engine thread's stack is in the log
+        assert not r.exists(Keys(pool.prefix).worker(pool.full_name("stuck")))  # not ready any more
+        exited_at = time.monotonic()
+        pool.start("healthy")
+        check_job(client, api.url, watch, stream.join(120), greedy_reference(LONG_PROMPT, MAX_TOKENS))
+        assert watch.field("worker") == pool.full_name("healthy") and watch.field("attempt") == "2"
+        figures["stalled_worker_job_done_s_after_exit"] = round(time.monotonic() - exited_at, 2)
+    finally:
+        api.stop()
+        stuck.stop()
+        pool.stop_all()
