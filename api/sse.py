@@ -85,7 +85,9 @@ async def relay(
                 return
         while True:
             try:
-                item = await asyncio.wait_for(inbox.get(), ping_s)
+                # (asyncio.timeout, not wait_for: no task of its own per event)
+                async with asyncio.timeout(ping_s):
+                    item = await inbox.get()
             except TimeoutError:
                 yield ServerSentEvent(comment="ping")
                 # Idle: re-read the log too, so even a hub that silently stopped receiving
