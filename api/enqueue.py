@@ -6,7 +6,7 @@ import asyncio
 
 from celery import Celery
 
-from common.keys import GENERATE_TASK
+from common.keys import GENERATE_TASK, JOB_PRIORITY
 from common.settings import Settings
 
 # Fail fast when the broker is down (the client gets a 503 and can retry) instead of letting
@@ -27,6 +27,7 @@ class Enqueuer:
             GENERATE_TASK,
             args=[job_id],
             queue=self._queue,
+            priority=JOB_PRIORITY,
             retry_policy=_RETRY_POLICY,
         )
 

@@ -10,6 +10,15 @@ from dataclasses import dataclass
 
 GENERATE_TASK = "spool.generate"  # the Celery task a job's message names; the API sends it by name
 
+# Celery message priorities. On Redis, kombu keeps one list per priority step, "{queue}" for 0
+# and "{queue}\x06\x16{step}" for the others, and a worker pops the lowest step first. A job's
+# first message goes at JOB_PRIORITY; a requeue (workers/reaper.py: its worker died mid-job, or its
+# message was lost) at REQUEUE_PRIORITY, so a stream cut off by a crash resumes before the jobs
+# queued behind it start.
+REQUEUE_PRIORITY = 0
+JOB_PRIORITY = 3
+_KOMBU_PRIORITY_SEP = "\x06\x16"
+
 
 @dataclass(frozen=True)
 class Keys:
@@ -63,6 +72,10 @@ class Keys:
     def queue_llm(self) -> str:
         """Celery queue for text generation."""
         return f"{self.prefix}.llm"
+
+    def queue_lists(self, queue: str) -> tuple[str, str]:
+        """The broker's lists behind a queue: requeued messages, then first messages."""
+        return queue, f"{queue}{_KOMBU_PRIORITY_SEP}{JOB_PRIORITY}"
 
     @property
     def queue_media(self) -> str:

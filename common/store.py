@@ -414,7 +414,10 @@ class SyncJobStore(_Base):
         still queued long after it was sent lost its message (e.g. Redis went down as a worker
         received it), and only sending it again runs it.
         """
-        if self.redis.llen(self.keys.queue_llm):
+        pipe = self.redis.pipeline(transaction=False)
+        for name in self.keys.queue_lists(self.keys.queue_llm):
+            pipe.llen(name)
+        if any(pipe.execute()):
             return []
         ids = self.redis.zrangebyscore(self.keys.queued_jobs(), "-inf", queued_before, start=0, num=limit)
         return [str(j) for j in ids]

@@ -170,6 +170,7 @@ class EngineRuntime:
         self._pending: list[Delta] = []  # ends made outside engine.step(), written with the next step
         self._publisher = Publisher(store, self._stop)
         self._step_started: float | None = None  # monotonic; set by the engine thread around a step
+        self._connected_since: float | None = None  # start of the current run of successful beats
         self._threads = [
             threading.Thread(target=self._engine_loop, name="spool-engine", daemon=True),
             threading.Thread(target=self._listen_cancels, name="spool-cancels", daemon=True),
@@ -199,6 +200,10 @@ class EngineRuntime:
         return runtime
 
     def start(self) -> None:
+        # The first beat runs here, before the threads and before Celery consumes a message
+        # (worker_init): the worker is ready at once, and the jobs it ran before a restart are
+        # requeued ahead of the messages already queued, which its consumer would take first.
+        self._beat_once()
         for t in self._threads:
             t.start()
 
@@ -378,37 +383,37 @@ class EngineRuntime:
                 pubsub.close()
 
     def _beat(self) -> None:
-        connected_since: float | None = None  # start of the current run of successful beats
-        while True:
-            try:
-                beat = WorkerHeartbeat(
-                    name=self.name,
-                    ts=time.time(),
-                    engine=self._stats,
-                    model=self.model,
-                    chat_template=bool(self.engine.tokenizer.chat_template),
-                    max_model_len=self.engine.max_model_len,
-                )
-                self.store.beat(beat)
-                connected_since = connected_since or beat.ts
-                held = self.held()
-                for job_id in self.store.renew_leases(held):
-                    # Taken over while this worker could not renew (frozen, cut off): stop it
-                    # now; its writes are refused anyway (fencing), so it ends as LOST.
-                    log.warning("lost the lease of job %s; dropping it", job_id)
-                    self.abort(job_id)
-                for job_id in self.store.cancel_requested(list(held)):
-                    self.abort(job_id)
-                self._sweep(set(held), time.time() - connected_since >= self.settings.heartbeat_ttl_s)
-            except RedisError as e:
-                connected_since = None
-                log.warning("heartbeat failed: %s", e)
-            if self._stop.wait(self.settings.heartbeat_s):
-                break
+        while not self._stop.wait(self.settings.heartbeat_s):
+            self._beat_once()
         try:
             self.store.remove_heartbeat(self.name)  # a stopped worker is not ready at once
         except RedisError:
             pass
+
+    def _beat_once(self) -> None:
+        try:
+            beat = WorkerHeartbeat(
+                name=self.name,
+                ts=time.time(),
+                engine=self._stats,
+                model=self.model,
+                chat_template=bool(self.engine.tokenizer.chat_template),
+                max_model_len=self.engine.max_model_len,
+            )
+            self.store.beat(beat)
+            self._connected_since = self._connected_since or beat.ts
+            held = self.held()
+            for job_id in self.store.renew_leases(held):
+                # Taken over while this worker could not renew (frozen, cut off): stop it
+                # now; its writes are refused anyway (fencing), so it ends as LOST.
+                log.warning("lost the lease of job %s; dropping it", job_id)
+                self.abort(job_id)
+            for job_id in self.store.cancel_requested(list(held)):
+                self.abort(job_id)
+            self._sweep(set(held), time.time() - self._connected_since >= self.settings.heartbeat_ttl_s)
+        except RedisError as e:
+            self._connected_since = None
+            log.warning("heartbeat failed: %s", e)
 
     def _watch_engine(self) -> None:
         limit = self.settings.engine_stall_s

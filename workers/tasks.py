@@ -11,7 +11,7 @@ from typing import Any
 from celery import Task, signals
 from redis.exceptions import RedisError
 
-from common.keys import GENERATE_TASK
+from common.keys import GENERATE_TASK, REQUEUE_PRIORITY
 from common.settings import get_settings
 from workers.celery_app import app
 from workers.runtime import EngineRuntime, Outcome
@@ -23,7 +23,7 @@ _runtime: EngineRuntime | None = None
 
 def requeue(job_id: str) -> None:
     """Send a job's message again (the runtime's sweep found it orphaned: workers/reaper.py)."""
-    app.send_task(GENERATE_TASK, args=[job_id], queue=get_settings().keys.queue_llm)
+    app.send_task(GENERATE_TASK, args=[job_id], queue=get_settings().keys.queue_llm, priority=REQUEUE_PRIORITY)
 
 
 @signals.worker_init.connect

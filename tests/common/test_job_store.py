@@ -192,13 +192,15 @@ def test_requeue_claim_is_once_per_gap(store: SyncJobStore) -> None:
     assert not store.claim_requeue(job.id, now + 30, 10)
 
 
-def test_stale_queued_only_with_an_empty_celery_queue(store: SyncJobStore) -> None:
+@pytest.mark.parametrize("priority_list", [0, 1], ids=["requeues", "first-messages"])
+def test_stale_queued_only_with_an_empty_celery_queue(store: SyncJobStore, priority_list: int) -> None:
     job = store.create_job(JobRequest(prompt="hello"))
     later = time.time() + 1
     assert store.stale_queued(later) == [job.id]
-    store.redis.rpush(store.keys.queue_llm, "a message")
+    queue = store.keys.queue_lists(store.keys.queue_llm)[priority_list]
+    store.redis.rpush(queue, "a message")
     assert store.stale_queued(later) == []
-    store.redis.delete(store.keys.queue_llm)
+    store.redis.delete(queue)
     assert store.stale_queued(later - 60) == []  # not old enough
     assert store.claim_requeue(job.id, later, 10) and not store.claim_requeue(job.id, later, 10)
 

@@ -220,8 +220,12 @@ def test_worker_whose_engine_step_stalls_exits_and_its_job_goes_on_elsewhere(
     The 'stuck' worker's limit is 1 ms, so its first real step counts as a stall, as a hung
     kernel would after the default 300 s; the other worker has the default limit.
     """
-    pool = Workers(prefixes.new(), tiny_model, log_dir, {"lease_s": 3, "heartbeat_ttl_s": 3, "max_batch_size": 4})
-    stuck = start_worker(pool.prefix, tiny_model, log_dir, name="stuck", engine_stall_s=0.001, **pool.settings)
+    pool = Workers(
+        prefixes.new(), tiny_model, log_dir, {"lease_s": 3, "heartbeat_ttl_s": 3, "max_batch_size": 4}
+    )
+    stuck = start_worker(
+        pool.prefix, tiny_model, log_dir, name="stuck", engine_stall_s=0.001, **pool.settings
+    )
     api = start_api(pool.prefix, log_dir, sse_ping_s=1)
     try:
         job_id = submit(client, api.url, LONG_PROMPT)
@@ -240,4 +244,51 @@ def test_worker_whose_engine_step_stalls_exits_and_its_job_goes_on_elsewhere(
     finally:
         api.stop()
         stuck.stop()
+        pool.stop_all()
+
+
+def test_a_dead_workers_jobs_are_taken_before_the_jobs_queued_behind_them(
+    prefixes: Prefixes, tiny_model: Path, log_dir: Path, r: redis.Redis, client: httpx.Client
+) -> None:
+    """Requeued messages go ahead of first messages (REQUEUE_PRIORITY vs JOB_PRIORITY).
+
+    A one-slot worker (five task threads) holds five jobs and is frozen, so that four more wait
+    in the queue, then killed. Restarted under its name after the leases lapsed, it requeues
+    its five jobs before it consumes anything, and must take those again, not the four that
+    were queued before them.
+    """
+    pool = Workers(
+        prefixes.new(), tiny_model, log_dir, {"lease_s": 3, "heartbeat_ttl_s": 3, "max_batch_size": 1}
+    )
+    keys = Keys(pool.prefix)
+    pool.start("a")
+    api = start_api(pool.prefix, log_dir, sse_ping_s=1)
+
+    def on_a() -> set[str]:
+        return {j for j in held + queued if JobWatch(r, keys, j).field("worker") == pool.full_name("a")}
+
+    held: list[str] = []
+    queued: list[str] = []
+    try:
+        held += [submit(client, api.url, LONG_PROMPT) for _ in range(5)]
+        poll(lambda: r.zcard(keys.running_jobs()) == 5, "five jobs held by the worker", 60)
+        pool.kill("a", signal.SIGSTOP)
+        queued += [submit(client, api.url, LONG_PROMPT) for _ in range(4)]
+        first_messages = keys.queue_lists(keys.queue_llm)[1]
+        assert r.llen(first_messages) == 4  # where kombu keeps JOB_PRIORITY messages
+        pool.kill("a")
+        poll(lambda: r.zcount(keys.running_jobs(), "-inf", time.time()) == 5, "the five leases to lapse", 30)
+        pool.start("a")
+        poll(
+            lambda: len(on_a()) == 5 and all(JobWatch(r, keys, j).field("attempt") == "2" for j in held),
+            "the restarted worker to take five jobs",
+            60,
+        )
+        assert on_a() == set(held)
+        assert all(client.get(f"{api.url}/v1/jobs/{j}").json()["status"] == "queued" for j in queued)
+        assert r.llen(first_messages) == 4
+    finally:
+        for j in held + queued:
+            client.post(f"{api.url}/v1/jobs/{j}/cancel")
+        api.stop()
         pool.stop_all()
