@@ -183,9 +183,11 @@ class Engine:
 
     def _run(self, plan: SchedulerOutput) -> tuple[list[Request], torch.Tensor | None]:
         """Run the plan as one packed forward; return the requests due a token and their logits [n, V]."""
-        decode = [(r.slot, r.num_computed, r.last_token_id) for r in plan.decodes]
-        prefills = [(c.request.slot, c.start, c.request.tokens(c.start, c.start + c.length)) for c in plan.prefills]
-        logits = self.runner.forward(decode, prefills)  # type: ignore[arg-type]  # running requests hold a slot
+        decode = [(r.running_slot, r.num_computed, r.last_token_id) for r in plan.decodes]
+        prefills = [
+            (c.request.running_slot, c.start, c.request.tokens(c.start, c.start + c.length)) for c in plan.prefills
+        ]
+        logits = self.runner.forward(decode, prefills)
         for r in plan.decodes:
             # A prompt's last token takes this path when chunking left it alone.
             self._stats.prompt_tokens += r.num_computed < len(r.prompt_token_ids)

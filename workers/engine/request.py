@@ -45,6 +45,12 @@ class Request:
         return self.num_uncomputed == 1
 
     @property
+    def running_slot(self) -> int:
+        """The KV slot of a running request."""
+        assert self.slot is not None, f"request {self.request_id} holds no slot"
+        return self.slot
+
+    @property
     def last_token_id(self) -> int:
         return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
 
