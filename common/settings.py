@@ -73,12 +73,16 @@ class Settings(BaseSettings):
         return v
 
     @model_validator(mode="after")
-    def _liveness(self) -> Settings:
+    def _consistent(self) -> Settings:
         # A worker renews its heartbeat and leases every heartbeat_s; either lapsing between two
         # beats would make live workers look dead.
         for name in ("heartbeat_ttl_s", "lease_s"):
             if getattr(self, name) <= self.heartbeat_s:
                 raise ValueError(f"{ENV_PREFIX}{name.upper()} must be longer than {ENV_PREFIX}HEARTBEAT_S")
+        if self.max_prefill_tokens_per_step < self.prefill_chunk_size:
+            raise ValueError(
+                f"{ENV_PREFIX}MAX_PREFILL_TOKENS_PER_STEP must be at least {ENV_PREFIX}PREFILL_CHUNK_SIZE"
+            )
         return self
 
     @property

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
+
 from workers.engine.request import Request, RequestStatus
 from workers.engine.scheduler import Move, Scheduler
-from workers.engine.types import SamplingParams
+from workers.engine.types import EngineConfig, SamplingParams
 
 
 class _NoDetok:
@@ -48,3 +50,8 @@ def test_decoding_rows_and_contiguous_slots_after_removal() -> None:
     assert s.remove(a) == Move(src=2, dst=0, length=3)
     assert [r.slot for r in s.running] == [0, 1] and s.running == [c, b]
     assert s.remove(b) is None  # the last slot: nothing to move
+
+
+def test_a_step_budget_below_one_chunk_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"max_prefill_tokens_per_step \(256\) must be at least prefill_chunk_size"):
+        EngineConfig(model="unused", prefill_chunk_size=512, max_prefill_tokens_per_step=256)

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import httpx
+import pytest
 from greedy import greedy
 from procs import SPOOL, free_port, spool_env, start_api, wait_until
 
@@ -31,10 +32,19 @@ def test_every_command_has_help() -> None:
         assert spool(command, "--help").returncode == 0
 
 
-def test_a_bad_setting_exits_2_naming_the_variable() -> None:
-    env = {**os.environ, "SPOOL_MAX_BATCH_SIZE": "0"}
-    result = spool("api", env=env)
-    assert result.returncode == 2 and "SPOOL_MAX_BATCH_SIZE" in result.stderr
+@pytest.mark.parametrize(
+    ("bad", "named"),
+    [
+        ({"SPOOL_MAX_BATCH_SIZE": "0"}, "SPOOL_MAX_BATCH_SIZE"),
+        ({"SPOOL_LEASE_S": "1", "SPOOL_HEARTBEAT_S": "2"}, "SPOOL_LEASE_S"),
+        ({"SPOOL_MAX_PREFILL_TOKENS_PER_STEP": "256"}, "SPOOL_MAX_PREFILL_TOKENS_PER_STEP"),  # < the chunk, 512
+        ({"SPOOL_NO_SUCH_SETTING": "1"}, "SPOOL_NO_SUCH_SETTING"),
+    ],
+)
+def test_a_bad_setting_exits_2_naming_the_variable(bad: dict[str, str], named: str) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPOOL_")}
+    result = spool("api", env={**env, **bad})
+    assert result.returncode == 2 and named in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
 
 

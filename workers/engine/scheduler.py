@@ -50,7 +50,7 @@ class Scheduler:
     def __init__(self, num_slots: int, prefill_chunk_size: int, max_prefill_tokens_per_step: int) -> None:
         self.num_slots = num_slots
         self.prefill_chunk_size = prefill_chunk_size
-        self.max_prefill_tokens = max(max_prefill_tokens_per_step, prefill_chunk_size)
+        self.max_prefill_tokens = max_prefill_tokens_per_step
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 

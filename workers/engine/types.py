@@ -52,6 +52,13 @@ class EngineConfig:
     max_prefill_tokens_per_step: int = 2048  # prompt tokens all requests prefill per step
     trust_remote_code: bool = False
 
+    def __post_init__(self) -> None:
+        if self.prefill_chunk_size < 1 or self.max_prefill_tokens_per_step < self.prefill_chunk_size:
+            raise ValueError(
+                f"max_prefill_tokens_per_step ({self.max_prefill_tokens_per_step}) must be at least "
+                f"prefill_chunk_size ({self.prefill_chunk_size}), which must be at least 1"
+            )
+
 
 @dataclass(frozen=True)
 class Delta:
