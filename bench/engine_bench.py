@@ -415,7 +415,9 @@ class HFContinuousBatching:
 # -- Spool --------------------------------------------------------------------------------------
 
 
-def spool_engine(model_dir: Path, args: argparse.Namespace, batch: int, max_model_len: int) -> Engine:
+def spool_engine(
+    model_dir: Path, args: argparse.Namespace, batch: int, max_model_len: int, **config: Any
+) -> Engine:
     return Engine(
         EngineConfig(
             model=str(model_dir),
@@ -423,6 +425,7 @@ def spool_engine(model_dir: Path, args: argparse.Namespace, batch: int, max_mode
             dtype=args.dtype,
             max_batch_size=batch,
             max_model_len=max_model_len,
+            **config,
         ),
         seed=0,
     )

@@ -813,6 +813,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--max-model-len", type=int, help="engine and worker max_model_len (default 2048; 256 with --quick)"
     )
     p.add_argument(
+        "--max-prefill-tokens-per-step",
+        type=int,
+        help="engine and worker prompt tokens per step (SPOOL_MAX_PREFILL_TOKENS_PER_STEP; default 2048)",
+    )
+    p.add_argument(
         "--only", action="append", choices=("throughput", "connections"), help="run one part (repeatable)"
     )
     p.add_argument(
@@ -836,6 +841,9 @@ def throughput(
     prompts = text_prompts(ep, args.seed, tokenizer)
     n_new, batch = ep.uniform_new_tokens, ep.uniform_batch
     max_model_len = args.max_model_len or ep.decode_max_model_len
+    prefill = {}  # the engine's default unless given, for the engine alone and the worker alike
+    if args.max_prefill_tokens_per_step:
+        prefill["max_prefill_tokens_per_step"] = args.max_prefill_tokens_per_step
     warm_new = min(n_new, ep.warmup_tokens)  # the warm-ups run every prompt (every prefill shape)
     rounds = args.rounds or plan.rounds
     lengths = [len(tokenizer.encode(p)) for p in prompts]
@@ -848,6 +856,7 @@ def throughput(
         "new_tokens_each": n_new,
         "batch": batch,
         "max_model_len": max_model_len,
+        **prefill,
         "rounds": rounds,
         "clients": len(prompts),
     }
@@ -862,6 +871,7 @@ def throughput(
         max_batch_size=batch,
         max_model_len=max_model_len,
         worker_name=f"{PREFIX}-w1",
+        **prefill,
     )
     worker = procs.start("worker", spool_argv() + ["worker"], env)
     api, url = start_api(procs, "api", env)
@@ -875,7 +885,7 @@ def throughput(
     pids = {"worker": worker.pid, "api": api.pid, "redis": redis_pid}
 
     log(f"engine: loading (max_batch_size={batch}, max_model_len={max_model_len})")
-    engine = spool_engine(model_dir, args, batch, max_model_len)
+    engine = spool_engine(model_dir, args, batch, max_model_len, **prefill)
     report["meta"]["engine_eos_token_ids"] = sorted(engine.eos_token_ids)
     report["meta"]["model_vocab"] = engine.runner.vocab_size
     if any(i < engine.runner.vocab_size for i in engine.eos_token_ids):
