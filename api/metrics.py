@@ -5,6 +5,17 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from api.hub import Hub
+from common.schemas import WorkerHeartbeat
+
+# Gauges per live worker, from the engine stats in its heartbeat: (metric, help, stats key).
+_ENGINE_GAUGES = (
+    ("spool_engine_running_requests", "Requests holding a KV slot", "running"),
+    ("spool_engine_waiting_requests", "Requests in the engine waiting for a slot", "waiting"),
+    ("spool_engine_slots", "KV-cache slots (the most requests decoded together)", "slots"),
+    ("spool_engine_steps", "Engine steps since the worker started", "steps"),
+    ("spool_engine_generated_tokens", "Tokens generated since the worker started", "generated_tokens"),
+    ("spool_engine_prompt_tokens", "Prompt tokens prefilled since the worker started", "prompt_tokens"),
+)
 
 
 class Metrics:
@@ -29,3 +40,16 @@ class Metrics:
         Gauge(
             "spool_hub_reconnects", "Pub/sub reconnections since start", registry=self.registry
         ).set_function(lambda: hub.reconnects)
+        self._engine = [
+            (Gauge(name, f"{text}, per worker (from its heartbeat)", ["worker"], registry=self.registry), key)
+            for name, text, key in _ENGINE_GAUGES
+        ]
+
+    def set_workers(self, workers: list[WorkerHeartbeat]) -> None:
+        """At scrape time: the live workers, their engine figures (a stopped worker's vanish)."""
+        self.workers.set(len(workers))
+        for gauge, key in self._engine:
+            gauge.clear()
+            for w in workers:
+                if isinstance(w.engine.get(key), int | float):
+                    gauge.labels(worker=w.name).set(w.engine[key])
