@@ -1,10 +1,16 @@
-"""One step is one packed forward: decode rows and prefill chunks share the model's linear layers."""
+"""One step is one packed forward (decode rows and prefill chunks share the linear layers), and
+reads device data back once."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
-from workers.engine import SamplingParams
+import pytest
+from torch.overrides import TorchFunctionMode
+
+from workers.engine import Engine, EngineConfig, SamplingParams
+from workers.engine.tiny import ARCHITECTURES
 
 
 def test_a_step_with_decode_rows_and_prefill_chunks_runs_one_forward(make_engine) -> None:  # type: ignore[no-untyped-def]
@@ -29,3 +35,41 @@ def test_a_step_with_decode_rows_and_prefill_chunks_runs_one_forward(make_engine
     # Two decode rows and one 8-token chunk of "c", in a single forward of 10 tokens.
     assert forwards == [2 + 8]
     assert sorted(d.request_id for d in deltas) == ["a", "b"]  # "c" is not due a token yet
+
+
+# Tensor methods and functions that read device data back to the host (a sync on a GPU).
+HOST_READS = {"tolist", "item", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy", "nonzero", "any"}
+HOST_READS |= {"all", "equal", "unique", "masked_select", "__iter__", "__len__", "__format__", "__repr__"}
+
+
+class CountHostReads(TorchFunctionMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads: list[str] = []
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if getattr(func, "__name__", "") in HOST_READS:
+            self.reads.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_a_step_reads_device_data_back_once(arch: str, tiny_model_dirs: dict[str, Path]) -> None:
+    """The sampled ids, and nothing else: no .item() or data-dependent branch in the hot loop.
+
+    Counted at the Python level (what the engine and the model's Python code call), on a step
+    that decodes, prefills a chunk and samples greedy, top-p and top-k rows together.
+    """
+    engine = Engine(
+        EngineConfig(
+            model=str(tiny_model_dirs[arch]), max_batch_size=4, prefill_chunk_size=8, max_prefill_tokens_per_step=16
+        )
+    )
+    engine.add_request("greedy", "the quick brown fox jumps over", SamplingParams(max_tokens=8, temperature=0))
+    engine.add_request("top-p", "hello", SamplingParams(max_tokens=8, temperature=0.8, top_p=0.9, seed=1))
+    engine.step()
+    engine.add_request("top-k", "rivers run to the sea " * 4, SamplingParams(max_tokens=4, top_k=5))
+    with CountHostReads() as counter:
+        deltas = engine.step()
+    assert {d.request_id for d in deltas} == {"greedy", "top-p"}  # "top-k" is mid-prefill
+    assert counter.reads == ["tolist"]
