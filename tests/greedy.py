@@ -3,6 +3,7 @@ one prompt at a time, on the same checkpoint loaded with ``from_pretrained``."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -10,6 +11,10 @@ from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
+
+# Where the engine tests run the engine (``TEST_DEVICE=cuda`` on a GPU machine). The reference
+# stays on the CPU in float32, so a device run checks the engine there against it.
+TEST_DEVICE = os.environ.get("TEST_DEVICE", "cpu")
 
 
 @dataclass(frozen=True)

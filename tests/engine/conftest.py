@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from greedy import TEST_DEVICE
 
 from workers.engine import Engine, EngineConfig
 from workers.engine.tiny import ARCHITECTURES, build_tiny_model
@@ -24,7 +25,7 @@ def llama_dir(tiny_model_dirs: dict[str, Path]) -> Path:
 @pytest.fixture
 def make_engine(llama_dir: Path):  # type: ignore[no-untyped-def]
     def make(**overrides: object) -> Engine:
-        config = {"model": str(llama_dir), "max_batch_size": 4, **overrides}
+        config = {"model": str(llama_dir), "max_batch_size": 4, "device": TEST_DEVICE, **overrides}
         return Engine(EngineConfig(**config))  # type: ignore[arg-type]
 
     return make

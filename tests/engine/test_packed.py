@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from greedy import TEST_DEVICE
 from torch.overrides import TorchFunctionMode
 
 from workers.engine import Engine, EngineConfig, SamplingParams
@@ -62,7 +63,11 @@ def test_a_step_reads_device_data_back_once(arch: str, tiny_model_dirs: dict[str
     """
     engine = Engine(
         EngineConfig(
-            model=str(tiny_model_dirs[arch]), max_batch_size=4, prefill_chunk_size=8, max_prefill_tokens_per_step=16
+            model=str(tiny_model_dirs[arch]),
+            device=TEST_DEVICE,
+            max_batch_size=4,
+            prefill_chunk_size=8,
+            max_prefill_tokens_per_step=16,
         )
     )
     engine.add_request("greedy", "the quick brown fox jumps over", SamplingParams(max_tokens=8, temperature=0))

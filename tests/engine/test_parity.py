@@ -6,7 +6,7 @@ import random
 from pathlib import Path
 
 import pytest
-from greedy import greedy
+from greedy import TEST_DEVICE, greedy
 
 from workers.engine import Engine, EngineConfig, SamplingParams
 from workers.engine.tiny import ARCHITECTURES
@@ -24,7 +24,13 @@ def make_prompts(n: int, seed: int = 0) -> list[str]:
 def test_greedy_parity_with_continuous_batching(arch: str, tiny_model_dirs: dict[str, Path]) -> None:
     model_dir = tiny_model_dirs[arch]
     engine = Engine(
-        EngineConfig(model=str(model_dir), max_batch_size=4, prefill_chunk_size=16, max_prefill_tokens_per_step=32)
+        EngineConfig(
+            model=str(model_dir),
+            device=TEST_DEVICE,
+            max_batch_size=4,
+            prefill_chunk_size=16,
+            max_prefill_tokens_per_step=32,
+        )
     )
     prompts = make_prompts(18, seed=len(arch))
     max_tokens = [4 + (i * 7) % 20 for i in range(len(prompts))]
