@@ -274,6 +274,9 @@ def token_entry(seq: int, index: int, text: str, token_ids: Sequence[int]) -> Lo
 # Every script is safe to run twice (appends check the seq, takes return the attempt they set).
 REDIS_RETRIES = 3
 REDIS_BACKOFF = {"base": 0.05, "cap": 0.5}  # seconds
+# No command of the store blocks in Redis, so an answer slower than this means a dead or
+# half-open connection: fail (and retry on a new one) rather than hang a worker or a request.
+REDIS_TIMEOUTS = {"socket_timeout": 10.0, "socket_connect_timeout": 5.0}
 
 
 ASYNC_POOL_SIZE = 128  # Redis connections per API process
@@ -282,7 +285,7 @@ ASYNC_POOL_WAIT_S = 10.0  # how long a command waits for one before it fails
 
 def _sync_client(url: str) -> redis.Redis:
     retry = Retry(ExponentialBackoff(**REDIS_BACKOFF), REDIS_RETRIES)
-    return redis.Redis.from_url(url, decode_responses=True, retry=retry)
+    return redis.Redis.from_url(url, decode_responses=True, retry=retry, **REDIS_TIMEOUTS)
 
 
 def _async_client(url: str) -> aredis.Redis:
@@ -291,7 +294,12 @@ def _async_client(url: str) -> aredis.Redis:
     # connections", which the API would report as Redis being down (seen with 1,000 open
     # streams). A blocking pool makes a burst wait for a free connection instead.
     pool = aredis.BlockingConnectionPool.from_url(
-        url, decode_responses=True, retry=retry, max_connections=ASYNC_POOL_SIZE, timeout=ASYNC_POOL_WAIT_S
+        url,
+        decode_responses=True,
+        retry=retry,
+        max_connections=ASYNC_POOL_SIZE,
+        timeout=ASYNC_POOL_WAIT_S,
+        **REDIS_TIMEOUTS,
     )
     return aredis.Redis.from_pool(pool)  # the client owns the pool: aclose() closes it
 
@@ -385,9 +393,27 @@ class SyncJobStore(_Base):
 
         A job is lost when another worker took it over (its attempt moved on) or it ended.
         """
+        return self._set_leases(held, time.time() + self.settings.lease_s)
+
+    def release_leases(self, worker: str) -> list[str]:
+        """Lapse the leases of the running jobs recorded as ``worker``'s; returns their ids.
+
+        For a worker process that starts: it holds no job yet, so any job under its name is an
+        orphan of its previous life, and the next sweep requeues it at once instead of a lease
+        later. Fenced by attempt, so a job another worker took over meanwhile keeps its lease.
+        """
+        ids = [str(j) for j in self.redis.zrange(self.keys.running_jobs(), 0, -1)]
+        pipe = self.redis.pipeline(transaction=False)
+        for job_id in ids:
+            pipe.hmget(self.keys.job(job_id), ["worker", "attempt"])
+        held = {j: int(a) for j, (w, a) in zip(ids, pipe.execute(), strict=True) if w == worker and a}
+        self._set_leases(held, 0.0)
+        return list(held)
+
+    def _set_leases(self, held: Mapping[str, int], deadline: float) -> list[str]:
+        """Set the lease deadline of jobs still at these attempts and running; returns the others."""
         if not held:
             return []
-        deadline = time.time() + self.settings.lease_s
         keys = [self.keys.running_jobs(), *(self.keys.job(j) for j in held)]
         args: list[Any] = [repr(deadline)]
         for job_id, attempt in held.items():

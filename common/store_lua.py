@@ -85,6 +85,7 @@ return status
 
 # KEYS: running zset, job hash, job hash, ... ARGV: lease deadline, job id, attempt, job id, attempt, ...
 # Renews the leases of the jobs a worker still holds (attempt unchanged); returns the ids it lost.
+# With a deadline of 0 it lapses them instead (a restarted worker releasing its earlier run's jobs).
 # Fenced like the appends: a worker that was taken over must not keep the new holder's lease alive.
 RENEW_LUA = """
 local lost = {}

@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 
 CANCEL_POLL_S = 1.0  # how long the cancel listener blocks for a message before checking for shutdown
 EXIT_ENGINE_STALLED = 70  # the worker's exit status when the watchdog ends it (EX_SOFTWARE)
+WATCHDOG_POLL_S = 5.0  # how often an idle watchdog looks for a step that started
 
 
 class Outcome(str, enum.Enum):
@@ -201,8 +202,16 @@ class EngineRuntime:
 
     def start(self) -> None:
         # The first beat runs here, before the threads and before Celery consumes a message
-        # (worker_init): the worker is ready at once, and the jobs it ran before a restart are
-        # requeued ahead of the messages already queued, which its consumer would take first.
+        # (worker_init): the worker is ready at once, and the jobs it ran before a restart (their
+        # leases released first: this process holds none) are requeued ahead of the messages
+        # already queued, which its consumer would take first.
+        try:
+            released = self.store.release_leases(self.name)
+        except RedisError as e:
+            log.warning("could not release the leases of an earlier run: %s", e)
+        else:
+            if released:
+                log.info("requeueing %d job(s) of this worker's earlier run", len(released))
         self._beat_once()
         for t in self._threads:
             t.start()
@@ -385,8 +394,11 @@ class EngineRuntime:
     def _beat(self) -> None:
         while not self._stop.wait(self.settings.heartbeat_s):
             self._beat_once()
+        self._forget_heartbeat()  # a stopped worker is not ready at once
+
+    def _forget_heartbeat(self) -> None:
         try:
-            self.store.remove_heartbeat(self.name)  # a stopped worker is not ready at once
+            self.store.remove_heartbeat(self.name)
         except RedisError:
             pass
 
@@ -419,7 +431,7 @@ class EngineRuntime:
         limit = self.settings.engine_stall_s
         while True:
             started = self._step_started
-            left = limit if started is None else started + limit - time.monotonic()
+            left = min(limit, WATCHDOG_POLL_S) if started is None else started + limit - time.monotonic()
             if left > 0:
                 if self._stop.wait(left):
                     return
@@ -436,10 +448,10 @@ class EngineRuntime:
                 EXIT_ENGINE_STALLED,
                 stack,
             )
-            try:
-                self.store.remove_heartbeat(self.name)  # not ready from now on
-            except RedisError:
-                pass
+            # Not ready from now on (else its TTL ends it), unless Redis is slow to answer too.
+            forget = threading.Thread(target=self._forget_heartbeat, daemon=True)
+            forget.start()
+            forget.join(timeout=2.0)
             logging.shutdown()
             os._exit(EXIT_ENGINE_STALLED)  # the stuck thread cannot be joined; nothing else can run on
 

@@ -83,6 +83,7 @@ async def wait_for_job(services: Services, job_id: str, request: Request) -> Job
         finally:
             for task in waits:
                 task.cancel()
+            await asyncio.gather(*waits, return_exceptions=True)  # their ends, errors included, seen
         if waits[0] not in done:
             raise ApiError(CLIENT_CLOSED_REQUEST, "the client closed the request", code="client_closed_request")
         waits[0].result()  # relay's errors (Redis unreachable) go to their handlers

@@ -177,6 +177,15 @@ def test_renew_leases_is_fenced(store: SyncJobStore) -> None:
     assert store.redis.zscore(store.keys.running_jobs(), job.id) < time.time()
 
 
+def test_a_restarted_worker_releases_only_its_own_leases(store: SyncJobStore) -> None:
+    mine, theirs = (store.create_job(JobRequest(prompt="hello")) for _ in range(2))
+    store.take_job(mine.id, "w1", "tiny")
+    store.take_job(theirs.id, "w2", "tiny")
+    assert store.release_leases("w1") == [mine.id]
+    assert store.take_job(mine.id, "w1", "tiny").status is TakeStatus.TAKEN  # lapsed: taken again
+    assert store.take_job(theirs.id, "w1", "tiny").status is TakeStatus.BUSY  # w2's lease stands
+
+
 def test_requeue_claim_is_once_per_gap(store: SyncJobStore) -> None:
     job = store.create_job(JobRequest(prompt="hello"))
     store.take_job(job.id, "w1", "tiny")

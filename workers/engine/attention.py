@@ -81,8 +81,11 @@ def packed_attention(
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
         )
-    gqa = query.shape[1] != key.shape[1]
-    out = query.new_empty(query.shape[2], query.shape[1], query.shape[3])  # [T, Hq, D]
+    # NOTE: grouped-query attention (fewer key/value heads than query heads) never goes to SDPA
+    # with both a mask and enable_gqa: on CUDA that pair falls back to the slow math kernel.
+    _, heads, _, dim = query.shape
+    groups = heads // key.shape[1]  # query heads per key/value head
+    out = query.new_empty(query.shape[2], heads, dim)  # [T, Hq, D]
     n = batch.num_decode
     if n:
         kv = batch.decode_kv_len
@@ -90,16 +93,20 @@ def packed_attention(
             k, v = key[:n, :, :kv], value[:n, :, :kv]
         else:
             k, v = key[batch.decode_slots, :, :kv], value[batch.decode_slots, :, :kv]
-        q = query[0, :, :n].transpose(0, 1).unsqueeze(2)  # [n, Hq, 1, D]
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=batch.decode_mask, scale=scaling, enable_gqa=gqa)
-        out[:n] = o[:, :, 0]
+        # One query per row: a key/value head's query heads go in as a query "length" of `groups`
+        # (head h reads key/value head h // groups), so the mask [n, 1, 1, kv] serves them all.
+        q = query[0, :, :n].transpose(0, 1).reshape(n, heads // groups, groups, dim)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=batch.decode_mask, scale=scaling)
+        out[:n] = o.reshape(n, heads, dim)
     for seg in batch.prefills:
         end = seg.start + seg.length
         q = query[:, :, seg.offset : seg.offset + seg.length]  # [1, Hq, L, D]
         k, v = key[seg.slot : seg.slot + 1, :, :end], value[seg.slot : seg.slot + 1, :, :end]
-        o = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=seg.mask, is_causal=seg.mask is None, scale=scaling, enable_gqa=gqa
-        )
+        if seg.mask is None:  # the chunk starts the sequence: plain causal, no mask
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=groups > 1)
+        else:  # a later chunk of a long prompt (rare): repeat the key/value heads
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=seg.mask, scale=scaling)
         out[seg.offset : seg.offset + seg.length] = o[0].transpose(0, 1)
     return out.unsqueeze(0), None  # [1, T, Hq, D], as transformers' attention functions return
 

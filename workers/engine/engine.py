@@ -185,25 +185,21 @@ class Engine:
         """Run the plan as one packed forward; return the requests due a token and their logits [n, V]."""
         decode = [(r.running_slot, r.num_computed, r.last_token_id) for r in plan.decodes]
         prefills = [
-            (c.request.running_slot, c.start, c.request.tokens(c.start, c.start + c.length)) for c in plan.prefills
+            (c.request.running_slot, c.start, c.request.tokens(c.start, c.start + c.length), c.completes_prompt)
+            for c in plan.prefills
         ]
+        # Logits come for the decode rows, then for each chunk that completes its prompt: `due`'s order.
+        due = plan.decodes + [c.request for c in plan.prefills if c.completes_prompt]
         logits = self.runner.forward(decode, prefills)
         for r in plan.decodes:
             # A prompt's last token takes this path when chunking left it alone.
             self._stats.prompt_tokens += r.num_computed < len(r.prompt_token_ids)
             r.num_computed += 1
-        rows = list(range(len(plan.decodes)))
-        due = list(plan.decodes)
-        for i, chunk in enumerate(plan.prefills):
+        for chunk in plan.prefills:
             chunk.request.num_computed += chunk.length
             self._stats.prompt_tokens += chunk.length
-            if chunk.completes_prompt:
-                due.append(chunk.request)
-                rows.append(len(plan.decodes) + i)
         self._stats.peak_batch_size = max(self._stats.peak_batch_size, len(due))
-        if not due:
-            return due, None
-        return due, logits if len(rows) == logits.shape[0] else logits[rows]
+        return due, (logits if due else None)
 
     def _postprocess(self, due: list[Request], token_ids: list[int]) -> list[Delta]:
         deltas = []

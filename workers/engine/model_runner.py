@@ -1,4 +1,4 @@
-"""Loads a Hugging Face causal LM and runs its prefill and decode forwards over the slot cache."""
+"""Loads a Hugging Face causal LM and runs each step as one packed forward over the slot cache."""
 
 from __future__ import annotations
 
@@ -62,11 +62,12 @@ class ModelRunner:
         log.info(
             "KV cache: %d slots x %d tokens, %.1f MiB", num_slots, self.max_model_len, num_slots * slot_bytes / 2**20
         )
-        # The largest forward a step can run, once, before any request: the allocator (and, on a
-        # GPU, the kernels) meet its sizes now rather than in the first burst's time to first token,
-        # and a model too big for its activations fails here. It writes only positions that any
-        # later prefill of slot 0 overwrites before reading.
-        self.forward([], [(0, 0, [0] * min(config.max_prefill_tokens_per_step, self.max_model_len))])
+        # The largest forward a step can run, once, before any request: a full prompt budget in
+        # slot 0 and a decode row in every other slot. The allocator (and, on a GPU, the kernels)
+        # meet its sizes now rather than in the first burst's time to first token, and a model too
+        # big for its activations fails here. What it writes, any later prefill overwrites first.
+        budget = min(config.max_prefill_tokens_per_step, self.max_model_len)
+        self.forward([(slot, 0, 0) for slot in range(1, num_slots)], [(0, 0, [0] * budget, True)])
 
     @torch.inference_mode()
     def _probe_cache_shape(self) -> Any:
@@ -84,21 +85,24 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(
-        self, decode: list[tuple[int, int, int]], prefills: list[tuple[int, int, list[int]]]
+        self, decode: list[tuple[int, int, int]], prefills: list[tuple[int, int, list[int], bool]]
     ) -> torch.Tensor:
         """One packed forward over every token of a step.
 
         ``decode``: (slot, position, token id) per decoding request; ``prefills``: (slot, start,
-        token ids) per prefill chunk. Returns logits [len(decode) + len(prefills), V]: one row per
-        decode row, then one per chunk (its last token's).
+        token ids, wants logits) per prefill chunk. Returns logits [rows, V]: one row per decode
+        row, then one per chunk that wants them (its last token's; a chunk that does not end its
+        prompt needs none, and the output layer skips it).
         """
         token_ids = [t for _, _, t in decode]
         keep = list(range(len(decode)))
-        for _, _, chunk in prefills:
+        for _, _, chunk, wants_logits in prefills:
             token_ids += chunk
-            keep.append(len(token_ids) - 1)
+            if wants_logits:
+                keep.append(len(token_ids) - 1)
         batch = self.cache.begin(
-            [(slot, pos) for slot, pos, _ in decode], [(slot, start, len(chunk)) for slot, start, chunk in prefills]
+            [(slot, pos) for slot, pos, _ in decode],
+            [(slot, start, len(chunk)) for slot, start, chunk, _ in prefills],
         )
         inputs = torch.tensor([token_ids, keep + [0] * (len(token_ids) - len(keep))], dtype=torch.long)
         inputs = inputs.to(self.device, non_blocking=True)
