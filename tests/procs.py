@@ -6,6 +6,7 @@ still up, so a failing test's report can carry their logs (see conftest.py).
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -157,6 +158,25 @@ class Prefixes:
             for pattern in patterns:
                 for key in self.client.scan_iter(pattern):
                     self.client.delete(key)
+        self._forget_unacked()
+
+    def _forget_unacked(self) -> None:
+        """Drop the messages of these prefixes from kombu's unacknowledged index.
+
+        Kombu keeps one index for the whole Redis (``unacked``: tag -> [message, exchange,
+        routing key], and ``unacked_index``). Workers killed by the tests leave entries there,
+        and any later worker on this Redis, of any prefix, would restore them into these
+        prefixes' queues once the visibility timeout (an hour) passed.
+        """
+        queues = {Keys(prefix).queue_llm for prefix in self.made} | {Keys(prefix).queue_media for prefix in self.made}
+        for tag, raw in self.client.hscan_iter("unacked"):
+            try:
+                routing_key = json.loads(raw)[2]
+            except (ValueError, IndexError, TypeError):
+                continue
+            if routing_key in queues:
+                self.client.hdel("unacked", tag)
+                self.client.zrem("unacked_index", tag)
 
 
 @dataclass(frozen=True)
