@@ -20,6 +20,9 @@ from sse_client import Event, iter_sse
 from common.keys import Keys
 from common.schemas import LogEntry
 
+# Short leases, so a test sees take-overs in seconds (the default lease is 20 s).
+SHORT_LEASES: dict[str, object] = {"lease_s": 3, "heartbeat_ttl_s": 3}
+
 
 @dataclass
 class Workers:
@@ -32,13 +35,16 @@ class Workers:
     procs: dict[str, Service] = field(default_factory=dict)
     restarts: int = 0
 
-    def start(self, name: str) -> Service:
+    def start(self, name: str, **settings: object) -> Service:
+        """Start (or restart) the worker ``name``; ``settings`` add to the pool's for this one."""
         old = self.procs.get(name)
         if old is not None and old.log_path.exists():
             # Keep the log of the previous life: the new process writes a fresh one.
             self.restarts += 1
             old.log_path.rename(old.log_path.with_suffix(f".{self.restarts}.log"))
-        self.procs[name] = start_worker(self.prefix, self.model, self.log_dir, name=name, **self.settings)
+        self.procs[name] = start_worker(
+            self.prefix, self.model, self.log_dir, name=name, **{**self.settings, **settings}
+        )
         return self.procs[name]
 
     def full_name(self, name: str) -> str:

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from breakers import RedisServer, Workers
+from breakers import SHORT_LEASES, RedisServer, Workers
 from greedy import Greedy, greedy
 from procs import Prefixes
 
@@ -42,7 +42,7 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
 def worker_pool(prefixes: Prefixes, tiny_model: Path, log_dir: Path) -> Iterator[Workers]:
     """Workers with short leases, so a test sees take-overs in seconds (the default is 20 s)."""
     workers = Workers(
-        prefixes.new(), tiny_model, log_dir, {"lease_s": 3, "heartbeat_ttl_s": 3, "max_batch_size": 8}
+        prefixes.new(), tiny_model, log_dir, {**SHORT_LEASES, "max_batch_size": 8}
     )
     yield workers
     workers.stop_all()

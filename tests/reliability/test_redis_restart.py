@@ -19,7 +19,7 @@ from typing import Any
 
 import httpx
 import pytest
-from breakers import RedisServer, Stream, Workers, clean_prefix, poll
+from breakers import SHORT_LEASES, RedisServer, Stream, Workers, clean_prefix, poll
 from procs import Prefixes, Service, start_api
 from sse_client import Event, check_full_stream, read_events
 
@@ -32,7 +32,7 @@ ENVELOPE = {"message", "type", "param", "code"}
 def on_own_redis(
     own_redis: RedisServer, prefixes: Prefixes, tiny_model: Path, log_dir: Path
 ) -> Iterator[tuple[Workers, Service]]:
-    settings = {"redis_url": own_redis.url, "lease_s": 3, "heartbeat_ttl_s": 3, "max_batch_size": 8}
+    settings = {"redis_url": own_redis.url, **SHORT_LEASES, "max_batch_size": 8}
     workers = Workers(prefixes.new(), tiny_model, log_dir, settings)
     workers.start("w")
     api = start_api(workers.prefix, log_dir, sse_ping_s=1, redis_url=own_redis.url)

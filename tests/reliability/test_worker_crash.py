@@ -22,8 +22,8 @@ from typing import Any
 import httpx
 import pytest
 import redis
-from breakers import JobWatch, Stream, Workers, poll
-from procs import REDIS_URL, Prefixes, Service, start_api, start_worker
+from breakers import SHORT_LEASES, JobWatch, Stream, Workers, poll
+from procs import REDIS_URL, Prefixes, Service, start_api
 from sse_client import Event, check_full_stream
 
 from common.keys import Keys
@@ -225,12 +225,8 @@ def test_worker_whose_engine_step_stalls_exits_and_its_job_goes_on_elsewhere(
     The 'stuck' worker's limit is 1 ms, so its first real step counts as a stall, as a hung
     kernel would after the default 300 s; the other worker has the default limit.
     """
-    pool = Workers(
-        prefixes.new(), tiny_model, log_dir, {"lease_s": 3, "heartbeat_ttl_s": 3, "max_batch_size": 4}
-    )
-    stuck = start_worker(
-        pool.prefix, tiny_model, log_dir, name="stuck", engine_stall_s=0.001, **pool.settings
-    )
+    pool = Workers(prefixes.new(), tiny_model, log_dir, {**SHORT_LEASES, "max_batch_size": 4})
+    stuck = pool.start("stuck", engine_stall_s=0.001)
     api = start_api(pool.prefix, log_dir, sse_ping_s=1)
     try:
         job_id = submit(client, api.url, LONG_PROMPT)
@@ -248,7 +244,6 @@ def test_worker_whose_engine_step_stalls_exits_and_its_job_goes_on_elsewhere(
         figures["stalled_worker_job_done_s_after_exit"] = round(time.monotonic() - exited_at, 2)
     finally:
         api.stop()
-        stuck.stop()
         pool.stop_all()
 
 
@@ -261,9 +256,7 @@ def test_a_dead_workers_jobs_are_taken_before_the_jobs_queued_behind_them(
     in the queue, then killed. Restarted under its name, it requeues its five jobs before it
     consumes anything, and must take those again, not the four that were queued before them.
     """
-    pool = Workers(
-        prefixes.new(), tiny_model, log_dir, {"lease_s": 3, "heartbeat_ttl_s": 3, "max_batch_size": 1}
-    )
+    pool = Workers(prefixes.new(), tiny_model, log_dir, {**SHORT_LEASES, "max_batch_size": 1})
     keys = Keys(pool.prefix)
     pool.start("a")
     api = start_api(pool.prefix, log_dir, sse_ping_s=1)
