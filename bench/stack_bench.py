@@ -74,6 +74,7 @@ from transformers import AutoTokenizer
 
 from common.schemas import JobRequest
 from workers.engine import Engine, FinishReason
+from workers.engine.tiny import make_eos_unreachable
 from workers.runtime import sampling_params
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -110,25 +111,6 @@ class BenchTimeout(Exception):
 
 
 # -- the model and the prompts ------------------------------------------------------------------
-
-
-def make_eos_unreachable(model_dir: Path) -> int:
-    """Give the model an EOS id past its last logit, so no request can end before max_tokens.
-
-    The job API has no ignore_eos; the engine stops on the ids of the generation config's and
-    the tokenizer's eos_token_id. A new special token gets id vocab_size, which the model (its
-    logits have vocab_size columns) can never emit. Returns that id.
-    """
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    tokenizer.add_special_tokens({"eos_token": BENCH_EOS})
-    eos = int(tokenizer.eos_token_id)
-    tokenizer.save_pretrained(model_dir)
-    for name in ("config.json", "generation_config.json"):
-        path = model_dir / name
-        data = json.loads(path.read_text())
-        data["eos_token_id"] = eos
-        path.write_text(json.dumps(data, indent=2) + "\n")
-    return eos
 
 
 def single_token_words(tokenizer: Any) -> list[str]:
@@ -1035,7 +1017,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 if "throughput" in parts:
                     log(f"building the model in {model_dir}")
                     params = build_model(model_dir, plan.engine.model, args.seed)
-                    eos = make_eos_unreachable(model_dir)
+                    eos = make_eos_unreachable(model_dir, BENCH_EOS)
                     report["meta"]["model"] = {
                         **asdict(plan.engine.model),
                         "params": params,

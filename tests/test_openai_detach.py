@@ -25,17 +25,19 @@ from transformers import AutoTokenizer
 from common.keys import Keys
 
 GRACE_S = 1.0
-# Greedy, the plain model runs past max_tokens here (852 tokens before its EOS).
-LONG: dict[str, Any] = {"prompt": "In the beginning", "max_tokens": 800, "temperature": 0}
+# Its EOS unreachable, the plain model runs for seconds (about 1 ms a token on a 2-core CPU),
+# well past the grace, however fast the machine.
+LONG: dict[str, Any] = {"prompt": "In the beginning", "max_tokens": 4000, "temperature": 0}
 
 
 @pytest.fixture(scope="module")
 def plain_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny model without its chat template, and long enough for LONG to run for seconds."""
-    from workers.engine.tiny import build_tiny_model
+    """The tiny model without its chat template and with no EOS it can emit: LONG runs for seconds."""
+    from workers.engine.tiny import build_tiny_model, make_eos_unreachable
 
     path = build_tiny_model(tmp_path_factory.mktemp("tiny-plain"), "llama", max_position_embeddings=4096)
     (path / "chat_template.jinja").unlink()
+    make_eos_unreachable(path)
     assert AutoTokenizer.from_pretrained(path).chat_template is None
     return path
 
@@ -43,7 +45,7 @@ def plain_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def solo(prefixes: Prefixes, plain_model: Path, log_dir: Path) -> Iterator[Cluster]:
     prefix = prefixes.new()
-    worker = start_worker(prefix, plain_model, log_dir, max_batch_size=1)
+    worker = start_worker(prefix, plain_model, log_dir, max_batch_size=1, max_model_len=4096)
     api = start_api(prefix, log_dir, sse_ping_s=0.5, detach_grace_s=GRACE_S)
     yield Cluster(prefix, worker, api)
     api.stop()

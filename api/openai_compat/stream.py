@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncGenerator
 
-from fastapi.sse import format_sse_event
+from fastapi.sse import ServerSentEvent
 
 from api.openai_compat.chunks import View
 from api.served import served_models
@@ -20,11 +20,11 @@ async def openai_view(services: Services, job_id: str) -> View:
     return View.of(record.job, record.request, model)
 
 
-async def stream_body(services: Services, view: View, job_id: str) -> AsyncGenerator[bytes, None]:
-    """The SSE body of a streamed completion: every chunk of the job from the first."""
+async def stream_body(services: Services, view: View, job_id: str) -> AsyncGenerator[ServerSentEvent, None]:
+    """The events of a streamed completion: every chunk of the job from the first."""
     async with services.watchers.watch(job_id):
         with services.hub.watch(job_id) as inbox:  # subscribed before relay() reads the log
             async for event in relay(
                 services.store, inbox, job_id, 0, services.settings.sse_ping_s, view.render
             ):
-                yield format_sse_event(data_str=event.raw_data, id=event.id, comment=event.comment)
+                yield event

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 from typing import Literal
 
 from fastapi import APIRouter, Request, Response
-from fastapi.sse import EventSourceResponse, ServerSentEvent
+from fastapi.sse import EventSourceResponse
 
 from api.auth import current_owner
 from api.deps import CursorDep, InboxDep, JobDep, JobId, ServicesDep
@@ -15,7 +14,7 @@ from api.errors import ApiError
 from api.openai_compat.stream import openai_view
 from api.served import check_with_live_workers
 from api.services import Services
-from api.sse import relay, to_sse_list
+from api.sse import event_stream, relay, to_sse_list
 from common.schemas import Job, JobRequest
 from common.store import QueueFull
 
@@ -105,18 +104,20 @@ async def cancel_job(job_id: JobId, services: ServicesDep) -> Job:
     return await services.store.request_cancel(job_id)
 
 
-@router.get("/{job_id}/events", response_class=EventSourceResponse)
+@router.get(
+    "/{job_id}/events",
+    responses={200: {"content": {"text/event-stream": {}}, "description": "The job's events"}},
+)
 async def job_events(
     job: JobDep,
     cursor: CursorDep,
     inbox: InboxDep,
     services: ServicesDep,
     format: Literal["spool", "openai"] = "spool",
-) -> AsyncIterator[ServerSentEvent]:
+) -> EventSourceResponse:
     """Events after the cursor (``Last-Event-ID`` or ``?after=``), ending with done or error.
 
     ``?format=openai``: the same ids, as OpenAI stream chunks ending with ``data: [DONE]``.
     """
     render = to_sse_list if format == "spool" else (await openai_view(services, job.id)).render
-    async for event in relay(services.store, inbox, job.id, cursor, services.settings.sse_ping_s, render):
-        yield event
+    return event_stream(relay(services.store, inbox, job.id, cursor, services.settings.sse_ping_s, render))

@@ -10,8 +10,7 @@ import time
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.background import BackgroundTask
+from fastapi.responses import JSONResponse, Response
 
 from api.deps import ServicesDep, StoreDep
 from api.errors import ApiError
@@ -20,6 +19,7 @@ from api.openai_compat.requests import ChatCompletionRequest, CompletionRequest,
 from api.openai_compat.stream import stream_body
 from api.routes.jobs import submit_job, wait_for_job
 from api.served import check_servable, resolve_model, served_models
+from api.sse import event_stream
 from common.schemas import WorkerHeartbeat
 
 router = APIRouter(prefix="/v1", tags=["openai"])
@@ -70,14 +70,8 @@ async def _serve(body: OpenAIRequest, services: ServicesDep, http: Request) -> R
         if not request.background:
             # Covers a client that leaves before the stream's first byte: no watcher ever joins.
             services.watchers.check_later(job.id)
-        headers.update({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        chunks = stream_body(services, view, job.id)
-        # NOTE: a client that hangs up leaves the body suspended at a yield, finalized whenever
-        # the garbage collector gets to it; closing it when the response ends makes its stream
-        # stop watching the job at once (the response's background task runs after a disconnect).
-        return StreamingResponse(
-            chunks, media_type="text/event-stream", headers=headers, background=BackgroundTask(chunks.aclose)
-        )
+        # (closed when the response ends, so a client that hangs up stops watching the job at once)
+        return event_stream(stream_body(services, view, job.id), headers)
     try:
         return JSONResponse(view.completion(await wait_for_job(services, job.id, http)), headers=headers)
     except ApiError as e:

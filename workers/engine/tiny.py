@@ -11,6 +11,7 @@ SPOOL_MODEL is unset (trained by scripts/train_default_model.py; see docs/defaul
 from __future__ import annotations
 
 import functools
+import json
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import (
     AutoModelForCausalLM,
+    AutoTokenizer,
     GenerationConfig,
     GPT2Config,
     LlamaConfig,
@@ -224,6 +226,26 @@ def build_tiny_model(
         model.get_parameter(f"{FINAL_NORM.get(arch, 'model.norm')}.weight").mul_(logit_scale)
     save_model_dir(out, model, tokenizer)
     return out
+
+
+def make_eos_unreachable(model_dir: str | Path, token: str = "<|unreachable_eos|>") -> int:
+    """Give a saved model an EOS id past its last logit, so no request ends before max_tokens.
+
+    The job API has no ignore_eos; the engine stops on the ids of the generation config's and
+    the tokenizer's eos_token_id. A new special token gets id vocab_size, which the model (its
+    logits have vocab_size columns) can never emit. Returns that id.
+    """
+    model_dir = Path(model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.add_special_tokens({"eos_token": token})
+    eos = int(tokenizer.eos_token_id)
+    tokenizer.save_pretrained(model_dir)
+    for name in ("config.json", "generation_config.json"):
+        path = model_dir / name
+        data = json.loads(path.read_text())
+        data["eos_token_id"] = eos
+        path.write_text(json.dumps(data, indent=2) + "\n")
+    return eos
 
 
 def default_model_path() -> Path:
