@@ -197,12 +197,23 @@ class Procs:
         self.log_dir = log_dir
         self.procs: list[Proc] = []
 
-    def start(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> Proc:
+    def start(
+        self, name: str, argv: list[str], env: dict[str, str] | None = None, cpus: set[int] | None = None
+    ) -> Proc:
+        """``cpus``: the CPUs the process may run on (all of this process's, when None)."""
         log_path = self.log_dir / f"{name}.log"
         with log_path.open("wb") as out:
             popen = subprocess.Popen(
-                argv, env=env, cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+                argv,
+                env=env,
+                cwd=REPO_ROOT,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
             )
+        if cpus is not None:
+            # The child has just exec'd and has one thread; the threads it starts inherit this.
+            os.sched_setaffinity(popen.pid, cpus)
         proc = Proc(name, popen, log_path)
         self.procs.append(proc)
         return proc
@@ -215,6 +226,54 @@ class Procs:
     def stop_all(self) -> None:
         for proc in reversed(list(self.procs)):
             self.stop(proc)
+
+
+class Placement:
+    """Where the benchmark's processes run.
+
+    Shared (the default): everything on every CPU, as on a one-box deployment; torch's threads
+    then compete with the API, Redis and the clients. ``--engine-cpus K``: the engine (alone, and
+    the worker process) on the first K CPUs with K torch threads, and the API, Redis and the
+    clients on the others, as on a machine where the engine's compute has cores (or a GPU) of its
+    own. This script runs both the engine alone and the clients, so it moves its own threads
+    between the two sets before each run.
+    """
+
+    def __init__(self, engine_cpus: int | None) -> None:
+        cpus = sorted(os.sched_getaffinity(0))
+        self.engine: set[int] | None = None
+        self.service: set[int] | None = None
+        if engine_cpus is not None:
+            if not 0 < engine_cpus < len(cpus):
+                raise SystemExit(f"--engine-cpus must be 1..{len(cpus) - 1} here ({len(cpus)} CPUs)")
+            self.engine, self.service = set(cpus[:engine_cpus]), set(cpus[engine_cpus:])
+            torch.set_num_threads(engine_cpus)
+
+    def describe(self) -> str:
+        if self.engine is None:
+            return "shared: engine, API, Redis and clients on all CPUs"
+        return (
+            f"split: engine on CPUs {sorted(self.engine)} ({len(self.engine)} torch threads); "
+            f"API, Redis and clients on CPUs {sorted(self.service or ())}"
+        )
+
+    def engine_turn(self) -> None:
+        _pin_this_process(self.engine)
+
+    def clients_turn(self) -> None:
+        _pin_this_process(self.service)
+
+    def worker_env(self) -> dict[str, str]:
+        return {} if self.engine is None else {"OMP_NUM_THREADS": str(len(self.engine))}
+
+
+def _pin_this_process(cpus: set[int] | None) -> None:
+    """Every thread of this process (torch's pool included) onto ``cpus``."""
+    if cpus is None:
+        return
+    for tid in os.listdir("/proc/self/task"):
+        with contextlib.suppress(ProcessLookupError):
+            os.sched_setaffinity(int(tid), cpus)
 
 
 def free_port() -> int:
@@ -248,7 +307,7 @@ def spool_env(redis_url: str, prefix: str, **settings: object) -> dict[str, str]
     return env
 
 
-def start_redis(procs: Procs, work_dir: Path) -> str:
+def start_redis(procs: Procs, work_dir: Path, cpus: set[int] | None) -> str:
     exe = shutil.which("redis-server")
     if exe is None:
         raise SystemExit("redis-server is not on PATH; the benchmark runs its own private one")
@@ -257,6 +316,7 @@ def start_redis(procs: Procs, work_dir: Path) -> str:
         "redis",
         [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
          "--dir", str(work_dir), "--maxclients", "10000"],
+        cpus=cpus,
     )  # fmt: skip
     url = f"redis://127.0.0.1:{port}/0"
     client = redis.Redis.from_url(url)
@@ -265,10 +325,10 @@ def start_redis(procs: Procs, work_dir: Path) -> str:
     return url
 
 
-def start_api(procs: Procs, name: str, env: dict[str, str]) -> tuple[Proc, str]:
+def start_api(procs: Procs, name: str, env: dict[str, str], cpus: set[int] | None) -> tuple[Proc, str]:
     port = free_port()
     argv = [sys.executable, "-m", "uvicorn", "api.main:app", "--host", "127.0.0.1", "--port", str(port)]
-    proc = procs.start(name, argv, env)
+    proc = procs.start(name, argv, env, cpus)
     url = f"http://127.0.0.1:{port}"
     wait_until(
         lambda: httpx.get(url + "/healthz", timeout=2).status_code == 200, f"{name} /healthz", 60, [proc]
@@ -387,13 +447,13 @@ class JobTiming:
     submitted: float
     first_token: float | None
     end: float
-    token_events: int
-    text: str
-    done: dict[str, Any]
+    body: bytes  # the event stream as received
 
 
 async def stream_job(client: httpx.AsyncClient, prompt: str, max_tokens: int) -> JobTiming:
-    """POST the job, then stream its events until the terminal one."""
+    """POST the job, then read its event stream to the end (the server closes it after the
+    terminal event), keeping the bytes and timestamping the first token event; ``parse_events``
+    checks them after the round."""
     wall_start, start = time.time(), time.perf_counter()
     r = await client.post("/v1/jobs", json={"prompt": prompt, "max_tokens": max_tokens, "temperature": 0})
     if r.status_code != 202:
@@ -402,29 +462,50 @@ async def stream_job(client: httpx.AsyncClient, prompt: str, max_tokens: int) ->
     job_id = r.json()["id"]
     first: float | None = None
     wall_first: float | None = None
-    n, text, event, done = 0, [], "", None
+    chunks: list[bytes] = []
     async with client.stream("GET", f"/v1/jobs/{job_id}/events") as resp:
         if resp.status_code != 200:
             raise RuntimeError(f"GET events answered {resp.status_code}")
-        async for line in resp.aiter_lines():
-            if line.startswith("event:"):
-                event = line[6:].strip()
-            elif line.startswith("data:"):
-                data = json.loads(line[5:])
-                if event == "token":
-                    if first is None:
-                        first, wall_first = time.perf_counter(), time.time()
-                    n += 1
-                    text.append(data["text"])
-                elif event in ("done", "error"):
-                    done = {"event": event, **data}
-                    break
-            elif not line:
-                event = ""
+        tail = b""
+        async for chunk in resp.aiter_bytes():
+            chunks.append(chunk)
+            if first is None:
+                if FIRST_TOKEN_MARK in tail + chunk:
+                    first, wall_first = time.perf_counter(), time.time()
+                tail = chunk[-len(FIRST_TOKEN_MARK) :]
     end = time.perf_counter()
+    return JobTiming(job_id, wall_start, wall_first, start, submitted, first, end, b"".join(chunks))
+
+
+FIRST_TOKEN_MARK = b"event: token\n"
+
+
+@dataclass
+class Events:
+    token_events: int
+    text: str
+    done: dict[str, Any]
+
+
+def parse_events(job: JobTiming) -> Events:
+    """The job's stream, checked: ids consecutive from 1, token events, then one terminal event."""
+    n, text, done, seq = 0, [], None, 0
+    for block in job.body.decode().split("\n\n"):
+        fields = dict(line.split(": ", 1) for line in block.splitlines() if line and not line.startswith(":"))
+        if not fields:
+            continue
+        seq += 1
+        if done is not None or fields.get("id") != str(seq):
+            raise RuntimeError(f"job {job.job_id}: event {fields} after id {seq - 1}")
+        data = json.loads(fields["data"])
+        if fields["event"] == "token":
+            n += 1
+            text.append(data["text"])
+        else:
+            done = {"event": fields["event"], **data}
     if done is None:
-        raise RuntimeError(f"job {job_id}: the stream ended without a terminal event")
-    return JobTiming(job_id, wall_start, wall_first, start, submitted, first, end, n, "".join(text), done)
+        raise RuntimeError(f"job {job.job_id}: the stream ended without a terminal event")
+    return Events(n, "".join(text), done)
 
 
 async def stack_run_async(url: str, prompts: Sequence[str], max_tokens: int, timeout: float) -> RunResult:
@@ -448,25 +529,26 @@ async def stack_run_async(url: str, prompts: Sequence[str], max_tokens: int, tim
             phases["queue_ms"].append((job["started_at"] - job["created_at"]) * 1e3)
             phases["engine_ms"].append((j.wall_first_token - job["started_at"]) * 1e3)
     end = max(j.end for j in jobs)
+    events = [parse_events(j) for j in jobs]
     bad = [
-        (i, j.token_events, j.done)
-        for i, j in enumerate(jobs)
-        if j.token_events != max_tokens
-        or j.done.get("event") != "done"
-        or j.done.get("finish_reason") != "length"
-        or j.done["usage"]["completion_tokens"] != max_tokens
+        (i, e.token_events, e.done)
+        for i, e in enumerate(events)
+        if e.token_events != max_tokens
+        or e.done.get("event") != "done"
+        or e.done.get("finish_reason") != "length"
+        or e.done["usage"]["completion_tokens"] != max_tokens
     ]
     if bad:
         raise RuntimeError(f"stack: jobs did not all generate {max_tokens} tokens: {bad[:3]}")
-    tokens = sum(j.done["usage"]["completion_tokens"] for j in jobs)
+    tokens = sum(e.done["usage"]["completion_tokens"] for e in events)
     return RunResult(
         tokens=tokens,
         seconds=end - t0,
         tok_s=tokens / (end - t0),
         ttft_ms=[((j.first_token or j.end) - j.start) * 1e3 for j in jobs],
         submit_ms=[(j.submitted - j.start) * 1e3 for j in jobs],
-        prompt_tokens=[j.done["usage"]["prompt_tokens"] for j in jobs],
-        texts=[j.text for j in jobs],
+        prompt_tokens=[e.done["usage"]["prompt_tokens"] for e in events],
+        texts=[e.text for e in events],
         phases_p50_ms={k: statistics.median(v) for k, v in phases.items() if v},
         taken_ms=(min(taken), max(taken)) if taken else (math.nan, math.nan),
     )
@@ -670,6 +752,7 @@ def print_report(report: dict[str, Any]) -> None:
         f"Spool stack benchmark: {model}{meta['dtype']}, {meta['device']}, torch {meta['torch']} "
         f"({meta['threads']} threads), {meta['cpu_count']} CPUs"
     )
+    print(f"placement {meta['placement']}")
     print(
         f"load average at start {meta['loadavg_start']}, at end {meta['loadavg_end']}"
         + (" (QUICK)" if meta["quick"] else "")
@@ -800,6 +883,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="engine and worker prompt tokens per step (SPOOL_MAX_PREFILL_TOKENS_PER_STEP; default 2048)",
     )
     p.add_argument(
+        "--engine-cpus",
+        type=int,
+        metavar="K",
+        help="run the engine (alone, and the worker) on the first K CPUs with K torch threads, and the "
+        "API, Redis and the clients on the others (default: all share every CPU)",
+    )
+    p.add_argument(
         "--only", action="append", choices=("throughput", "connections"), help="run one part (repeatable)"
     )
     p.add_argument(
@@ -813,6 +903,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def throughput(
     args: argparse.Namespace,
     plan: StackPlan,
+    place: Placement,
     procs: Procs,
     redis_url: str,
     model_dir: Path,
@@ -855,8 +946,8 @@ def throughput(
         worker_name=f"{PREFIX}-w1",
         **prefill,
     )
-    worker = procs.start("worker", spool_argv() + ["worker"], env)
-    api, url = start_api(procs, "api", env)
+    worker = procs.start("worker", spool_argv() + ["worker"], {**env, **place.worker_env()}, place.engine)
+    api, url = start_api(procs, "api", env, place.service)
 
     def ready() -> bool:
         return httpx.get(url + "/readyz", timeout=2).status_code == 200
@@ -875,18 +966,26 @@ def throughput(
             f"EOS {sorted(engine.eos_token_ids)} is reachable (vocab {engine.runner.vocab_size})"
         )
 
+    def engine_side(prompts: Sequence[str], max_tokens: int) -> RunResult:
+        place.engine_turn()
+        return engine_run(engine, prompts, max_tokens)
+
+    def stack_side(prompts: Sequence[str], max_tokens: int, timeout: float) -> RunResult:
+        place.clients_turn()
+        return stack_run(url, prompts, max_tokens, timeout)
+
     log(f"engine: warm-up ({len(prompts)} prompts, {warm_new} new tokens each)")
-    engine_run(engine, prompts, warm_new)
+    engine_side(prompts, warm_new)
     log("stack: warm-up (the same)")
-    stack_run(url, prompts, warm_new, timeout=120)
+    stack_side(prompts, warm_new, timeout=120)
 
     results = []
     for i in range(rounds):
         log(f"round {i + 1}/{rounds}: engine alone")
-        e = engine_run(engine, prompts, n_new)
+        e = engine_side(prompts, n_new)
         log(f"round {i + 1}/{rounds}: engine {e.tok_s:.1f} tok/s; stack with {len(prompts)} SSE clients")
         cpu0 = cpu_snapshot(pids)
-        s = stack_run(url, prompts, n_new, timeout=max(120.0, 20 * e.seconds))
+        s = stack_side(prompts, n_new, timeout=max(120.0, 20 * e.seconds))
         cpu = {k: v - cpu0[k] for k, v in cpu_snapshot(pids).items()}
         log(f"round {i + 1}/{rounds}: stack {s.tok_s:.1f} tok/s ({s.tok_s / e.tok_s:.2f} of the engine)")
         if s.prompt_tokens != e.prompt_tokens:
@@ -919,8 +1018,8 @@ def throughput(
     log(f"lone requests: {LONE_REPEATS} x (engine, stack), {lone_new} new tokens")
     lone_e, lone_s = [], []
     for _ in range(LONE_REPEATS):
-        lone_e.append(engine_run(engine, [lone_prompt], lone_new).ttft_ms[0])
-        lone_s.append(stack_run(url, [lone_prompt], lone_new, timeout=60).ttft_ms[0])
+        lone_e.append(engine_side([lone_prompt], lone_new).ttft_ms[0])
+        lone_s.append(stack_side([lone_prompt], lone_new, timeout=60).ttft_ms[0])
     report["lone"] = {
         "prompt_tokens": len(tokenizer.encode(lone_prompt)),
         "new_tokens": lone_new,
@@ -932,13 +1031,17 @@ def throughput(
     }
     stats = httpx.get(url + "/readyz", timeout=5).json()["workers"][0]["engine"]
     report["meta"]["worker_engine_stats"] = stats
-    del engine
     procs.stop(api)
     procs.stop(worker)
 
 
 def connections(
-    args: argparse.Namespace, plan: StackPlan, procs: Procs, redis_url: str, report: dict[str, Any]
+    args: argparse.Namespace,
+    plan: StackPlan,
+    place: Placement,
+    procs: Procs,
+    redis_url: str,
+    report: dict[str, Any],
 ) -> None:
     n = args.connections or plan.connections
     ping_s = args.ping_s or plan.ping_s
@@ -946,7 +1049,8 @@ def connections(
     raise_fd_limit(n + 1024)
     # No worker on this prefix: the jobs stay queued and every stream stays open.
     env = spool_env(redis_url, CONN_PREFIX, sse_ping_s=ping_s, max_queued_jobs=n + 100)
-    api, url = start_api(procs, "api-connections", env)
+    api, url = start_api(procs, "api-connections", env, place.service)
+    place.clients_turn()
     c = asyncio.run(hold_connections(url, api.pid, n, ping_s, hold_s, args.open_concurrency))
     c["fd_soft_limit"] = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     procs.stop(api)
@@ -980,6 +1084,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     quiet_libraries()
     plan = QUICK_STACK if args.quick else FULL_STACK
     parts = args.only or ["throughput", "connections"]
+    place = Placement(args.engine_cpus)
     started = time.perf_counter()
     load_start = loadavg()
     log(f"parts {parts}; load average {load_start}; torch threads {torch.get_num_threads()}")
@@ -996,6 +1101,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             "transformers": transformers.__version__,
             "threads": torch.get_num_threads(),
             "cpu_count": os.cpu_count(),
+            "placement": place.describe(),
             "python": platform.python_version(),
             "loadavg_start": load_start,
             "seed": args.seed,
@@ -1012,7 +1118,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         with work_dirs(args) as (model_dir, log_dir, redis_dir):
             procs = Procs(log_dir)
             try:
-                redis_url = start_redis(procs, redis_dir)
+                redis_url = start_redis(procs, redis_dir, place.service)
                 log(f"private redis-server at {redis_url}")
                 if "throughput" in parts:
                     log(f"building the model in {model_dir}")
@@ -1024,9 +1130,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                         "params_m": params / 1e6,
                         "eos_token_id": eos,
                     }
-                    throughput(args, plan, procs, redis_url, model_dir, report)
+                    throughput(args, plan, place, procs, redis_url, model_dir, report)
                 if "connections" in parts:
-                    connections(args, plan, procs, redis_url, report)
+                    connections(args, plan, place, procs, redis_url, report)
             except BaseException:
                 for p in procs.procs:
                     if p.name != "redis":
