@@ -104,6 +104,7 @@ async def cancel_job(job_id: JobId, services: ServicesDep) -> Job:
     return await services.store.request_cancel(job_id)
 
 
+# NOTE: no response_class=EventSourceResponse here: with it FastAPI expects a yield endpoint.
 @router.get(
     "/{job_id}/events",
     responses={200: {"content": {"text/event-stream": {}}, "description": "The job's events"}},
