@@ -41,7 +41,7 @@ def test_a_step_with_decode_rows_and_prefill_chunks_runs_one_forward(make_engine
 # Tensor methods and functions that read device data back to the host (a sync on a GPU).
 HOST_READS = {
     *("tolist", "item", "cpu", "numpy", "nonzero", "any", "all", "equal", "unique", "masked_select"),
-    *("__bool__", "__int__", "__float__", "__index__", "__iter__", "__len__", "__format__", "__repr__"),
+    *("__contains__", "__bool__", "__int__", "__float__", "__index__", "__iter__", "__len__", "__format__", "__repr__"),
 }
 
 

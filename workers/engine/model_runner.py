@@ -6,7 +6,7 @@ import logging
 from typing import Any, cast
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from workers.engine import attention
 from workers.engine.kv_cache import ShapeProbe, SlotKVCache
@@ -16,6 +16,10 @@ log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_MAX_MODEL_LEN = 2048
+
+
+def _no_padding_check(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
+    """A packed forward has no padding tokens to warn about."""
 
 
 def _model_limit(config: Any) -> int | None:
@@ -41,6 +45,12 @@ class ModelRunner:
         )
         # NOTE: cast: transformers' typing of the decorated .to() confuses mypy.
         self.model: Any = cast(Any, model).to(self.device).eval()
+        # NOTE: some models (GPT-2, ...) check on every forward without an attention_mask whether
+        # the ids hold padding, with `pad_token_id in input_ids[...]`: a read of device data, so a
+        # GPU sync per step. A packed forward never pads, so the check is switched off.
+        for module in self.model.modules():
+            if isinstance(module, PreTrainedModel):
+                module.warn_if_padding_and_no_attention_mask = _no_padding_check  # type: ignore[method-assign]
         self.vocab_size = self.model.get_output_embeddings().weight.shape[0]
 
         limit = _model_limit(self.model.config)
