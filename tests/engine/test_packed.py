@@ -3,10 +3,12 @@ reads device data back once."""
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from greedy import TEST_DEVICE
 from torch.overrides import TorchFunctionMode
 
@@ -56,16 +58,12 @@ class CountHostReads(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("arch", ARCHITECTURES)
-def test_a_step_reads_device_data_back_once(arch: str, tiny_model_dirs: dict[str, Path]) -> None:
-    """The sampled ids, and nothing else: no .item() or data-dependent branch in the hot loop.
-
-    Counted at the Python level (what the engine and the model's Python code call), on a step
-    that decodes, prefills a chunk and samples greedy, top-p and top-k rows together.
-    """
+def engine_mid_run(model_dir: Path) -> Engine:
+    """An engine whose next step decodes two rows (greedy, top-p) and prefills a chunk of a third
+    (top-k): the step the tests below watch."""
     engine = Engine(
         EngineConfig(
-            model=str(tiny_model_dirs[arch]),
+            model=str(model_dir),
             device=TEST_DEVICE,
             max_batch_size=4,
             prefill_chunk_size=8,
@@ -76,7 +74,37 @@ def test_a_step_reads_device_data_back_once(arch: str, tiny_model_dirs: dict[str
     engine.add_request("top-p", "hello", SamplingParams(max_tokens=8, temperature=0.8, top_p=0.9, seed=1))
     engine.step()
     engine.add_request("top-k", "rivers run to the sea " * 4, SamplingParams(max_tokens=4, top_k=5))
+    return engine
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_a_step_reads_device_data_back_once(arch: str, tiny_model_dirs: dict[str, Path]) -> None:
+    """The sampled ids, and nothing else: no .item() or data-dependent branch in the hot loop.
+
+    Counted at the Python level (what the engine and the model's Python code call), on a step
+    that decodes, prefills a chunk and samples greedy, top-p and top-k rows together.
+    """
+    engine = engine_mid_run(tiny_model_dirs[arch])
     with CountHostReads() as counter:
         deltas = engine.step()
     assert {d.request_id for d in deltas} == {"greedy", "top-p"}  # "top-k" is mid-prefill
     assert counter.reads == ["tolist"]
+
+
+@pytest.mark.skipif(not TEST_DEVICE.startswith("cuda"), reason="CUDA's sync debug mode (TEST_DEVICE=cuda)")
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_a_step_synchronizes_the_gpu_once(arch: str, tiny_model_dirs: dict[str, Path]) -> None:
+    """The same step seen from below Python: CUDA's sync debug mode warns on every call that
+    waits for the GPU, including those inside C++ ops the Python-level count cannot see."""
+    engine = engine_mid_run(tiny_model_dirs[arch])
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            deltas = engine.step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert {d.request_id for d in deltas} == {"greedy", "top-p"}
+    syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+    assert len(syncs) == 1, syncs  # the sampled ids
