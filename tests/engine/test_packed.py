@@ -11,6 +11,7 @@ import pytest
 import torch
 from greedy import TEST_DEVICE
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from workers.engine import Engine, EngineConfig, SamplingParams
 from workers.engine.tiny import ARCHITECTURES
@@ -47,6 +48,23 @@ HOST_READS = {
 }
 
 
+# ATen ops that read device data (or wait for it to size their output): what the Python-level
+# count misses when a composite op (``Tensor.__contains__``, boolean indexing, ...) calls them.
+# (Under inference_mode ``.item()`` reaches the mode as ``item``, not ``_local_scalar_dense``.)
+SYNCING_ATEN_OPS = {"item", "_local_scalar_dense", "is_nonzero", "equal", "nonzero", "masked_select", "_unique2", "unique_dim"}
+
+
+class CountSyncingOps(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func.overloadpacket.__name__ in SYNCING_ATEN_OPS:
+            self.ops.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
 class CountHostReads(TorchFunctionMode):
     def __init__(self) -> None:
         super().__init__()
@@ -81,14 +99,16 @@ def engine_mid_run(model_dir: Path) -> Engine:
 def test_a_step_reads_device_data_back_once(arch: str, tiny_model_dirs: dict[str, Path]) -> None:
     """The sampled ids, and nothing else: no .item() or data-dependent branch in the hot loop.
 
-    Counted at the Python level (what the engine and the model's Python code call), on a step
-    that decodes, prefills a chunk and samples greedy, top-p and top-k rows together.
+    Counted at the Python level (what the engine and the model's Python code call) and at the
+    ATen level (what composite ops call inside), on a step that decodes, prefills a chunk and
+    samples greedy, top-p and top-k rows together.
     """
     engine = engine_mid_run(tiny_model_dirs[arch])
-    with CountHostReads() as counter:
+    with CountHostReads() as counter, CountSyncingOps() as aten:
         deltas = engine.step()
     assert {d.request_id for d in deltas} == {"greedy", "top-p"}  # "top-k" is mid-prefill
     assert counter.reads == ["tolist"]
+    assert aten.ops == []  # (tolist reads CPU memory directly: on a GPU it is a copy, not one of these)
 
 
 @pytest.mark.skipif(not TEST_DEVICE.startswith("cuda"), reason="CUDA's sync debug mode (TEST_DEVICE=cuda)")
