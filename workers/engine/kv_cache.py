@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from workers.engine.attention import PackedBatch, PrefillSegment
+from workers.engine.device import to_device
 
 
 @dataclass(frozen=True)
@@ -91,7 +92,7 @@ class SlotKVCache:
                 query_pos = self._positions[start : start + length]
                 mask = (self._positions[None, : start + length] <= query_pos[:, None])[None, None]
             segments.append(PrefillSegment(offset, slot, start, length, mask))
-        layout = torch.tensor([slots, positions], dtype=torch.long).to(self._device, non_blocking=True)
+        layout = to_device([slots, positions], torch.long, self._device)
         n = len(decode)
         decode_slots = None if slots[:n] == list(range(n)) else layout[0, :n]
         kv_len = max(positions[:n], default=-1) + 1

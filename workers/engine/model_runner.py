@@ -9,6 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from workers.engine import attention
+from workers.engine.device import to_device
 from workers.engine.kv_cache import ShapeProbe, SlotKVCache
 from workers.engine.types import EngineConfig
 
@@ -114,8 +115,7 @@ class ModelRunner:
             [(slot, pos) for slot, pos, _ in decode],
             [(slot, start, len(chunk)) for slot, start, chunk, _ in prefills],
         )
-        inputs = torch.tensor([token_ids, keep + [0] * (len(token_ids) - len(keep))], dtype=torch.long)
-        inputs = inputs.to(self.device, non_blocking=True)
+        inputs = to_device([token_ids, keep + [0] * (len(token_ids) - len(keep))], torch.long, self.device)
         with attention.active(batch):
             out = self.model(
                 input_ids=inputs[:1],

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
+from workers.engine.device import to_device
 from workers.engine.types import SamplingParams
 
 
@@ -45,32 +46,31 @@ class Sampler:
             return logits.argmax(dim=-1)
 
         logits = logits.float()
-        temperature = torch.tensor([p.temperature or 1.0 for p in params], device=self.device)
+        temperature = to_device([p.temperature or 1.0 for p in params], torch.float32, self.device)
         scaled = logits / temperature[:, None]
         if any(p.top_k is not None or p.top_p < 1 for p in params):
             scaled = self._truncate(scaled, params)
         probs = torch.softmax(scaled, dim=-1)
 
         noise = torch.empty_like(probs)
-        shared = [i for i, g in enumerate(generators) if g is None]
-        if shared:
-            noise[shared] = torch.empty(len(shared), probs.shape[1], device=self.device).exponential_(
-                generator=self._generator
-            )
+        if any(g is None for g in generators):
+            # Every row from the engine's generator (rows with a seed are drawn again below):
+            # cheaper than gathering the unseeded rows, which would copy their indices over.
+            noise.exponential_(generator=self._generator)
         for i, g in enumerate(generators):
             if g is not None:
                 noise[i].exponential_(generator=g)
         sampled = (probs / noise).argmax(dim=-1)
 
         if any(greedy):
-            is_greedy = torch.tensor(greedy, device=self.device)
+            is_greedy = to_device(greedy, torch.bool, self.device)
             sampled = torch.where(is_greedy, logits.argmax(dim=-1), sampled)
         return sampled
 
     def _truncate(self, scaled: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
         vocab = scaled.shape[1]
-        top_k = torch.tensor([min(p.top_k or vocab, vocab) for p in params], device=self.device)
-        top_p = torch.tensor([p.top_p for p in params], device=self.device)
+        top_k = to_device([min(p.top_k or vocab, vocab) for p in params], torch.long, self.device)
+        top_p = to_device([p.top_p for p in params], torch.float32, self.device)
         sorted_logits, order = scaled.sort(dim=-1, descending=True)  # [n, V]
         ranks = torch.arange(vocab, device=self.device)[None, :]
         drop = ranks >= top_k[:, None]
