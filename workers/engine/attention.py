@@ -64,6 +64,15 @@ def active(batch: PackedBatch) -> Iterator[None]:
         _current.reset(token)
 
 
+def _repeat_heads(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """[B, Hkv, L, D] -> [B, Hkv * groups, L, D], result head h being head h // groups (as
+    transformers' repeat_kv): an expand and a reshape, with no copy when ``groups`` is 1."""
+    if groups == 1:
+        return x
+    b, heads, length, dim = x.shape
+    return x[:, :, None].expand(b, heads, groups, length, dim).reshape(b, heads * groups, length, dim)
+
+
 def packed_attention(
     module: torch.nn.Module,
     query: torch.Tensor,  # [1, Hq, T, D]
@@ -105,7 +114,7 @@ def packed_attention(
         if seg.mask is None:  # the chunk starts the sequence: plain causal, no mask
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=groups > 1)
         else:  # a later chunk of a long prompt (rare): repeat the key/value heads
-            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+            k, v = _repeat_heads(k, groups), _repeat_heads(v, groups)
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=seg.mask, scale=scaling)
         out[seg.offset : seg.offset + seg.length] = o[0].transpose(0, 1)
     return out.unsqueeze(0), None  # [1, T, Hq, D], as transformers' attention functions return
