@@ -14,7 +14,9 @@ from common.schemas import Job
 from common.store import AsyncJobStore
 
 
-def _services(request: Request) -> Services:
+# NOTE: async, like every dependency here: FastAPI runs a plain `def` dependency in its thread
+# pool, a thread hop per request for a dictionary lookup.
+async def _services(request: Request) -> Services:
     services: Services = request.app.state.services
     return services
 
@@ -22,7 +24,7 @@ def _services(request: Request) -> Services:
 ServicesDep = Annotated[Services, Depends(_services)]
 
 
-def _store(services: ServicesDep) -> AsyncJobStore:
+async def _store(services: ServicesDep) -> AsyncJobStore:
     return services.store
 
 
