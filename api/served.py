@@ -7,6 +7,10 @@ a job is queued.
 
 from __future__ import annotations
 
+import asyncio
+import time
+from collections.abc import Mapping
+
 from api.errors import ApiError
 from common.schemas import JobRequest, WorkerHeartbeat
 from common.store import AsyncJobStore
@@ -19,9 +23,35 @@ async def served_models(store: AsyncJobStore) -> dict[str, WorkerHeartbeat]:
     return {w.model: w for w in sorted(await store.list_workers(), key=lambda w: w.name)}
 
 
-async def resolve_model(store: AsyncJobStore, requested: str | None) -> WorkerHeartbeat:
+class ServedModels:
+    """``served_models`` for the submit paths, read from Redis at most once per ``ttl_s`` per API
+    process while a worker is live: a burst of submissions reads the heartbeats once, not once
+    per request (two Redis round trips and a parse of every heartbeat).
+
+    An empty answer is never kept, so a worker that just started is seen at once. One that just
+    died is still seen for up to ``ttl_s``; its requests are queued, as they would be a moment
+    earlier, and the next worker takes them (or refuses what its model cannot take).
+    """
+
+    def __init__(self, store: AsyncJobStore, ttl_s: float = 1.0) -> None:
+        self._store = store
+        self._ttl_s = ttl_s
+        self._models: dict[str, WorkerHeartbeat] = {}
+        self._until = 0.0  # monotonic time the kept answer expires
+        self._lock = asyncio.Lock()  # one read at a time: a burst waits for it, not reads too
+
+    async def get(self) -> dict[str, WorkerHeartbeat]:
+        if time.monotonic() < self._until:
+            return self._models
+        async with self._lock:
+            if time.monotonic() >= self._until:
+                self._models = await served_models(self._store)
+                self._until = time.monotonic() + self._ttl_s if self._models else 0.0
+        return self._models
+
+
+def resolve_model(models: Mapping[str, WorkerHeartbeat], requested: str | None) -> WorkerHeartbeat:
     """The served model a request names (or the one served, when it names none)."""
-    models = await served_models(store)
     if not models:
         raise ApiError(
             503,
@@ -41,13 +71,12 @@ async def resolve_model(store: AsyncJobStore, requested: str | None) -> WorkerHe
     return models[requested]
 
 
-async def check_with_live_workers(store: AsyncJobStore, request: JobRequest) -> None:
+def check_with_live_workers(models: Mapping[str, WorkerHeartbeat], request: JobRequest) -> None:
     """``check_servable`` against the served model, when a live worker says what it is.
 
     A job may also be queued while no worker runs (they restart, or scale from zero); the
     worker then refuses what its model cannot take, and the job fails with the reason.
     """
-    models = await served_models(store)
     if models:
         check_servable(request, models[min(models)])
 

@@ -13,6 +13,7 @@ from api.enqueue import Enqueuer
 from api.hub import Hub
 from api.metrics import Metrics
 from api.openai_compat.detach import Watchers
+from api.served import ServedModels
 from common.settings import Settings
 from common.store import AsyncJobStore
 
@@ -25,6 +26,7 @@ class Services:
     enqueuer: Enqueuer
     metrics: Metrics
     watchers: Watchers  # streams per job across API processes; cancels abandoned foreground jobs
+    served: ServedModels  # what the live workers serve, for the submit paths' checks
 
 
 @asynccontextmanager
@@ -36,7 +38,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     store = AsyncJobStore.from_settings(settings)
     watchers = Watchers(store, settings.detach_grace_s)
     await watchers.start()
-    app.state.services = Services(settings, store, hub, enqueuer, Metrics(hub), watchers)
+    app.state.services = Services(settings, store, hub, enqueuer, Metrics(hub), watchers, ServedModels(store))
     try:
         yield
     finally:

@@ -29,7 +29,7 @@ CLIENT_CLOSED_REQUEST = 499  # nginx's status for it; logged, never received
 )
 async def create_job(body: JobRequest, services: ServicesDep, request: Request, response: Response) -> Job:
     """Queue a job; with ``"background": false`` wait for it and answer 200 with the result."""
-    await check_with_live_workers(services.store, body)
+    check_with_live_workers(await services.served.get(), body)
     job = await submit_job(services, body)
     response.headers["Location"] = f"/v1/jobs/{job.id}"
     if body.background:

@@ -45,7 +45,7 @@ async def list_models(store: StoreDep) -> dict[str, Any]:
 
 @router.get("/models/{model:path}")
 async def retrieve_model(model: str, store: StoreDep) -> dict[str, Any]:
-    return _model(await resolve_model(store, model))
+    return _model(resolve_model(await served_models(store), model))
 
 
 def _model(worker: WorkerHeartbeat) -> dict[str, Any]:
@@ -61,7 +61,7 @@ def _model(worker: WorkerHeartbeat) -> dict[str, Any]:
 
 async def _serve(body: OpenAIRequest, services: ServicesDep, http: Request) -> Response:
     request = body.to_job_request()
-    worker = await resolve_model(services.store, body.model)
+    worker = resolve_model(await services.served.get(), body.model)
     check_servable(request, worker)
     job = await submit_job(services, request)
     view = View.of(job, request, worker.model)
