@@ -7,6 +7,7 @@
 #                                  # ignored through .git/info/exclude) with the wheels the device
 #                                  # lacks, pinned to .venv's versions, and Debian's redis-server
 #   device run: command "bash scripts/gpu_check.sh run", carry [".gpu"], timeout_s 600
+#                (the stages' limits add up to 520 s, leaving the rest for the install)
 #
 # run: installs the wheels into /tmp/site, puts the carried redis-server on PATH, then runs, each
 # under its own time limit and whatever the previous one did: (1) the engine tests with the engine
@@ -73,8 +74,8 @@ run() {
 print(sys.version.split()[0], "torch", torch.__version__, "transformers", transformers.__version__,
       torch.cuda.get_device_name(), "cpus", len(__import__("os").sched_getaffinity(0)))' | tee "$OUT/versions.txt"
   redis-server --version | tee -a "$OUT/versions.txt"
-  stage engine_tests 180 env TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider tests/engine
-  stage engine_bench 200 python3 bench/engine_bench.py --device cuda --dtype bfloat16 --json "$OUT/engine_cuda.json"
+  stage engine_tests 150 env TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider tests/engine
+  stage engine_bench 170 python3 bench/engine_bench.py --device cuda --dtype bfloat16 --json "$OUT/engine_cuda.json"
   stage stack_bench 200 python3 bench/stack_bench.py --device cuda --dtype bfloat16 --engine-cpus 4 \
     --deadline-s 190 --json "$OUT/stack_cuda.json"
 }
