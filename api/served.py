@@ -28,9 +28,10 @@ class ServedModels:
     process while a worker is live: a burst of submissions reads the heartbeats once, not once
     per request (two Redis round trips and a parse of every heartbeat).
 
-    An empty answer is never kept, so a worker that just started is seen at once. One that just
-    died is still seen for up to ``ttl_s``; its requests are queued, as they would be a moment
-    earlier, and the next worker takes them (or refuses what its model cannot take).
+    An empty answer is never kept, so the first worker to start is seen at once; any other change
+    among the live workers (one more, one fewer) within ``ttl_s``. A request checked against a
+    worker that just died is queued, as it would have been a moment earlier, and the next worker
+    takes it (or refuses what its model cannot take).
     """
 
     def __init__(self, store: AsyncJobStore, ttl_s: float = 1.0) -> None:
