@@ -13,7 +13,7 @@ from greedy import TEST_DEVICE
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from workers.engine import Engine, EngineConfig, SamplingParams
+from workers.engine import Engine, SamplingParams
 from workers.engine.tiny import ARCHITECTURES
 
 
@@ -76,18 +76,10 @@ class CountHostReads(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def engine_mid_run(model_dir: Path) -> Engine:
+def engine_mid_run(make_engine, model_dir: Path) -> Engine:  # type: ignore[no-untyped-def]
     """An engine whose next step decodes two rows (greedy, top-p) and prefills a chunk of a third
     (top-k): the step the tests below watch."""
-    engine = Engine(
-        EngineConfig(
-            model=str(model_dir),
-            device=TEST_DEVICE,
-            max_batch_size=4,
-            prefill_chunk_size=8,
-            max_prefill_tokens_per_step=16,
-        )
-    )
+    engine: Engine = make_engine(model=str(model_dir), prefill_chunk_size=8, max_prefill_tokens_per_step=16)
     engine.add_request("greedy", "the quick brown fox jumps over", SamplingParams(max_tokens=8, temperature=0))
     engine.add_request("top-p", "hello", SamplingParams(max_tokens=8, temperature=0.8, top_p=0.9, seed=1))
     engine.step()
@@ -96,14 +88,14 @@ def engine_mid_run(model_dir: Path) -> Engine:
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
-def test_a_step_reads_device_data_back_once(arch: str, tiny_model_dirs: dict[str, Path]) -> None:
+def test_a_step_reads_device_data_back_once(arch: str, tiny_model_dirs: dict[str, Path], make_engine) -> None:  # type: ignore[no-untyped-def]
     """The sampled ids, and nothing else: no .item() or data-dependent branch in the hot loop.
 
     Counted at the Python level (what the engine and the model's Python code call) and at the
     ATen level (what composite ops call inside), on a step that decodes, prefills a chunk and
     samples greedy, top-p and top-k rows together.
     """
-    engine = engine_mid_run(tiny_model_dirs[arch])
+    engine = engine_mid_run(make_engine, tiny_model_dirs[arch])
     with CountHostReads() as counter, CountSyncingOps() as aten:
         deltas = engine.step()
     assert {d.request_id for d in deltas} == {"greedy", "top-p"}  # "top-k" is mid-prefill
@@ -113,10 +105,10 @@ def test_a_step_reads_device_data_back_once(arch: str, tiny_model_dirs: dict[str
 
 @pytest.mark.skipif(not TEST_DEVICE.startswith("cuda"), reason="CUDA's sync debug mode (TEST_DEVICE=cuda)")
 @pytest.mark.parametrize("arch", ARCHITECTURES)
-def test_a_step_synchronizes_the_gpu_once(arch: str, tiny_model_dirs: dict[str, Path]) -> None:
+def test_a_step_synchronizes_the_gpu_once(arch: str, tiny_model_dirs: dict[str, Path], make_engine) -> None:  # type: ignore[no-untyped-def]
     """The same step seen from below Python: CUDA's sync debug mode warns on every call that
     waits for the GPU, including those inside C++ ops the Python-level count cannot see."""
-    engine = engine_mid_run(tiny_model_dirs[arch])
+    engine = engine_mid_run(make_engine, tiny_model_dirs[arch])
     torch.cuda.synchronize()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

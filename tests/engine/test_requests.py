@@ -7,9 +7,9 @@ import shutil
 from pathlib import Path
 
 import pytest
-from greedy import TEST_DEVICE, greedy
+from greedy import greedy
 
-from workers.engine import Engine, EngineConfig, FinishReason, RequestTooLongError, SamplingParams
+from workers.engine import Engine, FinishReason, RequestTooLongError, SamplingParams
 
 PROMPT = "the quick brown fox jumps over"
 
@@ -69,7 +69,7 @@ def test_stop_token_id_and_eos(make_engine, llama_dir: Path, tmp_path: Path) -> 
     gen = json.loads((model_dir / "generation_config.json").read_text())
     gen["eos_token_id"] = [gen["eos_token_id"], target]
     (model_dir / "generation_config.json").write_text(json.dumps(gen))
-    eos_engine = Engine(EngineConfig(model=str(model_dir), device=TEST_DEVICE, max_batch_size=2))
+    eos_engine = make_engine(model=str(model_dir), max_batch_size=2)
     eos_engine.add_request("e", PROMPT, SamplingParams(max_tokens=12, temperature=0.0))
     eos_engine.add_request("i", PROMPT, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
     out = drain(eos_engine)
