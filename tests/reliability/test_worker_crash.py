@@ -56,6 +56,12 @@ def submit(client: httpx.Client, url: str, prompt: str) -> str:
     return str(r.json()["id"])
 
 
+def start_long_job(client: httpx.Client, url: str, r: redis.Redis, prefix: str) -> tuple[Stream, JobWatch]:
+    """Submit LONG_PROMPT; a reader of its stream from the first event, and a watch on the job."""
+    job_id = submit(client, url, LONG_PROMPT)
+    return Stream(f"{url}/v1/jobs/{job_id}/events"), JobWatch(r, Keys(prefix), job_id)
+
+
 def check_job(
     client: httpx.Client, url: str, watch: JobWatch, events: list[Event], expected: Any
 ) -> dict[str, Any]:
@@ -132,11 +138,8 @@ def test_frozen_worker_is_fenced_out(
 ) -> None:
     """SIGSTOP the worker mid-job past its lease, let another take over, then wake it up: it may
     not write one more event to the job, and it drops the job instead of finishing it twice."""
-    keys = Keys(worker_pool.prefix)
     poll(lambda: all(s.alive() for s in worker_pool.procs.values()), "every worker up", 120)
-    job_id = submit(client, crash_api.url, LONG_PROMPT)
-    stream = Stream(f"{crash_api.url}/v1/jobs/{job_id}/events")
-    watch = JobWatch(r, keys, job_id)
+    stream, watch = start_long_job(client, crash_api.url, r, worker_pool.prefix)
     poll(lambda: watch.tokens() >= 50, "50 tokens", 60)
     holder = worker_pool.by_full_name(watch.field("worker"))
     worker_pool.kill(holder, signal.SIGSTOP)
@@ -146,7 +149,7 @@ def test_frozen_worker_is_fenced_out(
         worker_pool.kill(holder, signal.SIGCONT)
     check_job(client, crash_api.url, watch, stream.join(120), greedy_reference(LONG_PROMPT, MAX_TOKENS))
     # It woke up, found the job gone (a refused append or a refused lease renewal) and dropped it.
-    poll(lambda: job_id in worker_pool.procs[holder].log_tail(), "the woken worker to log its lost job", 30)
+    poll(lambda: watch.id in worker_pool.procs[holder].log_tail(), "the woken worker to log its lost job", 30)
     assert worker_pool.procs[holder].alive()
     assert watch.field("worker") != worker_pool.full_name(holder)
     figures["frozen_workers_fenced_out"] = 1
@@ -156,20 +159,17 @@ def test_cancel_while_its_worker_is_dead(
     worker_pool: Workers, crash_api: Service, r: redis.Redis, client: httpx.Client
 ) -> None:
     """Cancelled between the kill and the take-over: the new worker ends it at once."""
-    keys = Keys(worker_pool.prefix)
     poll(lambda: all(s.alive() for s in worker_pool.procs.values()), "every worker up", 120)
-    job_id = submit(client, crash_api.url, LONG_PROMPT)
-    stream = Stream(f"{crash_api.url}/v1/jobs/{job_id}/events")
-    watch = JobWatch(r, keys, job_id)
+    stream, watch = start_long_job(client, crash_api.url, r, worker_pool.prefix)
     poll(lambda: watch.tokens() >= 20, "20 tokens", 60)
     holder = worker_pool.by_full_name(watch.field("worker"))
     worker_pool.kill(holder)
-    cancelled = client.post(f"{crash_api.url}/v1/jobs/{job_id}/cancel")
+    cancelled = client.post(f"{crash_api.url}/v1/jobs/{watch.id}/cancel")
     assert cancelled.status_code == 200 and cancelled.json()["status"] == "running"
     events = stream.join(60)
     check_full_stream(events)
     assert events[-1].event == "done" and events[-1].data["status"] == "cancelled"
-    assert client.get(f"{crash_api.url}/v1/jobs/{job_id}").json()["status"] == "cancelled"
+    assert client.get(f"{crash_api.url}/v1/jobs/{watch.id}").json()["status"] == "cancelled"
     assert len(events) < MAX_TOKENS
     worker_pool.start(holder)
 
@@ -192,9 +192,7 @@ def test_the_same_worker_restarted_takes_its_job_back_with_default_lease(
     solo.start("solo")
     api = start_api(solo.prefix, log_dir, sse_ping_s=1)
     try:
-        job_id = submit(client, api.url, LONG_PROMPT)
-        stream = Stream(f"{api.url}/v1/jobs/{job_id}/events")
-        watch = JobWatch(r, Keys(solo.prefix), job_id)
+        stream, watch = start_long_job(client, api.url, r, solo.prefix)
         k = random.Random(7).randrange(20, 200)
         poll(lambda: watch.tokens() >= k, f"{k} tokens", 60)
         solo.kill("solo")
@@ -229,9 +227,7 @@ def test_worker_whose_engine_step_stalls_exits_and_its_job_goes_on_elsewhere(
     stuck = pool.start("stuck", engine_stall_s=0.001)
     api = start_api(pool.prefix, log_dir, sse_ping_s=1)
     try:
-        job_id = submit(client, api.url, LONG_PROMPT)
-        stream = Stream(f"{api.url}/v1/jobs/{job_id}/events")
-        watch = JobWatch(r, Keys(pool.prefix), job_id)
+        stream, watch = start_long_job(client, api.url, r, pool.prefix)
         poll(lambda: not stuck.alive(), "the stalled worker to exit", 60)
         assert stuck.proc.returncode == 70
         assert "engine step running for over SPOOL_ENGINE_STALL_S" in stuck.log_tail()
