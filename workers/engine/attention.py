@@ -40,8 +40,10 @@ class PrefillSegment:
 
 @dataclass(frozen=True)
 class PackedBatch:
-    """Where each token of one packed forward goes, set up by ``SlotKVCache.begin``."""
+    """One packed forward, set up by ``SlotKVCache.begin``: its tokens, and where each goes."""
 
+    input_ids: torch.Tensor  # [1, T] the tokens
+    logits_rows: torch.Tensor  # [rows] the tokens whose logits the step needs
     slots: torch.Tensor  # [T] the KV slot of each token
     positions: torch.Tensor  # [T] the position of each token
     num_decode: int  # tokens 0..num_decode-1 are decode rows, one per request

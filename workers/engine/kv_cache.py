@@ -73,36 +73,47 @@ class SlotKVCache:
 
     # -- set-up before a forward ------------------------------------------------------------
 
-    def begin(self, decode: Sequence[tuple[int, int]], prefills: Sequence[tuple[int, int, int]]) -> PackedBatch:
-        """Lay out one packed forward: ``decode`` is (slot, position) per decoding request,
-        ``prefills`` is (slot, start, length) per prefill chunk; the packed tokens come in that order.
+    def begin(
+        self, decode: Sequence[tuple[int, int, int]], prefills: Sequence[tuple[int, int, list[int], bool]]
+    ) -> PackedBatch:
+        """Lay out one packed forward: ``decode`` is (slot, position, token id) per decoding
+        request, ``prefills`` is (slot, start, token ids, wants logits) per prefill chunk; the
+        packed tokens come in that order. Logits are wanted for every decode row, and for the
+        last token of each chunk that wants them.
 
-        Everything here is known on the host, so the layout goes to the device in one copy and
-        nothing reads back from it.
+        Everything here is known on the host, so it goes to the device in one copy and nothing
+        reads back from it.
         """
-        slots: list[int] = [s for s, _ in decode]
-        positions: list[int] = [p for _, p in decode]
+        tokens = [t for _, _, t in decode]
+        slots = [s for s, _, _ in decode]
+        positions = [p for _, p, _ in decode]
+        rows = list(range(len(decode)))
         segments = []
-        for slot, start, length in prefills:
-            offset = len(slots)
+        for slot, start, chunk, wants_logits in prefills:
+            offset, length = len(tokens), len(chunk)
+            tokens += chunk
             slots += [slot] * length
             positions += range(start, start + length)
+            if wants_logits:
+                rows.append(len(tokens) - 1)
             mask = None
             if start:
                 query_pos = self._positions[start : start + length]
                 mask = (self._positions[None, : start + length] <= query_pos[:, None])[None, None]
             segments.append(PrefillSegment(offset, slot, start, length, mask))
-        layout = to_device([slots, positions], torch.long, self._device)
+        num_rows = len(rows)
+        rows += [0] * (len(tokens) - num_rows)  # (padding: the copy is one rectangular tensor)
+        layout = to_device([tokens, rows, slots, positions], torch.long, self._device)
         n = len(decode)
-        decode_slots = None if slots[:n] == list(range(n)) else layout[0, :n]
         kv_len = max(positions[:n], default=-1) + 1
-        decode_mask = (self._positions[None, :kv_len] <= layout[1, :n, None])[:, None, None, :] if n else None
         self._batch = PackedBatch(
-            slots=layout[0],
-            positions=layout[1],
+            input_ids=layout[0:1],
+            logits_rows=layout[1, :num_rows],
+            slots=layout[2],
+            positions=layout[3],
             num_decode=n,
-            decode_slots=decode_slots,
-            decode_mask=decode_mask,
+            decode_slots=None if slots[:n] == list(range(n)) else layout[2, :n],
+            decode_mask=(self._positions[None, :kv_len] <= layout[3, :n, None])[:, None, None, :] if n else None,
             decode_kv_len=kv_len,
             prefills=tuple(segments),
         )

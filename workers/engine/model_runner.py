@@ -9,7 +9,6 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from workers.engine import attention
-from workers.engine.device import to_device
 from workers.engine.kv_cache import ShapeProbe, SlotKVCache
 from workers.engine.types import EngineConfig
 
@@ -105,24 +104,14 @@ class ModelRunner:
         row, then one per chunk that wants them (its last token's; a chunk that does not end its
         prompt needs none, and the output layer skips it).
         """
-        token_ids = [t for _, _, t in decode]
-        keep = list(range(len(decode)))
-        for _, _, chunk, wants_logits in prefills:
-            token_ids += chunk
-            if wants_logits:
-                keep.append(len(token_ids) - 1)
-        batch = self.cache.begin(
-            [(slot, pos) for slot, pos, _ in decode],
-            [(slot, start, len(chunk)) for slot, start, chunk, _ in prefills],
-        )
-        inputs = to_device([token_ids, keep + [0] * (len(token_ids) - len(keep))], torch.long, self.device)
+        batch = self.cache.begin(decode, prefills)
         with attention.active(batch):
             out = self.model(
-                input_ids=inputs[:1],
+                input_ids=batch.input_ids,
                 position_ids=batch.positions[None, :],
                 attention_mask=None,
                 cache=self.cache,
                 use_cache=True,
-                logits_to_keep=inputs[1, : len(keep)],
+                logits_to_keep=batch.logits_rows,
             )
-        return out.logits[0]  # [len(keep), V]
+        return out.logits[0]  # [rows, V]
