@@ -66,7 +66,7 @@ class Watchers:
 
     def check_later(self, job_id: str) -> None:
         """Decide after the grace period whether the job lost all its watchers."""
-        self._spawn(self._check(job_id))
+        self._spawn(self._check(job_id, time.time() + self._grace_s))
 
     async def count(self, job_id: str) -> int:
         key = self._keys.job_watchers(job_id)
@@ -82,20 +82,25 @@ class Watchers:
         task.add_done_callback(self._tasks.discard)
 
     async def _leave(self, job_id: str, token: str) -> None:
-        key = self._keys.job_watchers(job_id)
+        key, until = self._keys.job_watchers(job_id), time.time() + self._grace_s
         try:
             # NOTE: the ghost is a new member, so a renewal already on its way (ZADD XX) cannot
             # revive the token and stretch the grace.
             async with self._store.redis.pipeline(transaction=True) as pipe:
                 pipe.zrem(key, token)
-                pipe.zadd(key, {f"left:{token}": time.time() + self._grace_s})
+                pipe.zadd(key, {f"left:{token}": until})
                 await pipe.execute()
         except RedisError as e:
             log.warning("could not remove watcher of job %s (%s); its lease lapses instead", job_id, e)
-        await self._check(job_id)
+        await self._check(job_id, until)
 
-    async def _check(self, job_id: str) -> None:
-        await asyncio.sleep(self._grace_s)  # the grace period itself: ghosts made before now are gone
+    async def _check(self, job_id: str, until: float) -> None:
+        # The grace period itself; the leaver's ghost lapses at ``until``.
+        # NOTE: a loop, as uvloop's timers can fire early (it reads its clock once per loop
+        # iteration, in whole milliseconds). A check run early counted the leaver's own ghost,
+        # kept the job, and never looked again.
+        while (left := until - time.time()) > 0:
+            await asyncio.sleep(left)
         try:
             if await self.count(job_id) or not await self._foreground_and_live(job_id):
                 return
