@@ -89,6 +89,6 @@ def pytest_runtest_makereport(
 ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
     report = yield
     if report.failed:
-        for s in running:
+        for s in reversed(running):  # newest first: most likely the failing test's own
             report.sections.append((f"log of {s.name} ({s.log_path})", s.log_tail()))
     return report
