@@ -19,6 +19,8 @@ REQUEUE_PRIORITY = 0
 JOB_PRIORITY = 3
 _KOMBU_PRIORITY_SEP = "\x06\x16"
 
+WATCHER_GHOST = "left:"  # prefix of the member a watcher leaves behind in Keys.job_watchers
+
 
 @dataclass(frozen=True)
 class Keys:
@@ -37,7 +39,11 @@ class Keys:
         return f"{self.prefix}:job:{job_id}:events"
 
     def job_watchers(self, job_id: str) -> str:
-        """Sorted set: the streams watching the job, from every API process (score: lease deadline)."""
+        """Sorted set: the streams and waiting requests watching the job, from every API process.
+
+        A member's score is a deadline: a watcher's, the end of its lease (its process renews it);
+        a ghost's (``WATCHER_GHOST`` + the watcher's token), the end of the grace after it left.
+        """
         return f"{self.prefix}:job:{job_id}:watchers"
 
     def job_events_pattern(self) -> str:

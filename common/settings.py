@@ -63,6 +63,9 @@ class Settings(BaseSettings):
     # API process
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
+    # On SIGTERM `spool api` stops accepting, waits this long for open requests and streams to
+    # end, then closes them: their clients resume on another replica (Last-Event-ID).
+    shutdown_timeout_s: int = Field(5, ge=0)
     served_model_name: str = ""  # name in /v1/models; empty: derived from model
 
     @field_validator("device")

@@ -21,7 +21,7 @@ from redis.backoff import ExponentialBackoff
 from redis.exceptions import NoScriptError
 from redis.retry import Retry
 
-from common.keys import Keys
+from common.keys import WATCHER_GHOST, Keys
 from common.schemas import (
     STORED,
     DoneEvent,
@@ -469,6 +469,22 @@ class SyncJobStore(_Base):
         for job_id in job_ids:
             pipe.hget(self.keys.job(job_id), "cancel_requested")
         return [j for j, flag in zip(job_ids, pipe.execute(), strict=True) if flag == "1"]
+
+    def unwatched(self, job_ids: Sequence[str], now: float, grace_s: float) -> list[str]:
+        """Which of these jobs nobody has watched for ``grace_s``: no live watcher, no ghost of one
+        that left (api/openai_compat/detach.py), no lease that lapsed less than ``grace_s`` ago.
+
+        That last is a watcher whose API process died: nobody left for it and nobody checks, so
+        its clients get the grace from the lapse to resume the job elsewhere.
+        """
+        pipe = self.redis.pipeline(transaction=False)
+        for job_id in job_ids:
+            pipe.zrangebyscore(self.keys.job_watchers(job_id), now - grace_s, "+inf", withscores=True)
+        return [
+            job_id
+            for job_id, members in zip(job_ids, pipe.execute(), strict=True)
+            if not any(score >= now or not m.startswith(WATCHER_GHOST) for m, score in members)
+        ]
 
     def beat(self, heartbeat: WorkerHeartbeat) -> None:
         now, ttl_ms = time.time(), int(self.settings.heartbeat_ttl_s * 1000)

@@ -40,7 +40,12 @@ def cmd_api(args: argparse.Namespace) -> int:
     import uvicorn
 
     settings = get_settings()
-    uvicorn.run("api.main:app", host=args.host or settings.host, port=args.port or settings.port)
+    uvicorn.run(
+        "api.main:app",
+        host=args.host or settings.host,
+        port=args.port or settings.port,
+        timeout_graceful_shutdown=settings.shutdown_timeout_s,  # an SSE stream never ends by itself
+    )
     return 0
 
 

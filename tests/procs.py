@@ -111,9 +111,9 @@ def http_status(url: str) -> int | None:
 def start_api(
     prefix: str, log_dir: Path, *, ready: bool = True, port: int | None = None, **settings: object
 ) -> Service:
-    """uvicorn api.main:app (on a free port by default); waits for /readyz 200 (a worker) or /healthz 200."""
+    """``spool api`` (on a free port by default); waits for /readyz 200 (a worker) or /healthz 200."""
     port = port or free_port()
-    argv = [sys.executable, "-m", "uvicorn", "api.main:app", "--host", "127.0.0.1", "--port", str(port)]
+    argv = [SPOOL, "api", "--host", "127.0.0.1", "--port", str(port)]
     api = start(f"api-{prefix}-{port}", argv, spool_env(prefix, **settings), log_dir)
     api.url = f"http://127.0.0.1:{port}"
     path = "/readyz" if ready else "/healthz"

@@ -1,12 +1,15 @@
 """Who watches which job, across API processes, and the cancel of abandoned foreground jobs.
 
 Every stream (or non-streamed wait) on a job holds a token in the job's watcher set in Redis,
-scored with a lease deadline that its API process renews; a process that dies leaves tokens
-that lapse on their own. A watcher that leaves is replaced by a ghost that counts for
-``SPOOL_DETACH_GRACE_S`` more, and a check runs once it is gone: if the job is still queued or
-running, was not submitted with ``background: true`` and nobody watches it, it is cancelled,
-which frees its engine slot at the worker's next step. So a job is cancelled only after a
-whole grace period without a watcher, whichever process's check sees it.
+scored with a lease deadline that its API process renews. A watcher that leaves is replaced by
+a ghost that counts for ``SPOOL_DETACH_GRACE_S`` more, and a check runs once it is gone: if the
+job is still queued or running, was not submitted with ``background: true`` and nobody watches
+it, it is cancelled, which frees its engine slot at the worker's next step. So a job is
+cancelled only after a whole grace period without a watcher, whichever process's check sees it.
+
+A process that stops turns its watchers into ghosts and its checks die with it; a process that
+dies leaves tokens that lapse on their own. For both, the worker that runs the job is the one
+left to check: it cancels a foreground job nobody has watched for the grace (workers/runtime.py).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from typing import Any
 
 from redis.exceptions import RedisError
 
+from common.keys import WATCHER_GHOST
 from common.schemas import JobRequest, JobStatus
 from common.store import AsyncJobStore, StoreError
 
@@ -36,16 +40,26 @@ class Watchers:
         self._keys = store.keys
         self._grace_s = grace_s
         self._mine: dict[str, str] = {}  # token -> job id: this process's live watchers
+        self._leaving: dict[str, str] = {}  # token -> job id: left, its ghost not yet written
         self._tasks: set[asyncio.Task[None]] = set()
 
     async def start(self) -> None:
         self._spawn(self._renew_forever())
 
     async def stop(self) -> None:
+        """Stop renewing and checking; every watcher of this process becomes a ghost, so its job
+        gets a whole grace from now and is then the worker's to cancel (nobody here checks)."""
         tasks = list(self._tasks)
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        watchers = {**self._mine, **self._leaving}
+        if not watchers:
+            return
+        try:
+            await self._ghost(watchers, time.time() + self._grace_s)
+        except RedisError as e:
+            log.warning("could not leave %d watchers (%s); their leases lapse instead", len(watchers), e)
 
     @contextlib.asynccontextmanager
     async def watch(self, job_id: str) -> AsyncIterator[None]:
@@ -61,7 +75,7 @@ class Watchers:
         finally:
             # NOTE: no await here: a stream's client that hung up cancels the task this runs in,
             # and any await would be cancelled again; the leaving happens in a task of its own.
-            del self._mine[token]
+            self._leaving[token] = self._mine.pop(token)
             self._spawn(self._leave(job_id, token))
 
     def check_later(self, job_id: str) -> None:
@@ -82,17 +96,24 @@ class Watchers:
         task.add_done_callback(self._tasks.discard)
 
     async def _leave(self, job_id: str, token: str) -> None:
-        key, until = self._keys.job_watchers(job_id), time.time() + self._grace_s
+        until = time.time() + self._grace_s
         try:
-            # NOTE: the ghost is a new member, so a renewal already on its way (ZADD XX) cannot
-            # revive the token and stretch the grace.
-            async with self._store.redis.pipeline(transaction=True) as pipe:
-                pipe.zrem(key, token)
-                pipe.zadd(key, {f"left:{token}": until})
-                await pipe.execute()
+            await self._ghost({token: job_id}, until)
         except RedisError as e:
             log.warning("could not remove watcher of job %s (%s); its lease lapses instead", job_id, e)
+        self._leaving.pop(token, None)
         await self._check(job_id, until)
+
+    async def _ghost(self, watchers: dict[str, str], until: float) -> None:
+        """Replace each watcher (token -> job id) by its ghost, which counts until ``until``."""
+        # NOTE: the ghost is a new member, so a renewal already on its way (ZADD XX) cannot
+        # revive the token and stretch the grace.
+        async with self._store.redis.pipeline(transaction=True) as pipe:
+            for token, job_id in watchers.items():
+                key = self._keys.job_watchers(job_id)
+                pipe.zrem(key, token)
+                pipe.zadd(key, {WATCHER_GHOST + token: until})
+            await pipe.execute()
 
     async def _check(self, job_id: str, until: float) -> None:
         # The grace period itself; the leaver's ghost lapses at ``until``.

@@ -8,6 +8,7 @@ import time
 import pytest
 import redis
 
+from common.keys import WATCHER_GHOST
 from common.schemas import (
     DoneEvent,
     ErrorEvent,
@@ -243,6 +244,22 @@ def test_cancel_running_job_asks_its_worker(store: SyncJobStore) -> None:
     pubsub.close()
     assert store.get_record(job.id).cancel_requested
     assert store.cancel_requested([job.id, "other"]) == [job.id]
+
+
+def test_unwatched_jobs_are_those_nobody_has_watched_for_the_grace(store: SyncJobStore) -> None:
+    now, grace = time.time(), 30.0
+    members = {
+        "never": {},  # no watcher set at all
+        "live": {"t": now + 10},  # a watcher whose lease runs
+        "ghost": {f"{WATCHER_GHOST}t": now + 1},  # left less than the grace ago
+        "ghost-gone": {f"{WATCHER_GHOST}t": now - 1},  # its grace over (its process's check died)
+        "lapsed": {"t": now - grace + 1},  # its process died: the grace runs from the lapse
+        "lapsed-long-ago": {"t": now - grace - 1, f"{WATCHER_GHOST}u": now - 5},
+    }
+    for job_id, scores in members.items():
+        if scores:
+            store.redis.zadd(store.keys.job_watchers(job_id), scores)
+    assert store.unwatched(list(members), now, grace) == ["never", "ghost-gone", "lapsed-long-ago"]
 
 
 def test_cancel_finished_job_is_a_conflict(store: SyncJobStore) -> None:
