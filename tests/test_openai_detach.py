@@ -27,9 +27,12 @@ from api.openai_compat.detach import LEASE_S, RENEW_S
 from common.keys import Keys
 
 GRACE_S = 1.0
-# Its EOS unreachable, the plain model runs for seconds (about 1 ms a token on a 2-core CPU),
-# well past the grace, however fast the machine.
+# Its EOS unreachable, the plain model runs for seconds (1 to 5 ms a token on a 2-core CPU),
+# past the grace: the tests that let a job run to its end use LONG.
 LONG: dict[str, Any] = {"prompt": "In the beginning", "max_tokens": 4000, "temperature": 0}
+# Far longer than any test here waits, however fast the machine: the tests that use it end it.
+ENDLESS: dict[str, Any] = {**LONG, "max_tokens": 16000}
+MAX_MODEL_LEN = 16384
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +40,9 @@ def plain_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny model without its chat template and with no EOS it can emit: LONG runs for seconds."""
     from workers.engine.tiny import build_tiny_model, make_eos_unreachable
 
-    path = build_tiny_model(tmp_path_factory.mktemp("tiny-plain"), "llama", max_position_embeddings=4096)
+    path = build_tiny_model(
+        tmp_path_factory.mktemp("tiny-plain"), "llama", max_position_embeddings=MAX_MODEL_LEN
+    )
     (path / "chat_template.jinja").unlink()
     make_eos_unreachable(path)
     assert AutoTokenizer.from_pretrained(path).chat_template is None
@@ -48,9 +53,9 @@ def plain_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def solo(prefixes: Prefixes, plain_model: Path, log_dir: Path) -> Iterator[Cluster]:
     prefix = prefixes.new()
     worker = start_worker(
-        prefix, plain_model, log_dir, max_batch_size=1, max_model_len=4096, detach_grace_s=GRACE_S
+        prefix, plain_model, log_dir, max_batch_size=1, max_model_len=MAX_MODEL_LEN, detach_grace_s=GRACE_S
     )
-    api = start_api(prefix, log_dir, sse_ping_s=0.5, detach_grace_s=GRACE_S)
+    api = start_api(prefix, log_dir, sse_ping_s=0.5, detach_grace_s=GRACE_S, max_tokens_cap=MAX_MODEL_LEN)
     yield Cluster(prefix, worker, api)
     api.stop()
     worker.stop()
@@ -108,14 +113,14 @@ def test_jobs_with_messages_need_a_chat_template_too(solo: Cluster, client: http
 def test_abandoned_foreground_stream_is_cancelled_after_the_grace_and_frees_the_slot(
     solo: Cluster, oai: openai.OpenAI, client: httpx.Client
 ) -> None:
-    with client.stream("POST", f"{solo.url}/v1/completions", json={**LONG, "stream": True}) as r:
+    with client.stream("POST", f"{solo.url}/v1/completions", json={**ENDLESS, "stream": True}) as r:
         job_id = r.headers[JOB_ID_HEADER]
         chunks = iter_chunks(r)
         next(chunks), next(chunks)
         dropped_at = time.time()  # before the connection closes: a lower bound of the server's view
     job = finished_job(client, solo.url, job_id)
     assert (job["status"], job["finish_reason"]) == ("cancelled", "cancelled")
-    assert 0 < job["usage"]["completion_tokens"] < LONG["max_tokens"]
+    assert 0 < job["usage"]["completion_tokens"] < ENDLESS["max_tokens"]
     assert job["finished_at"] >= dropped_at + GRACE_S
     # The one slot is free again.
     got = oai.completions.create(model=oai.models.list().data[0].id, prompt="hi", max_tokens=4, temperature=0)
@@ -156,7 +161,7 @@ def test_background_stream_runs_to_the_end(solo: Cluster, oai: openai.OpenAI, cl
 
 @pytest.mark.parametrize(
     ("path", "body"),
-    [("/v1/completions", LONG), ("/v1/jobs", {**LONG, "background": False})],
+    [("/v1/completions", ENDLESS), ("/v1/jobs", {**ENDLESS, "background": False})],
     ids=["openai-completion", "job-background-false"],
 )
 def test_waiting_request_whose_client_hangs_up_is_cancelled_after_the_grace(
@@ -166,7 +171,7 @@ def test_waiting_request_whose_client_hangs_up_is_cancelled_after_the_grace(
         dropped_at = time.time()  # the client hangs up before any answer
     job = finished_job(client, solo.url, job_id)
     assert (job["status"], job["finish_reason"]) == ("cancelled", "cancelled")
-    assert 0 < job["usage"]["completion_tokens"] < LONG["max_tokens"]
+    assert 0 < job["usage"]["completion_tokens"] < ENDLESS["max_tokens"]
     assert job["finished_at"] >= dropped_at + GRACE_S
 
 
@@ -175,8 +180,10 @@ def test_a_waiting_request_whose_api_process_stops_is_cancelled_by_the_worker_af
 ) -> None:
     # The API process goes (a redeploy); its client waits on. Its checks die with it, so the
     # worker running the job is the one left to cancel it, a grace after the process left.
-    api = start_api(solo.prefix, log_dir, detach_grace_s=GRACE_S, shutdown_timeout_s=1)
-    with waiting_request(api.url, solo.prefix, "/v1/jobs", {**LONG, "background": False}) as job_id:
+    api = start_api(
+        solo.prefix, log_dir, detach_grace_s=GRACE_S, max_tokens_cap=MAX_MODEL_LEN, shutdown_timeout_s=1
+    )
+    with waiting_request(api.url, solo.prefix, "/v1/jobs", {**ENDLESS, "background": False}) as job_id:
         stopped_at = time.time()
         api.stop()  # SIGTERM; SIGKILL only after 15 s
         assert time.time() < stopped_at + 10  # it closed the waiting request after 1 s and exited

@@ -41,6 +41,7 @@ from workers.reaper import Reaper, Requeue
 
 log = logging.getLogger(__name__)
 
+FIRST_WATCHER_S = 2.0  # a foreground job's API process counts its client within this of creating it
 CANCEL_POLL_S = 1.0  # how long the cancel listener blocks for a message before checking for shutdown
 EXIT_ENGINE_STALLED = 70  # the worker's exit status when the watchdog ends it (EX_SOFTWARE)
 WATCHDOG_POLL_S = 5.0  # how often an idle watchdog looks for a step that started
@@ -437,15 +438,17 @@ class EngineRuntime:
     def _unwatched(self) -> list[str]:
         """Foreground jobs of this worker that nobody has watched for the grace (see store.unwatched).
 
-        A job younger than the grace is left alone: its API process may not have counted its
-        client yet, and one whose client left that soon is the API's own check's to cancel.
+        A job younger than the grace (and than ``FIRST_WATCHER_S``) is left alone: its API
+        process may not have counted its client yet, and one whose client left that soon is the
+        API's own check's to cancel.
         """
         grace, now = self.settings.detach_grace_s, time.time()
+        young = now - max(grace, FIRST_WATCHER_S)
         with self._lock:
             jobs = [
                 job_id
                 for job_id, j in self._jobs.items()
-                if not j.request.background and j.created_at + grace <= now and not j.abort_requested
+                if not j.request.background and j.created_at <= young and not j.abort_requested
             ]
         return self.store.unwatched(jobs, now, grace) if jobs else []
 
