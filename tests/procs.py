@@ -6,6 +6,7 @@ still up, so a failing test's report can carry their logs (see conftest.py).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -14,9 +15,11 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
@@ -192,3 +195,38 @@ class Cluster:
     @property
     def keys(self) -> Keys:
         return Keys(self.prefix)
+
+
+@contextlib.contextmanager
+def waiting_request(api_url: str, prefix: str, path: str, body: dict[str, Any]) -> Iterator[str]:
+    """A request that waits for its answer, sent on a raw socket that stays open while inside;
+    yields the id of its job once a worker runs it."""
+    url = urlsplit(api_url)
+    payload = json.dumps(body).encode()
+    head = f"POST {path} HTTP/1.1\r\nHost: {url.netloc}\r\nContent-Type: application/json\r\n"
+    running = Keys(prefix).running_jobs()
+    with (
+        redis.Redis.from_url(REDIS_URL, decode_responses=True) as r,
+        socket.create_connection((url.hostname, url.port)) as sock,
+    ):
+        before = set(r.zrange(running, 0, -1))
+
+        def started() -> set[str]:
+            return set(r.zrange(running, 0, -1)) - before
+
+        sock.sendall(f"{head}Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
+        wait_until(lambda: bool(started()), "the job running", 30)
+        [job_id] = started()
+        yield job_id
+
+
+def finished_job(client: httpx.Client, url: str, job_id: str, timeout: float = 60) -> dict[str, Any]:
+    """The job once it ended, polled on the API at ``url``."""
+    job: dict[str, Any] = {}
+
+    def final() -> bool:
+        job.update(client.get(f"{url}/v1/jobs/{job_id}").json())
+        return job["status"] not in ("queued", "running")
+
+    wait_until(final, f"job {job_id} to end", timeout)
+    return job

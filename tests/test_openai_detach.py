@@ -6,25 +6,17 @@ API run with a short SPOOL_DETACH_GRACE_S.
 
 from __future__ import annotations
 
-import contextlib
-import json
-import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 import httpx
 import openai
 import pytest
-import redis
 from openai_stream import JOB_ID_HEADER, iter_chunks, read_stream
-from procs import REDIS_URL, Cluster, Prefixes, start_api, start_worker, wait_until
+from procs import Cluster, Prefixes, finished_job, start_api, start_worker, waiting_request
 from transformers import AutoTokenizer
-
-from api.openai_compat.detach import LEASE_S, RENEW_S
-from common.keys import Keys
 
 GRACE_S = 1.0
 # Its EOS unreachable, the plain model runs for seconds (1 to 5 ms a token on a 2-core CPU),
@@ -65,35 +57,6 @@ def solo(prefixes: Prefixes, plain_model: Path, log_dir: Path) -> Iterator[Clust
 def oai(solo: Cluster) -> Iterator[openai.OpenAI]:
     with openai.OpenAI(base_url=f"{solo.url}/v1", api_key="unused", max_retries=0) as c:
         yield c
-
-
-@contextlib.contextmanager
-def waiting_request(api_url: str, prefix: str, path: str, body: dict[str, Any]) -> Iterator[str]:
-    """A request that waits for its answer, sent on a raw socket that stays open while inside;
-    yields the id of its job once the worker runs it (on a worker with one slot)."""
-    url = urlsplit(api_url)
-    payload = json.dumps(body).encode()
-    head = f"POST {path} HTTP/1.1\r\nHost: {url.netloc}\r\nContent-Type: application/json\r\n"
-    running = Keys(prefix).running_jobs()
-    with (
-        redis.Redis.from_url(REDIS_URL, decode_responses=True) as r,
-        socket.create_connection((url.hostname, url.port)) as sock,
-    ):
-        sock.sendall(f"{head}Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
-        wait_until(lambda: r.zcard(running) == 1, "the job running", 30)
-        [job_id] = r.zrange(running, 0, -1)
-        yield job_id
-
-
-def finished_job(client: httpx.Client, url: str, job_id: str) -> dict[str, Any]:
-    job: dict[str, Any] = {}
-
-    def final() -> bool:
-        job.update(client.get(f"{url}/v1/jobs/{job_id}").json())
-        return job["status"] not in ("queued", "running")
-
-    wait_until(final, f"job {job_id} to end", 60)
-    return job
 
 
 def test_chat_without_a_chat_template_is_400(oai: openai.OpenAI) -> None:
@@ -174,21 +137,3 @@ def test_waiting_request_whose_client_hangs_up_is_cancelled_after_the_grace(
     assert 0 < job["usage"]["completion_tokens"] < ENDLESS["max_tokens"]
     assert job["finished_at"] >= dropped_at + GRACE_S
 
-
-def test_a_waiting_request_whose_api_process_stops_is_cancelled_by_the_worker_after_the_grace(
-    solo: Cluster, client: httpx.Client, log_dir: Path
-) -> None:
-    # The API process goes (a redeploy); its client waits on. Its checks die with it, so the
-    # worker running the job is the one left to cancel it, a grace after the process left.
-    api = start_api(
-        solo.prefix, log_dir, detach_grace_s=GRACE_S, max_tokens_cap=MAX_MODEL_LEN, shutdown_timeout_s=1
-    )
-    with waiting_request(api.url, solo.prefix, "/v1/jobs", {**ENDLESS, "background": False}) as job_id:
-        stopped_at = time.time()
-        api.stop()  # SIGTERM; SIGKILL only after 15 s
-        assert time.time() < stopped_at + 10  # it closed the waiting request after 1 s and exited
-        job = finished_job(client, solo.url, job_id)
-    assert (job["status"], job["finish_reason"]) == ("cancelled", "cancelled")
-    # Its watcher left as the process stopped; had it been left to lapse, that would have been at
-    # least LEASE_S - RENEW_S later.
-    assert stopped_at + GRACE_S <= job["finished_at"] < stopped_at + LEASE_S - RENEW_S
