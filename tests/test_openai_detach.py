@@ -136,4 +136,3 @@ def test_waiting_request_whose_client_hangs_up_is_cancelled_after_the_grace(
     assert (job["status"], job["finish_reason"]) == ("cancelled", "cancelled")
     assert 0 < job["usage"]["completion_tokens"] < ENDLESS["max_tokens"]
     assert job["finished_at"] >= dropped_at + GRACE_S
-
