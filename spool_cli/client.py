@@ -13,6 +13,7 @@ import httpx
 
 TERMINAL = {"succeeded", "failed", "cancelled", "partial"}
 MAX_RECONNECTS = 20  # consecutive failed tries to reach the event stream before giving up
+RETRY_STATUSES = {502, 503, 504}  # a replica restarting, Redis unreachable: try again
 POLL_S = 0.5  # between two rounds of status checks in `spool batch`
 TIMEOUT = httpx.Timeout(30.0, read=120.0)  # the API pings idle streams every SPOOL_SSE_PING_S
 
@@ -21,21 +22,30 @@ def _headers(api_key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
-def _error(resp: httpx.Response) -> str:
+def _message(body: str) -> str | None:
+    """The message of an error envelope, None for anything else."""
     try:
-        return str(resp.json()["error"]["message"])
+        return str(json.loads(body)["error"]["message"])
     except (ValueError, KeyError, TypeError):
-        return f"HTTP {resp.status_code}: {resp.text[:200]}"
+        return None
+
+
+def _error(resp: httpx.Response) -> str:
+    return _message(resp.text) or f"HTTP {resp.status_code}: {resp.text[:200]}"
 
 
 def sse_events(lines: Iterator[str]) -> Iterator[tuple[str, str, str]]:
-    """(id, event, data) of each event of a text/event-stream; comments (pings) are skipped."""
+    """(id, event, data) of each event of a text/event-stream; comments (pings) are skipped.
+
+    The id is the event's own, "" when it has none: every job event has one; the stream's own
+    error (Redis unreachable for too long) has none, and means "resume after the last id".
+    """
     event_id, event, data = "", "message", list[str]()
     for line in lines:
         if not line:
             if data:
                 yield event_id, event, "\n".join(data)
-            event, data = "message", []
+            event_id, event, data = "", "message", []
             continue
         name, _, value = line.partition(":")
         value = value.removeprefix(" ")
@@ -63,12 +73,19 @@ def generate(url: str, body: dict[str, Any], api_key: str | None) -> int:
                 ) as stream:
                     if stream.is_error:
                         stream.read()
-                        print(f"\nspool: {_error(stream)}", file=sys.stderr)
-                        return 1
-                    for event_id, event, data in sse_events(stream.iter_lines()):
-                        last, failures = event_id, 0
-                        if (code := _show(event, json.loads(data))) is not None:
-                            return code
+                        if stream.status_code not in RETRY_STATUSES:
+                            print(f"\nspool: {_error(stream)}", file=sys.stderr)
+                            return 1
+                        print(f"\nspool: {_error(stream)}; resuming after event {last}", file=sys.stderr)
+                    else:
+                        for event_id, event, data in sse_events(stream.iter_lines()):
+                            if not event_id:  # the stream's own end (Redis unreachable), not the job's
+                                message = _message(data) or data[:200]
+                                print(f"\nspool: {message}; resuming after event {last}", file=sys.stderr)
+                                break
+                            last, failures = event_id, 0
+                            if (code := _show(event, json.loads(data))) is not None:
+                                return code
             except httpx.TransportError as e:
                 print(f"\nspool: connection lost ({e}); resuming after event {last}", file=sys.stderr)
             failures += 1
@@ -98,6 +115,19 @@ def _submit(client: httpx.Client, body: dict[str, Any]) -> tuple[str | None, str
         time.sleep(float(resp.headers.get("Retry-After", "1")))
 
 
+def _poll(client: httpx.Client, job_id: str) -> dict[str, Any] | None:
+    """The job, or None while the API cannot answer (a replica restarting, Redis unreachable)."""
+    try:
+        resp = client.get(f"/v1/jobs/{job_id}")
+    except httpx.TransportError:
+        return None
+    if resp.status_code in RETRY_STATUSES:
+        return None
+    resp.raise_for_status()
+    job: dict[str, Any] = resp.json()
+    return job
+
+
 def batch(url: str, file: Path, out: Path | None, api_key: str | None) -> int:
     rows = [json.loads(line) for line in file.read_text().splitlines() if line.strip()]
     results: list[dict[str, Any]] = []
@@ -112,7 +142,8 @@ def batch(url: str, file: Path, out: Path | None, api_key: str | None) -> int:
         pending = {r["job_id"]: r for r in results if r["job_id"] and "status" not in r}
         while pending:
             for job_id in list(pending):
-                job = client.get(f"/v1/jobs/{job_id}").json()
+                if (job := _poll(client, job_id)) is None:
+                    break  # try again next round
                 if job["status"] in TERMINAL:
                     pending.pop(job_id).update(
                         {k: job.get(k) for k in ("status", "text", "finish_reason", "usage", "error")}

@@ -107,7 +107,13 @@ def parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=cmd_up)
 
-    p = sub.add_parser("generate", help="submit a prompt and stream the tokens as they come")
+    p = sub.add_parser(
+        "generate",
+        help="submit a prompt and stream the tokens as they come",
+        description="A dropped connection, or a 502, 503 or 504 while reconnecting (a replica "
+        "restarting, Redis unreachable), resumes the stream after the last event shown, backing off "
+        "for up to about 45 s in all before giving up.",
+    )
     p.add_argument("prompt")
     p.add_argument("--max-tokens", type=int, help="tokens to generate at most (default: the API's)")
     p.add_argument("--temperature", type=float, help="0 for greedy (default: 1.0)")
@@ -118,7 +124,8 @@ def parser() -> argparse.ArgumentParser:
         "batch",
         help="submit one job per line of a JSONL file, wait, write the results as JSONL",
         description="Each line is a job request object (prompt or messages, max_tokens, ...); an "
-        "optional 'custom_id' is echoed in its result. Results keep the input order.",
+        "optional 'custom_id' is echoed in its result. Results keep the input order. While waiting, "
+        "a dropped connection or a 502, 503 or 504 is retried at the next poll.",
     )
     p.add_argument("file", type=Path, help="input JSONL")
     p.add_argument("--out", type=Path, help="output JSONL (default: stdout)")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -20,7 +21,7 @@ from typing import Any
 import httpx
 import pytest
 from breakers import SHORT_LEASES, RedisServer, Stream, Workers, clean_prefix, poll
-from procs import Prefixes, Service, start_api
+from procs import SPOOL, Prefixes, Service, spool_env, start_api
 from sse_client import Event, check_full_stream, read_events
 
 PROMPTS = ["the quick brown fox", "once upon a time there", "a long way from home, the", "hello world"]
@@ -207,3 +208,47 @@ def test_slow_readers_survive_dropped_pubsub_connections(
     figures["slow_readers"] = len(streams)
     figures["hub_connections_killed"] = kills
     figures["hub_dropped_for_output_buffer"] = dropped
+
+
+def test_spool_generate_resumes_through_a_replica_restart_during_a_redis_outage(
+    own_redis: RedisServer,
+    on_own_redis: tuple[Workers, Service],
+    log_dir: Path,
+    greedy_reference: Any,
+    figures: dict[str, Any],
+) -> None:
+    """`spool generate` resumes by itself: its stream is cut (its API replica killed while Redis is
+    down), the replacement answers 503 until Redis is back, and it goes on from its last event."""
+    workers, _ = on_own_redis
+    api = start_api(workers.prefix, log_dir, redis_url=own_redis.url)
+    port = int(api.url.rsplit(":", 1)[1])
+    prompt = PROMPTS[0]
+    argv = [SPOOL, "generate", prompt, "--max-tokens", str(MAX_TOKENS), "--temperature", "0"]
+    proc = subprocess.Popen(
+        [*argv, "--url", api.url],
+        env=spool_env(workers.prefix),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    stderr: list[bytes] = []
+    reader = threading.Thread(target=lambda e=proc.stderr: stderr.extend(iter(e.readline, b"")), daemon=True)
+    reader.start()
+    replacement: Service | None = None
+    try:
+        first = os.read(proc.stdout.fileno(), 1)  # unbuffered: a token is printed, the stream is open
+        own_redis.stop(signal.SIGTERM)
+        os.killpg(api.proc.pid, signal.SIGKILL)
+        api.stop()
+        replacement = start_api(workers.prefix, log_dir, ready=False, port=port, redis_url=own_redis.url)
+        poll(lambda: any(b"Redis is unreachable" in line for line in stderr), "generate to get a 503", 60)
+        own_redis.start()
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+        if replacement is not None:
+            replacement.stop()
+    reader.join(10)
+    assert proc.returncode == 0, b"".join(stderr)
+    assert (first + out).decode() == greedy_reference(prompt, MAX_TOKENS).text + "\n"
+    figures["generate_resumed_through_503s"] = sum(b"resuming after event" in line for line in stderr)

@@ -53,7 +53,7 @@ def test_clients_never_import_torch() -> None:
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
 
 
-def test_sse_parser_skips_comments_and_keeps_ids() -> None:
+def test_sse_parser_skips_comments_and_gives_each_event_its_own_id() -> None:
     lines = [
         ": ping",
         "",
@@ -61,12 +61,19 @@ def test_sse_parser_skips_comments_and_keeps_ids() -> None:
         "event: token",
         'data: {"text": "a"}',
         "",
+        "event: error",  # the stream's own end (Redis unreachable): no id
+        'data: {"error": {}}',
+        "",
         "id: 2",
         "event: done",
         "data: {}",
         "",
     ]
-    assert list(sse_events(iter(lines))) == [("1", "token", '{"text": "a"}'), ("2", "done", "{}")]
+    assert list(sse_events(iter(lines))) == [
+        ("1", "token", '{"text": "a"}'),
+        ("", "error", '{"error": {}}'),
+        ("2", "done", "{}"),
+    ]
 
 
 def test_generate_streams_the_job_text(cluster, tiny_model: Path) -> None:  # type: ignore[no-untyped-def]
