@@ -253,6 +253,15 @@ def check_created(reply: int, max_queued: int) -> None:
 WORKER_FORGET_S = 3600.0
 
 
+def watching(members: Iterable[tuple[str, float]], now: float, grace_s: float) -> bool:
+    """Whether a job's watcher set (Keys.job_watchers: member, score) still watches it at ``now``.
+
+    A watcher counts while its lease runs, and for ``grace_s`` after it lapsed (its API process
+    died: its clients get the grace from then to resume elsewhere); a ghost, while its grace runs.
+    """
+    return any(score >= (now if m.startswith(WATCHER_GHOST) else now - grace_s) for m, score in members)
+
+
 def worker_keys(keys: Keys, names: Iterable[str]) -> list[str]:
     return [keys.worker(n) for n in names]
 
@@ -471,19 +480,14 @@ class SyncJobStore(_Base):
         return [j for j, flag in zip(job_ids, pipe.execute(), strict=True) if flag == "1"]
 
     def unwatched(self, job_ids: Sequence[str], now: float, grace_s: float) -> list[str]:
-        """Which of these jobs nobody has watched for ``grace_s``: no live watcher, no ghost of one
-        that left (api/openai_compat/detach.py), no lease that lapsed less than ``grace_s`` ago.
-
-        That last is a watcher whose API process died: nobody left for it and nobody checks, so
-        its clients get the grace from the lapse to resume the job elsewhere.
-        """
+        """Which of these jobs nobody watches (see ``watching``; api/openai_compat/detach.py)."""
         pipe = self.redis.pipeline(transaction=False)
         for job_id in job_ids:
             pipe.zrangebyscore(self.keys.job_watchers(job_id), now - grace_s, "+inf", withscores=True)
         return [
             job_id
             for job_id, members in zip(job_ids, pipe.execute(), strict=True)
-            if not any(score >= now or not m.startswith(WATCHER_GHOST) for m, score in members)
+            if not watching(members, now, grace_s)
         ]
 
     def beat(self, heartbeat: WorkerHeartbeat) -> None:
@@ -563,6 +567,15 @@ class AsyncJobStore(_Base):
 
     async def queued_count(self) -> int:
         return int(await self.redis.zcard(self.keys.queued_jobs()))
+
+    async def watched(self, job_id: str, now: float, grace_s: float) -> bool:
+        """Whether anybody watches the job (see ``watching``); drops the members past counting."""
+        key = self.keys.job_watchers(job_id)
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.zremrangebyscore(key, "-inf", f"({now - grace_s!r}")
+            pipe.zrange(key, 0, -1, withscores=True)
+            _, members = await pipe.execute()
+        return watching(members, now, grace_s)
 
     async def list_workers(self) -> list[WorkerHeartbeat]:
         names = [str(n) for n in await self.redis.zrange(self.keys.workers(), 0, -1)]

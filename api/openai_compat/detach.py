@@ -8,8 +8,10 @@ it, it is cancelled, which frees its engine slot at the worker's next step. So a
 cancelled only after a whole grace period without a watcher, whichever process's check sees it.
 
 A process that stops turns its watchers into ghosts and its checks die with it; a process that
-dies leaves tokens that lapse on their own. For both, the worker that runs the job is the one
-left to check: it cancels a foreground job nobody has watched for the grace (workers/runtime.py).
+dies leaves tokens that lapse on their own, and count for the grace after that (so its clients
+get the grace to resume elsewhere). For both, the worker that runs the job is the one left to
+check: it cancels a foreground job nobody has watched for the grace (workers/runtime.py). Both
+sides count with ``common.store.watching``.
 """
 
 from __future__ import annotations
@@ -82,14 +84,6 @@ class Watchers:
         """Decide after the grace period whether the job lost all its watchers."""
         self._spawn(self._check(job_id, time.time() + self._grace_s))
 
-    async def count(self, job_id: str) -> int:
-        key = self._keys.job_watchers(job_id)
-        async with self._store.redis.pipeline(transaction=True) as pipe:
-            pipe.zremrangebyscore(key, "-inf", time.time())  # past ghosts; tokens of dead processes
-            pipe.zcard(key)
-            _, n = await pipe.execute()
-        return int(n)
-
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.create_task(coro)
         self._tasks.add(task)
@@ -123,7 +117,9 @@ class Watchers:
         while (left := until - time.time()) > 0:
             await asyncio.sleep(left)
         try:
-            if await self.count(job_id) or not await self._foreground_and_live(job_id):
+            if await self._store.watched(job_id, time.time(), self._grace_s):
+                return
+            if not await self._foreground_and_live(job_id):
                 return
             await self._store.request_cancel(job_id)
             log.info("cancelled job %s: its client left and nobody resumed it", job_id)

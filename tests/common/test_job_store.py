@@ -246,7 +246,9 @@ def test_cancel_running_job_asks_its_worker(store: SyncJobStore) -> None:
     assert store.cancel_requested([job.id, "other"]) == [job.id]
 
 
-def test_unwatched_jobs_are_those_nobody_has_watched_for_the_grace(store: SyncJobStore) -> None:
+def test_unwatched_jobs_are_those_nobody_has_watched_for_the_grace(
+    store: SyncJobStore, settings: Settings
+) -> None:
     now, grace = time.time(), 30.0
     members = {
         "never": {},  # no watcher set at all
@@ -259,7 +261,18 @@ def test_unwatched_jobs_are_those_nobody_has_watched_for_the_grace(store: SyncJo
     for job_id, scores in members.items():
         if scores:
             store.redis.zadd(store.keys.job_watchers(job_id), scores)
-    assert store.unwatched(list(members), now, grace) == ["never", "ghost-gone", "lapsed-long-ago"]
+    unwatched = ["never", "ghost-gone", "lapsed-long-ago"]
+    assert store.unwatched(list(members), now, grace) == unwatched
+
+    async def api_side() -> list[str]:  # what an API process's check sees, and drops
+        astore = AsyncJobStore.from_settings(settings)
+        try:
+            return [j for j in members if not await astore.watched(j, now, grace)]
+        finally:
+            await astore.close()
+
+    assert asyncio.run(api_side()) == unwatched
+    assert store.redis.zrange(store.keys.job_watchers("lapsed-long-ago"), 0, -1) == [f"{WATCHER_GHOST}u"]
 
 
 def test_cancel_finished_job_is_a_conflict(store: SyncJobStore) -> None:
