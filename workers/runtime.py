@@ -33,7 +33,7 @@ from redis.exceptions import RedisError
 
 from common.schemas import JobError, JobRequest, WorkerHeartbeat
 from common.settings import Settings
-from common.store import StoreError, SyncJobStore, TakeResult, TakeStatus
+from common.store import SyncJobStore, TakeResult, TakeStatus
 from workers.engine import Delta, Engine, EngineConfig, FinishReason, RequestTooLongError, SamplingParams
 from workers.engine.tiny import default_model_path
 from workers.publisher import JobCursor, Publisher
@@ -428,8 +428,9 @@ class EngineRuntime:
             for job_id in self.store.cancel_requested(list(held)):
                 self.abort(job_id)
             for job_id in self._unwatched():
+                # No cancel flag needed: a worker that took the job over would find it unwatched too.
                 log.info("cancelling foreground job %s: nobody has watched it for the grace", job_id)
-                self._cancel(job_id)
+                self.abort(job_id)
             self._sweep(set(held), time.time() - self._connected_since >= self.settings.heartbeat_ttl_s)
         except RedisError as e:
             self._connected_since = None
@@ -451,13 +452,6 @@ class EngineRuntime:
                 if not j.request.background and j.created_at <= young and not j.abort_requested
             ]
         return self.store.unwatched(jobs, now, grace) if jobs else []
-
-    def _cancel(self, job_id: str) -> None:
-        try:
-            self.store.request_cancel(job_id)  # flagged, so a worker that takes the job over ends it too
-        except StoreError:
-            return  # it ended meanwhile
-        self.abort(job_id)
 
     def _watch_engine(self) -> None:
         limit = self.settings.engine_stall_s

@@ -117,9 +117,8 @@ class Watchers:
         while (left := until - time.time()) > 0:
             await asyncio.sleep(left)
         try:
-            if await self._store.watched(job_id, time.time(), self._grace_s):
-                return
-            if not await self._foreground_and_live(job_id):
+            watched = await self._store.watched(job_id, time.time(), self._grace_s)
+            if watched or not await self._foreground_and_live(job_id):
                 return
             await self._store.request_cancel(job_id)
             log.info("cancelled job %s: its client left and nobody resumed it", job_id)
