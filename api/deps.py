@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator
 from typing import Annotated
 
@@ -11,7 +12,7 @@ from api.errors import ApiError
 from api.hub import Inbox
 from api.services import Services
 from common.schemas import Job
-from common.store import AsyncJobStore
+from common.store import AsyncJobStore, StreamState
 
 
 # NOTE: async, like every dependency here: FastAPI runs a plain `def` dependency in its thread
@@ -40,16 +41,23 @@ async def _job(job_id: JobId, store: StoreDep) -> Job:
 JobDep = Annotated[Job, Depends(_job)]
 
 
+async def _stream_state(job_id: JobId, store: StoreDep) -> StreamState:
+    # Not JobDep: that reads the whole log, for the job's text.
+    return await store.stream_state(job_id)
+
+
+StreamStateDep = Annotated[StreamState, Depends(_stream_state)]
+
+
 async def _cursor(
-    job: JobDep,
-    store: StoreDep,
+    state: StreamStateDep,
     last_event_id: Annotated[int | None, Header(ge=0)] = None,
     after: Annotated[int | None, Query(ge=0)] = None,
 ) -> int:
     # A browser's EventSource reconnects to the same URL and adds Last-Event-ID, so the header
     # is the fresher cursor when both are present.
     cursor = last_event_id if last_event_id is not None else (after or 0)
-    if cursor > await store.log_length(job.id):
+    if cursor > state.log_length:
         # Ids come from the log, so a larger one was never sent; honouring it would hang.
         raise ApiError(
             400,
@@ -63,12 +71,14 @@ async def _cursor(
 CursorDep = Annotated[int, Depends(_cursor)]
 
 
-async def _inbox(job: JobDep, services: ServicesDep) -> AsyncIterator[Inbox]:
+async def _inbox(job_id: JobId, state: StreamStateDep, services: ServicesDep) -> AsyncIterator[Inbox]:
     # A dependency, not a ``with`` inside the stream's generator: FastAPI closes dependencies
     # when the request ends, while a generator abandoned by a client that hung up is only
     # finalized whenever the garbage collector gets to it, leaving its subscription behind.
-    async with services.watchers.watch(job.id):
-        with services.hub.watch(job.id) as inbox:
+    # Only a foreground job still running is cancelled when nobody watches it (detach.py).
+    watching = services.watchers.watch(job_id) if state.foreground_and_live else contextlib.nullcontext()
+    async with watching:
+        with services.hub.watch(job_id) as inbox:
             yield inbox
 
 

@@ -61,11 +61,15 @@ def event_stream(
                 yield encode(event)
 
     chunks = body()
+
     # A client that hangs up leaves the body suspended at a yield until the garbage collector
     # finalizes it; the background task (it runs after a disconnect too) closes it at once.
-    return EventSourceResponse(
-        chunks, headers={**NO_BUFFERING, **(headers or {})}, background=BackgroundTask(chunks.aclose)
-    )
+    # NOTE: a coroutine function: Starlette runs anything else, ``chunks.aclose`` itself
+    # included, in its thread pool, where the awaitable it returns is dropped unawaited.
+    async def close() -> None:
+        await chunks.aclose()
+
+    return EventSourceResponse(chunks, headers={**NO_BUFFERING, **(headers or {})}, background=BackgroundTask(close))
 
 
 def to_sse_list(entry: LogEntry) -> list[ServerSentEvent]:

@@ -70,6 +70,20 @@ class JobRecord:
     cancel_requested: bool
 
 
+@dataclass(frozen=True)
+class StreamState:
+    """What opening a job's event stream needs; read without the log itself."""
+
+    status: JobStatus
+    background: bool
+    log_length: int  # the seq of the job's last event (0 before the first)
+
+    @property
+    def foreground_and_live(self) -> bool:
+        """Whether its streams count as watchers (a job nobody watches is cancelled: detach.py)."""
+        return not self.background and not self.status.terminal
+
+
 class TakeStatus(str, enum.Enum):
     TAKEN = "taken"  # this worker now runs the job
     BUSY = "busy"  # another worker runs it and its lease is live
@@ -548,13 +562,19 @@ class AsyncJobStore(_Base):
     async def get_job(self, job_id: str) -> Job:
         return (await self.get_record(job_id)).job
 
+    async def stream_state(self, job_id: str) -> StreamState:
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.hmget(self.keys.job(job_id), ["status", "request"])
+            pipe.llen(self.keys.job_log(job_id))
+            (status, request), length = await pipe.execute()
+        if status is None:
+            raise JobNotFound(job_id)
+        background = JobRequest.model_validate_json(request, context={STORED: True}).background
+        return StreamState(JobStatus(status), background, int(length))
+
     async def read_log(self, job_id: str, after: int = 0) -> list[LogEntry]:
         """The events with seq > after (entry i holds seq i + 1)."""
         return decode_log(await self.redis.lrange(self.keys.job_log(job_id), after, -1))
-
-    async def log_length(self, job_id: str) -> int:
-        """The seq of the job's last event (0 before the first)."""
-        return int(await self.redis.llen(self.keys.job_log(job_id)))
 
     async def request_cancel(self, job_id: str) -> Job:
         """Cancel a job: at once if queued, at the worker's next step if running.

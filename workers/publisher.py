@@ -1,4 +1,4 @@
-"""Turns one engine step's deltas into job log entries and writes them in one Redis round trip."""
+"""Turns engine steps' deltas into job log entries and writes them in one Redis round trip."""
 
 from __future__ import annotations
 
@@ -86,24 +86,22 @@ class Publisher:
         self.store = store
         self.stop = stop  # set at shutdown: stop retrying against an unreachable Redis
 
-    def publish(
-        self, deltas: Sequence[Delta], cursors: Mapping[str, JobCursor]
-    ) -> tuple[list[str], list[str]]:
-        """Write the deltas of jobs in ``cursors``; returns (finished job ids, lost job ids).
+    @staticmethod
+    def prepare(deltas: Sequence[Delta], cursors: Mapping[str, JobCursor]) -> list[Append]:
+        """The writes for the deltas of jobs in ``cursors`` (advances the cursors)."""
+        return [a for d in deltas if d.request_id in cursors if (a := build_append(d, cursors[d.request_id]))]
 
-        A job is lost when its append was refused: another worker took it over (fencing).
+    def send(self, appends: Sequence[Append]) -> tuple[set[str], set[str]]:
+        """Write ``appends`` in one round trip; returns (finished job ids, lost job ids).
+
+        A job is lost when an append of it was refused: another worker took it over (fencing).
         """
-        appends = [
-            a for d in deltas if d.request_id in cursors if (a := build_append(d, cursors[d.request_id]))
-        ]
-        if not appends:
-            return [], []
         accepted = self._send(appends)
-        finished = [a.job_id for a, ok in zip(appends, accepted, strict=True) if ok and a.final]
-        lost = [a.job_id for a, ok in zip(appends, accepted, strict=True) if not ok]
+        lost = {a.job_id for a, ok in zip(appends, accepted, strict=True) if not ok}
+        finished = {a.job_id for a, ok in zip(appends, accepted, strict=True) if ok and a.final} - lost
         return finished, lost
 
-    def _send(self, appends: list[Append]) -> list[bool]:
+    def _send(self, appends: Sequence[Append]) -> list[bool]:
         # The appends are idempotent (the store skips entries already in the log), so a try that
         # failed halfway can be sent again as it is.
         pause = 0.05

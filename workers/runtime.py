@@ -2,10 +2,14 @@
 
 Celery task threads call ``run_job`` and block until their job's terminal event is written.
 Everything that touches the engine happens on the engine thread, which loops: apply the
-inbox's commands (add, abort), ``engine.step()``, write the step's events in one round trip,
-wake the task threads whose jobs ended. With nothing to run it blocks on the inbox.
+inbox's commands (add, abort), ``engine.step()``, hand the step's log entries to the writer
+thread. With nothing to run it blocks on the inbox. The writer thread writes them in one round
+trip (several steps' in one when it fell behind) and wakes the task threads whose jobs ended,
+while the engine thread runs the next step: the engine never waits for Redis, unless the
+writer is ``OUTBOX_STEPS`` steps behind (Redis slow or unreachable), and then it waits rather
+than run ahead of what is stored.
 
-Three helper threads: a cancel listener (``{p}:cancel`` pub/sub); the heartbeat, which also
+Four helper threads besides: a cancel listener (``{p}:cancel`` pub/sub); the heartbeat, which also
 renews the leases of this worker's jobs (dropping those another worker took over), re-reads
 their cancel flags in case a pub/sub message was missed, cancels foreground jobs that nobody
 has watched for ``SPOOL_DETACH_GRACE_S`` (their API process stopped or died, so nobody else
@@ -17,6 +21,7 @@ worker that beats while its engine is stuck would hold its jobs' leases forever)
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import logging
 import os
@@ -25,7 +30,6 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,7 +37,7 @@ from redis.exceptions import RedisError
 
 from common.schemas import JobError, JobRequest, WorkerHeartbeat
 from common.settings import Settings
-from common.store import SyncJobStore, TakeResult, TakeStatus
+from common.store import Append, SyncJobStore, TakeResult, TakeStatus
 from workers.engine import Delta, Engine, EngineConfig, FinishReason, RequestTooLongError, SamplingParams
 from workers.engine.tiny import default_model_path
 from workers.publisher import JobCursor, Publisher
@@ -45,6 +49,7 @@ FIRST_WATCHER_S = 2.0  # a foreground job's API process counts its client within
 CANCEL_POLL_S = 1.0  # how long the cancel listener blocks for a message before checking for shutdown
 EXIT_ENGINE_STALLED = 70  # the worker's exit status when the watchdog ends it (EX_SOFTWARE)
 WATCHDOG_POLL_S = 5.0  # how often an idle watchdog looks for a step that started
+OUTBOX_STEPS = 2  # steps whose entries may wait for the writer before the engine thread waits too
 
 
 class Outcome(str, enum.Enum):
@@ -70,6 +75,11 @@ class _Add:
 class _Abort:
     job_id: str
     error: JobError | None  # None: a client cancel (status cancelled); else the job fails with it
+
+
+@dataclass(frozen=True)
+class _Drop:
+    job_id: str  # another worker took it over: stop it, write nothing more
 
 
 _STOP = object()
@@ -169,7 +179,9 @@ class EngineRuntime:
         self._reaper = Reaper(store, name, requeue) if requeue is not None else None
         self.requeued = 0  # jobs this worker's sweeps requeued, for the logs and tests
         self._stop = threading.Event()
-        self._inbox: queue.SimpleQueue[_Add | _Abort | object] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[_Add | _Abort | _Drop | object] = queue.SimpleQueue()
+        # One list of log entries per step; None after the last.
+        self._outbox: queue.Queue[list[Append] | None] = queue.Queue(maxsize=OUTBOX_STEPS)
         self._jobs: dict[str, _Job] = {}
         self._lock = threading.Lock()  # guards _jobs: task threads add, the engine thread removes
         self._stats: dict[str, Any] = engine.stats()  # engine thread writes, heartbeat reads
@@ -179,6 +191,7 @@ class EngineRuntime:
         self._connected_since: float | None = None  # start of the current run of successful beats
         self._threads = [
             threading.Thread(target=self._engine_loop, name="spool-engine", daemon=True),
+            threading.Thread(target=self._write_loop, name="spool-writer", daemon=True),
             threading.Thread(target=self._listen_cancels, name="spool-cancels", daemon=True),
             threading.Thread(target=self._beat, name="spool-heartbeat", daemon=True),
             threading.Thread(target=self._watch_engine, name="spool-watchdog", daemon=True),
@@ -277,13 +290,14 @@ class EngineRuntime:
                 deltas = self._pending + (self._step() if self.engine.has_unfinished() else [])
                 self._pending = []
                 self._stats = self.engine.stats()
-                self._publish(deltas)
-            except RedisError:
-                if self._stop.is_set():  # Redis unreachable at shutdown: the leases lapse instead
-                    return
-                log.exception("could not write the step's events; going on")
+                with self._lock:
+                    cursors = {job_id: j.cursor for job_id, j in self._jobs.items()}
+                appends = self._publisher.prepare(deltas, cursors)
+                if appends:
+                    self._outbox.put(appends)  # waits while the writer is OUTBOX_STEPS behind
             except Exception:
                 log.exception("engine loop error; going on")
+        self._outbox.put(None)
 
     def _step(self) -> list[Delta]:
         """``engine.step()``, watched: only the engine's own work counts towards a stall, not a
@@ -307,6 +321,8 @@ class EngineRuntime:
                 self._add(cmd.job_id)
             elif isinstance(cmd, _Abort):
                 self._abort(cmd)
+            elif isinstance(cmd, _Drop):
+                self.engine.abort(cmd.job_id)  # its CANCELLED delta is dropped: the job is released
             try:
                 cmd = self._inbox.get_nowait()
             except queue.Empty:
@@ -361,19 +377,39 @@ class EngineRuntime:
         for job in late:
             self._abort(_Abort(job.cursor.job_id, timeout_error(job)))
 
-    def _publish(self, deltas: Sequence[Delta]) -> None:
-        with self._lock:
-            cursors = {job_id: j.cursor for job_id, j in self._jobs.items()}
-        finished, lost = self._publisher.publish(deltas, cursors)
+    # -- the writer thread -----------------------------------------------------------------------
+
+    def _write_loop(self) -> None:
+        """Write the steps' entries in order, ending after the engine thread's last."""
+        last = False
+        while not last:
+            steps = [self._outbox.get()]
+            with contextlib.suppress(queue.Empty):  # what else waits goes in the same round trip
+                while True:
+                    steps.append(self._outbox.get_nowait())
+            last = None in steps
+            appends = [a for step in steps if step is not None for a in step]
+            if appends:
+                self._write(appends)
+
+    def _write(self, appends: list[Append]) -> None:
+        try:
+            finished, lost = self._publisher.send(appends)
+        except RedisError:
+            if not self._stop.is_set():  # Redis unreachable at shutdown: the leases lapse instead
+                log.exception("could not write the step's events; going on")
+            return
         for job_id in lost:
             log.warning("job %s was taken over by another worker; dropping it", job_id)
-            self.engine.abort(job_id)
+            self._inbox.put(_Drop(job_id))
         self._release(finished, Outcome.FINISHED)
         self._release(lost, Outcome.LOST)
 
-    def _release(self, job_ids: list[str], outcome: Outcome) -> None:
+    def _release(self, job_ids: set[str], outcome: Outcome) -> None:
         with self._lock:
-            jobs = [self._jobs.pop(job_id) for job_id in job_ids]
+            # A lost job's entries of later steps may already have been handed over; they are
+            # refused too, and it is released once.
+            jobs = [job for job_id in job_ids if (job := self._jobs.pop(job_id, None))]
         for job in jobs:
             job.outcome = outcome
             job.done.set()

@@ -27,7 +27,6 @@ from typing import Any
 from redis.exceptions import RedisError
 
 from common.keys import WATCHER_GHOST
-from common.schemas import JobRequest, JobStatus
 from common.store import AsyncJobStore, StoreError
 
 log = logging.getLogger(__name__)
@@ -118,7 +117,7 @@ class Watchers:
             await asyncio.sleep(left)
         try:
             watched = await self._store.watched(job_id, time.time(), self._grace_s)
-            if watched or not await self._foreground_and_live(job_id):
+            if watched or not (await self._store.stream_state(job_id)).foreground_and_live:
                 return
             await self._store.request_cancel(job_id)
             log.info("cancelled job %s: its client left and nobody resumed it", job_id)
@@ -126,12 +125,6 @@ class Watchers:
             pass  # it finished (or expired) meanwhile
         except RedisError as e:
             log.warning("could not check job %s for detached streams: %s", job_id, e)
-
-    async def _foreground_and_live(self, job_id: str) -> bool:
-        status, request = await self._store.redis.hmget(self._keys.job(job_id), ["status", "request"])
-        if status not in (JobStatus.QUEUED.value, JobStatus.RUNNING.value) or not request:
-            return False
-        return not JobRequest.model_validate_json(request).background
 
     async def _renew_forever(self) -> None:
         while True:

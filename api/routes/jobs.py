@@ -110,7 +110,7 @@ async def cancel_job(job_id: JobId, services: ServicesDep) -> Job:
     responses={200: {"content": {"text/event-stream": {}}, "description": "The job's events"}},
 )
 async def job_events(
-    job: JobDep,
+    job_id: JobId,
     cursor: CursorDep,
     inbox: InboxDep,
     services: ServicesDep,
@@ -120,5 +120,5 @@ async def job_events(
 
     ``?format=openai``: the same ids, as OpenAI stream chunks ending with ``data: [DONE]``.
     """
-    render = to_sse_list if format == "spool" else (await openai_view(services, job.id)).render
-    return event_stream(relay(services.store, inbox, job.id, cursor, services.settings.sse_ping_s, render))
+    render = to_sse_list if format == "spool" else (await openai_view(services, job_id)).render
+    return event_stream(relay(services.store, inbox, job_id, cursor, services.settings.sse_ping_s, render))

@@ -27,6 +27,7 @@ from common.store import (
     Final,
     JobNotFound,
     QueueFull,
+    StreamState,
     SyncJobStore,
     TakeStatus,
     cancelled_done_entry,
@@ -317,10 +318,18 @@ def test_async_store(store: SyncJobStore, settings: Settings) -> None:
             store.append_batch([run_job(store, ["x", "y"], 1, job.id)])
             assert (await astore.get_job(job.id)).text == "xy"
             assert [e.seq for e in await astore.read_log(job.id, after=1)] == [2]
-            assert await astore.log_length(job.id) == 2
+            state = await astore.stream_state(job.id)
+            assert state == StreamState(JobStatus.RUNNING, background=True, log_length=2)
+            assert not state.foreground_and_live
             assert (await astore.request_cancel(job.id)).status is JobStatus.RUNNING
             with pytest.raises(JobNotFound):
                 await astore.get_job("nope")
+            with pytest.raises(JobNotFound):
+                await astore.stream_state("nope")
+            waiting = await astore.create_job(JobRequest(prompt="hi", background=False))
+            assert (await astore.stream_state(waiting.id)).foreground_and_live
+            await astore.request_cancel(waiting.id)  # (off the queue again)
+            assert not (await astore.stream_state(waiting.id)).foreground_and_live
             store.beat(WorkerHeartbeat(name="w1", ts=1.0, engine={}, model="tiny"))
             assert [w.name for w in await astore.list_workers()] == ["w1"]
             for _ in range(settings.max_queued_jobs):
