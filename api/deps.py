@@ -71,14 +71,14 @@ async def _cursor(
 CursorDep = Annotated[int, Depends(_cursor)]
 
 
-async def _inbox(job_id: JobId, state: StreamStateDep, services: ServicesDep) -> AsyncIterator[Inbox]:
+async def _inbox(state: StreamStateDep, services: ServicesDep) -> AsyncIterator[Inbox]:
     # A dependency, not a ``with`` inside the stream's generator: FastAPI closes dependencies
     # when the request ends, while a generator abandoned by a client that hung up is only
     # finalized whenever the garbage collector gets to it, leaving its subscription behind.
     # Only a foreground job still running is cancelled when nobody watches it (detach.py).
-    watching = services.watchers.watch(job_id) if state.foreground_and_live else contextlib.nullcontext()
+    watching = services.watchers.watch(state.job_id) if state.foreground_and_live else contextlib.nullcontext()
     async with watching:
-        with services.hub.watch(job_id) as inbox:
+        with services.hub.watch(state.job_id) as inbox:
             yield inbox
 
 

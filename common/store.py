@@ -74,14 +74,17 @@ class JobRecord:
 class StreamState:
     """What opening a job's event stream needs; read without the log itself."""
 
+    job_id: str
     status: JobStatus
-    background: bool
+    request: JobRequest
+    created_at: float
+    model: str | None  # the model of the worker that took it; None while queued
     log_length: int  # the seq of the job's last event (0 before the first)
 
     @property
     def foreground_and_live(self) -> bool:
         """Whether its streams count as watchers (a job nobody watches is cancelled: detach.py)."""
-        return not self.background and not self.status.terminal
+        return not self.request.background and not self.status.terminal
 
 
 class TakeStatus(str, enum.Enum):
@@ -564,13 +567,19 @@ class AsyncJobStore(_Base):
 
     async def stream_state(self, job_id: str) -> StreamState:
         async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.hmget(self.keys.job(job_id), ["status", "request"])
+            pipe.hmget(self.keys.job(job_id), ["status", "request", "created_at", "model"])
             pipe.llen(self.keys.job_log(job_id))
-            (status, request), length = await pipe.execute()
+            (status, request, created_at, model), length = await pipe.execute()
         if status is None:
             raise JobNotFound(job_id)
-        background = JobRequest.model_validate_json(request, context={STORED: True}).background
-        return StreamState(JobStatus(status), background, int(length))
+        return StreamState(
+            job_id,
+            JobStatus(status),
+            JobRequest.model_validate_json(request, context={STORED: True}),
+            float(created_at),
+            model or None,
+            int(length),
+        )
 
     async def read_log(self, job_id: str, after: int = 0) -> list[LogEntry]:
         """The events with seq > after (entry i holds seq i + 1)."""

@@ -43,12 +43,12 @@ class View:
     include_usage: bool  # the stream ends with a usage chunk
 
     @classmethod
-    def of(cls, job: Job, request: JobRequest, model: str) -> View:
+    def of(cls, job_id: str, created_at: float, request: JobRequest, model: str) -> View:
         chat = request.messages is not None
         return cls(
             chat=chat,
-            id=f"{'chatcmpl' if chat else 'cmpl'}-{job.id}",
-            created=int(job.created_at),
+            id=f"{'chatcmpl' if chat else 'cmpl'}-{job_id}",
+            created=int(created_at),
             model=model,
             include_usage=request.stream_include_usage,
         )

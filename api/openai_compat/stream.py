@@ -10,14 +10,14 @@ from api.openai_compat.chunks import View
 from api.served import served_models
 from api.services import Services
 from api.sse import relay
+from common.store import StreamState
 
 
-async def openai_view(services: Services, job_id: str) -> View:
+async def openai_view(services: Services, job: StreamState) -> View:
     """How an existing job looks in the OpenAI format (for ``/v1/jobs/{id}/events?format=openai``)."""
-    record = await services.store.get_record(job_id)
     # The worker that took the job wrote its model's name; a queued job gets the served one's.
-    model = record.job.model or min(await served_models(services.store), default="")
-    return View.of(record.job, record.request, model)
+    model = job.model or min(await served_models(services.store), default="")
+    return View.of(job.job_id, job.created_at, job.request, model)
 
 
 async def stream_body(services: Services, view: View, job_id: str) -> AsyncGenerator[ServerSentEvent, None]:

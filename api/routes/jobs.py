@@ -9,7 +9,7 @@ from fastapi import APIRouter, Request, Response
 from fastapi.sse import EventSourceResponse
 
 from api.auth import current_owner
-from api.deps import CursorDep, InboxDep, JobDep, JobId, ServicesDep
+from api.deps import CursorDep, InboxDep, JobDep, JobId, ServicesDep, StreamStateDep
 from api.errors import ApiError
 from api.openai_compat.stream import openai_view
 from api.served import check_with_live_workers
@@ -110,7 +110,7 @@ async def cancel_job(job_id: JobId, services: ServicesDep) -> Job:
     responses={200: {"content": {"text/event-stream": {}}, "description": "The job's events"}},
 )
 async def job_events(
-    job_id: JobId,
+    job: StreamStateDep,
     cursor: CursorDep,
     inbox: InboxDep,
     services: ServicesDep,
@@ -120,5 +120,5 @@ async def job_events(
 
     ``?format=openai``: the same ids, as OpenAI stream chunks ending with ``data: [DONE]``.
     """
-    render = to_sse_list if format == "spool" else (await openai_view(services, job_id)).render
-    return event_stream(relay(services.store, inbox, job_id, cursor, services.settings.sse_ping_s, render))
+    render = to_sse_list if format == "spool" else (await openai_view(services, job)).render
+    return event_stream(relay(services.store, inbox, job.job_id, cursor, services.settings.sse_ping_s, render))

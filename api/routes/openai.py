@@ -64,7 +64,7 @@ async def _serve(body: OpenAIRequest, services: ServicesDep, http: Request) -> R
     worker = resolve_model(await services.served.get(), body.model)
     check_servable(request, worker)
     job = await submit_job(services, request)
-    view = View.of(job, request, worker.model)
+    view = View.of(job.id, job.created_at, request, worker.model)
     headers = {JOB_ID_HEADER: job.id}
     if body.stream:
         if not request.background:

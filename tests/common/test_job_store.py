@@ -27,7 +27,6 @@ from common.store import (
     Final,
     JobNotFound,
     QueueFull,
-    StreamState,
     SyncJobStore,
     TakeStatus,
     cancelled_done_entry,
@@ -319,7 +318,8 @@ def test_async_store(store: SyncJobStore, settings: Settings) -> None:
             assert (await astore.get_job(job.id)).text == "xy"
             assert [e.seq for e in await astore.read_log(job.id, after=1)] == [2]
             state = await astore.stream_state(job.id)
-            assert state == StreamState(JobStatus.RUNNING, background=True, log_length=2)
+            assert (state.job_id, state.status, state.log_length) == (job.id, JobStatus.RUNNING, 2)
+            assert (state.request.prompt, state.created_at, state.model) == ("hi", job.created_at, "tiny")
             assert not state.foreground_and_live
             assert (await astore.request_cancel(job.id)).status is JobStatus.RUNNING
             with pytest.raises(JobNotFound):
