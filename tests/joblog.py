@@ -17,9 +17,10 @@ class LogWriter:
     def close(self) -> None:
         self.store.close()
 
-    def running_job(self, prompt: str = "hello") -> str:
+    def running_job(self, prompt: str = "hello", background: bool = True) -> str:
         """A job created and taken, as a worker would; its log is empty."""
-        job = self.store.create_job(JobRequest.model_validate({"prompt": prompt, "max_tokens": 64}))
+        request = {"prompt": prompt, "max_tokens": 64, "background": background}
+        job = self.store.create_job(JobRequest.model_validate(request))
         taken = self.store.take_job(job.id, "test-writer", "test-model")
         self._attempt[job.id], self._seq[job.id], self._tokens[job.id] = taken.attempt, 0, 0
         return job.id

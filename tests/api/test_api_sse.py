@@ -115,6 +115,30 @@ def test_live_events_after_connect(
     assert check_full_stream(stream.result()) == "".join(TEXTS)
 
 
+@pytest.mark.parametrize(("background", "finished"), [(False, False), (True, False), (False, True)])
+def test_only_streams_of_a_live_foreground_job_count_as_watchers(
+    bare_api: Service,
+    writer: LogWriter,
+    reader: Callable[[str], Reader],
+    redis_client: redis.Redis,
+    background: bool,
+    finished: bool,
+) -> None:
+    # Nobody cancels a background or finished job for want of watchers, so their streams
+    # write none (api/openai_compat/detach.py).
+    job_id = writer.running_job(background=background)
+    writer.tokens(job_id, TEXTS[0])
+    if finished:
+        writer.finish(job_id)
+    stream = reader(job_id)
+    wait_until(lambda: len(stream.events) >= 1, "the stored event", 10)
+    watchers = writer.store.keys.job_watchers(job_id)
+    assert redis_client.zcard(watchers) == (0 if background or finished else 1)
+    if not finished:
+        writer.finish(job_id)
+    check_full_stream(stream.result())
+
+
 def test_pings_while_idle_then_error_event(
     bare_api: Service, writer: LogWriter, reader: Callable[[str], Reader]
 ) -> None:
