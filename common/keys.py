@@ -34,6 +34,10 @@ class Keys:
         """List: every event of the job in order; entry i holds sequence number i + 1."""
         return f"{self.prefix}:job:{job_id}:log"
 
+    def job_text(self, job_id: str) -> str:
+        """String: the concatenated text of the job's token events, so reading the text is O(1)."""
+        return f"{self.prefix}:job:{job_id}:text"
+
     def job_events(self, job_id: str) -> str:
         """Pub/sub channel: the same events, live."""
         return f"{self.prefix}:job:{job_id}:events"

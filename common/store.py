@@ -12,7 +12,7 @@ import secrets
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import redis
 import redis.asyncio as aredis
@@ -166,12 +166,23 @@ def decode_log(raw: Iterable[str | bytes]) -> list[LogEntry]:
     return [LogEntry.decode(r) for r in raw]
 
 
-def record_from_hash(h: dict[str, str], log: list[LogEntry]) -> JobRecord:
+P = TypeVar("P", redis.client.Pipeline, aredis.client.Pipeline)
+
+
+def record_reads(pipe: P, keys: Keys, job_id: str) -> P:
+    """Queue the reads of a job's record: its hash, its text and its log's length."""
+    pipe.hgetall(keys.job(job_id))
+    pipe.get(keys.job_text(job_id))
+    pipe.llen(keys.job_log(job_id))
+    return pipe
+
+
+def record_from_hash(h: dict[str, str], text: str) -> JobRecord:
     prompt_tokens, completion_tokens = int(h.get("prompt_tokens") or 0), int(h.get("completion_tokens") or 0)
     job = Job(
         id=h["id"],
         status=JobStatus(h["status"]),
-        text=job_text(log),
+        text=text,
         finish_reason=h.get("finish_reason") or None,
         usage=Usage.of(prompt_tokens, completion_tokens),
         error=JobError.model_validate_json(h["error"]) if h.get("error") else None,
@@ -192,7 +203,7 @@ def record_from_hash(h: dict[str, str], log: list[LogEntry]) -> JobRecord:
 
 def take_args(keys: Keys, job_id: str, worker: str, model: str, now: float, lease_s: float) -> ScriptCall:
     return (
-        [keys.job(job_id), keys.job_log(job_id), keys.queued_jobs(), keys.running_jobs()],
+        [keys.job(job_id), keys.job_log(job_id), keys.queued_jobs(), keys.running_jobs(), keys.job_text(job_id)],
         [job_id, worker, model, repr(now), repr(now + lease_s)],
     )
 
@@ -205,7 +216,7 @@ def parse_take(reply: list[Any], now: float) -> TakeResult:
         return TakeResult(status)
     flat = reply[2]
     log = decode_log(reply[3])
-    return TakeResult(status, attempt=int(reply[1]), record=record_from_hash(_pairs(flat), log), log=log)
+    return TakeResult(status, attempt=int(reply[1]), record=record_from_hash(_pairs(flat), job_text(log)), log=log)
 
 
 def _pairs(flat: list[str]) -> dict[str, str]:
@@ -216,7 +227,13 @@ def append_args(keys: Keys, a: Append, ttl_s: int, now: float) -> ScriptCall:
     final = a.final
     first_seq = a.entries[0].seq if a.entries else 0
     return (
-        [keys.job(a.job_id), keys.job_log(a.job_id), keys.job_events(a.job_id), keys.running_jobs()],
+        [
+            keys.job(a.job_id),
+            keys.job_log(a.job_id),
+            keys.job_events(a.job_id),
+            keys.running_jobs(),
+            keys.job_text(a.job_id),
+        ],
         [
             str(a.attempt),
             first_seq,
@@ -228,6 +245,7 @@ def append_args(keys: Keys, a: Append, ttl_s: int, now: float) -> ScriptCall:
             final.error.model_dump_json() if final and final.error else "",
             ttl_s,
             a.job_id,
+            job_text(a.entries),
             *(e.encode() for e in a.entries),
         ],
     )
@@ -361,16 +379,16 @@ class SyncJobStore(_Base):
         fields = new_job_fields(job_id, request, owner, now)
         keys, args = create_args(self.keys, job_id, fields, self.settings.max_queued_jobs, now)
         check_created(self._create(keys, args), self.settings.max_queued_jobs)
-        return record_from_hash(fields, []).job
+        return record_from_hash(fields, "").job
 
     def get_record(self, job_id: str) -> JobRecord:
         pipe = self.redis.pipeline(transaction=True)
-        pipe.hgetall(self.keys.job(job_id))
-        pipe.lrange(self.keys.job_log(job_id), 0, -1)
-        h, raw = pipe.execute()
+        h, text, logged = record_reads(pipe, self.keys, job_id).execute()
         if not h:
             raise JobNotFound(job_id)
-        return record_from_hash(h, decode_log(raw))
+        if text is None and logged:  # written by a worker that kept no text key (an older version)
+            text = job_text(self.read_log(job_id))
+        return record_from_hash(h, text or "")
 
     def get_job(self, job_id: str) -> Job:
         return self.get_record(job_id).job
@@ -551,16 +569,16 @@ class AsyncJobStore(_Base):
         fields = new_job_fields(job_id, request, owner, now)
         keys, args = create_args(self.keys, job_id, fields, self.settings.max_queued_jobs, now)
         check_created(await self._create(keys, args), self.settings.max_queued_jobs)
-        return record_from_hash(fields, []).job
+        return record_from_hash(fields, "").job
 
     async def get_record(self, job_id: str) -> JobRecord:
         async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.hgetall(self.keys.job(job_id))
-            pipe.lrange(self.keys.job_log(job_id), 0, -1)
-            h, raw = await pipe.execute()
+            h, text, logged = await record_reads(pipe, self.keys, job_id).execute()
         if not h:
             raise JobNotFound(job_id)
-        return record_from_hash(h, decode_log(raw))
+        if text is None and logged:  # written by a worker that kept no text key (an older version)
+            text = job_text(await self.read_log(job_id))
+        return record_from_hash(h, text or "")
 
     async def get_job(self, job_id: str) -> Job:
         return (await self.get_record(job_id)).job

@@ -12,8 +12,9 @@ redis.call('ZADD', KEYS[1], ARGV[3], ARGV[2])
 return 1
 """
 
-# KEYS: job hash, log, queued zset, running zset. ARGV: job id, worker, model, now, lease deadline.
-# A running job is taken over only when its lease lapsed (its worker died or hung).
+# KEYS: job hash, log, queued zset, running zset, text. ARGV: job id, worker, model, now, lease deadline.
+# A running job is taken over only when its lease lapsed (its worker died or hung). A job taken
+# over from a worker that kept no text key (an older version) gets one, built from its log.
 TAKE_LUA = """
 local status = redis.call('HGET', KEYS[1], 'status')
 if not status then return {'missing'} end
@@ -28,24 +29,34 @@ redis.call('HSET', KEYS[1], 'status', 'running', 'worker', ARGV[2], 'model', ARG
 if status == 'queued' then redis.call('HSET', KEYS[1], 'started_at', ARGV[4]) end
 redis.call('ZREM', KEYS[3], ARGV[1])
 redis.call('ZADD', KEYS[4], ARGV[5], ARGV[1])
-return {'taken', tostring(attempt), redis.call('HGETALL', KEYS[1]), redis.call('LRANGE', KEYS[2], 0, -1)}
+local log = redis.call('LRANGE', KEYS[2], 0, -1)
+if #log > 0 and redis.call('EXISTS', KEYS[5]) == 0 then
+  local text = {}
+  for _, raw in ipairs(log) do
+    local entry = cjson.decode(raw)
+    if entry.type == 'token' then text[#text + 1] = entry.data.text end
+  end
+  redis.call('SET', KEYS[5], table.concat(text))
+end
+return {'taken', tostring(attempt), redis.call('HGETALL', KEYS[1]), log}
 """
 
-# KEYS: job hash, log, job channel, running zset.
+# KEYS: job hash, log, job channel, running zset, text.
 # ARGV: attempt, first seq, prompt tokens, completion tokens, final status ('' if not final),
-#       finish reason, finished_at, error JSON, ttl, job id, entry, entry, ...
+#       finish reason, finished_at, error JSON, ttl, job id, the entries' text, entry, entry, ...
 # Fencing: only the holder of the current attempt writes. The seq check makes a retried
 # append (after a dropped connection) a no-op instead of a duplicate.
 APPEND_LUA = """
 if redis.call('HGET', KEYS[1], 'attempt') ~= ARGV[1] then return 0 end
-local n = #ARGV - 10
+local n = #ARGV - 11
 local len = redis.call('LLEN', KEYS[2])
 local first = tonumber(ARGV[2])
 if len >= first - 1 + n and n > 0 then return 2 end
 if len ~= first - 1 then return -1 end
 if n > 0 then
-  redis.call('RPUSH', KEYS[2], unpack(ARGV, 11))
-  for i = 11, #ARGV do redis.call('PUBLISH', KEYS[3], ARGV[i]) end
+  redis.call('RPUSH', KEYS[2], unpack(ARGV, 12))
+  for i = 12, #ARGV do redis.call('PUBLISH', KEYS[3], ARGV[i]) end
+  if ARGV[11] ~= '' then redis.call('APPEND', KEYS[5], ARGV[11]) end
 end
 redis.call('HSET', KEYS[1], 'prompt_tokens', ARGV[3], 'completion_tokens', ARGV[4])
 if ARGV[5] ~= '' then
@@ -54,6 +65,7 @@ if ARGV[5] ~= '' then
   redis.call('ZREM', KEYS[4], ARGV[10])
   redis.call('EXPIRE', KEYS[1], ARGV[9])
   redis.call('EXPIRE', KEYS[2], ARGV[9])
+  redis.call('EXPIRE', KEYS[5], ARGV[9])
 end
 return 1
 """

@@ -112,7 +112,8 @@ def test_take_then_append_then_finish(store: SyncJobStore, settings: Settings) -
     assert got.usage.model_dump() == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
     assert got.finished_at and got.finished_at >= got.started_at  # type: ignore[operator]
     assert [e.seq for e in store.read_log(job.id, after=2)] == [3, 4]
-    for key in (store.keys.job(job.id), store.keys.job_log(job.id)):
+    assert store.redis.get(store.keys.job_text(job.id)) == "hello!"  # what get_job read
+    for key in (store.keys.job(job.id), store.keys.job_log(job.id), store.keys.job_text(job.id)):
         assert 0 < store.redis.ttl(key) <= settings.job_ttl_s
     assert store.redis.zscore(store.keys.running_jobs(), job.id) is None
     assert store.take_job(job.id, "w2", "tiny").status is TakeStatus.FINISHED
@@ -156,6 +157,21 @@ def test_lapsed_lease_is_taken_over_with_the_log(store: SyncJobStore) -> None:
     assert store.append_batch([run_job(store, ["c"], 1, job.id, first_seq=3)]) == [False]
     assert store.append_batch([run_job(store, ["c"], 2, job.id, first_seq=3)]) == [True]
     assert store.get_job(job.id).text == "abc"
+
+
+def test_text_of_a_job_an_older_worker_wrote(store: SyncJobStore) -> None:
+    """Workers from before the text key wrote only the log: its text is read from there, and a
+    worker that takes such a job over starts the text key with the text so far."""
+    job = store.create_job(JobRequest(prompt="hello"))
+    store.take_job(job.id, "w1", "tiny")
+    store.append_batch([run_job(store, ["a", "", "ü"], 1, job.id)])
+    store.redis.delete(store.keys.job_text(job.id))
+    assert store.get_job(job.id).text == "aü"
+    store.redis.zadd(store.keys.running_jobs(), {job.id: time.time() - 1})
+    assert store.take_job(job.id, "w2", "tiny").status is TakeStatus.TAKEN
+    assert store.redis.get(store.keys.job_text(job.id)) == "aü"
+    assert store.append_batch([run_job(store, ["c"], 2, job.id, first_seq=4)]) == [True]
+    assert store.get_job(job.id).text == "aüc"
 
 
 def test_renew_leases_keeps_the_job(store: SyncJobStore) -> None:
