@@ -20,11 +20,11 @@ async def openai_view(services: Services, job: StreamState) -> View:
     return View.of(job.job_id, job.created_at, job.request, model)
 
 
-async def stream_body(services: Services, view: View, job_id: str) -> AsyncGenerator[ServerSentEvent, None]:
+async def stream_body(services: Services, view: View, job_id: str) -> AsyncGenerator[list[ServerSentEvent], None]:
     """The events of a streamed completion: every chunk of the job from the first."""
     async with services.watchers.watch(job_id):
         with services.hub.watch(job_id) as inbox:  # subscribed before relay() reads the log
-            async for event in relay(
+            async for batch in relay(
                 services.store, inbox, job_id, 0, services.settings.sse_ping_s, view.render
             ):
-                yield event
+                yield batch
