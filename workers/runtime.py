@@ -9,7 +9,7 @@ while the engine thread runs the next step: the engine never waits for Redis, un
 writer is ``OUTBOX_STEPS`` steps behind (Redis slow or unreachable), and then it waits rather
 than run ahead of what is stored.
 
-Four helper threads besides: a cancel listener (``{p}:cancel`` pub/sub); the heartbeat, which also
+Three more helper threads: a cancel listener (``{p}:cancel`` pub/sub); the heartbeat, which also
 renews the leases of this worker's jobs (dropping those another worker took over), re-reads
 their cancel flags in case a pub/sub message was missed, cancels foreground jobs that nobody
 has watched for ``SPOOL_DETACH_GRACE_S`` (their API process stopped or died, so nobody else
