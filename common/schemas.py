@@ -81,6 +81,7 @@ class JobRequest(BaseModel):
     seed: int | None = Field(None, ge=-(2**63), lt=2**64)  # what a torch.Generator can take
     timeout_s: float | None = Field(None, gt=0)  # counted from job creation; past it the job fails
     background: bool = True  # the API answers at once; False: it waits for the result
+    stream: bool = False  # POST /v1/jobs answers with the job's event stream instead of the job
     user: str | None = Field(None, max_length=256)  # the end user, as the OpenAI API's `user`; stored only
     stream_include_usage: bool = False  # OpenAI stream format: end with a usage chunk (stream_options)
 

@@ -6,6 +6,7 @@ checkpoint, run alone, decoded here.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -69,6 +70,21 @@ def test_sse_stream_is_the_job(cluster: Cluster, client: httpx.Client, reference
     final = client.get(f"{cluster.url}/v1/jobs/{job['id']}").json()
     assert final["text"] == reference("Once upon a time", 48)
     assert done.data["usage"] == final["usage"]
+
+
+def test_streamed_submit_is_the_job_and_resumes_by_id(
+    cluster: Cluster, client: httpx.Client, reference: Reference
+) -> None:
+    body = {"prompt": "Once upon a time", "max_tokens": 48, "temperature": 0, "stream": True}
+    with client.stream("POST", f"{cluster.url}/v1/jobs", json=body) as r:
+        assert r.status_code == 200, r.read()
+        assert r.headers["content-type"].startswith("text/event-stream")
+        location = r.headers["location"]
+        head = list(itertools.islice((e for e in iter_sse(r) if isinstance(e, Event)), 5))  # then it drops
+    assert [e.id for e in head] == [1, 2, 3, 4, 5]
+    rest = read_events(client, f"{cluster.url}{location}/events", last_event_id=5)
+    assert check_full_stream(head + rest) == reference("Once upon a time", 48)
+    assert client.get(f"{cluster.url}{location}").json()["text"] == reference("Once upon a time", 48)
 
 
 def test_background_false_answers_with_the_result(

@@ -124,8 +124,12 @@ def test_background_stream_runs_to_the_end(solo: Cluster, oai: openai.OpenAI, cl
 
 @pytest.mark.parametrize(
     ("path", "body"),
-    [("/v1/completions", ENDLESS), ("/v1/jobs", {**ENDLESS, "background": False})],
-    ids=["openai-completion", "job-background-false"],
+    [
+        ("/v1/completions", ENDLESS),
+        ("/v1/jobs", {**ENDLESS, "background": False}),
+        ("/v1/jobs", {**ENDLESS, "background": False, "stream": True}),
+    ],
+    ids=["openai-completion", "job-background-false", "job-stream-background-false"],
 )
 def test_waiting_request_whose_client_hangs_up_is_cancelled_after_the_grace(
     solo: Cluster, client: httpx.Client, path: str, body: dict[str, Any]

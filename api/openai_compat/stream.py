@@ -1,7 +1,9 @@
-"""OpenAI-format streams of a job: the body of a streamed request, and the view for resuming."""
+"""A job's stream from its first event (the body of a streamed submit, on either API), and the
+OpenAI view of an existing job for resuming in that format."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncGenerator
 
 from fastapi.sse import ServerSentEvent
@@ -9,7 +11,7 @@ from fastapi.sse import ServerSentEvent
 from api.openai_compat.chunks import View
 from api.served import served_models
 from api.services import Services
-from api.sse import relay
+from api.sse import Render, relay
 from common.store import StreamState
 
 
@@ -20,11 +22,12 @@ async def openai_view(services: Services, job: StreamState) -> View:
     return View.of(job.job_id, job.created_at, job.request, model)
 
 
-async def stream_body(services: Services, view: View, job_id: str) -> AsyncGenerator[list[ServerSentEvent], None]:
-    """The events of a streamed completion: every chunk of the job from the first."""
-    async with services.watchers.watch(job_id):
+async def stream_body(
+    services: Services, job_id: str, render: Render, foreground: bool
+) -> AsyncGenerator[list[ServerSentEvent], None]:
+    """Every event of the job from the first; a foreground job's client counts as its watcher."""
+    watching = services.watchers.watch(job_id) if foreground else contextlib.nullcontext()
+    async with watching:
         with services.hub.watch(job_id) as inbox:  # subscribed before relay() reads the log
-            async for batch in relay(
-                services.store, inbox, job_id, 0, services.settings.sse_ping_s, view.render
-            ):
+            async for batch in relay(services.store, inbox, job_id, 0, services.settings.sse_ping_s, render):
                 yield batch

@@ -11,7 +11,7 @@ from fastapi.sse import EventSourceResponse
 from api.auth import current_owner
 from api.deps import CursorDep, InboxDep, JobDep, JobId, ServicesDep, StreamStateDep
 from api.errors import ApiError
-from api.openai_compat.stream import openai_view
+from api.openai_compat.stream import openai_view, stream_body
 from api.served import check_with_live_workers
 from api.services import Services
 from api.sse import event_stream, relay, to_sse_list
@@ -25,13 +25,33 @@ CLIENT_CLOSED_REQUEST = 499  # nginx's status for it; logged, never received
 
 
 @router.post(
-    "", status_code=202, responses={200: {"model": Job, "description": "Finished (background=false)"}}
+    "",
+    status_code=202,
+    response_model=Job,
+    responses={
+        200: {
+            "model": Job,
+            "content": {"text/event-stream": {}},
+            "description": "Finished (background=false), or the job's events (stream=true)",
+        }
+    },
 )
-async def create_job(body: JobRequest, services: ServicesDep, request: Request, response: Response) -> Job:
-    """Queue a job; with ``"background": false`` wait for it and answer 200 with the result."""
+async def create_job(
+    body: JobRequest, services: ServicesDep, request: Request, response: Response
+) -> Job | EventSourceResponse:
+    """Queue a job. With ``"stream": true`` answer 200 with its events, as ``GET
+    /v1/jobs/{id}/events`` would (resume there with ``Last-Event-ID``); with ``"background":
+    false`` wait for it and answer 200 with the result (or, streamed, cancel it once nobody has
+    watched it for ``SPOOL_DETACH_GRACE_S``)."""
     check_with_live_workers(await services.served.get(), body)
     job = await submit_job(services, body)
-    response.headers["Location"] = f"/v1/jobs/{job.id}"
+    location = f"/v1/jobs/{job.id}"
+    if body.stream:
+        if not body.background:
+            services.watchers.check_later(job.id)  # a client that leaves before the first byte
+        stream = stream_body(services, job.id, to_sse_list, foreground=not body.background)
+        return event_stream(stream, {"Location": location})
+    response.headers["Location"] = location
     if body.background:
         return job
     response.status_code = 200

@@ -71,7 +71,7 @@ async def _serve(body: OpenAIRequest, services: ServicesDep, http: Request) -> R
             # Covers a client that leaves before the stream's first byte: no watcher ever joins.
             services.watchers.check_later(job.id)
         # (closed when the response ends, so a client that hangs up stops watching the job at once)
-        return event_stream(stream_body(services, view, job.id), headers)
+        return event_stream(stream_body(services, job.id, view.render, not request.background), headers)
     try:
         return JSONResponse(view.completion(await wait_for_job(services, job.id, http)), headers=headers)
     except ApiError as e:
