@@ -134,7 +134,7 @@ def batch(url: str, file: Path, out: Path | None, api_key: str | None) -> int:
     with httpx.Client(base_url=url, headers=_headers(api_key), timeout=TIMEOUT) as client:
         for row in rows:
             custom_id = row.pop("custom_id", None)
-            job_id, error = _submit(client, row)
+            job_id, error = _submit(client, {**row, "stream": False})  # polled, never streamed
             result: dict[str, Any] = {"custom_id": custom_id, "job_id": job_id}
             if error:
                 result.update(status="rejected", error={"message": error, "type": "rejected"})

@@ -104,6 +104,7 @@ def test_batch_writes_results_in_order(cluster, tmp_path: Path) -> None:  # type
     rows = [
         {"custom_id": f"r{i}", "prompt": f"hello {i}", "max_tokens": 6, "temperature": 0} for i in range(3)
     ]
+    rows[1]["stream"] = True  # a batch polls: the row is submitted unstreamed
     rows.append({"custom_id": "bad", "prompt": "x", "temperature": 9})
     src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     src.write_text("".join(json.dumps(r) + "\n" for r in rows))
