@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import AsyncIterator
 from typing import Annotated
 
@@ -76,10 +75,8 @@ async def _inbox(state: StreamStateDep, services: ServicesDep) -> AsyncIterator[
     # when the request ends, while a generator abandoned by a client that hung up is only
     # finalized whenever the garbage collector gets to it, leaving its subscription behind.
     # Only a foreground job still running is cancelled when nobody watches it (detach.py).
-    watching = services.watchers.watch(state.job_id) if state.foreground_and_live else contextlib.nullcontext()
-    async with watching:
-        with services.hub.watch(state.job_id) as inbox:
-            yield inbox
+    async with services.follow(state.job_id, watch=state.foreground_and_live) as inbox:
+        yield inbox
 
 
 InboxDep = Annotated[Inbox, Depends(_inbox)]

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import os
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, nullcontext
 from dataclasses import dataclass
 
 from fastapi import FastAPI
 
 from api.enqueue import Enqueuer
-from api.hub import Hub
+from api.hub import Hub, Inbox
 from api.metrics import Metrics
 from api.openai_compat.detach import Watchers
 from api.served import ServedModels
@@ -27,6 +27,14 @@ class Services:
     metrics: Metrics
     watchers: Watchers  # streams per job across API processes; cancels abandoned foreground jobs
     served: ServedModels  # what the live workers serve, for the submit paths' checks
+
+    @asynccontextmanager
+    async def follow(self, job_id: str, watch: bool) -> AsyncIterator[Inbox]:
+        """The job's live events from now on (subscribe before reading its log); with ``watch``
+        the caller counts as a watcher of the job meanwhile (api/openai_compat/detach.py)."""
+        async with self.watchers.watch(job_id) if watch else nullcontext():
+            with self.hub.watch(job_id) as inbox:
+                yield inbox
 
 
 @asynccontextmanager

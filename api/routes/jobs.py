@@ -11,7 +11,7 @@ from fastapi.sse import EventSourceResponse
 from api.auth import current_owner
 from api.deps import CursorDep, InboxDep, JobDep, JobId, ServicesDep, StreamStateDep
 from api.errors import ApiError
-from api.openai_compat.stream import openai_view, stream_body
+from api.openai_compat.stream import openai_view, streamed_submit
 from api.served import check_with_live_workers
 from api.services import Services
 from api.sse import event_stream, relay, to_sse_list
@@ -47,10 +47,7 @@ async def create_job(
     job = await submit_job(services, body)
     location = f"/v1/jobs/{job.id}"
     if body.stream:
-        if not body.background:
-            services.watchers.check_later(job.id)  # a client that leaves before the first byte
-        stream = stream_body(services, job.id, to_sse_list, foreground=not body.background)
-        return event_stream(stream, {"Location": location})
+        return streamed_submit(services, job.id, to_sse_list, not body.background, {"Location": location})
     response.headers["Location"] = location
     if body.background:
         return job
@@ -86,7 +83,7 @@ async def wait_for_job(services: Services, job_id: str, request: Request) -> Job
 
     async def final() -> None:
         # relay() ends after the terminal event whatever the timing, so the job is then final.
-        with services.hub.watch(job_id) as inbox:
+        async with services.follow(job_id, watch=False) as inbox:
             async for _ in relay(services.store, inbox, job_id, 0, services.settings.sse_ping_s):
                 pass
 

@@ -16,10 +16,9 @@ from api.deps import ServicesDep, StoreDep
 from api.errors import ApiError
 from api.openai_compat.chunks import View
 from api.openai_compat.requests import ChatCompletionRequest, CompletionRequest, OpenAIRequest
-from api.openai_compat.stream import stream_body
+from api.openai_compat.stream import streamed_submit
 from api.routes.jobs import submit_job, wait_for_job
 from api.served import check_servable, resolve_model, served_models
-from api.sse import event_stream
 from common.schemas import WorkerHeartbeat
 
 router = APIRouter(prefix="/v1", tags=["openai"])
@@ -67,11 +66,7 @@ async def _serve(body: OpenAIRequest, services: ServicesDep, http: Request) -> R
     view = View.of(job.id, job.created_at, request, worker.model)
     headers = {JOB_ID_HEADER: job.id}
     if body.stream:
-        if not request.background:
-            # Covers a client that leaves before the stream's first byte: no watcher ever joins.
-            services.watchers.check_later(job.id)
-        # (closed when the response ends, so a client that hangs up stops watching the job at once)
-        return event_stream(stream_body(services, job.id, view.render, not request.background), headers)
+        return streamed_submit(services, job.id, view.render, not request.background, headers)
     try:
         return JSONResponse(view.completion(await wait_for_job(services, job.id, http)), headers=headers)
     except ApiError as e:
