@@ -74,6 +74,10 @@ async def _inbox(state: StreamStateDep, services: ServicesDep) -> AsyncIterator[
     # A dependency, not a ``with`` inside the stream's generator: FastAPI closes dependencies
     # when the request ends, while a generator abandoned by a client that hung up is only
     # finalized whenever the garbage collector gets to it, leaving its subscription behind.
+    if state.status.terminal:
+        # Its log already ends with the terminal event: nothing will come live.
+        yield Inbox()
+        return
     # Only a foreground job still running is cancelled when nobody watches it (detach.py).
     async with services.follow(state.job_id, watch=state.foreground_and_live) as inbox:
         yield inbox

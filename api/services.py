@@ -32,9 +32,8 @@ class Services:
     async def follow(self, job_id: str, watch: bool) -> AsyncIterator[Inbox]:
         """The job's live events from now on (subscribe before reading its log); with ``watch``
         the caller counts as a watcher of the job meanwhile (api/openai_compat/detach.py)."""
-        async with self.watchers.watch(job_id) if watch else nullcontext():
-            with self.hub.watch(job_id) as inbox:
-                yield inbox
+        async with self.watchers.watch(job_id) if watch else nullcontext(), self.hub.watch(job_id) as inbox:
+            yield inbox
 
 
 @asynccontextmanager

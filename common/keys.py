@@ -50,9 +50,9 @@ class Keys:
         """
         return f"{self.prefix}:job:{job_id}:watchers"
 
-    def job_events_pattern(self) -> str:
-        """Pattern matching every job's channel (one subscription per API process)."""
-        return f"{self.prefix}:job:*:events"
+    def hub_channel(self, hub_name: str) -> str:
+        """Pub/sub channel an API process's hub keeps subscribed (nothing is published on it)."""
+        return f"{self.prefix}:hub:{hub_name}"
 
     def job_id_from_channel(self, channel: str) -> str:
         return channel[len(self.prefix) + len(":job:") : -len(":events")]

@@ -192,6 +192,28 @@ def test_hub_reconnects_and_streams_resync(
     assert "spool_hub_reconnects " in metrics and "spool_hub_reconnects 0.0" not in metrics
 
 
+def test_the_hub_subscribes_to_the_jobs_of_its_streams_only(
+    bare_api: Service, writer: LogWriter, reader: Callable[[str], Reader], redis_client: redis.Redis
+) -> None:
+    """An API process gets the events of the jobs it streams, not every job's (another replica's)."""
+    watched, other = writer.running_job(), writer.running_job()
+    channels = [writer.store.keys.job_events(job_id) for job_id in (watched, other)]
+
+    def subscribers() -> list[int]:
+        return [n for _, n in redis_client.pubsub_numsub(*channels)]
+
+    stream = reader(watched)
+    writer.tokens(watched, TEXTS[0])
+    writer.tokens(other, TEXTS[0])
+    wait_until(lambda: len(stream.events) == 1, "first event", 10)
+    assert subscribers() == [1, 0]
+    hubs = [c for c in redis_client.client_list() if c["name"].startswith(f"{bare_api.prefix}-api-hub-")]
+    assert [c["psub"] for c in hubs] == ["0"]  # no pattern: nothing of the jobs it does not stream
+    writer.finish(watched)
+    check_full_stream(stream.result())
+    wait_until(lambda: subscribers() == [0, 0], "the channel unsubscribed once its last stream ended", 10)
+
+
 def test_closed_streams_are_released(bare_api: Service, writer: LogWriter, client: httpx.Client) -> None:
     job_id = writer.running_job()
     writer.tokens(job_id, *TEXTS)
