@@ -58,26 +58,26 @@ def sse_events(lines: Iterator[str]) -> Iterator[tuple[str, str, str]]:
 
 
 def generate(url: str, body: dict[str, Any], api_key: str | None) -> int:
-    """Submit, then print the tokens as they arrive; resumes with Last-Event-ID after a drop."""
+    """Submit with ``"stream": true`` and print the tokens as they arrive; after a drop, resume
+    the job's stream with Last-Event-ID."""
     with httpx.Client(base_url=url, headers=_headers(api_key), timeout=TIMEOUT) as client:
-        resp = client.post("/v1/jobs", json=body)
-        if resp.is_error:
-            print(f"spool: {_error(resp)}", file=sys.stderr)
-            return 1
-        job_id = resp.json()["id"]
+        job_id: str | None = None  # known from the submit's Location header on
         last, failures = "0", 0
         while failures <= MAX_RECONNECTS:
             try:
-                with client.stream(
-                    "GET", f"/v1/jobs/{job_id}/events", headers={"Last-Event-ID": last}
+                with (
+                    client.stream("POST", "/v1/jobs", json={**body, "stream": True})
+                    if job_id is None
+                    else client.stream("GET", f"/v1/jobs/{job_id}/events", headers={"Last-Event-ID": last})
                 ) as stream:
                     if stream.is_error:
                         stream.read()
-                        if stream.status_code not in RETRY_STATUSES:
+                        if job_id is None or stream.status_code not in RETRY_STATUSES:
                             print(f"\nspool: {_error(stream)}", file=sys.stderr)
                             return 1
                         print(f"\nspool: {_error(stream)}; resuming after event {last}", file=sys.stderr)
                     else:
+                        job_id = job_id or stream.headers["location"].rsplit("/", 1)[-1]
                         for event_id, event, data in sse_events(stream.iter_lines()):
                             if not event_id:  # the stream's own end (Redis unreachable), not the job's
                                 message = _message(data) or data[:200]
@@ -87,6 +87,9 @@ def generate(url: str, body: dict[str, Any], api_key: str | None) -> int:
                             if (code := _show(event, json.loads(data))) is not None:
                                 return code
             except httpx.TransportError as e:
+                if job_id is None:  # whether the job was made is unknown: do not submit it twice
+                    print(f"spool: could not submit the job ({e})", file=sys.stderr)
+                    return 1
                 print(f"\nspool: connection lost ({e}); resuming after event {last}", file=sys.stderr)
             failures += 1
             time.sleep(min(0.2 * failures, 5.0))  # back off before reconnecting
