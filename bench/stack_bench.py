@@ -205,7 +205,12 @@ class Procs:
         self.procs: list[Proc] = []
 
     def start(
-        self, name: str, argv: list[str], env: dict[str, str] | None = None, cpus: set[int] | None = None
+        self,
+        name: str,
+        argv: list[str],
+        env: dict[str, str] | None = None,
+        cpus: set[int] | None = None,
+        cwd: Path = REPO_ROOT,
     ) -> Proc:
         """``cpus``: the CPUs the process may run on (all of this process's, when None)."""
         log_path = self.log_dir / f"{name}.log"
@@ -213,7 +218,7 @@ class Procs:
             popen = subprocess.Popen(
                 argv,
                 env=env,
-                cwd=REPO_ROOT,
+                cwd=cwd,
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
@@ -332,10 +337,14 @@ def start_redis(procs: Procs, work_dir: Path, cpus: set[int] | None) -> str:
     return url
 
 
-def start_api(procs: Procs, name: str, env: dict[str, str], cpus: set[int] | None) -> tuple[Proc, str]:
+def start_api(
+    procs: Procs, name: str, env: dict[str, str], cpus: set[int] | None, tree: Path = REPO_ROOT
+) -> tuple[Proc, str]:
+    """``python -m uvicorn api.main:app`` of the checkout ``tree`` (its directory comes first on
+    the module path), on a free port; returns once /healthz answers."""
     port = free_port()
     argv = [sys.executable, "-m", "uvicorn", "api.main:app", "--host", "127.0.0.1", "--port", str(port)]
-    proc = procs.start(name, argv, env, cpus)
+    proc = procs.start(name, argv, env, cpus, cwd=tree)
     url = f"http://127.0.0.1:{port}"
     wait_until(
         lambda: httpx.get(url + "/healthz", timeout=2).status_code == 200, f"{name} /healthz", 60, [proc]
@@ -977,7 +986,7 @@ def throughput(
         "clients": len(prompts),
     }
 
-    log(f"stack: starting a worker (max_batch_size={batch}, max_model_len={max_model_len}) and an API")
+    log(f"stack: starting a worker (max_batch_size={batch}, max_model_len={max_model_len}), an API and an idle replica")
     env = spool_env(
         redis_url,
         PREFIX,
@@ -991,6 +1000,9 @@ def throughput(
     )
     worker = procs.start("worker", spool_argv() + ["worker"], {**env, **place.worker_env()}, place.engine)
     api, url = start_api(procs, "api", env, place.service)
+    # A second replica that no client uses: what it spends is what each replica pays for the
+    # others' streams (scale-out).
+    idle_api, _ = start_api(procs, "idle_api", env, place.service)
 
     def ready() -> bool:
         return httpx.get(url + "/readyz", timeout=2).status_code == 200
@@ -998,7 +1010,7 @@ def throughput(
     wait_until(ready, "the worker's heartbeat (/readyz)", START_TIMEOUT_S, [worker, api])
     report["meta"]["worker_pid"], report["meta"]["api_pid"] = worker.pid, api.pid
     redis_pid = next(p.pid for p in procs.procs if p.name == "redis")
-    pids = {"worker": worker.pid, "api": api.pid, "redis": redis_pid}
+    pids = {"worker": worker.pid, "api": api.pid, "idle_api": idle_api.pid, "redis": redis_pid}
 
     log(f"engine: loading (max_batch_size={batch}, max_model_len={max_model_len})")
     engine = spool_engine(model_dir, args, batch, max_model_len, **prefill)
@@ -1074,6 +1086,7 @@ def throughput(
     }
     stats = httpx.get(url + "/readyz", timeout=5).json()["workers"][0]["engine"]
     report["meta"]["worker_engine_stats"] = stats
+    procs.stop(idle_api)
     procs.stop(api)
     procs.stop(worker)
 
