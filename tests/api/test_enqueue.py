@@ -1,5 +1,4 @@
-"""Submits that arrive together are sent to the broker together (api/enqueue.py): each job
-still gets exactly one Celery message."""
+"""A burst of submits to one API process: each job gets exactly one Celery message."""
 
 from __future__ import annotations
 
