@@ -7,6 +7,7 @@ dropped pub/sub connection, or with a publish that never arrives.
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -212,6 +213,38 @@ def test_the_hub_subscribes_to_the_jobs_of_its_streams_only(
     writer.finish(watched)
     check_full_stream(stream.result())
     wait_until(lambda: subscribers() == [0, 0], "the channel unsubscribed once its last stream ended", 10)
+
+
+def test_streams_of_one_job_come_and_go_while_it_runs(
+    bare_api: Service, writer: LogWriter, redis_client: redis.Redis
+) -> None:
+    """Readers of one job drop their streams every few events and resume at once, while its
+    events are written: each ends with the whole stream, and the hub (whose subscription to the
+    job starts with the first stream and ends with the last) leaves nothing subscribed."""
+    job_id = writer.running_job()
+    url = events_url(bare_api, job_id)
+    texts = [f"w{k} " for k in range(40)]
+    seen = [0] * 12  # each reader's last event id
+
+    def read(i: int) -> list[Event]:
+        rng, events = random.Random(i), list[Event]()
+        with httpx.Client(timeout=30) as client:
+            while not events or not events[-1].terminal:
+                last = events[-1].id if events else None
+                events += read_events(client, url, last_event_id=last, stop_after=rng.randint(1, 4))
+                seen[i] = events[-1].id
+        return events
+
+    with ThreadPoolExecutor(len(seen)) as pool:
+        readers = [pool.submit(read, i) for i in range(len(seen))]
+        for seq, text in enumerate(texts, start=1):
+            writer.tokens(job_id, text)
+            wait_until(lambda seq=seq: max(seen) >= seq, f"a reader at event {seq}", 10)  # type: ignore[misc]
+        writer.finish(job_id)
+        streams = [r.result(timeout=30) for r in readers]
+    assert all(check_full_stream(events) == "".join(texts) for events in streams)
+    channel = writer.store.keys.job_events(job_id)
+    wait_until(lambda: redis_client.pubsub_numsub(channel)[0][1] == 0, "the job unsubscribed", 10)
 
 
 def test_closed_streams_are_released(bare_api: Service, writer: LogWriter, client: httpx.Client) -> None:
