@@ -25,7 +25,6 @@ from pydantic import ValidationError
 from redis.asyncio import Redis
 from redis.asyncio.client import PubSub
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from common.keys import Keys
@@ -136,9 +135,11 @@ class Hub:
             self._unconfirmed.setdefault(channel, deque()).append(job.subscribed)
         try:
             await getattr(pubsub, command)(channel)
-        except (RedisError, OSError) as e:
-            # The hub's own read fails too, and it reconnects (which settles the future).
-            log.info("event hub could not %s %s (%s)", command, channel, e)
+        except Exception as e:  # noqa: BLE001 (redis-py 8.1 raises AttributeError on a connection it just dropped)
+            # The connection is gone or going: the hub's own read fails too, and its reconnection
+            # subscribes every watched job and sends RESYNC. The stream goes on meanwhile.
+            log.info("event hub could not %s %s (%r)", command, channel, e)
+            _settle(job.subscribed)
 
     async def _run(self) -> None:
         failures = 0

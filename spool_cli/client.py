@@ -72,7 +72,10 @@ def generate(url: str, body: dict[str, Any], api_key: str | None) -> int:
                 ) as stream:
                     if stream.is_error:
                         stream.read()
-                        if job_id is None or stream.status_code not in RETRY_STATUSES:
+                        if job_id is None:  # the submit itself was refused
+                            print(f"spool: {_error(stream)}", file=sys.stderr)
+                            return 1
+                        if stream.status_code not in RETRY_STATUSES:
                             print(f"\nspool: {_error(stream)}", file=sys.stderr)
                             return 1
                         print(f"\nspool: {_error(stream)}; resuming after event {last}", file=sys.stderr)

@@ -82,6 +82,12 @@ def test_generate_streams_the_job_text(cluster, tiny_model: Path) -> None:  # ty
     assert result.stdout == greedy(tiny_model, "hello", 12).text + "\n"
 
 
+def test_generate_reports_a_refused_submit(cluster) -> None:  # type: ignore[no-untyped-def]
+    result = spool("generate", "hello", "--temperature", "9", "--url", cluster.url)
+    assert result.returncode == 1 and result.stdout == ""
+    assert result.stderr.startswith("spool: ") and "temperature" in result.stderr
+
+
 def test_generate_resumes_when_the_api_dies_mid_stream(cluster, tiny_model: Path, log_dir: Path) -> None:  # type: ignore[no-untyped-def]
     api = start_api(cluster.prefix, log_dir)
     argv = [SPOOL, "generate", LONG_PROMPT, "--max-tokens", "300", "--temperature", "0", "--url", api.url]
