@@ -147,9 +147,14 @@ def batch(url: str, file: Path, out: Path | None, api_key: str | None) -> int:
             results.append(result)
         pending = {r["job_id"]: r for r in results if r["job_id"] and "status" not in r}
         while pending:
-            for job_id in list(pending):
+            for job_id in list(pending):  # in submission order
                 if (job := _poll(client, job_id)) is None:
                     break  # try again next round
+                if job["status"] == "queued":
+                    # The workers take jobs in the order they were queued: the jobs after this
+                    # one wait too. (Polling them all each round costs the API a request per
+                    # queued job every POLL_S: a 1,000-line batch would keep it busy.)
+                    break
                 if job["status"] in TERMINAL:
                     pending.pop(job_id).update(
                         {k: job.get(k) for k in ("status", "text", "finish_reason", "usage", "error")}

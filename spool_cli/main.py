@@ -124,8 +124,9 @@ def parser() -> argparse.ArgumentParser:
         "batch",
         help="submit one job per line of a JSONL file, wait, write the results as JSONL",
         description="Each line is a job request object (prompt or messages, max_tokens, ...); an "
-        "optional 'custom_id' is echoed in its result. Results keep the input order. While waiting, "
-        "a dropped connection or a 502, 503 or 504 is retried at the next poll.",
+        "optional 'custom_id' is echoed in its result. Results keep the input order. It polls the "
+        "jobs in that order every half second, none behind one still queued (the workers take them "
+        "in order); a dropped connection or a 502, 503 or 504 is retried at the next poll.",
     )
     p.add_argument("file", type=Path, help="input JSONL")
     p.add_argument("--out", type=Path, help="output JSONL (default: stdout)")

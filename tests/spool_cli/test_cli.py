@@ -14,6 +14,7 @@ import pytest
 from greedy import greedy
 from procs import SPOOL, free_port, spool_env, start_api, wait_until
 
+from common.keys import Keys
 from spool_cli.client import sse_events
 
 LONG_PROMPT = "the quick brown fox"  # greedy on the tiny model runs to max_tokens (no EOS)
@@ -120,6 +121,36 @@ def test_batch_writes_results_in_order(cluster, tmp_path: Path) -> None:  # type
     assert [r["status"] for r in results] == ["succeeded"] * 3 + ["rejected"]
     assert all(r["usage"]["completion_tokens"] > 0 for r in results[:3])
     assert result.returncode == 1  # one line was rejected
+
+
+def test_batch_polls_no_job_behind_a_queued_one(prefixes, log_dir: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """With no worker every job stays queued: each round polls the first one only. Once they
+    are all cancelled, one round finds every job final."""
+    api = start_api(prefixes.new(), log_dir, ready=False)
+    keys, r = Keys(api.prefix), prefixes.client
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("".join(json.dumps({"prompt": f"p{i}", "max_tokens": 4}) + "\n" for i in range(20)))
+    proc = subprocess.Popen([SPOOL, "batch", str(src), "--out", str(out), "--url", api.url])
+    try:
+        wait_until(lambda: r.zcard(keys.queued_jobs()) == 20, "the batch submitted", 30, (api,))
+        first = r.zrange(keys.queued_jobs(), 0, 0)[0].decode()
+
+        def polls(job_id: str) -> int:
+            return api.log_path.read_text().count(f"GET /v1/jobs/{job_id} ")
+
+        wait_until(lambda: polls(first) >= 3, "three rounds of polling", 30, (api,))
+        os.kill(proc.pid, signal.SIGSTOP)  # (so that no round sees some jobs cancelled, some not)
+        for job_id in r.zrange(keys.queued_jobs(), 0, -1):
+            httpx.post(f"{api.url}/v1/jobs/{job_id.decode()}/cancel").raise_for_status()
+        os.kill(proc.pid, signal.SIGCONT)
+        assert proc.wait(30) == 1  # (cancelled is not succeeded)
+    finally:
+        proc.kill()
+        api.stop()
+    results = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [x["status"] for x in results] == ["cancelled"] * 20
+    assert results[0]["job_id"] == first
+    assert [polls(x["job_id"]) for x in results[1:]] == [1] * 19
 
 
 def test_up_runs_worker_and_api_and_stops_on_ctrl_c(prefixes, tiny_model: Path, log_dir: Path) -> None:  # type: ignore[no-untyped-def]
