@@ -52,12 +52,17 @@ class Target:
         self.proc, self.url = start_api(
             procs, f"api{index}", spool_env(redis_url, prefix, max_queued_jobs=MAX_QUEUED), None, tree
         )
-        settings = {"redis_url": redis_url, "redis_prefix": prefix, "heartbeat_ttl_s": 3600, "heartbeat_s": 1}
-        settings["max_queued_jobs"] = MAX_QUEUED
-        self.store = SyncJobStore.from_settings(Settings.model_validate(settings))
-        # A worker's heartbeat, so that submits find a served model as they would in service.
+        settings = Settings.model_validate(
+            {
+                "redis_url": redis_url,
+                "redis_prefix": prefix,
+                "max_queued_jobs": MAX_QUEUED,
+                "heartbeat_ttl_s": 3600,
+            }
+        )
+        self.store = SyncJobStore.from_settings(settings)
+        # A worker's heartbeat (for the run's length), so that submits find a served model as in service.
         self.store.beat(WorkerHeartbeat(name="bench", ts=time.time(), engine={}, model="bench"))
-        self._steps = 0
 
     def cpu(self) -> float:
         return cpu_seconds(self.proc.pid)
