@@ -373,9 +373,9 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def cpu_snapshot(pids: dict[str, int]) -> dict[str, float]:
-    """CPU seconds of each named process, and of this one (the clients) as ``clients``."""
-    return {**{name: cpu_seconds(pid) for name, pid in pids.items()}, "clients": time.process_time()}
+def cpu_snapshot(pids: dict[str, list[int]]) -> dict[str, float]:
+    """CPU seconds of each named group of processes, and of this one (the clients) as ``clients``."""
+    return {**{name: sum(map(cpu_seconds, group)) for name, group in pids.items()}, "clients": time.process_time()}
 
 
 def raise_fd_limit(needed: int) -> int:
@@ -553,15 +553,27 @@ def parse_events(job: JobTiming) -> Events:
     return Events(n, "".join(text), done)
 
 
-async def stack_run_async(url: str, prompts: Sequence[str], max_tokens: int, timeout: float) -> RunResult:
+async def stack_run_async(
+    urls: Sequence[str], prompts: Sequence[str], max_tokens: int, timeout: float
+) -> RunResult:
+    """The prompts as concurrent clients, client i on API replica ``urls[i % len(urls)]``."""
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=len(prompts) + 8)
-    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=httpx.Timeout(timeout)) as client:
+    async with contextlib.AsyncExitStack() as stack:
+        clients = [
+            await stack.enter_async_context(
+                httpx.AsyncClient(base_url=url, limits=limits, timeout=httpx.Timeout(timeout))
+            )
+            for url in urls
+        ]
         t0 = time.perf_counter()
         jobs = await asyncio.wait_for(
-            asyncio.gather(*(stream_job(client, p, max_tokens) for p in prompts)), timeout
+            asyncio.gather(
+                *(stream_job(clients[i % len(clients)], p, max_tokens) for i, p in enumerate(prompts))
+            ),
+            timeout,
         )
         # Untimed: where each job's first token spent its time (the job's own timestamps).
-        views = await asyncio.gather(*(client.get(f"/v1/jobs/{j.job_id}") for j in jobs))
+        views = await asyncio.gather(*(clients[0].get(f"/v1/jobs/{j.job_id}") for j in jobs))
     phases: dict[str, list[float]] = {"api_ms": [], "queue_ms": [], "engine_ms": []}
     first_post = min(j.wall_start for j in jobs)
     taken: list[float] = []  # ms from the first POST to each job's start in the worker
@@ -599,8 +611,8 @@ async def stack_run_async(url: str, prompts: Sequence[str], max_tokens: int, tim
     )
 
 
-def stack_run(url: str, prompts: Sequence[str], max_tokens: int, timeout: float) -> RunResult:
-    return asyncio.run(stack_run_async(url, prompts, max_tokens, timeout))
+def stack_run(urls: Sequence[str], prompts: Sequence[str], max_tokens: int, timeout: float) -> RunResult:
+    return asyncio.run(stack_run_async(urls, prompts, max_tokens, timeout))
 
 
 # -- connections --------------------------------------------------------------------------------
@@ -835,7 +847,9 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
     lines = []
     if "summary" in report:
         s = report["summary"]
-        clients = report["workload"]["clients"]
+        clients = f"{report['workload']['clients']} SSE clients"
+        if (replicas := report["meta"]["api_replicas"]) > 1:
+            clients += f", {replicas} APIs"
         lone = report["lone"]
         lines += [
             (
@@ -843,7 +857,7 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
                 f"   p95 {s['engine_ttft_p95_ms']:7.1f} ms"
             ),
             (
-                f"{f'full stack ({clients} SSE clients)':<28} {s['stack_tok_s']:>9.1f} tok/s   TTFT p50 {s['stack_ttft_p50_ms']:7.1f} ms"
+                f"{f'full stack ({clients})':<28} {s['stack_tok_s']:>9.1f} tok/s   TTFT p50 {s['stack_ttft_p50_ms']:7.1f} ms"
                 f"   p95 {s['stack_ttft_p95_ms']:7.1f} ms   (POST p50 {s['stack_submit_p50_ms']:.1f} ms)"
             ),
             f"{'stack/engine tok/s':<28} {fmt(s['stack/engine']):>9}         target >= {TARGET_STACK_VS_ENGINE}"
@@ -942,6 +956,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "API, Redis and the clients on the others (default: all share every CPU)",
     )
     p.add_argument(
+        "--api-replicas",
+        type=int,
+        default=1,
+        metavar="N",
+        help="API processes the throughput part's clients are spread over, round-robin (as behind a "
+        "load balancer)",
+    )
+    p.add_argument(
         "--only", action="append", choices=("throughput", "connections"), help="run one part (repeatable)"
     )
     p.add_argument(
@@ -949,7 +971,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--model-dir", type=Path, help="write the benchmark model here instead of a temp dir")
     p.add_argument("--keep-logs", type=Path, metavar="DIR", help="keep the processes' logs in DIR")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.api_replicas < 1:
+        p.error("--api-replicas must be at least 1")
+    return args
 
 
 def throughput(
@@ -999,18 +1024,20 @@ def throughput(
         **prefill,
     )
     worker = procs.start("worker", spool_argv() + ["worker"], {**env, **place.worker_env()}, place.engine)
-    api, url = start_api(procs, "api", env, place.service)
-    # A second replica that no client uses: what it spends is what each replica pays for the
-    # others' streams (scale-out).
+    # The clients' replicas (round-robin, as behind a load balancer), and one that no client uses:
+    # what it spends is what each replica pays for the others' streams (scale-out).
+    apis = [start_api(procs, f"api{i}", env, place.service) for i in range(args.api_replicas)]
+    urls = [url for _, url in apis]
     idle_api, _ = start_api(procs, "idle_api", env, place.service)
 
     def ready() -> bool:
-        return httpx.get(url + "/readyz", timeout=2).status_code == 200
+        return httpx.get(urls[0] + "/readyz", timeout=2).status_code == 200
 
-    wait_until(ready, "the worker's heartbeat (/readyz)", START_TIMEOUT_S, [worker, api])
-    report["meta"]["worker_pid"], report["meta"]["api_pid"] = worker.pid, api.pid
+    wait_until(ready, "the worker's heartbeat (/readyz)", START_TIMEOUT_S, [worker, *(a for a, _ in apis)])
+    report["meta"]["worker_pid"], report["meta"]["api_pids"] = worker.pid, [a.pid for a, _ in apis]
+    report["meta"]["api_replicas"] = args.api_replicas
     redis_pid = next(p.pid for p in procs.procs if p.name == "redis")
-    pids = {"worker": worker.pid, "api": api.pid, "idle_api": idle_api.pid, "redis": redis_pid}
+    pids = {"worker": [worker.pid], "api": [a.pid for a, _ in apis], "idle_api": [idle_api.pid], "redis": [redis_pid]}
 
     log(f"engine: loading (max_batch_size={batch}, max_model_len={max_model_len})")
     engine = spool_engine(model_dir, args, batch, max_model_len, **prefill)
@@ -1027,7 +1054,7 @@ def throughput(
 
     def stack_side(prompts: Sequence[str], max_tokens: int, timeout: float) -> RunResult:
         place.clients_turn()
-        return stack_run(url, prompts, max_tokens, timeout)
+        return stack_run(urls, prompts, max_tokens, timeout)
 
     log(f"engine: warm-up ({len(prompts)} prompts, {warm_new} new tokens each)")
     engine_side(prompts, warm_new)
@@ -1084,11 +1111,10 @@ def throughput(
         "stack_ttft_p50_ms": statistics.median(lone_s),
         "added_ttft_p50_ms": statistics.median(lone_s) - statistics.median(lone_e),
     }
-    stats = httpx.get(url + "/readyz", timeout=5).json()["workers"][0]["engine"]
+    stats = httpx.get(urls[0] + "/readyz", timeout=5).json()["workers"][0]["engine"]
     report["meta"]["worker_engine_stats"] = stats
-    procs.stop(idle_api)
-    procs.stop(api)
-    procs.stop(worker)
+    for proc in (idle_api, *(a for a, _ in apis), worker):
+        procs.stop(proc)
 
 
 def connections(
