@@ -174,5 +174,7 @@ def test_up_runs_worker_and_api_and_stops_on_ctrl_c(prefixes, tiny_model: Path, 
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    # Nothing of the group is left: every child stopped with it.
-    assert subprocess.run(["pgrep", "-g", str(proc.pid)], check=False, capture_output=True).stdout == b""
+    # Nothing of the group is left: every child stops with it. (A wait, not an assert: once, in a
+    # full suite run, one process of the group was still there right after `spool up` returned.)
+    group = ["pgrep", "-g", str(proc.pid)]
+    wait_until(lambda: subprocess.run(group, check=False, capture_output=True).stdout == b"", "the group", 10)
