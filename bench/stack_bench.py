@@ -466,27 +466,41 @@ class JobTiming:
     body: bytes  # the event stream as received
 
 
-async def stream_job(client: httpx.AsyncClient, prompt: str, max_tokens: int) -> JobTiming:
-    """POST the job, then read its event stream to the end (the server closes it after the
+async def stream_job(client: httpx.AsyncClient, prompt: str, max_tokens: int, streamed: bool) -> JobTiming:
+    """Submit the job and read its event stream to the end (the server closes it after the
     terminal event), keeping the bytes and timestamping the first token event; ``parse_events``
-    checks them after the round."""
+    checks them after the round. ``streamed``: one request, ``POST /v1/jobs`` with ``"stream":
+    true`` (its answer is the stream); else a POST, then ``GET /v1/jobs/{id}/events``."""
+    request = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
     wall_start, start = time.time(), time.perf_counter()
-    r = await client.post("/v1/jobs", json={"prompt": prompt, "max_tokens": max_tokens, "temperature": 0})
-    if r.status_code != 202:
-        raise RuntimeError(f"POST /v1/jobs answered {r.status_code}: {r.text[:300]}")
-    submitted = time.perf_counter()
-    job_id = r.json()["id"]
-    body, first, wall_first = await read_event_stream(client.base_url, f"/v1/jobs/{job_id}/events")
+    if streamed:
+        got = await bare_request(client.base_url, "/v1/jobs", {**request, "stream": True})
+        job_id, submitted = got.location.rsplit("/", 1)[-1], got.answered
+    else:
+        job_id = json.loads((await bare_request(client.base_url, "/v1/jobs", request, expect=202)).body)["id"]
+        submitted = time.perf_counter()
+        got = await bare_request(client.base_url, f"/v1/jobs/{job_id}/events")
     end = time.perf_counter()
-    return JobTiming(job_id, wall_start, wall_first, start, submitted, first, end, body)
+    return JobTiming(job_id, wall_start, got.wall_first_token, start, submitted, got.first_token, end, got.body)
 
 
 FIRST_TOKEN_MARK = b"event: token\n"
 
 
-async def read_event_stream(url: httpx.URL, path: str) -> tuple[bytes, float | None, float | None]:
-    """GET an event stream on a connection of its own and read it until the server closes it;
-    returns the body and when the first token event arrived (perf_counter, time).
+@dataclass
+class Received:
+    body: bytes  # the answer's body (an event stream, or the job's JSON)
+    answered: float  # perf_counter when the first bytes of the answer arrived
+    first_token: float | None  # perf_counter when the first token event arrived
+    wall_first_token: float | None  # the same, time.time()
+    location: str  # the answer's Location header ("" if none)
+
+
+async def bare_request(
+    url: httpx.URL, path: str, json_body: dict[str, Any] | None = None, expect: int = 200
+) -> Received:
+    """GET ``path`` (POST ``json_body``, when given) on a connection of its own, and read the
+    answer (an event stream, say) until the server closes it.
 
     NOTE: a plain asyncio connection, not httpx: httpx took about 0.15 ms of CPU per event, more
     in all than the API spent relaying them, and the clients share their CPU with the API and
@@ -496,14 +510,23 @@ async def read_event_stream(url: httpx.URL, path: str) -> tuple[bytes, float | N
     assert url.host and url.port
     http = h11.Connection(h11.CLIENT)
     headers = [("Host", f"{url.host}:{url.port}"), ("Connection", "close")]
+    content = b"" if json_body is None else json.dumps(json_body).encode()
+    if json_body is not None:
+        headers += [("Content-Type", "application/json"), ("Content-Length", str(len(content)))]
     reader, writer = await asyncio.open_connection(url.host, url.port)
     raw: list[bytes] = []
+    answered = math.nan
     first: float | None = None
     wall_first: float | None = None
     try:
-        writer.write(http.send(h11.Request(method="GET", target=path, headers=headers)))
+        method = "GET" if json_body is None else "POST"
+        writer.write(http.send(h11.Request(method=method, target=path, headers=headers)))
+        if content:
+            writer.write(http.send(h11.Data(data=content)) + http.send(h11.EndOfMessage()))
         tail = b""
         while chunk := await reader.read(1 << 16):
+            if not raw:
+                answered = time.perf_counter()
             raw.append(chunk)
             if first is None:
                 # One SSE event is one HTTP chunk, so the mark is never cut by the chunk framing.
@@ -514,15 +537,18 @@ async def read_event_stream(url: httpx.URL, path: str) -> tuple[bytes, float | N
         writer.close()
     http.receive_data(b"".join(raw))
     http.receive_data(b"")  # the server closed the connection
-    status, body = 0, []
+    status, body, location = 0, [], ""
     while not isinstance(event := http.next_event(), h11.EndOfMessage | h11.NEED_DATA):
         if isinstance(event, h11.Response):
             status = event.status_code
+            location = next((v.decode() for k, v in event.headers if k == b"location"), "")
         elif isinstance(event, h11.Data):
             body.append(event.data)
-    if status != 200 or event is h11.NEED_DATA:
-        raise RuntimeError(f"GET {path} answered {status} (complete: {event is not h11.NEED_DATA})")
-    return b"".join(body), first, wall_first
+    if status != expect or event is h11.NEED_DATA:
+        raise RuntimeError(
+            f"{method} {path} answered {status} (complete: {event is not h11.NEED_DATA}): {b''.join(body)[:300]!r}"
+        )
+    return Received(b"".join(body), answered, first, wall_first, location)
 
 
 @dataclass
@@ -554,7 +580,7 @@ def parse_events(job: JobTiming) -> Events:
 
 
 async def stack_run_async(
-    urls: Sequence[str], prompts: Sequence[str], max_tokens: int, timeout: float
+    urls: Sequence[str], prompts: Sequence[str], max_tokens: int, timeout: float, streamed: bool
 ) -> RunResult:
     """The prompts as concurrent clients, client i on API replica ``urls[i % len(urls)]``."""
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=len(prompts) + 8)
@@ -568,7 +594,10 @@ async def stack_run_async(
         t0 = time.perf_counter()
         jobs = await asyncio.wait_for(
             asyncio.gather(
-                *(stream_job(clients[i % len(clients)], p, max_tokens) for i, p in enumerate(prompts))
+                *(
+                    stream_job(clients[i % len(clients)], p, max_tokens, streamed)
+                    for i, p in enumerate(prompts)
+                )
             ),
             timeout,
         )
@@ -611,8 +640,10 @@ async def stack_run_async(
     )
 
 
-def stack_run(urls: Sequence[str], prompts: Sequence[str], max_tokens: int, timeout: float) -> RunResult:
-    return asyncio.run(stack_run_async(urls, prompts, max_tokens, timeout))
+def stack_run(
+    urls: Sequence[str], prompts: Sequence[str], max_tokens: int, timeout: float, streamed: bool
+) -> RunResult:
+    return asyncio.run(stack_run_async(urls, prompts, max_tokens, timeout, streamed))
 
 
 # -- connections --------------------------------------------------------------------------------
@@ -850,6 +881,8 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
         clients = f"{report['workload']['clients']} SSE clients"
         if (replicas := report["meta"]["api_replicas"]) > 1:
             clients += f", {replicas} APIs"
+        if report["meta"]["streamed_submit"]:
+            clients += ", streamed submit"
         lone = report["lone"]
         lines += [
             (
@@ -964,6 +997,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "load balancer)",
     )
     p.add_argument(
+        "--streamed-submit",
+        action="store_true",
+        help='each client makes one request, POST /v1/jobs with "stream": true, instead of a POST and '
+        "then GET /v1/jobs/{id}/events",
+    )
+    p.add_argument(
         "--only", action="append", choices=("throughput", "connections"), help="run one part (repeatable)"
     )
     p.add_argument(
@@ -1036,6 +1075,7 @@ def throughput(
     wait_until(ready, "the worker's heartbeat (/readyz)", START_TIMEOUT_S, [worker, *(a for a, _ in apis)])
     report["meta"]["worker_pid"], report["meta"]["api_pids"] = worker.pid, [a.pid for a, _ in apis]
     report["meta"]["api_replicas"] = args.api_replicas
+    report["meta"]["streamed_submit"] = args.streamed_submit
     redis_pid = next(p.pid for p in procs.procs if p.name == "redis")
     pids = {"worker": [worker.pid], "api": [a.pid for a, _ in apis], "idle_api": [idle_api.pid], "redis": [redis_pid]}
 
@@ -1054,7 +1094,7 @@ def throughput(
 
     def stack_side(prompts: Sequence[str], max_tokens: int, timeout: float) -> RunResult:
         place.clients_turn()
-        return stack_run(urls, prompts, max_tokens, timeout)
+        return stack_run(urls, prompts, max_tokens, timeout, args.streamed_submit)
 
     log(f"engine: warm-up ({len(prompts)} prompts, {warm_new} new tokens each)")
     engine_side(prompts, warm_new)
