@@ -41,7 +41,7 @@ JobDep = Annotated[Job, Depends(_job)]
 
 
 async def _stream_state(job_id: JobId, store: StoreDep) -> StreamState:
-    # Not JobDep: that reads the whole log, for the job's text.
+    # Not JobDep: that also reads the job's text, which a stream does not need.
     return await store.stream_state(job_id)
 
 

@@ -386,7 +386,7 @@ class SyncJobStore(_Base):
         h, text, logged = record_reads(pipe, self.keys, job_id).execute()
         if not h:
             raise JobNotFound(job_id)
-        if text is None and logged:  # written by a worker that kept no text key (an older version)
+        if text is None and logged:  # cancelled while queued, or written by a worker of an older version
             text = job_text(self.read_log(job_id))
         return record_from_hash(h, text or "")
 
@@ -576,7 +576,7 @@ class AsyncJobStore(_Base):
             h, text, logged = await record_reads(pipe, self.keys, job_id).execute()
         if not h:
             raise JobNotFound(job_id)
-        if text is None and logged:  # written by a worker that kept no text key (an older version)
+        if text is None and logged:  # cancelled while queued, or written by a worker of an older version
             text = job_text(await self.read_log(job_id))
         return record_from_hash(h, text or "")
 
