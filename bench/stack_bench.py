@@ -466,7 +466,7 @@ class JobTiming:
     body: bytes  # the event stream as received
 
 
-async def stream_job(client: httpx.AsyncClient, prompt: str, max_tokens: int, streamed: bool) -> JobTiming:
+async def stream_job(url: httpx.URL, prompt: str, max_tokens: int, streamed: bool) -> JobTiming:
     """Submit the job and read its event stream to the end (the server closes it after the
     terminal event), keeping the bytes and timestamping the first token event; ``parse_events``
     checks them after the round. ``streamed``: one request, ``POST /v1/jobs`` with ``"stream":
@@ -474,12 +474,12 @@ async def stream_job(client: httpx.AsyncClient, prompt: str, max_tokens: int, st
     request = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
     wall_start, start = time.time(), time.perf_counter()
     if streamed:
-        got = await bare_request(client.base_url, "/v1/jobs", {**request, "stream": True})
+        got = await bare_request(url, "/v1/jobs", {**request, "stream": True})
         job_id, submitted = got.location.rsplit("/", 1)[-1], got.answered
     else:
-        job_id = json.loads((await bare_request(client.base_url, "/v1/jobs", request, expect=202)).body)["id"]
+        job_id = json.loads((await bare_request(url, "/v1/jobs", request, expect=202)).body)["id"]
         submitted = time.perf_counter()
-        got = await bare_request(client.base_url, f"/v1/jobs/{job_id}/events")
+        got = await bare_request(url, f"/v1/jobs/{job_id}/events")
     end = time.perf_counter()
     return JobTiming(job_id, wall_start, got.wall_first_token, start, submitted, got.first_token, end, got.body)
 
@@ -583,26 +583,17 @@ async def stack_run_async(
     urls: Sequence[str], prompts: Sequence[str], max_tokens: int, timeout: float, streamed: bool
 ) -> RunResult:
     """The prompts as concurrent clients, client i on API replica ``urls[i % len(urls)]``."""
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=len(prompts) + 8)
-    async with contextlib.AsyncExitStack() as stack:
-        clients = [
-            await stack.enter_async_context(
-                httpx.AsyncClient(base_url=url, limits=limits, timeout=httpx.Timeout(timeout))
-            )
-            for url in urls
-        ]
-        t0 = time.perf_counter()
-        jobs = await asyncio.wait_for(
-            asyncio.gather(
-                *(
-                    stream_job(clients[i % len(clients)], p, max_tokens, streamed)
-                    for i, p in enumerate(prompts)
-                )
-            ),
-            timeout,
-        )
-        # Untimed: where each job's first token spent its time (the job's own timestamps).
-        views = await asyncio.gather(*(clients[0].get(f"/v1/jobs/{j.job_id}") for j in jobs))
+    replicas = [httpx.URL(url) for url in urls]
+    t0 = time.perf_counter()
+    jobs = await asyncio.wait_for(
+        asyncio.gather(
+            *(stream_job(replicas[i % len(replicas)], p, max_tokens, streamed) for i, p in enumerate(prompts))
+        ),
+        timeout,
+    )
+    # Untimed: where each job's first token spent its time (the job's own timestamps).
+    async with httpx.AsyncClient(base_url=urls[0], timeout=httpx.Timeout(timeout)) as client:
+        views = await asyncio.gather(*(client.get(f"/v1/jobs/{j.job_id}") for j in jobs))
     phases: dict[str, list[float]] = {"api_ms": [], "queue_ms": [], "engine_ms": []}
     first_post = min(j.wall_start for j in jobs)
     taken: list[float] = []  # ms from the first POST to each job's start in the worker
