@@ -1,35 +1,65 @@
-"""Hands job ids to the workers through Celery, by task name, so the API never imports workers/."""
+"""The Celery message that hands a job to the workers; the script that creates the job queues it.
+
+The API does not publish with Celery's ``send_task``. The job-creating Lua script pushes the
+message onto the broker's list itself (common/store_lua.py ``CREATE_LUA``), so a job and its
+message exist together or not at all, in one round trip and without a thread: ``send_task`` is
+blocking, cost about half of a POST's CPU (docs/benchmarks.md) and left a window in which a job
+was stored but not sent.
+
+Celery still builds the message (``app.amqp.as_task_v2``: task protocol 2's headers and body,
+by task name, so the API never imports workers/) and kombu serializes its body. Only the
+envelope is written here: the one kombu's virtual transports put around a message and its Redis
+transport LPUSHes (kombu/transport/virtual/base.py ``prepare_message`` and
+``_inplace_augment_message``, kombu/transport/redis.py ``_put``). tests/api/test_enqueue.py
+compares it with what ``send_task`` writes, so an upgrade of Celery or kombu that changes the
+format fails there, not in production.
+"""
 
 from __future__ import annotations
 
-import asyncio
+import base64
 
 from celery import Celery
+from kombu.serialization import dumps as serialize
+from kombu.utils.json import dumps as json_dumps
+from kombu.utils.uuid import uuid
 
-from common.keys import GENERATE_TASK, JOB_PRIORITY
+from common.keys import GENERATE_TASK, JOB_PRIORITY, Keys
 from common.settings import Settings
+from common.store import QueueMessage
 
-# Fail fast when the broker is down (the client gets a 503 and can retry) instead of letting
-# Celery's default policy hold the request for seconds.
-_RETRY_POLICY = {"max_retries": 2, "interval_start": 0.0, "interval_step": 0.2, "interval_max": 0.5}
+PERSISTENT = 2  # AMQP delivery mode, as Celery sets it
 
 
 class Enqueuer:
     def __init__(self, settings: Settings) -> None:
-        # A bare app: only the broker matters for send_task; the worker defines the task.
-        self._celery = Celery("spool-api", broker=settings.redis_url, set_as_current=False)
+        # A bare app that never connects: it only builds messages.
+        self._amqp = Celery("spool-api", set_as_current=False).amqp
         self._queue = settings.keys.queue_llm
+        self._list = Keys.broker_list(self._queue, JOB_PRIORITY)
 
-    async def generate(self, job_id: str) -> None:
-        # send_task blocks on the broker round trip; keep it off the event loop.
-        await asyncio.to_thread(
-            self._celery.send_task,
-            GENERATE_TASK,
-            args=[job_id],
-            queue=self._queue,
-            priority=JOB_PRIORITY,
-            retry_policy=_RETRY_POLICY,
+    def generate(self, job_id: str) -> QueueMessage:
+        """The message of the ``generate`` task for ``job_id``, as ``send_task`` would send it."""
+        task_id = uuid()
+        # ignore_result None: the task's own setting decides, as with send_task.
+        headers, properties, body, _ = self._amqp.as_task_v2(
+            task_id, GENERATE_TASK, args=[job_id], ignore_result=None
         )
-
-    def close(self) -> None:
-        self._celery.close()
+        content_type, content_encoding, data = serialize(body, serializer="json")
+        raw = data.encode(content_encoding) if isinstance(data, str) else data
+        properties.update(
+            delivery_mode=PERSISTENT,
+            # Celery sends to a direct queue through the default exchange, named by routing key.
+            delivery_info={"exchange": "", "routing_key": self._queue},
+            priority=JOB_PRIORITY,
+            body_encoding="base64",
+            delivery_tag=uuid(),
+        )
+        envelope = {
+            "body": base64.b64encode(raw).decode("ascii"),
+            "content-encoding": content_encoding,
+            "content-type": content_type,
+            "headers": headers,
+            "properties": properties,
+        }
+        return QueueMessage(self._list, json_dumps(envelope))

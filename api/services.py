@@ -51,5 +51,4 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     finally:
         await watchers.stop()
         await hub.stop()
-        enqueuer.close()
         await store.close()

@@ -85,7 +85,12 @@ class Keys:
 
     def queue_lists(self, queue: str) -> tuple[str, str]:
         """The broker's lists behind a queue: requeued messages, then first messages."""
-        return queue, f"{queue}{_KOMBU_PRIORITY_SEP}{JOB_PRIORITY}"
+        return self.broker_list(queue, REQUEUE_PRIORITY), self.broker_list(queue, JOB_PRIORITY)
+
+    @staticmethod
+    def broker_list(queue: str, priority: int) -> str:
+        """The list kombu keeps a queue's messages of ``priority`` in (a priority step: 0, 3, 6, 9)."""
+        return f"{queue}{_KOMBU_PRIORITY_SEP}{priority}" if priority else queue
 
     @property
     def queue_media(self) -> str:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 import secrets
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -149,9 +149,23 @@ def new_job_fields(job_id: str, request: JobRequest, owner: str, now: float) -> 
     }
 
 
-def create_args(keys: Keys, job_id: str, fields: dict[str, str], max_queued: int, now: float) -> ScriptCall:
+@dataclass(frozen=True)
+class QueueMessage:
+    """A broker message that the script creating a job pushes (LPUSH) onto ``list_key`` with it."""
+
+    list_key: str
+    payload: str
+
+
+MessageFor = Callable[[str], QueueMessage]  # a job id -> the message that hands it to the workers
+
+
+def create_args(
+    keys: Keys, job_id: str, fields: dict[str, str], max_queued: int, now: float, message: QueueMessage | None
+) -> ScriptCall:
     flat = [x for kv in fields.items() for x in kv]
-    return [keys.queued_jobs(), keys.job(job_id)], [max_queued, job_id, repr(now), *flat]
+    script_keys = [keys.queued_jobs(), keys.job(job_id)] + ([message.list_key] if message else [])
+    return script_keys, [max_queued, job_id, repr(now), message.payload if message else "", *flat]
 
 
 def _float_or_none(v: str | None) -> float | None:
@@ -374,10 +388,11 @@ class SyncJobStore(_Base):
     def close(self) -> None:
         self.redis.close()
 
-    def create_job(self, request: JobRequest, owner: str = "") -> Job:
+    def create_job(self, request: JobRequest, owner: str = "", message_for: MessageFor | None = None) -> Job:
         now, job_id = time.time(), new_job_id()
         fields = new_job_fields(job_id, request, owner, now)
-        keys, args = create_args(self.keys, job_id, fields, self.settings.max_queued_jobs, now)
+        queued = message_for(job_id) if message_for else None
+        keys, args = create_args(self.keys, job_id, fields, self.settings.max_queued_jobs, now, queued)
         check_created(self._create(keys, args), self.settings.max_queued_jobs)
         return record_from_hash(fields, "").job
 
@@ -563,11 +578,15 @@ class AsyncJobStore(_Base):
     async def ping(self) -> bool:
         return bool(await self.redis.ping())
 
-    async def create_job(self, request: JobRequest, owner: str = "") -> Job:
-        """Store a queued job; raises QueueFull when SPOOL_MAX_QUEUED_JOBS jobs are queued."""
+    async def create_job(
+        self, request: JobRequest, owner: str = "", message_for: MessageFor | None = None
+    ) -> Job:
+        """Store a queued job, and with ``message_for`` its broker message in the same script;
+        raises QueueFull when SPOOL_MAX_QUEUED_JOBS jobs are queued."""
         now, job_id = time.time(), new_job_id()
         fields = new_job_fields(job_id, request, owner, now)
-        keys, args = create_args(self.keys, job_id, fields, self.settings.max_queued_jobs, now)
+        queued = message_for(job_id) if message_for else None
+        keys, args = create_args(self.keys, job_id, fields, self.settings.max_queued_jobs, now, queued)
         check_created(await self._create(keys, args), self.settings.max_queued_jobs)
         return record_from_hash(fields, "").job
 

@@ -4,11 +4,14 @@ Every status transition and every append is one script, so each is atomic withou
 retries, and each is safe to run twice (a retried call after a dropped connection is a no-op).
 """
 
-# KEYS: queued zset, job hash. ARGV: max queued, job id, now, field, value, ...
+# KEYS: queued zset, job hash[, broker list]. ARGV: max queued, job id, now, message, field, value, ...
+# With a broker list, the job's message is pushed with it: a job and its message exist together
+# or not at all.
 CREATE_LUA = """
 if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[1]) then return 0 end
-redis.call('HSET', KEYS[2], unpack(ARGV, 4))
+redis.call('HSET', KEYS[2], unpack(ARGV, 5))
 redis.call('ZADD', KEYS[1], ARGV[3], ARGV[2])
+if KEYS[3] then redis.call('LPUSH', KEYS[3], ARGV[4]) end
 return 1
 """
 

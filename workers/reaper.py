@@ -8,8 +8,8 @@ Every live worker runs a sweep from its heartbeat thread, so recovery needs no e
   whose worker is this very one, restarted (same name), is requeued without waiting for the
   heartbeat, since this process knows it does not run it.
 - A queued job that has waited longer than a lease while the Celery queue is empty lost its
-  message (Redis went down as a worker received it, or the API died between storing the job and
-  sending it): it is sent again.
+  message (Redis went down as a worker received it): it is sent again. (The API cannot lose it:
+  the script that stores a job pushes its message.)
 
 Celery's visibility timeout would also redeliver a dead worker's message, but only after it
 expires (minutes, and it must exceed the longest job); the sweep acts within a lease.

@@ -56,20 +56,13 @@ async def create_job(
 
 
 async def submit_job(services: Services, body: JobRequest) -> Job:
-    """Store the job and hand it to the workers (429 when the queue is full)."""
-    store, metrics = services.store, services.metrics
+    """Store the job with its Celery message, in one script (429 when the queue is full)."""
+    metrics = services.metrics
     try:
-        job = await store.create_job(body, owner=current_owner())
+        job = await services.store.create_job(body, current_owner(), services.enqueuer.generate)
     except QueueFull as e:
         metrics.jobs_rejected.labels("queue_full").inc()
         raise ApiError(429, str(e), code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)}) from None
-    try:
-        await services.enqueuer.generate(job.id)
-    except Exception:
-        # No worker will ever see this job: take it off the queue (and out of the backpressure
-        # count). The client never learns its id, so cancelled is as good a state as any.
-        await store.request_cancel(job.id)
-        raise
     metrics.jobs_submitted.inc()
     return job
 

@@ -1,4 +1,4 @@
-"""A burst of submits to one API process: each job gets exactly one Celery message."""
+"""The jobs' Celery messages: as Celery itself would send them, and exactly one per job."""
 
 from __future__ import annotations
 
@@ -11,9 +11,12 @@ from pathlib import Path
 import httpx
 import pytest
 import redis
-from procs import Prefixes, Service, start_api
+from celery import Celery
+from procs import REDIS_URL, Prefixes, Service, start_api
 
-from common.keys import GENERATE_TASK, Keys
+from api.enqueue import Enqueuer
+from common.keys import GENERATE_TASK, JOB_PRIORITY, Keys
+from common.settings import Settings
 
 BURST = 48
 
@@ -56,3 +59,31 @@ def test_a_burst_of_submits_sends_one_message_per_job(
     messages = queued_messages(prefixes.client, api_alone.prefix)
     assert all(task == GENERATE_TASK for task, _ in messages)
     assert sorted(str(args[0]) for _, args in messages) == ids  # each job once, none lost
+
+
+def test_a_jobs_message_is_the_one_celery_would_send(prefixes: Prefixes) -> None:
+    """The API writes kombu's Redis envelope itself (api/enqueue.py): it must stay what
+    ``send_task`` writes, whatever Celery and kombu versions are installed."""
+    settings = Settings.model_validate({"redis_url": REDIS_URL, "redis_prefix": prefixes.new()})
+    keys = settings.keys
+    ours = Enqueuer(settings).generate("job-1")
+    celery = Celery("reference", broker=REDIS_URL, set_as_current=False)
+    try:
+        celery.send_task(GENERATE_TASK, args=["job-1"], queue=keys.queue_llm, priority=JOB_PRIORITY)
+    finally:
+        celery.close()
+    (theirs,) = prefixes.client.lrange(keys.broker_list(keys.queue_llm, JOB_PRIORITY), 0, -1)
+    assert ours.list_key == keys.broker_list(keys.queue_llm, JOB_PRIORITY)
+
+    def per_message_fields_blanked(raw: str | bytes) -> dict[str, object]:
+        message = json.loads(raw)
+        for field in ("id", "root_id"):
+            message["headers"][field] = None
+        # reply_to: send_task names its thread's result queue; no result backend reads it here.
+        for field in ("correlation_id", "delivery_tag", "reply_to"):
+            message["properties"][field] = None
+        return message
+
+    assert per_message_fields_blanked(ours.payload) == per_message_fields_blanked(theirs)
+    mine = json.loads(ours.payload)
+    assert mine["headers"]["id"] == mine["headers"]["root_id"] == mine["properties"]["correlation_id"]

@@ -27,6 +27,7 @@ from common.store import (
     Final,
     JobNotFound,
     QueueFull,
+    QueueMessage,
     SyncJobStore,
     TakeStatus,
     cancelled_done_entry,
@@ -86,6 +87,19 @@ def test_queue_full_refuses_atomically(store: SyncJobStore, settings: Settings) 
     queued = store.redis.zrange(store.keys.queued_jobs(), 0, 0)[0]
     assert store.take_job(queued, "w", "m").status is TakeStatus.TAKEN
     store.create_job(JobRequest(prompt="x"))
+
+
+def test_a_job_and_its_message_are_stored_together(store: SyncJobStore, settings: Settings) -> None:
+    queue = store.keys.broker_list(store.keys.queue_llm, 3)
+
+    def message_for(job_id: str) -> QueueMessage:
+        return QueueMessage(queue, f"message of {job_id}")
+
+    jobs = [store.create_job(JobRequest(prompt="x"), message_for=message_for) for _ in range(settings.max_queued_jobs)]
+    with pytest.raises(QueueFull):
+        store.create_job(JobRequest(prompt="x"), message_for=message_for)
+    # One message per stored job, in order; none for the refused one.
+    assert store.redis.lrange(queue, 0, -1)[::-1] == [f"message of {job.id}" for job in jobs]
 
 
 def test_take_then_append_then_finish(store: SyncJobStore, settings: Settings) -> None:
