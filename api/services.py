@@ -14,6 +14,7 @@ from api.hub import Hub, Inbox
 from api.metrics import Metrics
 from api.openai_compat.detach import Watchers
 from api.served import ServedModels
+from common.process import freeze_startup_objects
 from common.settings import Settings
 from common.store import AsyncJobStore
 
@@ -46,6 +47,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     watchers = Watchers(store, settings.detach_grace_s)
     await watchers.start()
     app.state.services = Services(settings, store, hub, enqueuer, Metrics(hub), watchers, ServedModels(store))
+    freeze_startup_objects()
     try:
         yield
     finally:

@@ -12,6 +12,7 @@ from celery import Task, signals
 from redis.exceptions import RedisError
 
 from common.keys import GENERATE_TASK, REQUEUE_PRIORITY
+from common.process import freeze_startup_objects
 from common.settings import get_settings
 from workers.celery_app import app
 from workers.runtime import EngineRuntime, Outcome
@@ -31,6 +32,7 @@ def start_runtime(sender: Any, **_: Any) -> None:
     global _runtime
     settings = get_settings()
     _runtime = EngineRuntime.from_settings(settings, settings.worker_name or sender.hostname, requeue)
+    freeze_startup_objects()  # the model and the libraries: never scanned by a collection again
 
 
 @signals.worker_shutdown.connect
