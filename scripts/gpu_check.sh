@@ -10,9 +10,11 @@
 #                (the stages' limits add up to 520 s, leaving the rest for the install)
 #
 # run: installs the wheels into /tmp/site, puts the carried redis-server on PATH, then runs, each
-# under its own time limit and whatever the previous one did: (1) the engine tests with the engine
-# on the GPU, (2) the engine benchmark (bfloat16), (3) the stack benchmark with the worker on the
-# GPU and the API, Redis and clients on other cores. Logs and JSON figures go to $OUT.
+# under its own time limit and whatever the previous one did, the open service issue's figures
+# first: (1) the stack benchmark with the worker on the GPU (4 cores) and the API, Redis and
+# clients on the other cores, (2) its throughput part again with the clients spread over 4 API
+# replicas, each submitting with "stream": true, (3) the engine tests with the engine on the GPU,
+# (4) the engine benchmark's uniform and decode sections (bfloat16). Logs and JSON go to $OUT.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -74,10 +76,14 @@ run() {
 print(sys.version.split()[0], "torch", torch.__version__, "transformers", transformers.__version__,
       torch.cuda.get_device_name(), "cpus", len(__import__("os").sched_getaffinity(0)))' | tee "$OUT/versions.txt"
   redis-server --version | tee -a "$OUT/versions.txt"
-  stage engine_tests 150 env TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider tests/engine
-  stage engine_bench 170 python3 bench/engine_bench.py --device cuda --dtype bfloat16 --json "$OUT/engine_cuda.json"
-  stage stack_bench 200 python3 bench/stack_bench.py --device cuda --dtype bfloat16 --engine-cpus 4 \
-    --deadline-s 190 --json "$OUT/stack_cuda.json"
+  local cuda=(--device cuda --dtype bfloat16)
+  stage stack_bench 180 python3 bench/stack_bench.py "${cuda[@]}" --engine-cpus 4 --deadline-s 170 \
+    --json "$OUT/stack_cuda.json"
+  stage stack_replicas 120 python3 bench/stack_bench.py "${cuda[@]}" --engine-cpus 4 --only throughput \
+    --api-replicas 4 --streamed-submit --deadline-s 110 --json "$OUT/stack_cuda_replicas.json"
+  stage engine_tests 110 env TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider tests/engine
+  stage engine_bench 110 python3 bench/engine_bench.py "${cuda[@]}" --only uniform --only decode \
+    --json "$OUT/engine_cuda.json"
 }
 
 case "${1:-}" in
