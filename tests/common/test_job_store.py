@@ -8,7 +8,7 @@ import time
 import pytest
 import redis
 
-from common.keys import WATCHER_GHOST
+from common.keys import JOB_PRIORITY, WATCHER_GHOST
 from common.schemas import (
     DoneEvent,
     ErrorEvent,
@@ -90,7 +90,7 @@ def test_queue_full_refuses_atomically(store: SyncJobStore, settings: Settings) 
 
 
 def test_a_job_and_its_message_are_stored_together(store: SyncJobStore, settings: Settings) -> None:
-    queue = store.keys.broker_list(store.keys.queue_llm, 3)
+    queue = store.keys.broker_list(store.keys.queue_llm, JOB_PRIORITY)
 
     def message_for(job_id: str) -> QueueMessage:
         return QueueMessage(queue, f"message of {job_id}")
