@@ -5,6 +5,7 @@ FROM python:3.11-slim
 
 ARG TORCH_VERSION=2.13.0
 ARG TORCH_INDEX=""
+ARG EXTRAS=""
 ENV PIP_NO_CACHE_DIR=1 PYTHONUNBUFFERED=1
 
 WORKDIR /app
@@ -14,7 +15,7 @@ COPY api ./api
 COPY common ./common
 COPY workers ./workers
 COPY spool_cli ./spool_cli
-RUN pip install .
+RUN pip install ".${EXTRAS:+[$EXTRAS]}"
 
 EXPOSE 8000
 CMD ["spool", "api", "--host", "0.0.0.0", "--port", "8000"]

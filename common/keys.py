@@ -93,6 +93,17 @@ class Keys:
         return f"{queue}{_KOMBU_PRIORITY_SEP}{priority}" if priority else queue
 
     @property
+    def control_exchange(self) -> str:
+        """Celery's remote control (``celery inspect``, Flower) broadcasts on "{this}.pidbox" and
+        answers on "reply.{this}.pidbox": the prefix, so it reaches this prefix's workers only."""
+        return self.prefix
+
+    @property
+    def event_exchange(self) -> str:
+        """Exchange of Celery's worker and task events (Flower), per prefix."""
+        return f"{self.prefix}.celeryev"
+
+    @property
     def queue_media(self) -> str:
         """Celery queue for non-text parts."""
         return f"{self.prefix}.media"

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib
 import re
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +15,7 @@ from common.settings import ENV_PREFIX, Settings
 from spool_cli.main import parser
 
 COMPOSE = Path(__file__).resolve().parents[1] / "docker-compose.yml"
+PYPROJECT = COMPOSE.with_name("pyproject.toml")
 INTERPOLATION = re.compile(r"\$\{[A-Z0-9_]+:-([^}]*)\}")  # ${VAR:-default} -> default
 
 
@@ -59,6 +62,19 @@ def test_spool_variables_are_settings(services: dict[str, dict[str, Any]]) -> No
         Settings(**values)  # type: ignore[arg-type]  # and each value is valid for its field
         seen += len(values)
     assert seen > 0
+
+
+def test_flower_runs_the_workers_celery_app(services: dict[str, dict[str, Any]]) -> None:
+    """Celery's control and event exchanges are per prefix (common/keys.py): a bare Flower on
+    the broker would watch exchanges that no Spool worker uses."""
+    flower = services["flower"]
+    command = flower["command"]
+    app = importlib.import_module(command[command.index("-A") + 1]).app
+    env = environment(flower)
+    assert env["SPOOL_REDIS_URL"] == environment(services["worker"])["SPOOL_REDIS_URL"]
+    assert app.conf.control_exchange == Settings().keys.control_exchange  # what that app names
+    extras = tomllib.loads(PYPROJECT.read_text())["project"]["optional-dependencies"]
+    assert any(dep.startswith("flower") for dep in extras[flower["build"]["args"]["EXTRAS"]])
 
 
 def test_worker_reserves_a_gpu(services: dict[str, dict[str, Any]]) -> None:

@@ -30,6 +30,9 @@ def make_app(settings: Settings) -> Celery:
         task_reject_on_worker_lost=True,
         worker_prefetch_multiplier=1,
         task_default_queue=settings.keys.queue_llm,
+        # Celery's defaults ("celery", "celeryev") would be shared by every prefix on the Redis.
+        control_exchange=settings.keys.control_exchange,
+        event_exchange=settings.keys.event_exchange,
         task_routes={GENERATE_TASK: {"queue": settings.keys.queue_llm}},
         broker_transport_options={"visibility_timeout": VISIBILITY_TIMEOUT_S},
         # Redis, without the restore that kills the worker when Redis restarts (workers/broker.py).

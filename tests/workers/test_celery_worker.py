@@ -78,6 +78,20 @@ def test_cancel_reaches_the_worker(store: SyncJobStore, celery_app: Celery) -> N
     assert got.status is JobStatus.CANCELLED and got.usage.completion_tokens < 400
 
 
+def test_remote_control_stays_within_the_prefix(
+    worker: tuple[str, Service], celery_app: Celery, prefixes  # type: ignore[no-untyped-def]
+) -> None:
+    """`celery inspect`, `celery control` and Flower reach this prefix's workers and no other's,
+    as every other name is namespaced: deployments and tests share one Redis."""
+    # The worker's heartbeat comes before its consumer starts: wait for its answer.
+    deadline = time.monotonic() + 20
+    while not (replies := celery_app.control.ping(timeout=1)):
+        assert time.monotonic() < deadline, "the worker never answered a ping"
+    assert len(replies) == 1
+    elsewhere = make_app(load_settings(redis_url=REDIS_URL, redis_prefix=prefixes.new()))
+    assert elsewhere.control.ping(timeout=1.5) == []
+
+
 def test_warm_shutdown_finishes_the_running_job(
     worker: tuple[str, Service], store: SyncJobStore, celery_app: Celery
 ) -> None:
@@ -91,3 +105,4 @@ def test_warm_shutdown_finishes_the_running_job(
     got = store.get_job(job.id)
     assert got.status is JobStatus.SUCCEEDED and got.usage.completion_tokens == 300
     assert store.list_workers() == []  # the heartbeat goes with the worker
+
