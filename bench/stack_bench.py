@@ -369,8 +369,26 @@ def rss_kib(pid: int) -> dict[str, int]:
 
 def cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of a process (its threads included), from /proc/PID/stat."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return stat_cpu_seconds(Path(f"/proc/{pid}/stat"))
+
+
+def stat_cpu_seconds(stat: Path) -> float:
+    fields = stat.read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def thread_cpu_seconds(pid: int) -> dict[str, float]:
+    """CPU seconds of a process's threads, summed by OS thread name (the worker names its own:
+    ``spool-engine``, ``spool-writer``, ...; Celery's consumer and task threads keep the
+    process's name)."""
+    out: dict[str, float] = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            name = (task / "comm").read_text().strip()
+            out[name] = out.get(name, 0.0) + stat_cpu_seconds(task / "stat")
+        except FileNotFoundError:  # a thread that ended meanwhile
+            continue
+    return out
 
 
 def cpu_snapshot(pids: dict[str, list[int]]) -> dict[str, float]:
@@ -815,6 +833,11 @@ def summarize(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     s["stack_cpu_s"] = {
         k: statistics.median(r["stack"]["cpu_s"][k] for r in rounds) for k in rounds[0]["stack"]["cpu_s"]
     }
+    thread_names = {k for r in rounds for k in r["stack"]["worker_threads_cpu_s"]}
+    per_thread = {
+        k: statistics.median(r["stack"]["worker_threads_cpu_s"].get(k, 0.0) for r in rounds) for k in thread_names
+    }
+    s["worker_threads_cpu_s"] = dict(sorted(per_thread.items(), key=lambda kv: -kv[1]))
     s["same_text_as_engine_min"] = min(r["stack"]["same_text_as_engine"] for r in rounds)
     s["meets_throughput_target"] = (
         s["stack/engine"] is not None and s["stack/engine"] >= TARGET_STACK_VS_ENGINE
@@ -893,6 +916,9 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
             f"{'CPU seconds per stack run':<28} "
             + ", ".join(f"{k} {v:.2f}" for k, v in s["stack_cpu_s"].items())
             + f"   (wall {s['stack_seconds']:.2f} s, {report['meta']['cpu_count']} CPUs)",
+            f"{'worker threads, CPU s/run':<28} "
+            + ", ".join(f"{k} {v:.2f}" for k, v in s["worker_threads_cpu_s"].items() if v >= 0.005)
+            + "   (by OS thread name; Celery's consumer and task threads carry the process's)",
             (
                 f"{'jobs reaching the worker':<28} first {s['stack_first_taken_ms']:.1f} ms, last "
                 f"{s['stack_last_taken_ms']:.1f} ms after the first POST (the engine alone has them all at 0)"
@@ -1097,9 +1123,10 @@ def throughput(
         log(f"round {i + 1}/{rounds}: engine alone")
         e = engine_side(prompts, n_new)
         log(f"round {i + 1}/{rounds}: engine {e.tok_s:.1f} tok/s; stack with {len(prompts)} SSE clients")
-        cpu0 = cpu_snapshot(pids)
+        cpu0, threads0 = cpu_snapshot(pids), thread_cpu_seconds(worker.pid)
         s = stack_side(prompts, n_new, timeout=max(120.0, 20 * e.seconds))
         cpu = {k: v - cpu0[k] for k, v in cpu_snapshot(pids).items()}
+        threads = {k: v - threads0.get(k, 0.0) for k, v in thread_cpu_seconds(worker.pid).items()}
         log(f"round {i + 1}/{rounds}: stack {s.tok_s:.1f} tok/s ({s.tok_s / e.tok_s:.2f} of the engine)")
         if s.prompt_tokens != e.prompt_tokens:
             raise RuntimeError(
@@ -1119,6 +1146,7 @@ def throughput(
                     "submit_ms": s.submit_ms,
                     "same_text_as_engine": sum(a == b for a, b in zip(s.texts, e.texts, strict=True)),
                     "cpu_s": cpu,
+                    "worker_threads_cpu_s": threads,
                 },
             }
         )

@@ -35,6 +35,7 @@ from typing import Any
 
 from redis.exceptions import RedisError
 
+from common.process import NamedThread
 from common.schemas import JobError, JobRequest, WorkerHeartbeat
 from common.settings import Settings
 from common.store import Append, SyncJobStore, TakeResult, TakeStatus
@@ -190,11 +191,11 @@ class EngineRuntime:
         self._step_started: float | None = None  # monotonic; set by the engine thread around a step
         self._connected_since: float | None = None  # start of the current run of successful beats
         self._threads = [
-            threading.Thread(target=self._engine_loop, name="spool-engine", daemon=True),
-            threading.Thread(target=self._write_loop, name="spool-writer", daemon=True),
-            threading.Thread(target=self._listen_cancels, name="spool-cancels", daemon=True),
-            threading.Thread(target=self._beat, name="spool-heartbeat", daemon=True),
-            threading.Thread(target=self._watch_engine, name="spool-watchdog", daemon=True),
+            NamedThread(target=self._engine_loop, name="spool-engine", daemon=True),
+            NamedThread(target=self._write_loop, name="spool-writer", daemon=True),
+            NamedThread(target=self._listen_cancels, name="spool-cancels", daemon=True),
+            NamedThread(target=self._beat, name="spool-heartbeat", daemon=True),
+            NamedThread(target=self._watch_engine, name="spool-watchdog", daemon=True),
         ]
 
     @classmethod
