@@ -32,6 +32,9 @@ StoreDep = Annotated[AsyncJobStore, Depends(_store)]
 
 JobId = Annotated[str, Path(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
 
+# Printable ASCII without spaces, as the IETF draft's examples and Stripe's keys (UUIDs).
+IdempotencyKey = Annotated[str | None, Header(min_length=1, max_length=255, pattern=r"^[\x21-\x7e]+$")]
+
 
 async def _job(job_id: JobId, store: StoreDep) -> Job:
     return await store.get_job(job_id)  # JobNotFound becomes the 404 envelope (api/errors.py)

@@ -13,7 +13,6 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from kombu.exceptions import OperationalError as BrokerError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from starlette.exceptions import HTTPException
@@ -117,10 +116,7 @@ async def _conflict(_: Request, exc: Exception) -> JSONResponse:
 
 
 async def _backend_down(_: Request, exc: Exception) -> JSONResponse:
-    what = "the message broker" if isinstance(exc, BrokerError) else "Redis"
-    return _respond(
-        ApiError(503, f"Service unavailable: {what} is unreachable ({exc})", code="backend_unavailable")
-    )
+    return _respond(ApiError(503, f"Service unavailable: Redis is unreachable ({exc})", code="backend_unavailable"))
 
 
 async def _internal(_: Request, exc: Exception) -> JSONResponse:
@@ -134,6 +130,6 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(JobNotFound, _not_found)
     app.add_exception_handler(Conflict, _conflict)
-    for exc in (RedisConnectionError, RedisTimeoutError, BrokerError):
+    for exc in (RedisConnectionError, RedisTimeoutError):
         app.add_exception_handler(exc, _backend_down)
     app.add_exception_handler(Exception, _internal)  # the last resort, answered as a 500

@@ -22,7 +22,9 @@ class Metrics:
     def __init__(self, hub: Hub) -> None:
         self.registry = CollectorRegistry()
         self.jobs_submitted = Counter(
-            "spool_jobs_submitted", "Jobs accepted by POST /v1/jobs", registry=self.registry
+            "spool_jobs_submitted",
+            "Submits accepted (a submit repeated with its Idempotency-Key counts again)",
+            registry=self.registry,
         )
         self.jobs_rejected = Counter(
             "spool_jobs_rejected", "Jobs refused before enqueueing", ["reason"], registry=self.registry

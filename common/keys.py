@@ -6,6 +6,7 @@ several deployments can share one Redis without seeing each other's data.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 GENERATE_TASK = "spool.generate"  # the Celery task a job's message names; the API sends it by name
@@ -53,6 +54,12 @@ class Keys:
     def hub_channel(self, hub_name: str) -> str:
         """Pub/sub channel an API process's hub keeps subscribed (nothing is published on it)."""
         return f"{self.prefix}:hub:{hub_name}"
+
+    def idempotency(self, owner: str, key: str) -> str:
+        """String with a TTL: the id of the job that a client's ``Idempotency-Key`` created, per
+        owner (hashed: the key is the client's text)."""
+        digest = hashlib.sha256(f"{owner}\0{key}".encode()).hexdigest()
+        return f"{self.prefix}:idem:{digest}"
 
     def job_id_from_channel(self, channel: str) -> str:
         return channel[len(self.prefix) + len(":job:") : -len(":events")]

@@ -52,6 +52,12 @@ class Conflict(StoreError):
     """The job is in a state that does not allow the operation (e.g. cancelling a finished job)."""
 
 
+class IdempotencyConflict(Conflict):
+    def __init__(self, job_id: str) -> None:
+        super().__init__(f"this Idempotency-Key created job {job_id} with a different request")
+        self.job_id = job_id
+
+
 class QueueFull(StoreError):
     def __init__(self, limit: int) -> None:
         super().__init__(f"the queue is full ({limit} jobs queued); retry later")
@@ -161,11 +167,23 @@ MessageFor = Callable[[str], QueueMessage]  # a job id -> the message that hands
 
 
 def create_args(
-    keys: Keys, job_id: str, fields: dict[str, str], max_queued: int, now: float, message: QueueMessage | None
+    keys: Keys,
+    settings: Settings,
+    fields: dict[str, str],
+    now: float,
+    message: QueueMessage | None,
+    idempotency_key: str | None,
 ) -> ScriptCall:
-    flat = [x for kv in fields.items() for x in kv]
-    script_keys = [keys.queued_jobs(), keys.job(job_id)] + ([message.list_key] if message else [])
-    return script_keys, [max_queued, job_id, repr(now), message.payload if message else "", *flat]
+    job_id, flat = fields["id"], [x for kv in fields.items() for x in kv]
+    script_keys = [keys.queued_jobs(), keys.job(job_id)]
+    script_keys += [message.list_key] if message else []
+    # An idempotency key is remembered as long as a finished job (its job outlives it).
+    idem_ttl: int | str = ""
+    if idempotency_key is not None:
+        script_keys.append(keys.idempotency(fields["owner"], idempotency_key))
+        idem_ttl = settings.job_ttl_s
+    payload = message.payload if message else ""
+    return script_keys, [settings.max_queued_jobs, job_id, repr(now), payload, idem_ttl, *flat]
 
 
 def _float_or_none(v: str | None) -> float | None:
@@ -292,9 +310,20 @@ def check_cancel(reply: str, job_id: str) -> None:
         raise Conflict(f"job {job_id!r} already finished with status {reply!r}")
 
 
-def check_created(reply: int, max_queued: int) -> None:
+def check_created(reply: int | str, max_queued: int) -> str | None:
+    """None when the job was created; the id of the earlier job its idempotency key names."""
+    if isinstance(reply, str):
+        return reply
     if not reply:
         raise QueueFull(max_queued)
+    return None
+
+
+def check_replay(earlier: JobRecord, request: JobRequest) -> Job:
+    """The earlier job of an idempotency key, if it was created for the same request."""
+    if earlier.request.model_dump_json() != request.model_dump_json():
+        raise IdempotencyConflict(earlier.job.id)
+    return earlier.job
 
 
 # NOTE: liveness is the heartbeat key's TTL (a lapsed worker's key reads as None below); the
@@ -388,12 +417,20 @@ class SyncJobStore(_Base):
     def close(self) -> None:
         self.redis.close()
 
-    def create_job(self, request: JobRequest, owner: str = "", message_for: MessageFor | None = None) -> Job:
+    def create_job(
+        self,
+        request: JobRequest,
+        owner: str = "",
+        message_for: MessageFor | None = None,
+        idempotency_key: str | None = None,
+    ) -> Job:
         now, job_id = time.time(), new_job_id()
         fields = new_job_fields(job_id, request, owner, now)
-        queued = message_for(job_id) if message_for else None
-        keys, args = create_args(self.keys, job_id, fields, self.settings.max_queued_jobs, now, queued)
-        check_created(self._create(keys, args), self.settings.max_queued_jobs)
+        message = message_for(job_id) if message_for else None
+        keys, args = create_args(self.keys, self.settings, fields, now, message, idempotency_key)
+        earlier = check_created(self._create(keys, args), self.settings.max_queued_jobs)
+        if earlier is not None:
+            return check_replay(self.get_record(earlier), request)
         return record_from_hash(fields, "").job
 
     def get_record(self, job_id: str) -> JobRecord:
@@ -579,15 +616,25 @@ class AsyncJobStore(_Base):
         return bool(await self.redis.ping())
 
     async def create_job(
-        self, request: JobRequest, owner: str = "", message_for: MessageFor | None = None
+        self,
+        request: JobRequest,
+        owner: str = "",
+        message_for: MessageFor | None = None,
+        idempotency_key: str | None = None,
     ) -> Job:
-        """Store a queued job, and with ``message_for`` its broker message in the same script;
-        raises QueueFull when SPOOL_MAX_QUEUED_JOBS jobs are queued."""
+        """Store a queued job, and with ``message_for`` its broker message in the same script.
+
+        With an ``idempotency_key`` that this owner used before (within SPOOL_JOB_TTL_S), no job
+        is created: the earlier one is returned, or IdempotencyConflict raised when it was made
+        for another request. Raises QueueFull when SPOOL_MAX_QUEUED_JOBS jobs are queued.
+        """
         now, job_id = time.time(), new_job_id()
         fields = new_job_fields(job_id, request, owner, now)
-        queued = message_for(job_id) if message_for else None
-        keys, args = create_args(self.keys, job_id, fields, self.settings.max_queued_jobs, now, queued)
-        check_created(await self._create(keys, args), self.settings.max_queued_jobs)
+        message = message_for(job_id) if message_for else None
+        keys, args = create_args(self.keys, self.settings, fields, now, message, idempotency_key)
+        earlier = check_created(await self._create(keys, args), self.settings.max_queued_jobs)
+        if earlier is not None:
+            return check_replay(await self.get_record(earlier), request)
         return record_from_hash(fields, "").job
 
     async def get_record(self, job_id: str) -> JobRecord:

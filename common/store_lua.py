@@ -4,14 +4,23 @@ Every status transition and every append is one script, so each is atomic withou
 retries, and each is safe to run twice (a retried call after a dropped connection is a no-op).
 """
 
-# KEYS: queued zset, job hash[, broker list]. ARGV: max queued, job id, now, message, field, value, ...
-# With a broker list, the job's message is pushed with it: a job and its message exist together
-# or not at all.
+# KEYS: queued zset, job hash[, broker list][, idempotency key].
+# ARGV: max queued, job id, now, message ('' for none), idempotency TTL ('' for none), field, value, ...
+# With a message, it is pushed onto the broker list with the job: a job and its message exist
+# together or not at all. With an idempotency key that names a job already, nothing is created
+# and that job's id is returned (before the queue's limit: a retry of an accepted job is no new
+# load). Returns 1 (created), 0 (queue full) or that id.
 CREATE_LUA = """
+local idem = ARGV[5] ~= '' and KEYS[#KEYS]
+if idem then
+  local earlier = redis.call('GET', idem)
+  if earlier then return earlier end
+end
 if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[1]) then return 0 end
-redis.call('HSET', KEYS[2], unpack(ARGV, 5))
+redis.call('HSET', KEYS[2], unpack(ARGV, 6))
 redis.call('ZADD', KEYS[1], ARGV[3], ARGV[2])
-if KEYS[3] then redis.call('LPUSH', KEYS[3], ARGV[4]) end
+if ARGV[4] ~= '' then redis.call('LPUSH', KEYS[3], ARGV[4]) end
+if idem then redis.call('SET', idem, ARGV[2], 'EX', ARGV[5]) end
 return 1
 """
 

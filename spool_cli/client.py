@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,12 @@ TIMEOUT = httpx.Timeout(30.0, read=120.0)  # the API pings idle streams every SP
 
 def _headers(api_key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def _idempotency() -> dict[str, str]:
+    """A submit's own key: sent again with a retried submit, the API answers with the job the
+    first try made (if it made one) instead of making a second."""
+    return {"Idempotency-Key": str(uuid.uuid4())}
 
 
 def _message(body: str) -> str | None:
@@ -59,14 +66,15 @@ def sse_events(lines: Iterator[str]) -> Iterator[tuple[str, str, str]]:
 
 def generate(url: str, body: dict[str, Any], api_key: str | None) -> int:
     """Submit with ``"stream": true`` and print the tokens as they arrive; after a drop, resume
-    the job's stream with Last-Event-ID."""
+    the job's stream with Last-Event-ID (or, before the job's id came back, submit again with
+    the same Idempotency-Key)."""
     with httpx.Client(base_url=url, headers=_headers(api_key), timeout=TIMEOUT) as client:
         job_id: str | None = None  # known from the submit's Location header on
-        last, failures = "0", 0
+        last, failures, submit_key = "0", 0, _idempotency()
         while failures <= MAX_RECONNECTS:
             try:
                 with (
-                    client.stream("POST", "/v1/jobs", json={**body, "stream": True})
+                    client.stream("POST", "/v1/jobs", json={**body, "stream": True}, headers=submit_key)
                     if job_id is None
                     else client.stream("GET", f"/v1/jobs/{job_id}/events", headers={"Last-Event-ID": last})
                 ) as stream:
@@ -90,13 +98,13 @@ def generate(url: str, body: dict[str, Any], api_key: str | None) -> int:
                             if (code := _show(event, json.loads(data))) is not None:
                                 return code
             except httpx.TransportError as e:
-                if job_id is None:  # whether the job was made is unknown: do not submit it twice
-                    print(f"spool: could not submit the job ({e})", file=sys.stderr)
-                    return 1
-                print(f"\nspool: connection lost ({e}); resuming after event {last}", file=sys.stderr)
+                if job_id is None:  # the job may exist: its key makes the API answer with it
+                    print(f"spool: connection lost while submitting ({e}); submitting again", file=sys.stderr)
+                else:
+                    print(f"\nspool: connection lost ({e}); resuming after event {last}", file=sys.stderr)
             failures += 1
             time.sleep(min(0.2 * failures, 5.0))  # back off before reconnecting
-        print(f"spool: gave up on job {job_id}", file=sys.stderr)
+        print(f"spool: gave up on job {job_id or '(not submitted)'}", file=sys.stderr)
         return 1
 
 
@@ -113,9 +121,18 @@ def _show(event: str, data: dict[str, Any]) -> int | None:
 
 
 def _submit(client: httpx.Client, body: dict[str, Any]) -> tuple[str | None, str | None]:
-    """(job id, None) or (None, error message); waits out a full queue (429 + Retry-After)."""
+    """(job id, None) or (None, error message); waits out a full queue (429 + Retry-After) and
+    submits again after a lost connection (with the same Idempotency-Key: one job at most)."""
+    key, failures = _idempotency(), 0
     while True:
-        resp = client.post("/v1/jobs", json=body)
+        try:
+            resp = client.post("/v1/jobs", json=body, headers=key)
+        except httpx.TransportError as e:
+            failures += 1
+            if failures > MAX_RECONNECTS:
+                return None, f"could not submit ({e})"
+            time.sleep(min(0.2 * failures, 5.0))
+            continue
         if resp.status_code != 429:
             return (None, _error(resp)) if resp.is_error else (resp.json()["id"], None)
         time.sleep(float(resp.headers.get("Retry-After", "1")))

@@ -9,14 +9,14 @@ from fastapi import APIRouter, Request, Response
 from fastapi.sse import EventSourceResponse
 
 from api.auth import current_owner
-from api.deps import CursorDep, InboxDep, JobDep, JobId, ServicesDep, StreamStateDep
+from api.deps import CursorDep, IdempotencyKey, InboxDep, JobDep, JobId, ServicesDep, StreamStateDep
 from api.errors import ApiError
 from api.openai_compat.stream import openai_view, streamed_submit
 from api.served import check_with_live_workers
 from api.services import Services
 from api.sse import event_stream, relay, to_sse_list
 from common.schemas import Job, JobRequest
-from common.store import QueueFull
+from common.store import IdempotencyConflict, QueueFull
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 
@@ -37,14 +37,22 @@ CLIENT_CLOSED_REQUEST = 499  # nginx's status for it; logged, never received
     },
 )
 async def create_job(
-    body: JobRequest, services: ServicesDep, request: Request, response: Response
+    body: JobRequest,
+    services: ServicesDep,
+    request: Request,
+    response: Response,
+    idempotency_key: IdempotencyKey = None,
 ) -> Job | EventSourceResponse:
     """Queue a job. With ``"stream": true`` answer 200 with its events, as ``GET
     /v1/jobs/{id}/events`` would (resume there with ``Last-Event-ID``); with ``"background":
     false`` wait for it and answer 200 with the result (or, streamed, cancel it once nobody has
-    watched it for ``SPOOL_DETACH_GRACE_S``)."""
+    watched it for ``SPOOL_DETACH_GRACE_S``).
+
+    With an ``Idempotency-Key`` header the client used before (within ``SPOOL_JOB_TTL_S``), no
+    job is created: the answer is about the job that key created, so a submit whose answer was
+    lost can be sent again; the same key with another body is a 409."""
     check_with_live_workers(await services.served.get(), body)
-    job = await submit_job(services, body)
+    job = await submit_job(services, body, idempotency_key)
     location = f"/v1/jobs/{job.id}"
     if body.stream:
         return streamed_submit(services, job.id, to_sse_list, not body.background, {"Location": location})
@@ -55,14 +63,18 @@ async def create_job(
     return await wait_for_job(services, job.id, request)
 
 
-async def submit_job(services: Services, body: JobRequest) -> Job:
+async def submit_job(services: Services, body: JobRequest, idempotency_key: str | None = None) -> Job:
     """Store the job with its Celery message, in one script (429 when the queue is full)."""
     metrics = services.metrics
     try:
-        job = await services.store.create_job(body, current_owner(), services.enqueuer.generate)
+        job = await services.store.create_job(
+            body, current_owner(), services.enqueuer.generate, idempotency_key
+        )
     except QueueFull as e:
         metrics.jobs_rejected.labels("queue_full").inc()
         raise ApiError(429, str(e), code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+    except IdempotencyConflict as e:
+        raise ApiError(409, str(e), param="Idempotency-Key", code="idempotency_key_reused") from None
     metrics.jobs_submitted.inc()
     return job
 

@@ -1,4 +1,5 @@
-"""The jobs' Celery messages: as Celery itself would send them, and exactly one per job."""
+"""The jobs' Celery messages: as Celery itself would send them, exactly one per job, and one job
+per Idempotency-Key."""
 
 from __future__ import annotations
 
@@ -87,3 +88,29 @@ def test_a_jobs_message_is_the_one_celery_would_send(prefixes: Prefixes) -> None
     assert per_message_fields_blanked(ours.payload) == per_message_fields_blanked(theirs)
     mine = json.loads(ours.payload)
     assert mine["headers"]["id"] == mine["headers"]["root_id"] == mine["properties"]["correlation_id"]
+
+
+def test_a_submit_repeated_with_its_idempotency_key_is_the_same_job(
+    api_alone: Service, prefixes: Prefixes
+) -> None:
+    url, body = f"{api_alone.url}/v1/jobs", {"prompt": "only once", "max_tokens": 2}
+    key = {"Idempotency-Key": "3f2b8a50-9c1e-4f7a-b1d2-0c6a1e9d7f10"}
+    with httpx.Client(timeout=30) as client:
+        answers = [client.post(url, json=body, headers=key) for _ in range(3)]
+        assert [r.status_code for r in answers] == [202] * 3
+        assert len({r.json()["id"] for r in answers}) == 1
+        assert len({r.headers["Location"] for r in answers}) == 1
+        other = client.post(url, json=body, headers={"Idempotency-Key": "another"})
+        assert other.status_code == 202 and other.json()["id"] != answers[0].json()["id"]
+
+        reused = client.post(url, json={**body, "max_tokens": 3}, headers=key)
+        assert reused.status_code == 409
+        error = reused.json()["error"]
+        assert (error["code"], error["param"]) == ("idempotency_key_reused", "Idempotency-Key")
+        assert answers[0].json()["id"] in error["message"]
+
+        for bad in ("", "has space", "x" * 256, "caf\u00e9"):
+            refused = client.post(url, json=body, headers={"Idempotency-Key": bad.encode()})
+            assert 400 <= refused.status_code < 500 and "error" in refused.json(), bad
+    ids = sorted(str(args[0]) for _, args in queued_messages(prefixes.client, api_alone.prefix))
+    assert ids == sorted([answers[0].json()["id"], other.json()["id"]])  # one message per job

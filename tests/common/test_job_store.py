@@ -25,6 +25,7 @@ from common.store import (
     AsyncJobStore,
     Conflict,
     Final,
+    IdempotencyConflict,
     JobNotFound,
     QueueFull,
     QueueMessage,
@@ -100,6 +101,27 @@ def test_a_job_and_its_message_are_stored_together(store: SyncJobStore, settings
         store.create_job(JobRequest(prompt="x"), message_for=message_for)
     # One message per stored job, in order; none for the refused one.
     assert store.redis.lrange(queue, 0, -1)[::-1] == [f"message of {job.id}" for job in jobs]
+
+
+def test_an_idempotency_key_creates_one_job(store: SyncJobStore, settings: Settings) -> None:
+    queue = store.keys.broker_list(store.keys.queue_llm, JOB_PRIORITY)
+
+    def message_for(job_id: str) -> QueueMessage:
+        return QueueMessage(queue, job_id)
+
+    request = JobRequest(prompt="once", max_tokens=3)
+    first = store.create_job(request, "alice", message_for, idempotency_key="k-1")
+    for _ in range(settings.max_queued_jobs - 1):  # the queue fills up...
+        store.create_job(JobRequest(prompt="x"))
+    # ...yet the same submit again is the same job (no new load), with no second message.
+    assert store.create_job(request, "alice", message_for, idempotency_key="k-1") == first
+    assert store.redis.lrange(queue, 0, -1) == [first.id]
+    ttl = store.redis.ttl(store.keys.idempotency("alice", "k-1"))
+    assert 0 < ttl <= settings.job_ttl_s
+    with pytest.raises(IdempotencyConflict):  # the same key for another request
+        store.create_job(JobRequest(prompt="twice", max_tokens=3), "alice", message_for, idempotency_key="k-1")
+    with pytest.raises(QueueFull):  # another owner's key of the same text is another key
+        store.create_job(request, "bob", message_for, idempotency_key="k-1")
 
 
 def test_take_then_append_then_finish(store: SyncJobStore, settings: Settings) -> None:

@@ -5,8 +5,11 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -105,6 +108,85 @@ def test_generate_resumes_when_the_api_dies_mid_stream(cluster, tiny_model: Path
     assert proc.returncode == 0, err
     assert b"resuming after event" in err
     assert (first + out).decode() == greedy(tiny_model, LONG_PROMPT, 300).text + "\n"
+
+
+class LosesFirstAnswer:
+    """A TCP proxy to the API that loses the answer to the first connection's request: the
+    request reaches the API, which acts on it, but the client only sees the connection close."""
+
+    def __init__(self, upstream: str) -> None:
+        host, port = upstream.removeprefix("http://").rsplit(":", 1)
+        self.upstream = (host, int(port))
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.server.getsockname()[1]}"
+        self.connections = 0
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.server.accept()
+            except OSError:  # closed
+                return
+            self.connections += 1
+            upstream = socket.create_connection(self.upstream)
+            threading.Thread(target=self._pump, args=(client, upstream), daemon=True).start()
+            if self.connections == 1:
+                threading.Thread(target=self._lose, args=(upstream, client), daemon=True).start()
+            else:
+                threading.Thread(target=self._pump, args=(upstream, client), daemon=True).start()
+
+    @staticmethod
+    def _pump(src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while chunk := src.recv(65536):
+                dst.sendall(chunk)
+        except OSError:
+            pass
+        finally:
+            _hang_up(dst)
+
+    @staticmethod
+    def _lose(upstream: socket.socket, client: socket.socket) -> None:
+        upstream.recv(65536)  # the API answered: the job exists
+        _hang_up(client)
+        _hang_up(upstream)
+
+    def close(self) -> None:
+        self.server.close()
+
+
+def _hang_up(sock: socket.socket) -> None:
+    # shutdown, not only close: it sends the FIN and wakes another thread's recv on the socket.
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    sock.close()
+
+
+@pytest.fixture
+def lossy(cluster) -> Iterator[LosesFirstAnswer]:  # type: ignore[no-untyped-def]
+    proxy = LosesFirstAnswer(cluster.url)
+    yield proxy
+    proxy.close()
+
+
+def test_generate_submits_again_when_the_answer_is_lost_and_the_job_runs_once(  # type: ignore[no-untyped-def]
+    cluster, lossy: LosesFirstAnswer, tiny_model: Path, prefixes
+) -> None:
+    prompt = "a lost answer"
+    result = spool("generate", prompt, "--max-tokens", "8", "--temperature", "0", "--url", lossy.url)
+    assert result.returncode == 0, result.stderr
+    assert "submitting again" in result.stderr and lossy.connections >= 2
+    assert result.stdout == greedy(tiny_model, prompt, 8).text + "\n"
+    keys = Keys(cluster.prefix)
+    jobs = [
+        key
+        for key in prefixes.client.scan_iter(keys.job("*"))
+        if key.count(b":") == 2 and prompt in json.loads(prefixes.client.hget(key, "request"))["prompt"]
+    ]
+    assert len(jobs) == 1  # the retried submit named the first one's job: it ran once
 
 
 def test_batch_writes_results_in_order(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
