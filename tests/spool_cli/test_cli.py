@@ -14,6 +14,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import redis
 from greedy import greedy
 from procs import SPOOL, free_port, spool_env, start_api, wait_until
 
@@ -180,13 +181,25 @@ def test_generate_submits_again_when_the_answer_is_lost_and_the_job_runs_once(  
     assert result.returncode == 0, result.stderr
     assert "submitting again" in result.stderr and lossy.connections >= 2
     assert result.stdout == greedy(tiny_model, prompt, 8).text + "\n"
-    keys = Keys(cluster.prefix)
-    jobs = [
-        key
-        for key in prefixes.client.scan_iter(keys.job("*"))
-        if key.count(b":") == 2 and prompt in json.loads(prefixes.client.hget(key, "request"))["prompt"]
-    ]
-    assert len(jobs) == 1  # the retried submit named the first one's job: it ran once
+    assert jobs_with_prompt(prefixes.client, cluster.prefix, prompt) == 1  # the retry named the first job
+
+
+def test_batch_submits_again_when_the_answer_is_lost_and_the_job_runs_once(  # type: ignore[no-untyped-def]
+    cluster, lossy: LosesFirstAnswer, prefixes, tmp_path: Path
+) -> None:
+    prompt = "a lost answer in a batch"
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text(json.dumps({"prompt": prompt, "max_tokens": 4}) + "\n")
+    result = spool("batch", str(src), "--out", str(out), "--url", lossy.url)
+    assert result.returncode == 0, result.stderr
+    assert [json.loads(line)["status"] for line in out.read_text().splitlines()] == ["succeeded"]
+    assert lossy.connections >= 2
+    assert jobs_with_prompt(prefixes.client, cluster.prefix, prompt) == 1
+
+
+def jobs_with_prompt(client: redis.Redis, prefix: str, prompt: str) -> int:
+    hashes = (k for k in client.scan_iter(Keys(prefix).job("*")) if k.count(b":") == 2)
+    return sum(json.loads(client.hget(k, "request"))["prompt"] == prompt for k in hashes)
 
 
 def test_batch_writes_results_in_order(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
