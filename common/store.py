@@ -166,24 +166,28 @@ class QueueMessage:
 MessageFor = Callable[[str], QueueMessage]  # a job id -> the message that hands it to the workers
 
 
-def create_args(
+def create_call(
     keys: Keys,
     settings: Settings,
-    fields: dict[str, str],
-    now: float,
-    message: QueueMessage | None,
+    request: JobRequest,
+    owner: str,
+    message_for: MessageFor | None,
     idempotency_key: str | None,
-) -> ScriptCall:
-    job_id, flat = fields["id"], [x for kv in fields.items() for x in kv]
+) -> tuple[dict[str, str], ScriptCall]:
+    """A new job's fields, and the create script's call that stores them."""
+    now, job_id = time.time(), new_job_id()
+    fields = new_job_fields(job_id, request, owner, now)
+    message = message_for(job_id) if message_for else None
+    flat = [x for kv in fields.items() for x in kv]
     script_keys = [keys.queued_jobs(), keys.job(job_id)]
     script_keys += [message.list_key] if message else []
     # An idempotency key is remembered as long as a finished job (its job outlives it).
     idem_ttl: int | str = ""
     if idempotency_key is not None:
-        script_keys.append(keys.idempotency(fields["owner"], idempotency_key))
+        script_keys.append(keys.idempotency(owner, idempotency_key))
         idem_ttl = settings.job_ttl_s
     payload = message.payload if message else ""
-    return script_keys, [settings.max_queued_jobs, job_id, repr(now), payload, idem_ttl, *flat]
+    return fields, (script_keys, [settings.max_queued_jobs, job_id, repr(now), payload, idem_ttl, *flat])
 
 
 def _float_or_none(v: str | None) -> float | None:
@@ -424,10 +428,9 @@ class SyncJobStore(_Base):
         message_for: MessageFor | None = None,
         idempotency_key: str | None = None,
     ) -> Job:
-        now, job_id = time.time(), new_job_id()
-        fields = new_job_fields(job_id, request, owner, now)
-        message = message_for(job_id) if message_for else None
-        keys, args = create_args(self.keys, self.settings, fields, now, message, idempotency_key)
+        fields, (keys, args) = create_call(
+            self.keys, self.settings, request, owner, message_for, idempotency_key
+        )
         earlier = check_created(self._create(keys, args), self.settings.max_queued_jobs)
         if earlier is not None:
             return check_replay(self.get_record(earlier), request)
@@ -628,10 +631,9 @@ class AsyncJobStore(_Base):
         is created: the earlier one is returned, or IdempotencyConflict raised when it was made
         for another request. Raises QueueFull when SPOOL_MAX_QUEUED_JOBS jobs are queued.
         """
-        now, job_id = time.time(), new_job_id()
-        fields = new_job_fields(job_id, request, owner, now)
-        message = message_for(job_id) if message_for else None
-        keys, args = create_args(self.keys, self.settings, fields, now, message, idempotency_key)
+        fields, (keys, args) = create_call(
+            self.keys, self.settings, request, owner, message_for, idempotency_key
+        )
         earlier = check_created(await self._create(keys, args), self.settings.max_queued_jobs)
         if earlier is not None:
             return check_replay(await self.get_record(earlier), request)
