@@ -116,7 +116,9 @@ async def _conflict(_: Request, exc: Exception) -> JSONResponse:
 
 
 async def _backend_down(_: Request, exc: Exception) -> JSONResponse:
-    return _respond(ApiError(503, f"Service unavailable: Redis is unreachable ({exc})", code="backend_unavailable"))
+    return _respond(
+        ApiError(503, f"Service unavailable: Redis is unreachable ({exc})", code="backend_unavailable")
+    )
 
 
 async def _internal(_: Request, exc: Exception) -> JSONResponse:
