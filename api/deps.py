@@ -33,7 +33,16 @@ StoreDep = Annotated[AsyncJobStore, Depends(_store)]
 JobId = Annotated[str, Path(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
 
 # Printable ASCII without spaces, as the IETF draft's examples and Stripe's keys (UUIDs).
-IdempotencyKey = Annotated[str | None, Header(min_length=1, max_length=255, pattern=r"^[\x21-\x7e]+$")]
+IdempotencyKey = Annotated[
+    str | None,
+    Header(
+        min_length=1,
+        max_length=255,
+        pattern=r"^[\x21-\x7e]+$",
+        description="Sent again with the same body within SPOOL_JOB_TTL_S, answers with the job the "
+        "first submit made instead of making another (409 with another body).",
+    ),
+]
 
 
 async def _job(job_id: JobId, store: StoreDep) -> Job:
