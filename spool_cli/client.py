@@ -29,6 +29,11 @@ def _idempotency() -> dict[str, str]:
     return {"Idempotency-Key": str(uuid.uuid4())}
 
 
+def _back_off(failures: int) -> None:
+    """Wait before trying again after ``failures`` failed tries in a row."""
+    time.sleep(min(0.2 * failures, 5.0))
+
+
 def _message(body: str) -> str | None:
     """The message of an error envelope, None for anything else."""
     try:
@@ -103,7 +108,7 @@ def generate(url: str, body: dict[str, Any], api_key: str | None) -> int:
                 else:
                     print(f"\nspool: connection lost ({e}); resuming after event {last}", file=sys.stderr)
             failures += 1
-            time.sleep(min(0.2 * failures, 5.0))  # back off before reconnecting
+            _back_off(failures)
         print(f"spool: gave up on job {job_id or '(not submitted)'}", file=sys.stderr)
         return 1
 
@@ -131,7 +136,7 @@ def _submit(client: httpx.Client, body: dict[str, Any]) -> tuple[str | None, str
             failures += 1
             if failures > MAX_RECONNECTS:
                 return None, f"could not submit ({e})"
-            time.sleep(min(0.2 * failures, 5.0))
+            _back_off(failures)
             continue
         if resp.status_code != 429:
             return (None, _error(resp)) if resp.is_error else (resp.json()["id"], None)
