@@ -9,8 +9,10 @@ time of the API process (``/proc``, all threads) for:
 - ``POST /v1/jobs``, one at a time, and in bursts of 32 at once (with the bursts' p50 latency);
 - opening ``GET /v1/jobs/{id}/events`` up to its first bytes: a finished job (8 token events
   and ``done``, replayed) and a running job (one event so far, then live);
+- events relayed to streams open on that process: 32 jobs' token events, a step's writes at a
+  time, paced as an engine's steps (``--step-ms``), each job streamed by one client;
 - events of jobs that nobody streams on that process (another replica's, or fire-and-poll
-  jobs): 32 jobs' token events, a step's writes at a time.
+  jobs): the same writes.
 
 The trees take turns, round after round, so drift in the machine's speed hits them alike; the
 figures are medians over the rounds, and each tree's ratio to the first is printed. To compare
@@ -39,7 +41,7 @@ from common.settings import Settings
 from common.store import Append, Final, SyncJobStore, token_entry
 
 BURST = 32
-STEP_JOBS = 32  # jobs per step write in the "not streamed here" part
+STEP_JOBS = 32  # jobs per step write in the events parts
 MAX_QUEUED = 10**7  # the submitted jobs stay queued (no worker): no backpressure here
 
 
@@ -146,6 +148,49 @@ def stream_opens(target: Target, client: httpx.Client, n: int) -> dict[str, floa
     }
 
 
+def events_streamed(target: Target, steps: int, step_s: float) -> dict[str, float]:
+    """CPU per event relayed: STEP_JOBS streams open, ``steps`` step writes ``step_s`` apart,
+    then each job's ``done``; the figure ends when every stream has been closed by the server."""
+    jobs = [target.running_job(0) for _ in range(STEP_JOBS)]
+    host, port = target.url.removeprefix("http://").split(":")
+
+    async def open_stream(job_id: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(f"GET /v1/jobs/{job_id}/events HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode())
+        await reader.readuntil(b"\r\n\r\n")  # the response's head: the stream is open
+        return reader, writer
+
+    async def run() -> tuple[float, list[bytes]]:
+        streams = await asyncio.gather(*(open_stream(job_id) for job_id, _ in jobs))
+        reads = [asyncio.ensure_future(reader.read()) for reader, _ in streams]  # to the server's close
+
+        def write() -> None:
+            next_step = time.perf_counter()
+            for step in range(steps):
+                appends = [
+                    Append(job_id, attempt, [token_entry(step + 1, step, " word", [7])], 1, step + 1)
+                    for job_id, attempt in jobs
+                ]
+                target.store.append_batch(appends)
+                next_step += step_s
+                time.sleep(max(0.0, next_step - time.perf_counter()))
+            for job_id, attempt in jobs:
+                target.finish(job_id, attempt, steps)
+
+        before = target.cpu()
+        await asyncio.to_thread(write)
+        bodies = await asyncio.gather(*reads)
+        cpu = target.cpu() - before
+        for _, writer in streams:
+            writer.close()
+        return cpu, bodies
+
+    cpu, bodies = asyncio.run(run())
+    for body in bodies:  # every stream got every event and its done
+        assert body.count(b"event: token") == steps and b"event: done" in body, body[-200:]
+    return {"streamed_cpu_us_per_event": 1e6 * cpu / (steps * STEP_JOBS)}
+
+
 def events_not_streamed(target: Target, steps: int) -> dict[str, float]:
     jobs = [target.running_job(0) for _ in range(STEP_JOBS)]
     before = target.cpu()
@@ -170,6 +215,9 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=200, help="POSTs and stream opens per round")
     parser.add_argument("--bursts", type=int, default=8, help=f"bursts of {BURST} POSTs per round")
     parser.add_argument("--steps", type=int, default=200, help=f"steps of {STEP_JOBS} events per round")
+    parser.add_argument(
+        "--step-ms", type=float, default=10.0, help="time between step writes while streams are open"
+    )
     parser.add_argument("--json", type=Path, help="also write the figures as JSON here")
     args = parser.parse_args()
     trees = [t.resolve() for t in (args.tree or [REPO_ROOT])]
@@ -185,6 +233,7 @@ def main() -> int:
                     posts_alone(target, client, 20)
                     posts_in_bursts(target, 1)
                     stream_opens(target, client, 20)
+                    events_streamed(target, 20, args.step_ms / 1e3)
                     events_not_streamed(target, 20)
                 for r in range(args.rounds):
                     for i, target in enumerate(targets):
@@ -192,6 +241,7 @@ def main() -> int:
                             **posts_alone(target, client, args.requests),
                             **posts_in_bursts(target, args.bursts),
                             **stream_opens(target, client, args.requests),
+                            **events_streamed(target, args.steps, args.step_ms / 1e3),
                             **events_not_streamed(target, args.steps),
                         }
                         rounds[i].append(figures)

@@ -22,5 +22,6 @@ def test_api_bench_smoke_run(tmp_path: Path) -> None:
         "post_burst_p50_ms",
         "open_finished_cpu_ms",
         "open_live_cpu_ms",
+        "streamed_cpu_us_per_event",
         "not_streamed_cpu_us_per_event",
     }
