@@ -111,6 +111,16 @@ class Keys:
         return f"{self.prefix}.celeryev"
 
     @property
+    def broker_unacked(self) -> dict[str, str]:
+        """kombu's record of the messages delivered and not yet acknowledged (its transport
+        options; its defaults, "unacked" and so on, would be shared by every prefix)."""
+        return {
+            "unacked_key": f"{self.prefix}.unacked",
+            "unacked_index_key": f"{self.prefix}.unacked_index",
+            "unacked_mutex_key": f"{self.prefix}.unacked_mutex",
+        }
+
+    @property
     def queue_media(self) -> str:
         """Celery queue for non-text parts."""
         return f"{self.prefix}.media"

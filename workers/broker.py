@@ -17,6 +17,10 @@ still works as a last resort.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import redis
 from kombu.transport import redis as kombu_redis
 
 
@@ -41,6 +45,20 @@ class QoS(kombu_redis.QoS):
 class Channel(kombu_redis.Channel):
     QoS = QoS
     do_restore = False  # NOTE: read by QoS.restore_unacked_once when the channel closes
+    _commands: redis.Redis | None = None
+
+    # NOTE: kombu builds a new redis-py client for every command or pipeline it sends outside
+    # its BRPOP: twice per job (recording the delivery, acknowledging it), a quarter of the
+    # Celery consumer thread's CPU, which is the pace at which a burst's jobs reach the engine
+    # (docs/benchmarks.md). One client over the channel's own connection pool serves them all:
+    # a redis-py client is thread-safe, and each pipeline still gets a connection of its own.
+    @contextmanager
+    def conn_or_acquire(self, client: redis.Redis | None = None) -> Iterator[redis.Redis]:
+        if client is None:
+            if self._commands is None:
+                self._commands = self._create_client()
+            client = self._commands
+        yield client
 
 
 class Transport(kombu_redis.Transport):

@@ -34,7 +34,7 @@ def make_app(settings: Settings) -> Celery:
         control_exchange=settings.keys.control_exchange,
         event_exchange=settings.keys.event_exchange,
         task_routes={GENERATE_TASK: {"queue": settings.keys.queue_llm}},
-        broker_transport_options={"visibility_timeout": VISIBILITY_TIMEOUT_S},
+        broker_transport_options={"visibility_timeout": VISIBILITY_TIMEOUT_S, **settings.keys.broker_unacked},
         # Redis, without the restore that kills the worker when Redis restarts (workers/broker.py).
         broker_transport=TRANSPORT,
         broker_connection_retry_on_startup=True,

@@ -78,6 +78,30 @@ def test_cancel_reaches_the_worker(store: SyncJobStore, celery_app: Celery) -> N
     assert got.status is JobStatus.CANCELLED and got.usage.completion_tokens < 400
 
 
+def test_a_delivered_message_is_recorded_under_the_prefix_until_its_job_ends(
+    store: SyncJobStore, celery_app: Celery
+) -> None:
+    """kombu's record of the delivered, unacknowledged messages (what its visibility timeout
+    would restore) is the prefix's own, and the acknowledgement at the job's end clears it."""
+    unacked = store.keys.broker_unacked["unacked_key"]
+
+    def recorded(key: str) -> bool:  # (Celery's message headers carry the task's args)
+        return any(job.id in value for value in store.redis.hvals(key))
+
+    job = store.create_job(JobRequest(prompt=LONG_PROMPT, max_tokens=400, temperature=0))
+    celery_app.send_task(GENERATE_TASK, [job.id])
+    deadline = time.monotonic() + 60
+    while not store.read_log(job.id):
+        assert time.monotonic() < deadline, "no token within 60s"
+        time.sleep(0.01)
+    assert recorded(unacked) and not recorded("unacked")  # (kombu's default name)
+    store.request_cancel(job.id)
+    finished(store, job.id)
+    while recorded(unacked):  # acknowledged once the task has returned
+        assert time.monotonic() < deadline, "the message was never acknowledged"
+        time.sleep(0.01)
+
+
 def test_remote_control_stays_within_the_prefix(
     worker: tuple[str, Service], celery_app: Celery, prefixes  # type: ignore[no-untyped-def]
 ) -> None:
