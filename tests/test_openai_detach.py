@@ -14,9 +14,12 @@ from typing import Any
 import httpx
 import openai
 import pytest
+import redis
 from openai_stream import JOB_ID_HEADER, iter_chunks, read_stream
 from procs import Cluster, Prefixes, finished_job, start_api, start_worker, waiting_request
 from transformers import AutoTokenizer
+
+from common.keys import WATCHER_GHOST, Keys
 
 GRACE_S = 1.0
 # Its EOS unreachable, the plain model runs for seconds (1 to 5 ms a token on a 2-core CPU),
@@ -120,6 +123,23 @@ def test_background_stream_runs_to_the_end(solo: Cluster, oai: openai.OpenAI, cl
     assert job["status"] == "succeeded" and job["finish_reason"] == "length"
     assert job["usage"]["completion_tokens"] == LONG["max_tokens"]
     assert job["finished_at"] > dropped_at + GRACE_S  # it outlived the check after the drop
+
+
+def test_a_jobs_watcher_set_expires_once_its_watchers_left(
+    solo: Cluster, client: httpx.Client, redis_client: redis.Redis
+) -> None:
+    """The ghost that replaces a job's last watcher makes the set anew: it must expire as the
+    first did, or every foreground request leaves a set in Redis for good."""
+    done = read_stream(
+        client, "POST", f"{solo.url}/v1/completions", body={**LONG, "max_tokens": 4, "stream": True}
+    )
+    assert done.chunks[-1].done
+    key = Keys(solo.prefix).job_watchers(done.job_id)
+    deadline = time.monotonic() + 10
+    while not any(m.startswith(WATCHER_GHOST.encode()) for m in redis_client.zrange(key, 0, -1)):
+        assert time.monotonic() < deadline, "the watcher never left"
+        time.sleep(0.01)
+    assert redis_client.ttl(key) > 0
 
 
 @pytest.mark.parametrize(

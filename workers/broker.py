@@ -1,4 +1,5 @@
-"""Kombu's Redis transport, made to survive a Redis restart under Celery 5.7.
+"""Kombu's Redis transport, made to survive a Redis restart under Celery 5.7, and sending its
+commands through one client (``Channel.conn_or_acquire``).
 
 Celery 5.7's worker, on losing its broker connection, first tears the connection's transport
 down and then closes its channel; closing a Redis channel restores the unacknowledged

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Coroutine
@@ -40,6 +41,10 @@ class Watchers:
         self._store = store
         self._keys = store.keys
         self._grace_s = grace_s
+        # NOTE: every write sets the set's expiry again (as long as a job's, and past any member's
+        # counting: a lease and then the grace): the set goes once nobody wrote to it for that long.
+        # A ghost that replaces the last watcher makes a new key, without the old one's expiry.
+        self._ttl_s = max(store.settings.job_ttl_s, math.ceil(LEASE_S + grace_s) + 1)
         self._mine: dict[str, str] = {}  # token -> job id: this process's live watchers
         self._leaving: dict[str, str] = {}  # token -> job id: left, its ghost not yet written
         self._tasks: set[asyncio.Task[None]] = set()
@@ -69,7 +74,7 @@ class Watchers:
         self._mine[token] = job_id
         async with self._store.redis.pipeline(transaction=True) as pipe:
             pipe.zadd(key, {token: time.time() + LEASE_S})
-            pipe.expire(key, self._store.settings.job_ttl_s)
+            pipe.expire(key, self._ttl_s)
             await pipe.execute()
         try:
             yield
@@ -106,6 +111,7 @@ class Watchers:
                 key = self._keys.job_watchers(job_id)
                 pipe.zrem(key, token)
                 pipe.zadd(key, {WATCHER_GHOST + token: until})
+                pipe.expire(key, self._ttl_s)
             await pipe.execute()
 
     async def _check(self, job_id: str, until: float) -> None:
@@ -136,7 +142,9 @@ class Watchers:
             try:
                 async with self._store.redis.pipeline(transaction=False) as pipe:
                     for token, job_id in mine:
-                        pipe.zadd(self._keys.job_watchers(job_id), {token: deadline}, xx=True)
+                        key = self._keys.job_watchers(job_id)
+                        pipe.zadd(key, {token: deadline}, xx=True)
+                        pipe.expire(key, self._ttl_s)
                     await pipe.execute()
             except RedisError as e:
                 log.warning("could not renew stream watchers: %s", e)
