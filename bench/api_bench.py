@@ -148,6 +148,15 @@ def stream_opens(target: Target, client: httpx.Client, n: int) -> dict[str, floa
     }
 
 
+def write_step(target: Target, jobs: list[tuple[str, int]], step: int) -> None:
+    """One engine step's writes: a token event for each of the running ``jobs`` (id, attempt)."""
+    appends = [
+        Append(job_id, attempt, [token_entry(step + 1, step, " word", [7])], 1, step + 1)
+        for job_id, attempt in jobs
+    ]
+    target.store.append_batch(appends)
+
+
 def events_streamed(target: Target, steps: int, step_s: float) -> dict[str, float]:
     """CPU per event relayed: STEP_JOBS streams open, ``steps`` step writes ``step_s`` apart,
     then each job's ``done``; the figure ends when every stream has been closed by the server."""
@@ -156,7 +165,9 @@ def events_streamed(target: Target, steps: int, step_s: float) -> dict[str, floa
 
     async def open_stream(job_id: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         reader, writer = await asyncio.open_connection(host, int(port))
-        writer.write(f"GET /v1/jobs/{job_id}/events HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode())
+        writer.write(
+            f"GET /v1/jobs/{job_id}/events HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode()
+        )
         await reader.readuntil(b"\r\n\r\n")  # the response's head: the stream is open
         return reader, writer
 
@@ -167,11 +178,7 @@ def events_streamed(target: Target, steps: int, step_s: float) -> dict[str, floa
         def write() -> None:
             next_step = time.perf_counter()
             for step in range(steps):
-                appends = [
-                    Append(job_id, attempt, [token_entry(step + 1, step, " word", [7])], 1, step + 1)
-                    for job_id, attempt in jobs
-                ]
-                target.store.append_batch(appends)
+                write_step(target, jobs, step)
                 next_step += step_s
                 time.sleep(max(0.0, next_step - time.perf_counter()))
             for job_id, attempt in jobs:
@@ -195,11 +202,7 @@ def events_not_streamed(target: Target, steps: int) -> dict[str, float]:
     jobs = [target.running_job(0) for _ in range(STEP_JOBS)]
     before = target.cpu()
     for step in range(steps):
-        appends = [
-            Append(job_id, attempt, [token_entry(step + 1, step, " word", [7])], 1, step + 1)
-            for job_id, attempt in jobs
-        ]
-        target.store.append_batch(appends)
+        write_step(target, jobs, step)
     time.sleep(0.5)  # let the API drain what it receives (an idle process costs ~nothing meanwhile)
     return {"not_streamed_cpu_us_per_event": 1e6 * (target.cpu() - before) / (steps * STEP_JOBS)}
 

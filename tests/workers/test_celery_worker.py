@@ -48,6 +48,17 @@ def finished(store: SyncJobStore, job_id: str, timeout: float = 60.0) -> Job:
     return job
 
 
+def started(store: SyncJobStore, celery_app: Celery, max_tokens: int) -> Job:
+    """A long job, sent by task name, once its first token is stored."""
+    job = store.create_job(JobRequest(prompt=LONG_PROMPT, max_tokens=max_tokens, temperature=0))
+    celery_app.send_task(GENERATE_TASK, [job.id])
+    deadline = time.monotonic() + 60
+    while not store.read_log(job.id):
+        assert time.monotonic() < deadline, "no token within 60s"
+        time.sleep(0.01)
+    return job
+
+
 def test_task_by_name_runs_the_job(store: SyncJobStore, celery_app: Celery) -> None:
     job = store.create_job(JobRequest(prompt="hello", max_tokens=12, temperature=0))
     celery_app.send_task(GENERATE_TASK, [job.id])
@@ -67,12 +78,7 @@ def test_a_duplicate_message_does_not_run_the_job_twice(store: SyncJobStore, cel
 
 
 def test_cancel_reaches_the_worker(store: SyncJobStore, celery_app: Celery) -> None:
-    job = store.create_job(JobRequest(prompt=LONG_PROMPT, max_tokens=400, temperature=0))
-    celery_app.send_task(GENERATE_TASK, [job.id])
-    deadline = time.monotonic() + 60
-    while not store.read_log(job.id):
-        assert time.monotonic() < deadline, "no token within 60s"
-        time.sleep(0.01)
+    job = started(store, celery_app, 400)
     store.request_cancel(job.id)
     got = finished(store, job.id)
     assert got.status is JobStatus.CANCELLED and got.usage.completion_tokens < 400
@@ -88,22 +94,20 @@ def test_a_delivered_message_is_recorded_under_the_prefix_until_its_job_ends(
     def recorded(key: str) -> bool:  # (Celery's message headers carry the task's args)
         return any(job.id in value for value in store.redis.hvals(key))
 
-    job = store.create_job(JobRequest(prompt=LONG_PROMPT, max_tokens=400, temperature=0))
-    celery_app.send_task(GENERATE_TASK, [job.id])
-    deadline = time.monotonic() + 60
-    while not store.read_log(job.id):
-        assert time.monotonic() < deadline, "no token within 60s"
-        time.sleep(0.01)
+    job = started(store, celery_app, 400)
     assert recorded(unacked) and not recorded("unacked")  # (kombu's default name)
     store.request_cancel(job.id)
     finished(store, job.id)
+    deadline = time.monotonic() + 10
     while recorded(unacked):  # acknowledged once the task has returned
         assert time.monotonic() < deadline, "the message was never acknowledged"
         time.sleep(0.01)
 
 
 def test_remote_control_stays_within_the_prefix(
-    worker: tuple[str, Service], celery_app: Celery, prefixes  # type: ignore[no-untyped-def]
+    worker: tuple[str, Service],
+    celery_app: Celery,
+    prefixes,  # type: ignore[no-untyped-def]
 ) -> None:
     """`celery inspect`, `celery control` and Flower reach this prefix's workers and no other's,
     as every other name is namespaced: deployments and tests share one Redis."""
@@ -119,14 +123,8 @@ def test_remote_control_stays_within_the_prefix(
 def test_warm_shutdown_finishes_the_running_job(
     worker: tuple[str, Service], store: SyncJobStore, celery_app: Celery
 ) -> None:
-    job = store.create_job(JobRequest(prompt=LONG_PROMPT, max_tokens=300, temperature=0))
-    celery_app.send_task(GENERATE_TASK, [job.id])
-    deadline = time.monotonic() + 60
-    while not store.read_log(job.id):
-        assert time.monotonic() < deadline, "no token within 60s"
-        time.sleep(0.01)
+    job = started(store, celery_app, 300)
     worker[1].stop()  # SIGTERM: Celery's warm shutdown lets running tasks end
     got = store.get_job(job.id)
     assert got.status is JobStatus.SUCCEEDED and got.usage.completion_tokens == 300
     assert store.list_workers() == []  # the heartbeat goes with the worker
-
