@@ -148,38 +148,13 @@ class Prefixes:
 
     def cleanup(self) -> None:
         for prefix in self.made:
-            keys = Keys(prefix)
-            # Job keys, the Celery queue lists (named after keys.queue_llm, plus kombu's
-            # priority-suffixed variants) and kombu's binding keys for those queues
-            # (_kombu.binding.Q and _kombu.binding_permanent.Q).
-            patterns = (
-                f"{prefix}:*",
-                f"{keys.queue_llm}*",
-                f"{keys.queue_media}*",
-                f"_kombu.binding*.{prefix}.*",
-            )
-            for pattern in patterns:
+            # Job keys ("{prefix}:..."); the broker's ("{prefix}." + the Celery queues' lists, with
+            # kombu's priority-suffixed variants, and kombu's records of unacknowledged messages:
+            # Keys.broker_unacked); kombu's binding keys for those queues (_kombu.binding.Q and
+            # _kombu.binding_permanent.Q).
+            for pattern in (f"{prefix}:*", f"{prefix}.*", f"_kombu.binding*.{prefix}.*"):
                 for key in self.client.scan_iter(pattern):
                     self.client.delete(key)
-        self._forget_unacked()
-
-    def _forget_unacked(self) -> None:
-        """Drop the messages of these prefixes from kombu's unacknowledged index.
-
-        Kombu keeps one index for the whole Redis (``unacked``: tag -> [message, exchange,
-        routing key], and ``unacked_index``). Workers killed by the tests leave entries there,
-        and any later worker on this Redis, of any prefix, would restore them into these
-        prefixes' queues once the visibility timeout (an hour) passed.
-        """
-        queues = {Keys(prefix).queue_llm for prefix in self.made} | {Keys(prefix).queue_media for prefix in self.made}
-        for tag, raw in self.client.hscan_iter("unacked"):
-            try:
-                routing_key = json.loads(raw)[2]
-            except (ValueError, IndexError, TypeError):
-                continue
-            if routing_key in queues:
-                self.client.hdel("unacked", tag)
-                self.client.zrem("unacked_index", tag)
 
 
 @dataclass(frozen=True)
