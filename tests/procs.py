@@ -148,10 +148,9 @@ class Prefixes:
 
     def cleanup(self) -> None:
         for prefix in self.made:
-            # Job keys ("{prefix}:..."); the broker's ("{prefix}." + the Celery queues' lists, with
-            # kombu's priority-suffixed variants, and kombu's records of unacknowledged messages:
-            # Keys.broker_unacked); kombu's binding keys for those queues (_kombu.binding.Q and
-            # _kombu.binding_permanent.Q).
+            # "{prefix}:*" the job store's keys; "{prefix}.*" the broker's (the Celery queues' lists
+            # and kombu's records of unacknowledged messages, Keys.broker_unacked); and kombu's
+            # binding keys for those queues (_kombu.binding.Q, _kombu.binding_permanent.Q).
             for pattern in (f"{prefix}:*", f"{prefix}.*", f"_kombu.binding*.{prefix}.*"):
                 for key in self.client.scan_iter(pattern):
                     self.client.delete(key)
