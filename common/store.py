@@ -8,7 +8,9 @@ argument builders and parsers below.
 from __future__ import annotations
 
 import enum
+import logging
 import secrets
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -18,7 +20,7 @@ import redis
 import redis.asyncio as aredis
 from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import ExponentialBackoff
-from redis.exceptions import NoScriptError
+from redis.exceptions import NoScriptError, RedisError
 from redis.retry import Retry
 
 from common.keys import WATCHER_GHOST, Keys
@@ -36,6 +38,10 @@ from common.schemas import (
 )
 from common.settings import Settings
 from common.store_lua import APPEND_LUA, CANCEL_LUA, CREATE_LUA, RENEW_LUA, REQUEUE_LUA, TAKE_LUA
+
+log = logging.getLogger(__name__)
+
+CANCEL_POLL_S = 1.0  # how long the cancel listener blocks for a message before checking for stop
 
 
 class StoreError(RuntimeError):
@@ -579,6 +585,26 @@ class SyncJobStore(_Base):
             for job_id, members in zip(job_ids, pipe.execute(), strict=True)
             if not watching(members, now, grace_s)
         ]
+
+    def listen_cancels(self, on_cancel: Callable[[str], None], stop: threading.Event) -> None:
+        """Call ``on_cancel`` with each job id published on ``{p}:cancel`` until ``stop`` is set.
+
+        Resubscribes after a Redis error; what was published meanwhile is not seen (the worker's
+        heartbeat re-reads its jobs' cancel flags).
+        """
+        while not stop.is_set():
+            pubsub = self.redis.pubsub()
+            try:
+                pubsub.subscribe(self.keys.cancelled())
+                while not stop.is_set():
+                    msg = pubsub.get_message(timeout=CANCEL_POLL_S)
+                    if msg and msg["type"] == "message":
+                        on_cancel(msg["data"])
+            except RedisError as e:
+                log.warning("cancel listener lost Redis (%s); resubscribing", e)
+                stop.wait(CANCEL_POLL_S)
+            finally:
+                pubsub.close()
 
     def beat(self, heartbeat: WorkerHeartbeat) -> None:
         now, ttl_ms = time.time(), int(self.settings.heartbeat_ttl_s * 1000)

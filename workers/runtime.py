@@ -1,4 +1,4 @@
-"""The engine runtime: one Engine per worker process, driven by one thread.
+"""The engine runtime: one Engine per worker process, driven by one thread: the token path.
 
 Celery task threads call ``run_job`` and block until their job's terminal event is written.
 Everything that touches the engine happens on the engine thread, which loops: apply the
@@ -9,14 +9,8 @@ while the engine thread runs the next step: the engine never waits for Redis, un
 writer is ``OUTBOX_STEPS`` steps behind (Redis slow or unreachable), and then it waits rather
 than run ahead of what is stored.
 
-Three more helper threads: a cancel listener (``{p}:cancel`` pub/sub); the heartbeat, which also
-renews the leases of this worker's jobs (dropping those another worker took over), re-reads
-their cancel flags in case a pub/sub message was missed, cancels foreground jobs that nobody
-has watched for ``SPOOL_DETACH_GRACE_S`` (their API process stopped or died, so nobody else
-checks: api/openai_compat/detach.py), and sweeps for jobs whose worker died (workers/reaper.py);
-and a watchdog that ends the process when one engine step runs past
-``SPOOL_ENGINE_STALL_S`` (a hung kernel cannot be stopped from inside the process, and a
-worker that beats while its engine is stuck would hold its jobs' leases forever).
+The runtime is the executor of the worker's liveness (workers/liveness.py: heartbeats, leases,
+cancels, the sweep), and a watchdog (workers/watchdog.py) ends the process when a step stalls.
 """
 
 from __future__ import annotations
@@ -24,32 +18,27 @@ from __future__ import annotations
 import contextlib
 import enum
 import logging
-import os
 import queue
-import sys
 import threading
 import time
-import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
 from redis.exceptions import RedisError
 
 from common.process import NamedThread
-from common.schemas import JobError, JobRequest, WorkerHeartbeat
+from common.schemas import JobError, JobRequest
 from common.settings import Settings
 from common.store import Append, SyncJobStore, TakeResult, TakeStatus
 from workers.engine import Delta, Engine, EngineConfig, FinishReason, RequestTooLongError, SamplingParams
 from workers.engine.tiny import default_model_path
+from workers.liveness import HeldJob, Liveness
 from workers.publisher import JobCursor, Publisher
-from workers.reaper import Reaper, Requeue
+from workers.reaper import Requeue
+from workers.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
 
-FIRST_WATCHER_S = 2.0  # a foreground job's API process counts its client within this of creating it
-CANCEL_POLL_S = 1.0  # how long the cancel listener blocks for a message before checking for shutdown
-EXIT_ENGINE_STALLED = 70  # the worker's exit status when the watchdog ends it (EX_SOFTWARE)
-WATCHDOG_POLL_S = 5.0  # how often an idle watchdog looks for a step that started
 OUTBOX_STEPS = 2  # steps whose entries may wait for the writer before the engine thread waits too
 
 
@@ -57,14 +46,8 @@ class Outcome(str, enum.Enum):
     FINISHED = "finished"  # this worker wrote the job's terminal event
     LOST = "lost"  # another worker took the job over; this one stopped writing
     SKIPPED = "skipped"  # nothing to do: already finished, cancelled while queued, or unknown
-    BUSY = "busy"  # another worker runs it under a live lease: try again after retry_in_s
+    BUSY = "busy"  # another worker runs it under a live lease (a duplicate message)
     SHUTDOWN = "shutdown"  # the worker stopped first; the job's lease lapses and another takes it
-
-
-@dataclass(frozen=True)
-class RunResult:
-    outcome: Outcome
-    retry_in_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -176,9 +159,6 @@ class EngineRuntime:
         self.settings = settings
         self.name = name  # heartbeat key and the job hash's `worker`
         self.model = model  # shown in heartbeats and jobs
-        # Sends a job's message again (the Celery app's send_task); None: no sweep for orphans.
-        self._reaper = Reaper(store, name, requeue) if requeue is not None else None
-        self.requeued = 0  # jobs this worker's sweeps requeued, for the logs and tests
         self._stop = threading.Event()
         self._inbox: queue.SimpleQueue[_Add | _Abort | _Drop | object] = queue.SimpleQueue()
         # One list of log entries per step; None after the last.
@@ -188,14 +168,12 @@ class EngineRuntime:
         self._stats: dict[str, Any] = engine.stats()  # engine thread writes, heartbeat reads
         self._pending: list[Delta] = []  # ends made outside engine.step(), written with the next step
         self._publisher = Publisher(store, self._stop)
-        self._step_started: float | None = None  # monotonic; set by the engine thread around a step
-        self._connected_since: float | None = None  # start of the current run of successful beats
+        # requeue: sends a job's message again (the Celery app's send_task); None: no sweep for orphans.
+        self.liveness = Liveness(store, settings, name, self, self._stop, requeue)
+        self._watchdog = Watchdog(settings.engine_stall_s, self._stop, self.liveness.forget_heartbeat)
         self._threads = [
             NamedThread(target=self._engine_loop, name="spool-engine", daemon=True),
             NamedThread(target=self._write_loop, name="spool-writer", daemon=True),
-            NamedThread(target=self._listen_cancels, name="spool-cancels", daemon=True),
-            NamedThread(target=self._beat, name="spool-heartbeat", daemon=True),
-            NamedThread(target=self._watch_engine, name="spool-watchdog", daemon=True),
         ]
 
     @classmethod
@@ -220,20 +198,11 @@ class EngineRuntime:
         return runtime
 
     def start(self) -> None:
-        # The first beat runs here, before the threads and before Celery consumes a message
-        # (worker_init): the worker is ready at once, and the jobs it ran before a restart (their
-        # leases released first: this process holds none) are requeued ahead of the messages
-        # already queued, which its consumer would take first.
-        try:
-            released = self.store.release_leases(self.name)
-        except RedisError as e:
-            log.warning("could not release the leases of an earlier run: %s", e)
-        else:
-            if released:
-                log.info("requeueing %d job(s) of this worker's earlier run", len(released))
-        self._beat_once()
+        # Liveness beats once first: the worker is ready before Celery consumes a message.
+        self.liveness.start()
         for t in self._threads:
             t.start()
+        self._watchdog.start()
 
     def close(self) -> None:
         """Stop the threads; jobs still running are released with Outcome.SHUTDOWN."""
@@ -241,6 +210,8 @@ class EngineRuntime:
         self._inbox.put(_STOP)
         for t in self._threads:
             t.join(timeout=10)
+        self.liveness.join(timeout=10)
+        self._watchdog.join(timeout=10)
         with self._lock:
             for job in self._jobs.values():
                 job.done.set()
@@ -248,15 +219,15 @@ class EngineRuntime:
 
     # -- task threads ----------------------------------------------------------------------------
 
-    def run_job(self, job_id: str) -> RunResult:
+    def run_job(self, job_id: str) -> Outcome:
         """Take the job, run it, and return once its terminal event is written (or it was lost)."""
         if self._stop.is_set():
-            return RunResult(Outcome.SHUTDOWN)
+            return Outcome.SHUTDOWN
         taken = self.store.take_job(job_id, self.name, self.model)
         if taken.status is TakeStatus.BUSY:
-            return RunResult(Outcome.BUSY, taken.lease_left_s)
+            return Outcome.BUSY
         if taken.status is not TakeStatus.TAKEN:
-            return RunResult(Outcome.SKIPPED)
+            return Outcome.SKIPPED
         job = new_job(taken)
         with self._lock:
             self._jobs[job_id] = job
@@ -264,7 +235,7 @@ class EngineRuntime:
             self._inbox.put(_Abort(job_id, None))  # cancelled while an earlier attempt ran it
         self._inbox.put(_Add(job_id))
         job.done.wait()
-        return RunResult(job.outcome)
+        return job.outcome
 
     def abort(self, job_id: str, error: JobError | None = None) -> None:
         """Thread-safe: end a job this worker runs (no-op for other jobs)."""
@@ -277,10 +248,22 @@ class EngineRuntime:
         with self._lock:
             return list(self._jobs)
 
-    def held(self) -> dict[str, int]:
-        """The jobs this worker runs, with the attempt that fences its writes."""
+    # -- the executor of workers/liveness.py ------------------------------------------------------
+
+    def held(self) -> dict[str, HeldJob]:
         with self._lock:
-            return {job_id: j.cursor.attempt for job_id, j in self._jobs.items()}
+            return {
+                job_id: HeldJob(j.cursor.attempt, j.created_at, not j.request.background and not j.abort_requested)
+                for job_id, j in self._jobs.items()
+            }
+
+    def heartbeat_fields(self) -> dict[str, Any]:
+        return {
+            "engine": self._stats,
+            "model": self.model,
+            "chat_template": bool(self.engine.tokenizer.chat_template),
+            "max_model_len": self.engine.max_model_len,
+        }
 
     # -- the engine thread -----------------------------------------------------------------------
 
@@ -301,13 +284,8 @@ class EngineRuntime:
         self._outbox.put(None)
 
     def _step(self) -> list[Delta]:
-        """``engine.step()``, watched: only the engine's own work counts towards a stall, not a
-        wait for an unreachable Redis."""
-        self._step_started = time.monotonic()
-        try:
+        with self._watchdog.step():
             return self.engine.step()
-        finally:
-            self._step_started = None
 
     def _drain_inbox(self, block: bool) -> bool:
         """Apply every queued command, first waiting for one if ``block``; False on stop."""
@@ -414,116 +392,3 @@ class EngineRuntime:
         for job in jobs:
             job.outcome = outcome
             job.done.set()
-
-    # -- helper threads --------------------------------------------------------------------------
-
-    def _listen_cancels(self) -> None:
-        while not self._stop.is_set():
-            pubsub = self.store.redis.pubsub()
-            try:
-                pubsub.subscribe(self.settings.keys.cancelled())
-                while not self._stop.is_set():
-                    msg = pubsub.get_message(timeout=CANCEL_POLL_S)
-                    if msg and msg["type"] == "message":
-                        self.abort(msg["data"])
-            except RedisError as e:
-                # Cancels published meanwhile are caught by the heartbeat's re-read of the flags.
-                log.warning("cancel listener lost Redis (%s); resubscribing", e)
-                self._stop.wait(CANCEL_POLL_S)
-            finally:
-                pubsub.close()
-
-    def _beat(self) -> None:
-        while not self._stop.wait(self.settings.heartbeat_s):
-            self._beat_once()
-        self._forget_heartbeat()  # a stopped worker is not ready at once
-
-    def _forget_heartbeat(self) -> None:
-        try:
-            self.store.remove_heartbeat(self.name)
-        except RedisError:
-            pass
-
-    def _beat_once(self) -> None:
-        try:
-            beat = WorkerHeartbeat(
-                name=self.name,
-                ts=time.time(),
-                engine=self._stats,
-                model=self.model,
-                chat_template=bool(self.engine.tokenizer.chat_template),
-                max_model_len=self.engine.max_model_len,
-            )
-            self.store.beat(beat)
-            self._connected_since = self._connected_since or beat.ts
-            held = self.held()
-            for job_id in self.store.renew_leases(held):
-                # Taken over while this worker could not renew (frozen, cut off): stop it
-                # now; its writes are refused anyway (fencing), so it ends as LOST.
-                log.warning("lost the lease of job %s; dropping it", job_id)
-                self.abort(job_id)
-            for job_id in self.store.cancel_requested(list(held)):
-                self.abort(job_id)
-            for job_id in self._unwatched():
-                # No cancel flag needed: a worker that took the job over would find it unwatched too.
-                log.info("cancelling foreground job %s: nobody has watched it for the grace", job_id)
-                self.abort(job_id)
-            self._sweep(set(held), time.time() - self._connected_since >= self.settings.heartbeat_ttl_s)
-        except RedisError as e:
-            self._connected_since = None
-            log.warning("heartbeat failed: %s", e)
-
-    def _unwatched(self) -> list[str]:
-        """Foreground jobs of this worker that nobody has watched for the grace (see store.unwatched).
-
-        A job younger than the grace (and than ``FIRST_WATCHER_S``) is left alone: its API
-        process may not have counted its client yet, and one whose client left that soon is the
-        API's own check's to cancel.
-        """
-        grace, now = self.settings.detach_grace_s, time.time()
-        young = now - max(grace, FIRST_WATCHER_S)
-        with self._lock:
-            jobs = [
-                job_id
-                for job_id, j in self._jobs.items()
-                if not j.request.background and j.created_at <= young and not j.abort_requested
-            ]
-        return self.store.unwatched(jobs, now, grace) if jobs else []
-
-    def _watch_engine(self) -> None:
-        limit = self.settings.engine_stall_s
-        while True:
-            started = self._step_started
-            left = min(limit, WATCHDOG_POLL_S) if started is None else started + limit - time.monotonic()
-            if left > 0:
-                if self._stop.wait(left):
-                    return
-                continue
-            if self._step_started != started:
-                continue  # that step ended just now
-            engine = self._threads[0]
-            frame = sys._current_frames().get(engine.ident or -1)
-            stack = "".join(traceback.format_stack(frame)) if frame else "(no frame)\n"
-            log.critical(
-                "engine step running for over SPOOL_ENGINE_STALL_S=%gs; exiting with status %d so that "
-                "the jobs of this worker pass to others. The engine thread is at:\n%s",
-                limit,
-                EXIT_ENGINE_STALLED,
-                stack,
-            )
-            # Not ready from now on (else its TTL ends it), unless Redis is slow to answer too.
-            forget = threading.Thread(target=self._forget_heartbeat, daemon=True)
-            forget.start()
-            forget.join(timeout=2.0)
-            logging.shutdown()
-            os._exit(EXIT_ENGINE_STALLED)  # the stuck thread cannot be joined; nothing else can run on
-
-    def _sweep(self, mine: set[str], others_too: bool) -> None:
-        if self._reaper is None or self._stop.is_set():
-            return
-        try:
-            self.requeued += len(self._reaper.sweep(mine, others_too))
-        except RedisError:
-            raise
-        except Exception:  # e.g. the broker refused the message: the claim lapses, the next sweep retries
-            log.exception("sweep for orphaned jobs failed")

@@ -54,9 +54,9 @@ def stop_runtime(**_: Any) -> None:
 def generate(self: Task, job_id: str) -> None:
     if _runtime is None:
         raise RuntimeError("the engine runtime starts with the worker (worker_init); none is running")
-    result = _runtime.run_job(job_id)
+    outcome = _runtime.run_job(job_id)
     # BUSY: a duplicate message (a requeue that raced the old worker's return, or the broker's
     # redelivery after its visibility timeout) while a live worker runs the job. Dropping it is
     # safe: should that worker die, the sweep (workers/reaper.py) sends the job again.
-    if result.outcome is Outcome.SHUTDOWN:
+    if outcome is Outcome.SHUTDOWN:
         raise self.retry(countdown=get_settings().lease_s + RETRY_MARGIN_S)

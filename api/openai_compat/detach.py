@@ -10,7 +10,7 @@ cancelled only after a whole grace period without a watcher, whichever process's
 A process that stops turns its watchers into ghosts and its checks die with it; a process that
 dies leaves tokens that lapse on their own, and count for the grace after that (so its clients
 get the grace to resume elsewhere). For both, the worker that runs the job is the one left to
-check: it cancels a foreground job nobody has watched for the grace (workers/runtime.py). Both
+check: it cancels a foreground job nobody has watched for the grace (workers/liveness.py). Both
 sides count with ``common.store.watching``.
 """
 

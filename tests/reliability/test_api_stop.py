@@ -3,7 +3,7 @@
 Its stream clients resume on another replica with ``Last-Event-ID``, with nothing lost or repeated.
 The foreground jobs it waited on get ``SPOOL_DETACH_GRACE_S`` to be resumed: the replica's own
 checks died with it, so the worker that runs them cancels them once nobody has watched them for
-the grace (api/openai_compat/detach.py, workers/runtime.py).
+the grace (api/openai_compat/detach.py, workers/liveness.py).
 """
 
 from __future__ import annotations

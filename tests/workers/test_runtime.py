@@ -45,7 +45,7 @@ def check_log(store: SyncJobStore, job: Job) -> list[LogEntry]:
 
 def run_in_thread(runtime: EngineRuntime, job_id: str) -> tuple[threading.Thread, list[Outcome]]:
     outcomes: list[Outcome] = []
-    t = threading.Thread(target=lambda: outcomes.append(runtime.run_job(job_id).outcome))
+    t = threading.Thread(target=lambda: outcomes.append(runtime.run_job(job_id)))
     t.start()
     return t, outcomes
 
@@ -54,7 +54,7 @@ def test_job_runs_to_its_greedy_output(
     runtime: EngineRuntime, store: SyncJobStore, reference: Engine
 ) -> None:
     job = store.create_job(JobRequest(prompt=LONG_PROMPT, max_tokens=24, temperature=0))
-    assert runtime.run_job(job.id).outcome is Outcome.FINISHED
+    assert runtime.run_job(job.id) is Outcome.FINISHED
     got = store.get_job(job.id)
     text, ids = greedy(reference, LONG_PROMPT, 24)
     assert got.status is JobStatus.SUCCEEDED and got.finish_reason == "length"
@@ -64,7 +64,7 @@ def test_job_runs_to_its_greedy_output(
     assert [i for e in log if e.type == "token" for i in e.data["token_ids"]] == ids
     assert log[-1].data["usage"] == got.usage.model_dump()
     assert store.redis.ttl(store.keys.job_log(job.id)) > 0
-    assert runtime.run_job(job.id).outcome is Outcome.SKIPPED  # a redelivered message
+    assert runtime.run_job(job.id) is Outcome.SKIPPED  # a redelivered message
 
 
 def test_concurrent_jobs_share_the_batch(
@@ -73,7 +73,7 @@ def test_concurrent_jobs_share_the_batch(
     prompts = [f"{LONG_PROMPT} {i}" for i in range(6)]
     jobs = [store.create_job(JobRequest(prompt=p, max_tokens=30, temperature=0)) for p in prompts]
     with ThreadPoolExecutor(len(jobs)) as pool:
-        outcomes = list(pool.map(lambda j: runtime.run_job(j.id).outcome, jobs))
+        outcomes = list(pool.map(lambda j: runtime.run_job(j.id), jobs))
     assert outcomes == [Outcome.FINISHED] * len(jobs)
     for prompt, job in zip(prompts, jobs, strict=True):
         got = store.get_job(job.id)
@@ -90,7 +90,7 @@ def test_chat_messages(runtime: EngineRuntime, store: SyncJobStore) -> None:
         messages=[ChatMessage(role="user", content="hello there")], max_tokens=8, temperature=0
     )
     job = store.create_job(request)
-    assert runtime.run_job(job.id).outcome is Outcome.FINISHED
+    assert runtime.run_job(job.id) is Outcome.FINISHED
     assert store.get_job(job.id).status is JobStatus.SUCCEEDED
 
 
@@ -133,13 +133,13 @@ def test_job_cancelled_while_queued_never_reaches_the_engine(
 ) -> None:
     job = store.create_job(JobRequest(prompt="hello", max_tokens=8))
     store.request_cancel(job.id)
-    assert runtime.run_job(job.id).outcome is Outcome.SKIPPED
+    assert runtime.run_job(job.id) is Outcome.SKIPPED
     assert len(store.read_log(job.id)) == 1
 
 
 def test_too_long_request_fails_with_the_engine_message(runtime: EngineRuntime, store: SyncJobStore) -> None:
     job = store.create_job(JobRequest(prompt="hello", max_tokens=4000))
-    assert runtime.run_job(job.id).outcome is Outcome.FINISHED
+    assert runtime.run_job(job.id) is Outcome.FINISHED
     got = store.get_job(job.id)
     assert got.status is JobStatus.FAILED and got.error is not None
     assert got.error.type == "request_too_long" and "max_model_len" in got.error.message
@@ -150,7 +150,7 @@ def test_too_long_request_fails_with_the_engine_message(runtime: EngineRuntime, 
 def test_timeout_before_the_engine(runtime: EngineRuntime, store: SyncJobStore) -> None:
     job = store.create_job(JobRequest(prompt="hello", max_tokens=8, timeout_s=0.01))
     poll(lambda: time.time() > job.created_at + 0.01, "the deadline")
-    assert runtime.run_job(job.id).outcome is Outcome.FINISHED
+    assert runtime.run_job(job.id) is Outcome.FINISHED
     got = store.get_job(job.id)
     assert got.status is JobStatus.FAILED and got.error is not None and got.error.type == "timeout"
     assert got.finish_reason == "timeout"
@@ -162,7 +162,7 @@ def test_timeout_in_the_engine(runtime: EngineRuntime, store: SyncJobStore, refe
     greedy(reference, LONG_PROMPT, 400)
     timeout = (time.monotonic() - started) / 4
     job = store.create_job(JobRequest(prompt=LONG_PROMPT, max_tokens=400, temperature=0, timeout_s=timeout))
-    assert runtime.run_job(job.id).outcome is Outcome.FINISHED
+    assert runtime.run_job(job.id) is Outcome.FINISHED
     got = store.get_job(job.id)
     assert got.status is JobStatus.FAILED and got.error is not None and got.error.type == "timeout"
     assert got.finish_reason == "timeout"
@@ -186,7 +186,7 @@ def test_takeover_resumes_from_the_stored_tokens(
     entries = [token_entry(1, 0, decode(ids[:k]), ids[:k])]
     assert store.append_batch([Append(job.id, first.attempt, entries, 3, k)]) == [True]
     store.redis.zadd(store.keys.running_jobs(), {job.id: time.time() - 1})
-    assert runtime.run_job(job.id).outcome is Outcome.FINISHED
+    assert runtime.run_job(job.id) is Outcome.FINISHED
     got = store.get_job(job.id)
     log = check_log(store, got)
     assert [i for e in log if e.type == "token" for i in e.data["token_ids"]] == ids

@@ -1,0 +1,167 @@
+"""A worker's liveness, whatever runs its jobs: heartbeats, leases, cancels, abandoned jobs, the sweep.
+
+Two threads. The cancel listener aborts the jobs whose cancel is published on ``{p}:cancel``.
+The heartbeat, every ``SPOOL_HEARTBEAT_S``:
+
+- writes the worker's heartbeat (what the executor says of itself, e.g. its engine's stats);
+- renews the leases of the jobs the executor holds, fenced by their attempts, and aborts those
+  another worker took over meanwhile (their writes are refused anyway);
+- re-reads their cancel flags, for the cancels published while the listener was not subscribed;
+- aborts the foreground jobs nobody has watched for ``SPOOL_DETACH_GRACE_S`` (their API process
+  stopped or died, so nobody else checks: api/watchers.py);
+- sweeps for the jobs whose worker died (workers/reaper.py).
+
+It knows nothing of the engine: an executor gives the jobs it holds, a way to abort one, and its
+heartbeat's fields (``Executor``), so a worker of another kind of job gets the same leases,
+fencing and takeover.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from redis.exceptions import RedisError
+
+from common.process import NamedThread
+from common.schemas import WorkerHeartbeat
+from common.settings import Settings
+from common.store import SyncJobStore
+from workers.reaper import Reaper, Requeue
+
+log = logging.getLogger(__name__)
+
+# A foreground job's API process counts its client within this of creating it.
+FIRST_WATCHER_S = 2.0
+
+
+@dataclass(frozen=True)
+class HeldJob:
+    """A job an executor runs, as liveness sees it."""
+
+    attempt: int  # the fencing token of the executor's writes
+    created_at: float  # unix seconds
+    needs_watcher: bool  # foreground and not already ending: aborted once nobody watches it
+
+
+class Executor(Protocol):
+    def held(self) -> Mapping[str, HeldJob]:
+        """The jobs it runs now. Thread-safe."""
+        ...
+
+    def abort(self, job_id: str) -> None:
+        """End a job it runs (a no-op for any other). Thread-safe."""
+        ...
+
+    def heartbeat_fields(self) -> dict[str, Any]:
+        """The heartbeat's fields besides ``name`` and ``ts`` (common.schemas.WorkerHeartbeat)."""
+        ...
+
+
+class Liveness:
+    def __init__(
+        self,
+        store: SyncJobStore,
+        settings: Settings,
+        name: str,
+        executor: Executor,
+        stop: threading.Event,
+        requeue: Requeue | None = None,
+    ) -> None:
+        self.store = store
+        self.settings = settings
+        self.name = name  # the heartbeat's key and the job hashes' `worker`
+        self.executor = executor
+        self.stop = stop  # set when the worker stops
+        # requeue sends a job's message again (the Celery app's send_task); None: no sweep.
+        self._reaper = Reaper(store, name, requeue) if requeue is not None else None
+        self._connected_since: float | None = None  # start of the current run of successful beats
+        self._threads = [
+            NamedThread(target=self._listen_cancels, name="spool-cancels", daemon=True),
+            NamedThread(target=self._beat, name="spool-heartbeat", daemon=True),
+        ]
+
+    def start(self) -> None:
+        """Beat once, then start the threads.
+
+        The first beat runs before the worker takes a job: it is ready at once, and the jobs it
+        ran before a restart (their leases released first: this process holds none) are requeued
+        ahead of the messages already queued, which its consumer would take first.
+        """
+        try:
+            released = self.store.release_leases(self.name)
+        except RedisError as e:
+            log.warning("could not release the leases of an earlier run: %s", e)
+        else:
+            if released:
+                log.info("requeueing %d job(s) of this worker's earlier run", len(released))
+        self.beat_once()
+        for t in self._threads:
+            t.start()
+
+    def join(self, timeout: float) -> None:
+        """Wait for the threads to end once ``stop`` is set (the last beat removes the heartbeat)."""
+        for t in self._threads:
+            t.join(timeout=timeout)
+
+    def forget_heartbeat(self) -> None:
+        """Stop counting as ready now, rather than when the heartbeat's TTL ends."""
+        try:
+            self.store.remove_heartbeat(self.name)
+        except RedisError:
+            pass
+
+    def _listen_cancels(self) -> None:
+        # Cancels published while it reconnects are caught by the heartbeat's re-read of the flags.
+        self.store.listen_cancels(self.executor.abort, self.stop)
+
+    def _beat(self) -> None:
+        while not self.stop.wait(self.settings.heartbeat_s):
+            self.beat_once()
+        self.forget_heartbeat()
+
+    def beat_once(self) -> None:
+        try:
+            now = time.time()
+            self.store.beat(WorkerHeartbeat(name=self.name, ts=now, **self.executor.heartbeat_fields()))
+            self._connected_since = self._connected_since or now
+            held = self.executor.held()
+            for job_id in self.store.renew_leases({j: h.attempt for j, h in held.items()}):
+                log.warning("lost the lease of job %s; dropping it", job_id)
+                self.executor.abort(job_id)
+            for job_id in self.store.cancel_requested(list(held)):
+                self.executor.abort(job_id)
+            for job_id in self._unwatched(held):
+                # No cancel flag needed: a worker that took the job over would find it unwatched too.
+                log.info("cancelling foreground job %s: nobody has watched it for the grace", job_id)
+                self.executor.abort(job_id)
+            self._sweep(set(held), time.time() - self._connected_since >= self.settings.heartbeat_ttl_s)
+        except RedisError as e:
+            self._connected_since = None
+            log.warning("heartbeat failed: %s", e)
+
+    def _unwatched(self, held: Mapping[str, HeldJob]) -> list[str]:
+        """The held jobs that nobody has watched for the grace (see store.unwatched).
+
+        A job younger than the grace (and than ``FIRST_WATCHER_S``) is left alone: its API
+        process may not have counted its client yet, and one whose client left that soon is the
+        API's own check's to cancel.
+        """
+        grace, now = self.settings.detach_grace_s, time.time()
+        young = now - max(grace, FIRST_WATCHER_S)
+        jobs = [j for j, h in held.items() if h.needs_watcher and h.created_at <= young]
+        return self.store.unwatched(jobs, now, grace) if jobs else []
+
+    def _sweep(self, mine: set[str], others_too: bool) -> None:
+        if self._reaper is None or self.stop.is_set():
+            return
+        try:
+            self._reaper.sweep(mine, others_too)
+        except RedisError:
+            raise
+        except Exception:  # e.g. the broker refused the message: the claim lapses, the next sweep retries
+            log.exception("sweep for orphaned jobs failed")
