@@ -73,6 +73,5 @@ class AuthMiddleware:
 
     @staticmethod
     async def _may_see(scope: Scope, job_id: str, owner: str) -> bool:
-        store = scope["app"].state.services.store
-        stored = await store.redis.hget(store.keys.job(job_id), "owner")
+        stored = await scope["app"].state.services.store.owner(job_id)
         return stored is None or stored == owner  # unknown ids go on to the route's own 404

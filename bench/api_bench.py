@@ -38,7 +38,7 @@ from stack_bench import REPO_ROOT, Procs, cpu_seconds, log, spool_env, start_api
 
 from common.schemas import DoneEvent, JobRequest, JobStatus, LogEntry, Usage, WorkerHeartbeat
 from common.settings import Settings
-from common.store import Append, Final, SyncJobStore, token_entry
+from common.store import Append, AsyncJobStore, Final, SyncJobStore, token_entry
 
 BURST = 32
 STEP_JOBS = 32  # jobs per step write in the events parts
@@ -71,12 +71,21 @@ class Target:
 
     def running_job(self, tokens: int) -> tuple[str, int]:
         """A job taken as a worker takes it, with ``tokens`` token events: (id, attempt)."""
-        job = self.store.create_job(JobRequest.model_validate({"prompt": "hello", "max_tokens": 4096}))
-        attempt = self.store.take_job(job.id, "bench", "bench").attempt
+        job_id = asyncio.run(self._create_job())
+        attempt = self.store.take_job(job_id, "bench", "bench").attempt
         if tokens:
             entries = [token_entry(i + 1, i, " word", [7]) for i in range(tokens)]
-            assert self.store.append_batch([Append(job.id, attempt, entries, 1, tokens)]) == [True]
-        return job.id, attempt
+            assert self.store.append_batch([Append(job_id, attempt, entries, 1, tokens)]) == [True]
+        return job_id, attempt
+
+    async def _create_job(self) -> str:
+        """A queued job, created as the API creates one (without its Celery message)."""
+        store = AsyncJobStore.from_settings(self.store.settings)
+        try:
+            request = JobRequest.model_validate({"prompt": "hello", "max_tokens": 4096})
+            return (await store.create_job(request)).id
+        finally:
+            await store.close()
 
     def finish(self, job_id: str, attempt: int, tokens: int) -> None:
         """Its ``done`` event, as the step that generated its last token writes it."""

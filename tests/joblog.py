@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+from store_helpers import StoreForTests
+
 from common.schemas import DoneEvent, ErrorEvent, JobRequest, JobStatus, LogEntry, Usage
 from common.settings import Settings
-from common.store import Append, Final, SyncJobStore, token_entry
+from common.store import Append, Final, token_entry
 
 
 class LogWriter:
     def __init__(self, settings: Settings) -> None:
-        self.store = SyncJobStore.from_settings(settings)
+        self.store = StoreForTests.from_settings(settings)
         self._attempt: dict[str, int] = {}
         self._seq: dict[str, int] = {}  # last seq written per job
         self._tokens: dict[str, int] = {}  # token events written per job

@@ -253,7 +253,9 @@ class EngineRuntime:
     def held(self) -> dict[str, HeldJob]:
         with self._lock:
             return {
-                job_id: HeldJob(j.cursor.attempt, j.created_at, not j.request.background and not j.abort_requested)
+                job_id: HeldJob(
+                    j.cursor.attempt, j.created_at, not j.request.background and not j.abort_requested
+                )
                 for job_id, j in self._jobs.items()
             }
 

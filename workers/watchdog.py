@@ -54,7 +54,11 @@ class Watchdog:
     def _watch(self) -> None:
         while True:
             started = self._started
-            left = min(self.limit_s, WATCHDOG_POLL_S) if started is None else started + self.limit_s - time.monotonic()
+            left = (
+                min(self.limit_s, WATCHDOG_POLL_S)
+                if started is None
+                else started + self.limit_s - time.monotonic()
+            )
             if left > 0:
                 if self.stop.wait(left):
                     return

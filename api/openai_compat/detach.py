@@ -11,7 +11,7 @@ A process that stops turns its watchers into ghosts and its checks die with it; 
 dies leaves tokens that lapse on their own, and count for the grace after that (so its clients
 get the grace to resume elsewhere). For both, the worker that runs the job is the one left to
 check: it cancels a foreground job nobody has watched for the grace (workers/liveness.py). Both
-sides count with ``common.store.watching``.
+sides count with ``common.store.watching``; the store writes the sets (common/store/watchers.py).
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ from typing import Any
 
 from redis.exceptions import RedisError
 
-from common.keys import WATCHER_GHOST
 from common.store import AsyncJobStore, StoreError
 
 log = logging.getLogger(__name__)
@@ -39,11 +38,10 @@ RENEW_S = LEASE_S / 3
 class Watchers:
     def __init__(self, store: AsyncJobStore, grace_s: float) -> None:
         self._store = store
-        self._keys = store.keys
         self._grace_s = grace_s
-        # NOTE: every write sets the set's expiry again (as long as a job's, and past any member's
-        # counting: a lease and then the grace): the set goes once nobody wrote to it for that long.
-        # A ghost that replaces the last watcher makes a new key, without the old one's expiry.
+        # The expiry each write sets again: as long as a job's, and past any member's counting (a
+        # lease and then the grace). A ghost that replaces the last watcher makes a new key,
+        # without the old one's expiry.
         self._ttl_s = max(store.settings.job_ttl_s, math.ceil(LEASE_S + grace_s) + 1)
         self._mine: dict[str, str] = {}  # token -> job id: this process's live watchers
         self._leaving: dict[str, str] = {}  # token -> job id: left, its ghost not yet written
@@ -63,19 +61,16 @@ class Watchers:
         if not watchers:
             return
         try:
-            await self._ghost(watchers, time.time() + self._grace_s)
+            await self._store.ghost_watchers(watchers, time.time() + self._grace_s, self._ttl_s)
         except RedisError as e:
             log.warning("could not leave %d watchers (%s); their leases lapse instead", len(watchers), e)
 
     @contextlib.asynccontextmanager
     async def watch(self, job_id: str) -> AsyncIterator[None]:
         """Count as a watcher of the job while inside."""
-        token, key = uuid.uuid4().hex, self._keys.job_watchers(job_id)
+        token = uuid.uuid4().hex
         self._mine[token] = job_id
-        async with self._store.redis.pipeline(transaction=True) as pipe:
-            pipe.zadd(key, {token: time.time() + LEASE_S})
-            pipe.expire(key, self._ttl_s)
-            await pipe.execute()
+        await self._store.add_watcher(job_id, token, time.time() + LEASE_S, self._ttl_s)
         try:
             yield
         finally:
@@ -96,23 +91,11 @@ class Watchers:
     async def _leave(self, job_id: str, token: str) -> None:
         until = time.time() + self._grace_s
         try:
-            await self._ghost({token: job_id}, until)
+            await self._store.ghost_watchers({token: job_id}, until, self._ttl_s)
         except RedisError as e:
             log.warning("could not remove watcher of job %s (%s); its lease lapses instead", job_id, e)
         self._leaving.pop(token, None)
         await self._check(job_id, until)
-
-    async def _ghost(self, watchers: dict[str, str], until: float) -> None:
-        """Replace each watcher (token -> job id) by its ghost, which counts until ``until``."""
-        # NOTE: the ghost is a new member, so a renewal already on its way (ZADD XX) cannot
-        # revive the token and stretch the grace.
-        async with self._store.redis.pipeline(transaction=True) as pipe:
-            for token, job_id in watchers.items():
-                key = self._keys.job_watchers(job_id)
-                pipe.zrem(key, token)
-                pipe.zadd(key, {WATCHER_GHOST + token: until})
-                pipe.expire(key, self._ttl_s)
-            await pipe.execute()
 
     async def _check(self, job_id: str, until: float) -> None:
         # The grace period itself; the leaver's ghost lapses at ``until``.
@@ -138,13 +121,7 @@ class Watchers:
             mine = list(self._mine.items())
             if not mine:
                 continue
-            deadline = time.time() + LEASE_S
             try:
-                async with self._store.redis.pipeline(transaction=False) as pipe:
-                    for token, job_id in mine:
-                        key = self._keys.job_watchers(job_id)
-                        pipe.zadd(key, {token: deadline}, xx=True)
-                        pipe.expire(key, self._ttl_s)
-                    await pipe.execute()
+                await self._store.renew_watchers(mine, time.time() + LEASE_S, self._ttl_s)
             except RedisError as e:
                 log.warning("could not renew stream watchers: %s", e)

@@ -6,9 +6,9 @@ import os
 from collections.abc import Iterator
 
 import pytest
+from store_helpers import StoreForTests
 
 from common.settings import Settings, load_settings
-from common.store import SyncJobStore
 
 REDIS_URL = os.environ.get("TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 
@@ -21,7 +21,7 @@ def settings(prefixes) -> Settings:  # type: ignore[no-untyped-def]
 
 
 @pytest.fixture
-def store(settings: Settings) -> Iterator[SyncJobStore]:
-    s = SyncJobStore.from_settings(settings)
+def store(settings: Settings) -> Iterator[StoreForTests]:
+    s = StoreForTests.from_settings(settings)
     yield s
     s.close()

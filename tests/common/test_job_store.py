@@ -7,6 +7,7 @@ import time
 
 import pytest
 import redis
+from store_helpers import StoreForTests
 
 from common.keys import JOB_PRIORITY, WATCHER_GHOST
 from common.schemas import (
@@ -29,14 +30,13 @@ from common.store import (
     JobNotFound,
     QueueFull,
     QueueMessage,
-    SyncJobStore,
     TakeStatus,
     cancelled_done_entry,
     token_entry,
 )
 
 
-def subscribe(store: SyncJobStore, channel: str) -> redis.client.PubSub:
+def subscribe(store: StoreForTests, channel: str) -> redis.client.PubSub:
     """A subscription that Redis has confirmed, so nothing published afterwards is missed."""
     pubsub = store.redis.pubsub()
     pubsub.subscribe(channel)
@@ -58,7 +58,7 @@ def next_messages(pubsub: redis.client.PubSub, n: int, timeout: float = 5.0) -> 
     return got
 
 
-def run_job(store: SyncJobStore, texts: list[str], attempt: int, job_id: str, first_seq: int = 1) -> Append:
+def run_job(store: StoreForTests, texts: list[str], attempt: int, job_id: str, first_seq: int = 1) -> Append:
     entries = [token_entry(first_seq + i, first_seq - 1 + i, t, [i]) for i, t in enumerate(texts)]
     return Append(job_id, attempt, entries, prompt_tokens=3, completion_tokens=first_seq - 1 + len(texts))
 
@@ -67,7 +67,7 @@ def done(seq: int, status: JobStatus = JobStatus.SUCCEEDED, reason: str = "stop"
     return LogEntry.done(seq, DoneEvent(status=status, finish_reason=reason, usage=Usage.of(3, seq - 1)))
 
 
-def test_create_and_get(store: SyncJobStore) -> None:
+def test_create_and_get(store: StoreForTests) -> None:
     job = store.create_job(JobRequest(prompt="hello", max_tokens=5))
     rec = store.get_record(job.id)
     assert rec.job == job
@@ -78,7 +78,7 @@ def test_create_and_get(store: SyncJobStore) -> None:
         store.get_job("nope")
 
 
-def test_queue_full_refuses_atomically(store: SyncJobStore, settings: Settings) -> None:
+def test_queue_full_refuses_atomically(store: StoreForTests, settings: Settings) -> None:
     for _ in range(settings.max_queued_jobs):
         store.create_job(JobRequest(prompt="x"))
     with pytest.raises(QueueFull):
@@ -90,7 +90,7 @@ def test_queue_full_refuses_atomically(store: SyncJobStore, settings: Settings) 
     store.create_job(JobRequest(prompt="x"))
 
 
-def test_a_job_and_its_message_are_stored_together(store: SyncJobStore, settings: Settings) -> None:
+def test_a_job_and_its_message_are_stored_together(store: StoreForTests, settings: Settings) -> None:
     queue = store.keys.broker_list(store.keys.queue_llm, JOB_PRIORITY)
 
     def message_for(job_id: str) -> QueueMessage:
@@ -103,7 +103,7 @@ def test_a_job_and_its_message_are_stored_together(store: SyncJobStore, settings
     assert store.redis.lrange(queue, 0, -1)[::-1] == [f"message of {job.id}" for job in jobs]
 
 
-def test_an_idempotency_key_creates_one_job(store: SyncJobStore, settings: Settings) -> None:
+def test_an_idempotency_key_creates_one_job(store: StoreForTests, settings: Settings) -> None:
     queue = store.keys.broker_list(store.keys.queue_llm, JOB_PRIORITY)
 
     def message_for(job_id: str) -> QueueMessage:
@@ -124,7 +124,7 @@ def test_an_idempotency_key_creates_one_job(store: SyncJobStore, settings: Setti
         store.create_job(request, "bob", message_for, idempotency_key="k-1")
 
 
-def test_take_then_append_then_finish(store: SyncJobStore, settings: Settings) -> None:
+def test_take_then_append_then_finish(store: StoreForTests, settings: Settings) -> None:
     job = store.create_job(JobRequest(prompt="hello"))
     taken = store.take_job(job.id, "w1", "tiny")
     assert taken.status is TakeStatus.TAKEN and taken.attempt == 1 and taken.log == []
@@ -155,7 +155,7 @@ def test_take_then_append_then_finish(store: SyncJobStore, settings: Settings) -
     assert store.take_job(job.id, "w2", "tiny").status is TakeStatus.FINISHED
 
 
-def test_failed_job_stores_its_error(store: SyncJobStore) -> None:
+def test_failed_job_stores_its_error(store: StoreForTests) -> None:
     job = store.create_job(JobRequest(prompt="hello"))
     attempt = store.take_job(job.id, "w1", "tiny").attempt
     err = ErrorEvent(message="too long", type="request_too_long")
@@ -167,7 +167,7 @@ def test_failed_job_stores_its_error(store: SyncJobStore) -> None:
     )
 
 
-def test_appends_are_fenced_and_idempotent(store: SyncJobStore) -> None:
+def test_appends_are_fenced_and_idempotent(store: StoreForTests) -> None:
     job = store.create_job(JobRequest(prompt="hello"))
     store.take_job(job.id, "w1", "tiny")
     first = run_job(store, ["a", "b"], 1, job.id)
@@ -180,7 +180,7 @@ def test_appends_are_fenced_and_idempotent(store: SyncJobStore) -> None:
     assert store.get_job(job.id).text == "ab"
 
 
-def test_lapsed_lease_is_taken_over_with_the_log(store: SyncJobStore) -> None:
+def test_lapsed_lease_is_taken_over_with_the_log(store: StoreForTests) -> None:
     job = store.create_job(JobRequest(prompt="hello"))
     store.take_job(job.id, "w1", "tiny")
     store.append_batch([run_job(store, ["a", "b"], 1, job.id)])
@@ -195,7 +195,7 @@ def test_lapsed_lease_is_taken_over_with_the_log(store: SyncJobStore) -> None:
     assert store.get_job(job.id).text == "abc"
 
 
-def test_text_of_a_job_an_older_worker_wrote(store: SyncJobStore) -> None:
+def test_text_of_a_job_an_older_worker_wrote(store: StoreForTests) -> None:
     """Workers from before the text key wrote only the log: its text is read from there, and a
     worker that takes such a job over starts the text key with the text so far."""
     job = store.create_job(JobRequest(prompt="hello"))
@@ -210,7 +210,7 @@ def test_text_of_a_job_an_older_worker_wrote(store: SyncJobStore) -> None:
     assert store.get_job(job.id).text == "aüc"
 
 
-def test_renew_leases_keeps_the_job(store: SyncJobStore) -> None:
+def test_renew_leases_keeps_the_job(store: StoreForTests) -> None:
     job = store.create_job(JobRequest(prompt="hello"))
     store.take_job(job.id, "w1", "tiny")
     store.redis.zadd(store.keys.running_jobs(), {job.id: time.time() - 1})
@@ -219,7 +219,7 @@ def test_renew_leases_keeps_the_job(store: SyncJobStore) -> None:
     assert store.redis.zscore(store.keys.running_jobs(), "finished-meanwhile") is None
 
 
-def test_renew_leases_is_fenced(store: SyncJobStore) -> None:
+def test_renew_leases_is_fenced(store: StoreForTests) -> None:
     """A worker that was taken over cannot keep the new holder's lease alive."""
     job = store.create_job(JobRequest(prompt="hello"))
     store.take_job(job.id, "w1", "tiny")
@@ -230,7 +230,7 @@ def test_renew_leases_is_fenced(store: SyncJobStore) -> None:
     assert store.redis.zscore(store.keys.running_jobs(), job.id) < time.time()
 
 
-def test_a_restarted_worker_releases_only_its_own_leases(store: SyncJobStore) -> None:
+def test_a_restarted_worker_releases_only_its_own_leases(store: StoreForTests) -> None:
     mine, theirs = (store.create_job(JobRequest(prompt="hello")) for _ in range(2))
     store.take_job(mine.id, "w1", "tiny")
     store.take_job(theirs.id, "w2", "tiny")
@@ -239,7 +239,7 @@ def test_a_restarted_worker_releases_only_its_own_leases(store: SyncJobStore) ->
     assert store.take_job(theirs.id, "w1", "tiny").status is TakeStatus.BUSY  # w2's lease stands
 
 
-def test_requeue_claim_is_once_per_gap(store: SyncJobStore) -> None:
+def test_requeue_claim_is_once_per_gap(store: StoreForTests) -> None:
     job = store.create_job(JobRequest(prompt="hello"))
     store.take_job(job.id, "w1", "tiny")
     now = time.time()
@@ -255,7 +255,7 @@ def test_requeue_claim_is_once_per_gap(store: SyncJobStore) -> None:
 
 
 @pytest.mark.parametrize("priority_list", [0, 1], ids=["requeues", "first-messages"])
-def test_stale_queued_only_with_an_empty_celery_queue(store: SyncJobStore, priority_list: int) -> None:
+def test_stale_queued_only_with_an_empty_celery_queue(store: StoreForTests, priority_list: int) -> None:
     job = store.create_job(JobRequest(prompt="hello"))
     later = time.time() + 1
     assert store.stale_queued(later) == [job.id]
@@ -267,12 +267,12 @@ def test_stale_queued_only_with_an_empty_celery_queue(store: SyncJobStore, prior
     assert store.claim_requeue(job.id, later, 10) and not store.claim_requeue(job.id, later, 10)
 
 
-def test_job_ids_carry_128_random_bits(store: SyncJobStore) -> None:
+def test_job_ids_carry_128_random_bits(store: StoreForTests) -> None:
     ids = {store.create_job(JobRequest(prompt="p")).id for _ in range(3)}
     assert len(ids) == 3 and all(len(i) == 32 and int(i, 16) >= 0 for i in ids)
 
 
-def test_cancel_queued_job_writes_the_terminal_event(store: SyncJobStore) -> None:
+def test_cancel_queued_job_writes_the_terminal_event(store: StoreForTests) -> None:
     job = store.create_job(JobRequest(prompt="hello"))
     pubsub = subscribe(store, store.keys.job_events(job.id))
     got = store.request_cancel(job.id)
@@ -286,7 +286,7 @@ def test_cancel_queued_job_writes_the_terminal_event(store: SyncJobStore) -> Non
     assert store.take_job(job.id, "w1", "tiny").status is TakeStatus.FINISHED
 
 
-def test_cancel_running_job_asks_its_worker(store: SyncJobStore) -> None:
+def test_cancel_running_job_asks_its_worker(store: StoreForTests) -> None:
     job = store.create_job(JobRequest(prompt="hello"))
     store.take_job(job.id, "w1", "tiny")
     pubsub = subscribe(store, store.keys.cancelled())
@@ -299,7 +299,7 @@ def test_cancel_running_job_asks_its_worker(store: SyncJobStore) -> None:
 
 
 def test_unwatched_jobs_are_those_nobody_has_watched_for_the_grace(
-    store: SyncJobStore, settings: Settings
+    store: StoreForTests, settings: Settings
 ) -> None:
     now, grace = time.time(), 30.0
     members = {
@@ -327,7 +327,7 @@ def test_unwatched_jobs_are_those_nobody_has_watched_for_the_grace(
     assert store.redis.zrange(store.keys.job_watchers("lapsed-long-ago"), 0, -1) == [f"{WATCHER_GHOST}u"]
 
 
-def test_cancel_finished_job_is_a_conflict(store: SyncJobStore) -> None:
+def test_cancel_finished_job_is_a_conflict(store: StoreForTests) -> None:
     job = store.create_job(JobRequest(prompt="hello"))
     store.take_job(job.id, "w1", "tiny")
     store.append_batch([Append(job.id, 1, [done(1)], 1, 0, Final(JobStatus.SUCCEEDED, "stop"))])
@@ -337,7 +337,7 @@ def test_cancel_finished_job_is_a_conflict(store: SyncJobStore) -> None:
         store.request_cancel("nope")
 
 
-def test_appends_survive_a_script_cache_flush(store: SyncJobStore) -> None:
+def test_appends_survive_a_script_cache_flush(store: StoreForTests) -> None:
     job = store.create_job(JobRequest(prompt="hello"))
     store.take_job(job.id, "w1", "tiny")
     real_sha = store._append.sha
@@ -348,7 +348,7 @@ def test_appends_survive_a_script_cache_flush(store: SyncJobStore) -> None:
     assert store.get_job(job.id).text == "a"
 
 
-def test_heartbeats_expire(store: SyncJobStore, settings: Settings) -> None:
+def test_heartbeats_expire(store: StoreForTests, settings: Settings) -> None:
     beat = WorkerHeartbeat(name="w1", ts=time.time(), engine={"peak_batch_size": 2}, model="tiny")
     store.beat(beat)
     assert store.list_workers() == [beat]
@@ -357,7 +357,7 @@ def test_heartbeats_expire(store: SyncJobStore, settings: Settings) -> None:
     assert store.list_workers() == []
 
 
-def test_async_store(store: SyncJobStore, settings: Settings) -> None:
+def test_async_store(store: StoreForTests, settings: Settings) -> None:
     async def scenario() -> None:
         astore = AsyncJobStore.from_settings(settings)
         try:

@@ -7,9 +7,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from store_helpers import StoreForTests
 
 from common.settings import Settings, load_settings
-from common.store import SyncJobStore
 from workers.engine import Engine, EngineConfig
 from workers.runtime import EngineRuntime
 
@@ -39,8 +39,8 @@ def runtime(runtime_settings: Settings) -> Iterator[EngineRuntime]:
 
 
 @pytest.fixture(scope="module")
-def store(runtime_settings: Settings) -> Iterator[SyncJobStore]:
-    s = SyncJobStore.from_settings(runtime_settings)
+def store(runtime_settings: Settings) -> Iterator[StoreForTests]:
+    s = StoreForTests.from_settings(runtime_settings)
     yield s
     s.close()
 

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 from celery import Celery
 from procs import REDIS_URL, Service, start_worker
+from store_helpers import StoreForTests
 
 from common.keys import GENERATE_TASK
 from common.schemas import Job, JobRequest, JobStatus
 from common.settings import load_settings
-from common.store import SyncJobStore
 from workers.celery_app import make_app
 
 LONG_PROMPT = "the quick brown fox"  # greedy on the tiny model runs to max_tokens (no EOS)
@@ -29,18 +29,18 @@ def worker(prefixes, tiny_model: Path, log_dir: Path) -> Iterator[tuple[str, Ser
 
 
 @pytest.fixture(scope="module")
-def store(worker: tuple[str, Service]) -> Iterator[SyncJobStore]:
-    s = SyncJobStore.from_settings(load_settings(redis_url=REDIS_URL, redis_prefix=worker[0]))
+def store(worker: tuple[str, Service]) -> Iterator[StoreForTests]:
+    s = StoreForTests.from_settings(load_settings(redis_url=REDIS_URL, redis_prefix=worker[0]))
     yield s
     s.close()
 
 
 @pytest.fixture(scope="module")
-def celery_app(store: SyncJobStore) -> Celery:
+def celery_app(store: StoreForTests) -> Celery:
     return make_app(store.settings)
 
 
-def finished(store: SyncJobStore, job_id: str, timeout: float = 60.0) -> Job:
+def finished(store: StoreForTests, job_id: str, timeout: float = 60.0) -> Job:
     deadline = time.monotonic() + timeout
     while not (job := store.get_job(job_id)).status.terminal:
         assert time.monotonic() < deadline, f"job {job_id} still {job.status.value} after {timeout}s"
@@ -48,7 +48,7 @@ def finished(store: SyncJobStore, job_id: str, timeout: float = 60.0) -> Job:
     return job
 
 
-def started(store: SyncJobStore, celery_app: Celery, max_tokens: int) -> Job:
+def started(store: StoreForTests, celery_app: Celery, max_tokens: int) -> Job:
     """A long job, sent by task name, once its first token is stored."""
     job = store.create_job(JobRequest(prompt=LONG_PROMPT, max_tokens=max_tokens, temperature=0))
     celery_app.send_task(GENERATE_TASK, [job.id])
@@ -59,7 +59,7 @@ def started(store: SyncJobStore, celery_app: Celery, max_tokens: int) -> Job:
     return job
 
 
-def test_task_by_name_runs_the_job(store: SyncJobStore, celery_app: Celery) -> None:
+def test_task_by_name_runs_the_job(store: StoreForTests, celery_app: Celery) -> None:
     job = store.create_job(JobRequest(prompt="hello", max_tokens=12, temperature=0))
     celery_app.send_task(GENERATE_TASK, [job.id])
     got = finished(store, job.id)
@@ -67,7 +67,7 @@ def test_task_by_name_runs_the_job(store: SyncJobStore, celery_app: Celery) -> N
     assert store.get_record(job.id).worker.endswith("-w1")
 
 
-def test_a_duplicate_message_does_not_run_the_job_twice(store: SyncJobStore, celery_app: Celery) -> None:
+def test_a_duplicate_message_does_not_run_the_job_twice(store: StoreForTests, celery_app: Celery) -> None:
     job = store.create_job(JobRequest(prompt=LONG_PROMPT, max_tokens=300, temperature=0))
     celery_app.send_task(GENERATE_TASK, [job.id])
     celery_app.send_task(GENERATE_TASK, [job.id])  # e.g. redelivered after the visibility timeout
@@ -77,7 +77,7 @@ def test_a_duplicate_message_does_not_run_the_job_twice(store: SyncJobStore, cel
     assert [e.seq for e in log] == list(range(1, len(log) + 1)) and sum(e.terminal for e in log) == 1
 
 
-def test_cancel_reaches_the_worker(store: SyncJobStore, celery_app: Celery) -> None:
+def test_cancel_reaches_the_worker(store: StoreForTests, celery_app: Celery) -> None:
     job = started(store, celery_app, 400)
     store.request_cancel(job.id)
     got = finished(store, job.id)
@@ -85,7 +85,7 @@ def test_cancel_reaches_the_worker(store: SyncJobStore, celery_app: Celery) -> N
 
 
 def test_a_delivered_message_is_recorded_under_the_prefix_until_its_job_ends(
-    store: SyncJobStore, celery_app: Celery
+    store: StoreForTests, celery_app: Celery
 ) -> None:
     """kombu's record of the delivered, unacknowledged messages (what its visibility timeout
     would restore) is the prefix's own, and the acknowledgement at the job's end clears it."""
@@ -121,7 +121,7 @@ def test_remote_control_stays_within_the_prefix(
 
 
 def test_warm_shutdown_finishes_the_running_job(
-    worker: tuple[str, Service], store: SyncJobStore, celery_app: Celery
+    worker: tuple[str, Service], store: StoreForTests, celery_app: Celery
 ) -> None:
     job = started(store, celery_app, 300)
     worker[1].stop()  # SIGTERM: Celery's warm shutdown lets running tasks end

@@ -9,9 +9,10 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from store_helpers import StoreForTests
 
 from common.schemas import ChatMessage, Job, JobRequest, JobStatus, LogEntry
-from common.store import Append, SyncJobStore, token_entry
+from common.store import Append, token_entry
 from workers.engine import Engine, SamplingParams
 from workers.runtime import EngineRuntime, Outcome, prompt_of
 
@@ -33,7 +34,7 @@ def greedy(engine: Engine, prompt: str, max_tokens: int) -> tuple[str, list[int]
     return out.text, out.token_ids
 
 
-def check_log(store: SyncJobStore, job: Job) -> list[LogEntry]:
+def check_log(store: StoreForTests, job: Job) -> list[LogEntry]:
     """The log contract: seqs 1..n, token indexes 0..k-1, one terminal event, last."""
     log = store.read_log(job.id)
     assert [e.seq for e in log] == list(range(1, len(log) + 1))
@@ -51,7 +52,7 @@ def run_in_thread(runtime: EngineRuntime, job_id: str) -> tuple[threading.Thread
 
 
 def test_job_runs_to_its_greedy_output(
-    runtime: EngineRuntime, store: SyncJobStore, reference: Engine
+    runtime: EngineRuntime, store: StoreForTests, reference: Engine
 ) -> None:
     job = store.create_job(JobRequest(prompt=LONG_PROMPT, max_tokens=24, temperature=0))
     assert runtime.run_job(job.id) is Outcome.FINISHED
@@ -68,7 +69,7 @@ def test_job_runs_to_its_greedy_output(
 
 
 def test_concurrent_jobs_share_the_batch(
-    runtime: EngineRuntime, store: SyncJobStore, reference: Engine
+    runtime: EngineRuntime, store: StoreForTests, reference: Engine
 ) -> None:
     prompts = [f"{LONG_PROMPT} {i}" for i in range(6)]
     jobs = [store.create_job(JobRequest(prompt=p, max_tokens=30, temperature=0)) for p in prompts]
@@ -85,7 +86,7 @@ def test_concurrent_jobs_share_the_batch(
     assert beat[0].name == "test-worker"  # type: ignore[index]
 
 
-def test_chat_messages(runtime: EngineRuntime, store: SyncJobStore) -> None:
+def test_chat_messages(runtime: EngineRuntime, store: StoreForTests) -> None:
     request = JobRequest(
         messages=[ChatMessage(role="user", content="hello there")], max_tokens=8, temperature=0
     )
@@ -104,7 +105,7 @@ def test_messages_without_a_chat_template_are_refused(runtime: EngineRuntime) ->
         prompt_of(request, tokenizer)
 
 
-def test_cancel_a_running_job(runtime: EngineRuntime, store: SyncJobStore) -> None:
+def test_cancel_a_running_job(runtime: EngineRuntime, store: StoreForTests) -> None:
     job = store.create_job(JobRequest(prompt=LONG_PROMPT, max_tokens=400, temperature=0))
     thread, outcomes = run_in_thread(runtime, job.id)
     poll(lambda: store.read_log(job.id), "a first token")
@@ -118,7 +119,7 @@ def test_cancel_a_running_job(runtime: EngineRuntime, store: SyncJobStore) -> No
 
 
 def test_missed_cancel_message_is_caught_by_the_heartbeat(
-    runtime: EngineRuntime, store: SyncJobStore
+    runtime: EngineRuntime, store: StoreForTests
 ) -> None:
     job = store.create_job(JobRequest(prompt=LONG_PROMPT, max_tokens=400, temperature=0))
     thread, outcomes = run_in_thread(runtime, job.id)
@@ -129,7 +130,7 @@ def test_missed_cancel_message_is_caught_by_the_heartbeat(
 
 
 def test_job_cancelled_while_queued_never_reaches_the_engine(
-    runtime: EngineRuntime, store: SyncJobStore
+    runtime: EngineRuntime, store: StoreForTests
 ) -> None:
     job = store.create_job(JobRequest(prompt="hello", max_tokens=8))
     store.request_cancel(job.id)
@@ -137,7 +138,7 @@ def test_job_cancelled_while_queued_never_reaches_the_engine(
     assert len(store.read_log(job.id)) == 1
 
 
-def test_too_long_request_fails_with_the_engine_message(runtime: EngineRuntime, store: SyncJobStore) -> None:
+def test_too_long_request_fails_with_the_engine_message(runtime: EngineRuntime, store: StoreForTests) -> None:
     job = store.create_job(JobRequest(prompt="hello", max_tokens=4000))
     assert runtime.run_job(job.id) is Outcome.FINISHED
     got = store.get_job(job.id)
@@ -147,7 +148,7 @@ def test_too_long_request_fails_with_the_engine_message(runtime: EngineRuntime, 
     assert last.type == "error" and last.data == {"status": "failed", **got.error.model_dump()}
 
 
-def test_timeout_before_the_engine(runtime: EngineRuntime, store: SyncJobStore) -> None:
+def test_timeout_before_the_engine(runtime: EngineRuntime, store: StoreForTests) -> None:
     job = store.create_job(JobRequest(prompt="hello", max_tokens=8, timeout_s=0.01))
     poll(lambda: time.time() > job.created_at + 0.01, "the deadline")
     assert runtime.run_job(job.id) is Outcome.FINISHED
@@ -156,7 +157,7 @@ def test_timeout_before_the_engine(runtime: EngineRuntime, store: SyncJobStore) 
     assert got.finish_reason == "timeout"
 
 
-def test_timeout_in_the_engine(runtime: EngineRuntime, store: SyncJobStore, reference: Engine) -> None:
+def test_timeout_in_the_engine(runtime: EngineRuntime, store: StoreForTests, reference: Engine) -> None:
     # A quarter of the time the whole generation takes here, so the deadline falls mid-way.
     started = time.monotonic()
     greedy(reference, LONG_PROMPT, 400)
@@ -172,7 +173,7 @@ def test_timeout_in_the_engine(runtime: EngineRuntime, store: SyncJobStore, refe
 
 
 def test_takeover_resumes_from_the_stored_tokens(
-    runtime: EngineRuntime, store: SyncJobStore, reference: Engine
+    runtime: EngineRuntime, store: StoreForTests, reference: Engine
 ) -> None:
     text, ids = greedy(reference, LONG_PROMPT, 20)
     # A cut after which the text so far is final (no UTF-8 sequence split across it).
@@ -195,7 +196,7 @@ def test_takeover_resumes_from_the_stored_tokens(
     assert got.usage.completion_tokens == 20 and store.get_record(job.id).attempt == 2
 
 
-def test_a_job_taken_over_is_dropped(runtime: EngineRuntime, store: SyncJobStore) -> None:
+def test_a_job_taken_over_is_dropped(runtime: EngineRuntime, store: StoreForTests) -> None:
     job = store.create_job(JobRequest(prompt=LONG_PROMPT, max_tokens=400, temperature=0))
     thread, outcomes = run_in_thread(runtime, job.id)
     poll(lambda: store.read_log(job.id), "a first token")
@@ -209,6 +210,6 @@ def test_a_job_taken_over_is_dropped(runtime: EngineRuntime, store: SyncJobStore
     assert store.get_record(job.id).worker == "other-worker"
 
 
-def test_heartbeat_names_the_model(runtime: EngineRuntime, store: SyncJobStore) -> None:
+def test_heartbeat_names_the_model(runtime: EngineRuntime, store: StoreForTests) -> None:
     beat = poll(lambda: store.list_workers(), "a heartbeat")
     assert beat[0].model and "peak_batch_size" in beat[0].engine  # type: ignore[index]

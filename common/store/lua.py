@@ -1,4 +1,4 @@
-"""The Lua scripts of the job store (common/store.py).
+"""The Lua scripts of the job store (common/store/).
 
 Every status transition and every append is one script, so each is atomic without WATCH
 retries, and each is safe to run twice (a retried call after a dropped connection is a no-op).

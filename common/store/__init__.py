@@ -1,0 +1,90 @@
+"""The job store: jobs, their event logs, watcher sets and worker heartbeats in Redis.
+
+The only code of Spool that writes Redis (Celery's broker and kombu write their own keys).
+``SyncJobStore`` (the worker, ``redis.Redis``) and
+``AsyncJobStore`` (the API, ``redis.asyncio``) are thin shells over the same pure parts:
+
+- ``errors``: what the stores raise on purpose;
+- ``records``: the dataclasses read and written, each Lua call's arguments and each reply's parser;
+- ``lua``: the scripts (every status transition and every append is one);
+- ``watchers``: who watches a foreground job (the API writes, a worker reads);
+- ``clients``: the Redis clients' retries, timeouts and pool;
+- ``sync`` and ``aio``: the two stores.
+"""
+
+from common.store.aio import AsyncJobStore
+from common.store.errors import Conflict, IdempotencyConflict, JobNotFound, QueueFull, StoreError
+from common.store.records import (
+    JOB_ID_BYTES,
+    WORKER_FORGET_S,
+    Append,
+    Final,
+    JobRecord,
+    MessageFor,
+    QueueMessage,
+    ScriptCall,
+    StreamState,
+    TakeResult,
+    TakeStatus,
+    append_args,
+    cancel_args,
+    cancelled_done_entry,
+    check_cancel,
+    check_created,
+    check_replay,
+    create_call,
+    decode_log,
+    heartbeats_from,
+    job_text,
+    new_job_fields,
+    new_job_id,
+    parse_take,
+    record_from_hash,
+    record_reads,
+    take_args,
+    token_entry,
+    worker_keys,
+)
+from common.store.sync import SyncJobStore
+from common.store.watchers import WatcherSets, watching
+
+__all__ = [
+    "JOB_ID_BYTES",
+    "WORKER_FORGET_S",
+    "Append",
+    "AsyncJobStore",
+    "Conflict",
+    "Final",
+    "IdempotencyConflict",
+    "JobNotFound",
+    "JobRecord",
+    "MessageFor",
+    "QueueFull",
+    "QueueMessage",
+    "ScriptCall",
+    "StoreError",
+    "StreamState",
+    "SyncJobStore",
+    "TakeResult",
+    "TakeStatus",
+    "WatcherSets",
+    "append_args",
+    "cancel_args",
+    "cancelled_done_entry",
+    "check_cancel",
+    "check_created",
+    "check_replay",
+    "create_call",
+    "decode_log",
+    "heartbeats_from",
+    "job_text",
+    "new_job_fields",
+    "new_job_id",
+    "parse_take",
+    "record_from_hash",
+    "record_reads",
+    "take_args",
+    "token_entry",
+    "watching",
+    "worker_keys",
+]

@@ -1,0 +1,125 @@
+"""The API's store, over ``redis.asyncio``: create, read, cancel and stream jobs; watcher sets."""
+
+from __future__ import annotations
+
+import time
+
+import redis.asyncio as aredis
+
+from common.schemas import STORED, Job, JobRequest, JobStatus, LogEntry, WorkerHeartbeat
+from common.settings import Settings
+from common.store.clients import async_client
+from common.store.errors import JobNotFound
+from common.store.lua import CANCEL_LUA, CREATE_LUA
+from common.store.records import (
+    JobRecord,
+    MessageFor,
+    StreamState,
+    cancel_args,
+    check_cancel,
+    check_created,
+    check_replay,
+    create_call,
+    decode_log,
+    heartbeats_from,
+    job_text,
+    record_from_hash,
+    record_reads,
+    worker_keys,
+)
+from common.store.watchers import WatcherSets
+
+
+class AsyncJobStore(WatcherSets):
+    """The API's store, over redis.asyncio."""
+
+    def __init__(self, client: aredis.Redis, settings: Settings) -> None:
+        self.settings = settings
+        self.keys = settings.keys
+        self.redis = client
+        self._create = client.register_script(CREATE_LUA)
+        self._cancel = client.register_script(CANCEL_LUA)
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> AsyncJobStore:
+        return cls(async_client(settings.redis_url), settings)
+
+    async def close(self) -> None:
+        await self.redis.aclose()
+
+    async def ping(self) -> bool:
+        return bool(await self.redis.ping())
+
+    async def create_job(
+        self,
+        request: JobRequest,
+        owner: str = "",
+        message_for: MessageFor | None = None,
+        idempotency_key: str | None = None,
+    ) -> Job:
+        """Store a queued job, and with ``message_for`` its broker message in the same script.
+
+        With an ``idempotency_key`` that this owner used before (within SPOOL_JOB_TTL_S), no job
+        is created: the earlier one is returned, or IdempotencyConflict raised when it was made
+        for another request. Raises QueueFull when SPOOL_MAX_QUEUED_JOBS jobs are queued.
+        """
+        fields, (keys, args) = create_call(
+            self.keys, self.settings, request, owner, message_for, idempotency_key
+        )
+        earlier = check_created(await self._create(keys, args), self.settings.max_queued_jobs)
+        if earlier is not None:
+            return check_replay(await self.get_record(earlier), request)
+        return record_from_hash(fields, "").job
+
+    async def get_record(self, job_id: str) -> JobRecord:
+        async with self.redis.pipeline(transaction=True) as pipe:
+            h, text, logged = await record_reads(pipe, self.keys, job_id).execute()
+        if not h:
+            raise JobNotFound(job_id)
+        if text is None and logged:  # cancelled while queued, or written by a worker of an older version
+            text = job_text(await self.read_log(job_id))
+        return record_from_hash(h, text or "")
+
+    async def get_job(self, job_id: str) -> Job:
+        return (await self.get_record(job_id)).job
+
+    async def owner(self, job_id: str) -> str | None:
+        """The hash of the API key that created the job (empty without keys); None: no such job."""
+        owner: str | None = await self.redis.hget(self.keys.job(job_id), "owner")
+        return owner
+
+    async def stream_state(self, job_id: str) -> StreamState:
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.hmget(self.keys.job(job_id), ["status", "request", "created_at", "model"])
+            pipe.llen(self.keys.job_log(job_id))
+            (status, request, created_at, model), length = await pipe.execute()
+        if status is None:
+            raise JobNotFound(job_id)
+        return StreamState(
+            job_id,
+            JobStatus(status),
+            JobRequest.model_validate_json(request, context={STORED: True}),
+            float(created_at),
+            model or None,
+            int(length),
+        )
+
+    async def read_log(self, job_id: str, after: int = 0) -> list[LogEntry]:
+        """The events with seq > after (entry i holds seq i + 1)."""
+        return decode_log(await self.redis.lrange(self.keys.job_log(job_id), after, -1))
+
+    async def request_cancel(self, job_id: str) -> Job:
+        """Cancel a job: at once if queued, at the worker's next step if running.
+
+        Raises JobNotFound, or Conflict if the job already finished otherwise than cancelled.
+        """
+        keys, args = cancel_args(self.keys, job_id, self.settings.job_ttl_s, time.time())
+        check_cancel(await self._cancel(keys, args), job_id)
+        return await self.get_job(job_id)
+
+    async def queued_count(self) -> int:
+        return int(await self.redis.zcard(self.keys.queued_jobs()))
+
+    async def list_workers(self) -> list[WorkerHeartbeat]:
+        names = [str(n) for n in await self.redis.zrange(self.keys.workers(), 0, -1)]
+        return heartbeats_from(await self.redis.mget(worker_keys(self.keys, names))) if names else []

@@ -1,0 +1,44 @@
+"""The Redis clients of the stores: retries, timeouts and the API's connection pool."""
+
+from __future__ import annotations
+
+import redis
+import redis.asyncio as aredis
+from redis.asyncio.retry import Retry as AsyncRetry
+from redis.backoff import ExponentialBackoff
+from redis.retry import Retry
+
+# NOTE: clients made with from_url retry nothing unless told to. After a Redis restart every
+# pooled connection is dead; without retries each one fails its next command (pipelines too)
+# once, so the API would answer 503s for a while after Redis is back. A retry reconnects at once.
+# Every script is safe to run twice (appends check the seq, takes return the attempt they set).
+REDIS_RETRIES = 3
+REDIS_BACKOFF = {"base": 0.05, "cap": 0.5}  # seconds
+# No command of the store blocks in Redis, so an answer slower than this means a dead or
+# half-open connection: fail (and retry on a new one) rather than hang a worker or a request.
+REDIS_TIMEOUTS = {"socket_timeout": 10.0, "socket_connect_timeout": 5.0}
+
+
+ASYNC_POOL_SIZE = 128  # Redis connections per API process
+ASYNC_POOL_WAIT_S = 10.0  # how long a command waits for one before it fails
+
+
+def sync_client(url: str) -> redis.Redis:
+    retry = Retry(ExponentialBackoff(**REDIS_BACKOFF), REDIS_RETRIES)
+    return redis.Redis.from_url(url, decode_responses=True, retry=retry, **REDIS_TIMEOUTS)
+
+
+def async_client(url: str) -> aredis.Redis:
+    retry = AsyncRetry(ExponentialBackoff(**REDIS_BACKOFF), REDIS_RETRIES)
+    # NOTE: the default async pool fails the 101st concurrent command with "Too many
+    # connections", which the API would report as Redis being down (seen with 1,000 open
+    # streams). A blocking pool makes a burst wait for a free connection instead.
+    pool = aredis.BlockingConnectionPool.from_url(
+        url,
+        decode_responses=True,
+        retry=retry,
+        max_connections=ASYNC_POOL_SIZE,
+        timeout=ASYNC_POOL_WAIT_S,
+        **REDIS_TIMEOUTS,
+    )
+    return aredis.Redis.from_pool(pool)  # the client owns the pool: aclose() closes it

@@ -1,0 +1,320 @@
+"""What the store reads and writes, as dataclasses, and the pure parts both stores share: the
+arguments of each Lua script call (common/store/lua.py) and the parsers of the replies."""
+
+from __future__ import annotations
+
+import enum
+import secrets
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import redis
+import redis.asyncio as aredis
+
+from common.keys import Keys
+from common.schemas import (
+    STORED,
+    DoneEvent,
+    Job,
+    JobError,
+    JobRequest,
+    JobStatus,
+    LogEntry,
+    TokenEvent,
+    Usage,
+    WorkerHeartbeat,
+)
+from common.settings import Settings
+from common.store.errors import Conflict, IdempotencyConflict, JobNotFound, QueueFull
+
+
+@dataclass(frozen=True)
+class JobRecord:
+    """Everything stored about a job: the API view plus what only the server needs."""
+
+    job: Job
+    request: JobRequest
+    owner: str  # API key hash; empty without keys
+    attempt: int
+    worker: str
+    cancel_requested: bool
+
+
+@dataclass(frozen=True)
+class StreamState:
+    """What opening a job's event stream needs; read without the log itself."""
+
+    job_id: str
+    status: JobStatus
+    request: JobRequest
+    created_at: float
+    model: str | None  # the model of the worker that took it; None while queued
+    log_length: int  # the seq of the job's last event (0 before the first)
+
+    @property
+    def foreground_and_live(self) -> bool:
+        """Whether its streams count as watchers (a job nobody watches is cancelled: detach.py)."""
+        return not self.request.background and not self.status.terminal
+
+
+class TakeStatus(str, enum.Enum):
+    TAKEN = "taken"  # this worker now runs the job
+    BUSY = "busy"  # another worker runs it and its lease is live
+    FINISHED = "finished"  # already terminal (e.g. cancelled while queued)
+    MISSING = "missing"  # unknown or expired
+
+
+@dataclass(frozen=True)
+class TakeResult:
+    status: TakeStatus
+    attempt: int = 0  # the fencing token for every later write (TAKEN)
+    record: JobRecord | None = None  # TAKEN
+    log: list[LogEntry] = field(default_factory=list)  # TAKEN: events written by earlier attempts
+    lease_left_s: float = 0.0  # BUSY
+
+
+@dataclass(frozen=True)
+class Final:
+    """How a job ended; rides on its last append."""
+
+    status: JobStatus
+    finish_reason: str | None
+    error: JobError | None = None
+
+
+@dataclass(frozen=True)
+class Append:
+    """One job's writes for one engine step."""
+
+    job_id: str
+    attempt: int  # fencing token from take_job
+    entries: Sequence[LogEntry]  # consecutive seqs
+    prompt_tokens: int
+    completion_tokens: int
+    final: Final | None = None
+
+
+ScriptCall = tuple[list[str], list[Any]]  # (KEYS, ARGV) of one Lua script call
+
+
+JOB_ID_BYTES = 16  # 128 random bits: a job id is its own capability, so it must not be guessable
+
+
+def new_job_id() -> str:
+    return secrets.token_hex(JOB_ID_BYTES)
+
+
+def new_job_fields(job_id: str, request: JobRequest, owner: str, now: float) -> dict[str, str]:
+    return {
+        "id": job_id,
+        "status": JobStatus.QUEUED.value,
+        "request": request.model_dump_json(),
+        "created_at": repr(now),
+        "prompt_tokens": "0",
+        "completion_tokens": "0",
+        "attempt": "0",
+        "owner": owner,
+    }
+
+
+@dataclass(frozen=True)
+class QueueMessage:
+    """A broker message that the script creating a job pushes (LPUSH) onto ``list_key`` with it."""
+
+    list_key: str
+    payload: str
+
+
+MessageFor = Callable[[str], QueueMessage]  # a job id -> the message that hands it to the workers
+
+
+def create_call(
+    keys: Keys,
+    settings: Settings,
+    request: JobRequest,
+    owner: str,
+    message_for: MessageFor | None,
+    idempotency_key: str | None,
+) -> tuple[dict[str, str], ScriptCall]:
+    """A new job's fields, and the create script's call that stores them."""
+    now, job_id = time.time(), new_job_id()
+    fields = new_job_fields(job_id, request, owner, now)
+    message = message_for(job_id) if message_for else None
+    flat = [x for kv in fields.items() for x in kv]
+    script_keys = [keys.queued_jobs(), keys.job(job_id)]
+    script_keys += [message.list_key] if message else []
+    # An idempotency key is remembered as long as a finished job (its job outlives it).
+    idem_ttl: int | str = ""
+    if idempotency_key is not None:
+        script_keys.append(keys.idempotency(owner, idempotency_key))
+        idem_ttl = settings.job_ttl_s
+    payload = message.payload if message else ""
+    return fields, (script_keys, [settings.max_queued_jobs, job_id, repr(now), payload, idem_ttl, *flat])
+
+
+def _float_or_none(v: str | None) -> float | None:
+    return float(v) if v else None
+
+
+def job_text(log: Iterable[LogEntry]) -> str:
+    return "".join(e.data["text"] for e in log if e.type == "token")
+
+
+def decode_log(raw: Iterable[str | bytes]) -> list[LogEntry]:
+    return [LogEntry.decode(r) for r in raw]
+
+
+P = TypeVar("P", redis.client.Pipeline, aredis.client.Pipeline)
+
+
+def record_reads(pipe: P, keys: Keys, job_id: str) -> P:
+    """Queue the reads of a job's record: its hash, its text and its log's length."""
+    pipe.hgetall(keys.job(job_id))
+    pipe.get(keys.job_text(job_id))
+    pipe.llen(keys.job_log(job_id))
+    return pipe
+
+
+def record_from_hash(h: dict[str, str], text: str) -> JobRecord:
+    prompt_tokens, completion_tokens = int(h.get("prompt_tokens") or 0), int(h.get("completion_tokens") or 0)
+    job = Job(
+        id=h["id"],
+        status=JobStatus(h["status"]),
+        text=text,
+        finish_reason=h.get("finish_reason") or None,
+        usage=Usage.of(prompt_tokens, completion_tokens),
+        error=JobError.model_validate_json(h["error"]) if h.get("error") else None,
+        created_at=float(h["created_at"]),
+        started_at=_float_or_none(h.get("started_at")),
+        finished_at=_float_or_none(h.get("finished_at")),
+        model=h.get("model") or None,
+    )
+    return JobRecord(
+        job=job,
+        request=JobRequest.model_validate_json(h["request"], context={STORED: True}),
+        owner=h.get("owner", ""),
+        attempt=int(h.get("attempt") or 0),
+        worker=h.get("worker", ""),
+        cancel_requested=h.get("cancel_requested") == "1",
+    )
+
+
+def take_args(keys: Keys, job_id: str, worker: str, model: str, now: float, lease_s: float) -> ScriptCall:
+    return (
+        [
+            keys.job(job_id),
+            keys.job_log(job_id),
+            keys.queued_jobs(),
+            keys.running_jobs(),
+            keys.job_text(job_id),
+        ],
+        [job_id, worker, model, repr(now), repr(now + lease_s)],
+    )
+
+
+def parse_take(reply: list[Any], now: float) -> TakeResult:
+    status = TakeStatus(reply[0])
+    if status is TakeStatus.BUSY:
+        return TakeResult(status, lease_left_s=max(0.0, float(reply[1]) - now))
+    if status is not TakeStatus.TAKEN:
+        return TakeResult(status)
+    flat = reply[2]
+    log = decode_log(reply[3])
+    return TakeResult(
+        status, attempt=int(reply[1]), record=record_from_hash(_pairs(flat), job_text(log)), log=log
+    )
+
+
+def _pairs(flat: list[str]) -> dict[str, str]:
+    return dict(zip(flat[::2], flat[1::2], strict=True))
+
+
+def append_args(keys: Keys, a: Append, ttl_s: int, now: float) -> ScriptCall:
+    final = a.final
+    first_seq = a.entries[0].seq if a.entries else 0
+    return (
+        [
+            keys.job(a.job_id),
+            keys.job_log(a.job_id),
+            keys.job_events(a.job_id),
+            keys.running_jobs(),
+            keys.job_text(a.job_id),
+        ],
+        [
+            str(a.attempt),
+            first_seq,
+            a.prompt_tokens,
+            a.completion_tokens,
+            final.status.value if final else "",
+            (final.finish_reason or "") if final else "",
+            repr(now),
+            final.error.model_dump_json() if final and final.error else "",
+            ttl_s,
+            a.job_id,
+            job_text(a.entries),
+            *(e.encode() for e in a.entries),
+        ],
+    )
+
+
+def cancelled_done_entry() -> LogEntry:
+    """The terminal event of a job cancelled while queued (its log is empty, so seq 1)."""
+    return LogEntry.done(
+        1, DoneEvent(status=JobStatus.CANCELLED, finish_reason="cancelled", usage=Usage.of(0, 0))
+    )
+
+
+def cancel_args(keys: Keys, job_id: str, ttl_s: int, now: float) -> ScriptCall:
+    return (
+        [
+            keys.job(job_id),
+            keys.job_log(job_id),
+            keys.job_events(job_id),
+            keys.queued_jobs(),
+            keys.cancelled(),
+        ],
+        [job_id, repr(now), ttl_s, cancelled_done_entry().encode()],
+    )
+
+
+def check_cancel(reply: str, job_id: str) -> None:
+    if reply == "missing":
+        raise JobNotFound(job_id)
+    if reply not in ("cancelled", "requested"):
+        raise Conflict(f"job {job_id!r} already finished with status {reply!r}")
+
+
+def check_created(reply: int | str, max_queued: int) -> str | None:
+    """None when the job was created; the id of the earlier job its idempotency key names."""
+    if isinstance(reply, str):
+        return reply
+    if not reply:
+        raise QueueFull(max_queued)
+    return None
+
+
+def check_replay(earlier: JobRecord, request: JobRequest) -> Job:
+    """The earlier job of an idempotency key, if it was created for the same request."""
+    if earlier.request.model_dump_json() != request.model_dump_json():
+        raise IdempotencyConflict(earlier.job.id)
+    return earlier.job
+
+
+# NOTE: liveness is the heartbeat key's TTL (a lapsed worker's key reads as None below); the
+# registry only lists names to look at, and forgets a worker after an hour without a beat.
+WORKER_FORGET_S = 3600.0
+
+
+def worker_keys(keys: Keys, names: Iterable[str]) -> list[str]:
+    return [keys.worker(n) for n in names]
+
+
+def heartbeats_from(values: Iterable[str | bytes | None]) -> list[WorkerHeartbeat]:
+    # NOTE: a key can expire between SCAN and MGET; it then reads as None.
+    return [WorkerHeartbeat.model_validate_json(v) for v in values if v]
+
+
+def token_entry(seq: int, index: int, text: str, token_ids: Sequence[int]) -> LogEntry:
+    return LogEntry.token(seq, TokenEvent(index=index, text=text, token_ids=list(token_ids)))

@@ -1,0 +1,213 @@
+"""The worker's store, over ``redis.Redis``: take jobs, append their events, heartbeats and leases."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import redis
+from redis.exceptions import NoScriptError, RedisError
+
+from common.schemas import WorkerHeartbeat
+from common.settings import Settings
+from common.store.clients import sync_client
+from common.store.lua import APPEND_LUA, RENEW_LUA, REQUEUE_LUA, TAKE_LUA
+from common.store.records import (
+    WORKER_FORGET_S,
+    Append,
+    ScriptCall,
+    TakeResult,
+    append_args,
+    parse_take,
+    take_args,
+)
+from common.store.watchers import watching
+
+log = logging.getLogger(__name__)
+
+CANCEL_POLL_S = 1.0  # how long the cancel listener blocks for a message before checking for stop
+
+
+class SyncJobStore:
+    """The worker's store. Thread-safe: redis.Redis draws a connection from its pool per call.
+
+    The API's operations (create, read, cancel) are the API's store's (common/store/aio.py); tests
+    that play the API synchronously have their twins (tests/store_helpers.py).
+    """
+
+    def __init__(self, client: redis.Redis, settings: Settings) -> None:
+        self.settings = settings
+        self.keys = settings.keys
+        self.redis = client
+        self._take = client.register_script(TAKE_LUA)
+        self._append = client.register_script(APPEND_LUA)
+        self._renew = client.register_script(RENEW_LUA)
+        self._requeue = client.register_script(REQUEUE_LUA)
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> SyncJobStore:
+        return cls(sync_client(settings.redis_url), settings)
+
+    def close(self) -> None:
+        self.redis.close()
+
+    def take_job(self, job_id: str, worker: str, model: str) -> TakeResult:
+        now = time.time()
+        keys, args = take_args(self.keys, job_id, worker, model, now, self.settings.lease_s)
+        return parse_take(self._take(keys, args), now)
+
+    def append_batch(self, appends: Sequence[Append]) -> list[bool]:
+        """Write one engine step for many jobs in one round trip; False where the job is no longer ours."""
+        now = time.time()
+        calls = [append_args(self.keys, a, self.settings.job_ttl_s, now) for a in appends]
+        replies = self._evalsha_all(calls)
+        return [r in (1, 2) for r in replies]
+
+    def _evalsha_all(self, calls: list[ScriptCall]) -> list[Any]:
+        # NOTE: Script objects in a pipeline cost an extra SCRIPT EXISTS round trip per execute;
+        # EVALSHA directly, and load the script only when Redis answers NOSCRIPT (after a restart).
+        script = self._append
+        pipe = self.redis.pipeline(transaction=False)
+        for keys, args in calls:
+            pipe.evalsha(script.sha, len(keys), *keys, *args)
+        replies = pipe.execute(raise_on_error=False)
+        if any(isinstance(r, NoScriptError) for r in replies):
+            script.sha = self.redis.script_load(script.script)
+            replies = [
+                script(keys, args) if isinstance(r, NoScriptError) else r
+                for r, (keys, args) in zip(replies, calls, strict=True)
+            ]
+        for r in replies:
+            if isinstance(r, Exception):
+                raise r
+        return replies
+
+    def renew_leases(self, held: Mapping[str, int]) -> list[str]:
+        """Extend the leases of the jobs this worker holds (job id -> attempt); returns those it lost.
+
+        A job is lost when another worker took it over (its attempt moved on) or it ended.
+        """
+        return self._set_leases(held, time.time() + self.settings.lease_s)
+
+    def release_leases(self, worker: str) -> list[str]:
+        """Lapse the leases of the running jobs recorded as ``worker``'s; returns their ids.
+
+        For a worker process that starts: it holds no job yet, so any job under its name is an
+        orphan of its previous life, and the next sweep requeues it at once instead of a lease
+        later. Fenced by attempt, so a job another worker took over meanwhile keeps its lease.
+        """
+        ids = [str(j) for j in self.redis.zrange(self.keys.running_jobs(), 0, -1)]
+        pipe = self.redis.pipeline(transaction=False)
+        for job_id in ids:
+            pipe.hmget(self.keys.job(job_id), ["worker", "attempt"])
+        held = {j: int(a) for j, (w, a) in zip(ids, pipe.execute(), strict=True) if w == worker and a}
+        self._set_leases(held, 0.0)
+        return list(held)
+
+    def _set_leases(self, held: Mapping[str, int], deadline: float) -> list[str]:
+        """Set the lease deadline of jobs still at these attempts and running; returns the others."""
+        if not held:
+            return []
+        keys = [self.keys.running_jobs(), *(self.keys.job(j) for j in held)]
+        args: list[Any] = [repr(deadline)]
+        for job_id, attempt in held.items():
+            args += [job_id, str(attempt)]
+        return list(self._renew(keys, args))
+
+    def lapsed_leases(self, now: float, limit: int = 100) -> list[tuple[str, str]]:
+        """(job id, worker) of running jobs whose lease lapsed: their worker stopped renewing it."""
+        ids = [
+            str(j)
+            for j in self.redis.zrangebyscore(self.keys.running_jobs(), "-inf", now, start=0, num=limit)
+        ]
+        if not ids:
+            return []
+        pipe = self.redis.pipeline(transaction=False)
+        for job_id in ids:
+            pipe.hget(self.keys.job(job_id), "worker")
+        return [(j, w or "") for j, w in zip(ids, pipe.execute(), strict=True)]
+
+    def stale_queued(self, queued_before: float, limit: int = 100) -> list[str]:
+        """Jobs queued since before ``queued_before`` although the Celery queue is empty.
+
+        With messages in the queue, old queued jobs are just waiting their turn; with none, a job
+        still queued long after it was sent lost its message (e.g. Redis went down as a worker
+        received it), and only sending it again runs it.
+        """
+        pipe = self.redis.pipeline(transaction=False)
+        for name in self.keys.queue_lists(self.keys.queue_llm):
+            pipe.llen(name)
+        if any(pipe.execute()):
+            return []
+        ids = self.redis.zrangebyscore(self.keys.queued_jobs(), "-inf", queued_before, start=0, num=limit)
+        return [str(j) for j in ids]
+
+    def live_workers(self, names: Iterable[str]) -> set[str]:
+        """Which of these workers have a live heartbeat."""
+        names = sorted(set(names))
+        if not names:
+            return set()
+        pipe = self.redis.pipeline(transaction=False)
+        for name in names:
+            pipe.exists(self.keys.worker(name))
+        return {n for n, alive in zip(names, pipe.execute(), strict=True) if alive}
+
+    def claim_requeue(self, job_id: str, now: float, min_gap_s: float) -> bool:
+        """Atomically claim sending this job's message again; True for exactly one claimer per gap."""
+        keys = [self.keys.job(job_id), self.keys.running_jobs(), self.keys.queued_jobs()]
+        return bool(self._requeue(keys, [job_id, repr(now), repr(min_gap_s)]))
+
+    def cancel_requested(self, job_ids: Sequence[str]) -> list[str]:
+        """Which of these jobs a client asked to cancel (covers cancel messages missed on pub/sub)."""
+        pipe = self.redis.pipeline(transaction=False)
+        for job_id in job_ids:
+            pipe.hget(self.keys.job(job_id), "cancel_requested")
+        return [j for j, flag in zip(job_ids, pipe.execute(), strict=True) if flag == "1"]
+
+    def unwatched(self, job_ids: Sequence[str], now: float, grace_s: float) -> list[str]:
+        """Which of these jobs nobody watches (see ``watching``; api/openai_compat/detach.py)."""
+        pipe = self.redis.pipeline(transaction=False)
+        for job_id in job_ids:
+            pipe.zrangebyscore(self.keys.job_watchers(job_id), now - grace_s, "+inf", withscores=True)
+        return [
+            job_id
+            for job_id, members in zip(job_ids, pipe.execute(), strict=True)
+            if not watching(members, now, grace_s)
+        ]
+
+    def listen_cancels(self, on_cancel: Callable[[str], None], stop: threading.Event) -> None:
+        """Call ``on_cancel`` with each job id published on ``{p}:cancel`` until ``stop`` is set.
+
+        Resubscribes after a Redis error; what was published meanwhile is not seen (the worker's
+        heartbeat re-reads its jobs' cancel flags).
+        """
+        while not stop.is_set():
+            pubsub = self.redis.pubsub()
+            try:
+                pubsub.subscribe(self.keys.cancelled())
+                while not stop.is_set():
+                    msg = pubsub.get_message(timeout=CANCEL_POLL_S)
+                    if msg and msg["type"] == "message":
+                        on_cancel(msg["data"])
+            except RedisError as e:
+                log.warning("cancel listener lost Redis (%s); resubscribing", e)
+                stop.wait(CANCEL_POLL_S)
+            finally:
+                pubsub.close()
+
+    def beat(self, heartbeat: WorkerHeartbeat) -> None:
+        now, ttl_ms = time.time(), int(self.settings.heartbeat_ttl_s * 1000)
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.set(self.keys.worker(heartbeat.name), heartbeat.model_dump_json(), px=ttl_ms)
+        pipe.zadd(self.keys.workers(), {heartbeat.name: now})
+        pipe.zremrangebyscore(self.keys.workers(), "-inf", now - WORKER_FORGET_S)
+        pipe.execute()
+
+    def remove_heartbeat(self, name: str) -> None:
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.delete(self.keys.worker(name))
+        pipe.zrem(self.keys.workers(), name)
+        pipe.execute()

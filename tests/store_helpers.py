@@ -1,0 +1,78 @@
+"""The API's store operations over the worker's synchronous client, for tests and tools that play
+the API's part without an event loop: the twins of ``AsyncJobStore``'s, the same Lua scripts and
+builders, so the store (common/store/) stays the only code that defines a Redis write."""
+
+from __future__ import annotations
+
+import time
+
+import redis
+
+from common.schemas import Job, JobRequest, LogEntry, WorkerHeartbeat
+from common.settings import Settings
+from common.store import (
+    JobNotFound,
+    JobRecord,
+    MessageFor,
+    SyncJobStore,
+    cancel_args,
+    check_cancel,
+    check_created,
+    check_replay,
+    create_call,
+    decode_log,
+    heartbeats_from,
+    job_text,
+    record_from_hash,
+    record_reads,
+    worker_keys,
+)
+from common.store.lua import CANCEL_LUA, CREATE_LUA
+
+
+class StoreForTests(SyncJobStore):
+    """``SyncJobStore`` plus the API's create, read and cancel."""
+
+    def __init__(self, client: redis.Redis, settings: Settings) -> None:
+        super().__init__(client, settings)
+        self._create = client.register_script(CREATE_LUA)
+        self._cancel = client.register_script(CANCEL_LUA)
+
+    def create_job(
+        self,
+        request: JobRequest,
+        owner: str = "",
+        message_for: MessageFor | None = None,
+        idempotency_key: str | None = None,
+    ) -> Job:
+        fields, (keys, args) = create_call(
+            self.keys, self.settings, request, owner, message_for, idempotency_key
+        )
+        earlier = check_created(self._create(keys, args), self.settings.max_queued_jobs)
+        if earlier is not None:
+            return check_replay(self.get_record(earlier), request)
+        return record_from_hash(fields, "").job
+
+    def get_record(self, job_id: str) -> JobRecord:
+        pipe = self.redis.pipeline(transaction=True)
+        h, text, logged = record_reads(pipe, self.keys, job_id).execute()
+        if not h:
+            raise JobNotFound(job_id)
+        if text is None and logged:  # cancelled while queued, or written by a worker of an older version
+            text = job_text(self.read_log(job_id))
+        return record_from_hash(h, text or "")
+
+    def get_job(self, job_id: str) -> Job:
+        return self.get_record(job_id).job
+
+    def read_log(self, job_id: str, after: int = 0) -> list[LogEntry]:
+        return decode_log(self.redis.lrange(self.keys.job_log(job_id), after, -1))
+
+    def request_cancel(self, job_id: str) -> Job:
+        keys, args = cancel_args(self.keys, job_id, self.settings.job_ttl_s, time.time())
+        check_cancel(self._cancel(keys, args), job_id)
+        return self.get_job(job_id)
+
+    def list_workers(self) -> list[WorkerHeartbeat]:
+        names = [str(n) for n in self.redis.zrange(self.keys.workers(), 0, -1)]
+        return heartbeats_from(self.redis.mget(worker_keys(self.keys, names))) if names else []
