@@ -12,8 +12,8 @@ from fastapi import FastAPI
 from api.enqueue import Enqueuer
 from api.hub import Hub, Inbox
 from api.metrics import Metrics
-from api.openai_compat.detach import Watchers
 from api.served import ServedModels
+from api.watchers import Watchers
 from common.process import freeze_startup_objects
 from common.settings import Settings
 from common.store import AsyncJobStore
@@ -32,7 +32,7 @@ class Services:
     @asynccontextmanager
     async def follow(self, job_id: str, watch: bool) -> AsyncIterator[Inbox]:
         """The job's live events from now on (subscribe before reading its log); with ``watch``
-        the caller counts as a watcher of the job meanwhile (api/openai_compat/detach.py)."""
+        the caller counts as a watcher of the job meanwhile (api/watchers.py)."""
         async with self.watchers.watch(job_id) if watch else nullcontext(), self.hub.watch(job_id) as inbox:
             yield inbox
 

@@ -2,26 +2,21 @@
 
 from __future__ import annotations
 
-import asyncio
 from typing import Literal
 
 from fastapi import APIRouter, Request, Response
 from fastapi.sse import EventSourceResponse
 
-from api.auth import current_owner
 from api.deps import CursorDep, IdempotencyKey, InboxDep, JobDep, JobId, ServicesDep, StreamStateDep
-from api.errors import ApiError
-from api.openai_compat.stream import openai_view, streamed_submit
-from api.served import check_with_live_workers
+from api.openai_compat.chunks import View
+from api.served import check_with_live_workers, served_models
 from api.services import Services
 from api.sse import event_stream, relay, to_sse_list
+from api.submission import streamed_submit, submit_job, wait_for_job
 from common.schemas import Job, JobRequest
-from common.store import IdempotencyConflict, QueueFull
+from common.store import StreamState
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
-
-RETRY_AFTER_S = 2  # a full queue drains at the workers' pace; retrying sooner only adds load
-CLIENT_CLOSED_REQUEST = 499  # nginx's status for it; logged, never received
 
 
 @router.post(
@@ -63,54 +58,6 @@ async def create_job(
     return await wait_for_job(services, job.id, request)
 
 
-async def submit_job(services: Services, body: JobRequest, idempotency_key: str | None = None) -> Job:
-    """Store the job with its Celery message, in one script (429 when the queue is full)."""
-    metrics = services.metrics
-    try:
-        job = await services.store.create_job(
-            body, current_owner(), services.enqueuer.generate, idempotency_key
-        )
-    except QueueFull as e:
-        metrics.jobs_rejected.labels("queue_full").inc()
-        raise ApiError(429, str(e), code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)}) from None
-    except IdempotencyConflict as e:
-        raise ApiError(409, str(e), param="Idempotency-Key", code="idempotency_key_reused") from None
-    metrics.jobs_submitted.inc()
-    return job
-
-
-async def wait_for_job(services: Services, job_id: str, request: Request) -> Job:
-    """The job once it is final; the caller counts as a watcher meanwhile (api/openai_compat/detach.py).
-
-    A client that hangs up stops watching at once, so a foreground job nobody else watches is
-    cancelled after ``SPOOL_DETACH_GRACE_S``, as an abandoned stream's is.
-    """
-
-    async def final() -> None:
-        # relay() ends after the terminal event whatever the timing, so the job is then final.
-        async with services.follow(job_id, watch=False) as inbox:
-            async for _ in relay(services.store, inbox, job_id, 0, services.settings.sse_ping_s):
-                pass
-
-    async def hung_up() -> None:
-        # The body was read, so the next ASGI message is the disconnect (or nothing).
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    async with services.watchers.watch(job_id):
-        waits = [asyncio.ensure_future(final()), asyncio.ensure_future(hung_up())]
-        try:
-            done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for task in waits:
-                task.cancel()
-            await asyncio.gather(*waits, return_exceptions=True)  # their ends, errors included, seen
-        if waits[0] not in done:
-            raise ApiError(CLIENT_CLOSED_REQUEST, "the client closed the request", code="client_closed_request")
-        waits[0].result()  # relay's errors (Redis unreachable) go to their handlers
-    return await services.store.get_job(job_id)
-
-
 @router.get("/{job_id}")
 async def get_job(job: JobDep) -> Job:
     return job
@@ -142,5 +89,12 @@ async def job_events(
 
     ``?format=openai``: the same ids, as OpenAI stream chunks ending with ``data: [DONE]``.
     """
-    render = to_sse_list if format == "spool" else (await openai_view(services, job)).render
+    render = to_sse_list if format == "spool" else (await _openai_view(services, job)).render
     return event_stream(relay(services.store, inbox, job.job_id, cursor, services.settings.sse_ping_s, render))
+
+
+async def _openai_view(services: Services, job: StreamState) -> View:
+    """How an existing job looks in the OpenAI format."""
+    # The worker that took the job wrote its model's name; a queued job gets the served one's.
+    model = job.model or min(await served_models(services.store), default="")
+    return View.of(job.job_id, job.created_at, job.request, model)

@@ -16,9 +16,8 @@ from api.deps import ServicesDep, StoreDep
 from api.errors import ApiError
 from api.openai_compat.chunks import View
 from api.openai_compat.requests import ChatCompletionRequest, CompletionRequest, OpenAIRequest
-from api.openai_compat.stream import streamed_submit
-from api.routes.jobs import submit_job, wait_for_job
 from api.served import check_servable, resolve_model, served_models
+from api.submission import streamed_submit, submit_job, wait_for_job
 from common.schemas import WorkerHeartbeat
 
 router = APIRouter(prefix="/v1", tags=["openai"])

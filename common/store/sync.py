@@ -168,7 +168,7 @@ class SyncJobStore:
         return [j for j, flag in zip(job_ids, pipe.execute(), strict=True) if flag == "1"]
 
     def unwatched(self, job_ids: Sequence[str], now: float, grace_s: float) -> list[str]:
-        """Which of these jobs nobody watches (see ``watching``; api/openai_compat/detach.py)."""
+        """Which of these jobs nobody watches (see ``watching``; api/watchers.py)."""
         pipe = self.redis.pipeline(transaction=False)
         for job_id in job_ids:
             pipe.zrangebyscore(self.keys.job_watchers(job_id), now - grace_s, "+inf", withscores=True)

@@ -126,7 +126,7 @@ def test_only_streams_of_a_live_foreground_job_count_as_watchers(
     finished: bool,
 ) -> None:
     # Nobody cancels a background or finished job for want of watchers, so their streams
-    # write none (api/openai_compat/detach.py).
+    # write none (api/watchers.py).
     job_id = writer.running_job(background=background)
     writer.tokens(job_id, TEXTS[0])
     if finished:

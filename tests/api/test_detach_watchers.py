@@ -6,7 +6,7 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
-from api.openai_compat.detach import Watchers
+from api.watchers import Watchers
 from common.schemas import JobRequest, JobStatus
 from common.settings import Settings
 from common.store import AsyncJobStore

@@ -3,7 +3,7 @@
 Its stream clients resume on another replica with ``Last-Event-ID``, with nothing lost or repeated.
 The foreground jobs it waited on get ``SPOOL_DETACH_GRACE_S`` to be resumed: the replica's own
 checks died with it, so the worker that runs them cancels them once nobody has watched them for
-the grace (api/openai_compat/detach.py, workers/liveness.py).
+the grace (api/watchers.py, workers/liveness.py).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from breakers import Stream, poll
 from procs import Cluster, Prefixes, Service, finished_job, start_api, start_worker, waiting_request
 from sse_client import check_full_stream, read_events
 
-from api.openai_compat.detach import LEASE_S, RENEW_S
+from api.watchers import LEASE_S, RENEW_S
 
 GRACE_S = 1.0
 MAX_MODEL_LEN = 32768

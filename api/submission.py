@@ -1,0 +1,86 @@
+"""Submitting a job and answering for it, on either API: store it with its message, wait for it to
+end, or stream its events from the first.
+
+A foreground job (``background: false``, and every OpenAI request unless it says otherwise) is
+watched by the request that submitted it; a client that hangs up stops watching at once, so a
+foreground job nobody else watches is cancelled after ``SPOOL_DETACH_GRACE_S`` (api/watchers.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncGenerator, Mapping
+
+from fastapi import Request
+from fastapi.sse import EventSourceResponse, ServerSentEvent
+
+from api.auth import current_owner
+from api.errors import ApiError
+from api.services import Services
+from api.sse import Render, event_stream, relay
+from common.schemas import Job, JobRequest
+from common.store import IdempotencyConflict, QueueFull
+
+RETRY_AFTER_S = 2  # a full queue drains at the workers' pace; retrying sooner only adds load
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for it; logged, never received
+
+
+async def submit_job(services: Services, body: JobRequest, idempotency_key: str | None = None) -> Job:
+    """Store the job with its Celery message, in one script (429 when the queue is full)."""
+    metrics = services.metrics
+    try:
+        job = await services.store.create_job(
+            body, current_owner(), services.enqueuer.generate, idempotency_key
+        )
+    except QueueFull as e:
+        metrics.jobs_rejected.labels("queue_full").inc()
+        raise ApiError(429, str(e), code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+    except IdempotencyConflict as e:
+        raise ApiError(409, str(e), param="Idempotency-Key", code="idempotency_key_reused") from None
+    metrics.jobs_submitted.inc()
+    return job
+
+
+async def wait_for_job(services: Services, job_id: str, request: Request) -> Job:
+    """The job once it is final; the caller counts as a watcher meanwhile."""
+
+    async def final() -> None:
+        # relay() ends after the terminal event whatever the timing, so the job is then final.
+        async with services.follow(job_id, watch=False) as inbox:
+            async for _ in relay(services.store, inbox, job_id, 0, services.settings.sse_ping_s):
+                pass
+
+    async def hung_up() -> None:
+        # The body was read, so the next ASGI message is the disconnect (or nothing).
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    async with services.watchers.watch(job_id):
+        waits = [asyncio.ensure_future(final()), asyncio.ensure_future(hung_up())]
+        try:
+            done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in waits:
+                task.cancel()
+            await asyncio.gather(*waits, return_exceptions=True)  # their ends, errors included, seen
+        if waits[0] not in done:
+            raise ApiError(CLIENT_CLOSED_REQUEST, "the client closed the request", code="client_closed_request")
+        waits[0].result()  # relay's errors (Redis unreachable) go to their handlers
+    return await services.store.get_job(job_id)
+
+
+def streamed_submit(
+    services: Services, job_id: str, render: Render, foreground: bool, headers: Mapping[str, str]
+) -> EventSourceResponse:
+    """The answer to a streamed submit: every event of the job from the first. A foreground job's
+    client counts as its watcher while it reads (closed with the response, so a client that hangs
+    up stops watching at once)."""
+    if foreground:
+        services.watchers.check_later(job_id)  # a client that leaves before the first byte
+
+    async def events() -> AsyncGenerator[list[ServerSentEvent], None]:
+        async with services.follow(job_id, watch=foreground) as inbox:
+            async for batch in relay(services.store, inbox, job_id, 0, services.settings.sse_ping_s, render):
+                yield batch
+
+    return event_stream(events(), headers)

@@ -1,0 +1,28 @@
+"""The layers' imports point one way (docs/internals.md): checked on what Python really loads."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_the_engine_loads_no_redis_celery_fastapi_or_common() -> None:
+    code = (
+        "import sys, workers.engine, workers.engine.tiny\n"
+        "banned = ('redis', 'celery', 'kombu', 'fastapi', 'starlette', 'common')\n"
+        "print(' '.join(sorted(m for m in sys.modules if m.split('.')[0] in banned)))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == ""
+
+
+def test_routes_never_import_routes() -> None:
+    for path in sorted((ROOT / "api" / "routes").glob("*.py")):
+        tree = ast.parse(path.read_text())
+        imported = [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+        imported += [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+        assert not [m for m in imported if m.startswith("api.routes")], path.name
