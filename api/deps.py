@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Annotated
+from typing import Annotated, Any
 
-from fastapi import Depends, Header, Path, Query, Request
+from fastapi import Body, Depends, Header, Path, Query, Request
+from pydantic import PlainValidator, ValidationError
 
-from api.errors import ApiError
+from api.errors import ApiError, body_errors
 from api.hub import Inbox
 from api.services import Services
-from common.schemas import Job
+from common.schemas import Job, JobRequest
 from common.store import AsyncJobStore, StreamState
 
 
@@ -43,6 +44,22 @@ IdempotencyKey = Annotated[
         "first submit made instead of making another (409 with another body).",
     ),
 ]
+
+
+# NOTE: FastAPI validates a body without a validation context, so it only parses this one's JSON
+# (the OpenAPI document still shows JobRequest's schema), and _job_request validates it with the
+# app's settings.
+_JobRequestJson = Annotated[Any, Body(), PlainValidator(lambda v: v, json_schema_input_type=JobRequest)]
+
+
+async def _job_request(body: _JobRequestJson, services: ServicesDep) -> JobRequest:
+    try:
+        return JobRequest.accept(body, services.settings)
+    except ValidationError as e:
+        raise body_errors(e) from None
+
+
+JobRequestDep = Annotated[JobRequest, Depends(_job_request)]
 
 
 async def _job(job_id: JobId, store: StoreDep) -> Job:

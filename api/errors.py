@@ -13,6 +13,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import ValidationError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from starlette.exceptions import HTTPException
@@ -52,6 +53,15 @@ class ApiError(Exception):
         self.param = param
         self.code = code
         self.headers = dict(headers or {})
+
+
+def body_errors(e: ValidationError, renamed: Mapping[str, str] | None = None) -> RequestValidationError:
+    """A body's validation errors, located as FastAPI locates its own (``renamed``: field -> name
+    the client sent), for the same envelope and status."""
+    names = renamed or {}
+    return RequestValidationError(
+        [{**err, "loc": ("body", *(names.get(str(p), p) for p in err["loc"]))} for err in e.errors()]
+    )
 
 
 def error_body(

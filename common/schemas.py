@@ -13,12 +13,13 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from common.settings import get_settings
+from common.settings import DEFAULT_MAX_TOKENS, Settings
 
 MAX_STOP_STRINGS = 4
-# Validation context of a request read back from the store: the API that accepted it applied its
-# own limits, which a worker started with other settings must not re-judge.
-STORED = "stored"
+# The validation context's key for the Settings of the server that accepts a request
+# (``JobRequest.accept``): its default max_tokens and its limits. Without them (a request read
+# back from the store, already judged by the API that accepted it; a tool's own) neither applies.
+SERVER_SETTINGS = "settings"
 LIMIT_EXCEEDED = "limit_exceeded"  # validation error type of a value above a configured limit (400)
 
 
@@ -59,6 +60,12 @@ def _encodable(v: Any) -> Any:
     return v
 
 
+def _server_settings(info: ValidationInfo) -> Settings | None:
+    settings = (info.context or {}).get(SERVER_SETTINGS)
+    assert settings is None or isinstance(settings, Settings)
+    return settings
+
+
 def _finite(v: float | None) -> float | None:
     # NOTE: pydantic accepts "nan" and "inf" for floats; a NaN temperature would reach the sampler.
     if v is not None and not math.isfinite(v):
@@ -73,7 +80,8 @@ class JobRequest(BaseModel):
 
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1)
-    max_tokens: int = Field(default_factory=lambda: get_settings().default_max_tokens, ge=1)
+    # The server's SPOOL_DEFAULT_MAX_TOKENS when given its settings (_server_default).
+    max_tokens: int = Field(default_factory=lambda: DEFAULT_MAX_TOKENS, ge=1)
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int | None = Field(None, ge=1)
@@ -98,8 +106,8 @@ class JobRequest(BaseModel):
     @field_validator("max_tokens")
     @classmethod
     def _max_tokens_cap(cls, v: int, info: ValidationInfo) -> int:
-        cap = get_settings().max_tokens_cap
-        if v > cap and not (info.context or {}).get(STORED):
+        settings = _server_settings(info)
+        if settings is not None and v > (cap := settings.max_tokens_cap):
             # A well-formed request above a limit of this server: the API answers 400, not 422.
             raise PydanticCustomError(
                 LIMIT_EXCEEDED,
@@ -122,6 +130,18 @@ class JobRequest(BaseModel):
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give exactly one of prompt or messages")
         return self
+
+    @model_validator(mode="after")
+    def _server_default(self, info: ValidationInfo) -> JobRequest:
+        settings = _server_settings(info)
+        if settings is not None and "max_tokens" not in self.model_fields_set:
+            self.max_tokens = settings.default_max_tokens
+        return self
+
+    @classmethod
+    def accept(cls, data: Any, settings: Settings) -> JobRequest:
+        """Validate a client's request with the server's default max_tokens and limits."""
+        return cls.model_validate(data, context={SERVER_SETTINGS: settings})
 
     @property
     def stop_list(self) -> list[str]:

@@ -15,6 +15,8 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from common.keys import Keys
 
+DEFAULT_MAX_TOKENS = 128  # a request's max_tokens when it gives none (SPOOL_DEFAULT_MAX_TOKENS)
+
 ENV_PREFIX = "SPOOL_"
 
 
@@ -42,7 +44,7 @@ class Settings(BaseSettings):
     # Jobs (API)
     max_queued_jobs: int = Field(1000, ge=1)
     max_tokens_cap: int = Field(4096, ge=1)  # largest max_tokens a request may ask for
-    default_max_tokens: int = Field(128, ge=1)
+    default_max_tokens: int = Field(DEFAULT_MAX_TOKENS, ge=1)
     job_ttl_s: int = Field(24 * 3600, ge=1)  # finished jobs expire after this
     max_body_bytes: int = Field(1 << 20, ge=1024)
     detach_grace_s: float = Field(30.0, ge=0)

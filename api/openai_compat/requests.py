@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from api.errors import ApiError
+from api.errors import ApiError, body_errors
 from common.schemas import JobRequest
+from common.settings import Settings
 
 # Values of unsupported parameters that change nothing, so a client sending them is served.
 _NEUTRAL: dict[str, object] = {
@@ -93,8 +93,9 @@ class OpenAIRequest(_Open):
     def max_tokens_field(self) -> tuple[str, int | None]:
         return "max_tokens", self.max_tokens
 
-    def to_job_request(self) -> JobRequest:
-        """The job to run; ApiError 400 for what Spool refuses, RequestValidationError for bad values."""
+    def to_job_request(self, settings: Settings) -> JobRequest:
+        """The job to run, with this server's ``settings`` (its default max_tokens and limits);
+        ApiError 400 for what Spool refuses, RequestValidationError for bad values."""
         _refuse_extras(self.model_extra)
         if self.n not in (None, 1):
             raise ApiError(
@@ -126,15 +127,9 @@ class OpenAIRequest(_Open):
             "stream_include_usage": include_usage,
         }
         try:
-            return JobRequest.model_validate({k: v for k, v in fields.items() if v is not None})
+            return JobRequest.accept({k: v for k, v in fields.items() if v is not None}, settings)
         except ValidationError as e:
-            renamed = {"max_tokens": tokens_name}
-            raise RequestValidationError(
-                [
-                    {**err, "loc": ("body", *(renamed.get(str(p), p) for p in err["loc"]))}
-                    for err in e.errors()
-                ]
-            ) from None
+            raise body_errors(e, {"max_tokens": tokens_name}) from None
 
 
 class CompletionRequest(OpenAIRequest):

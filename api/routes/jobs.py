@@ -7,13 +7,22 @@ from typing import Literal
 from fastapi import APIRouter, Request, Response
 from fastapi.sse import EventSourceResponse
 
-from api.deps import CursorDep, IdempotencyKey, InboxDep, JobDep, JobId, ServicesDep, StreamStateDep
+from api.deps import (
+    CursorDep,
+    IdempotencyKey,
+    InboxDep,
+    JobDep,
+    JobId,
+    JobRequestDep,
+    ServicesDep,
+    StreamStateDep,
+)
 from api.openai_compat.chunks import View
 from api.served import check_with_live_workers, served_models
 from api.services import Services
 from api.sse import event_stream, relay, to_sse_list
 from api.submission import streamed_submit, submit_job, wait_for_job
-from common.schemas import Job, JobRequest
+from common.schemas import Job
 from common.store import StreamState
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
@@ -32,7 +41,7 @@ router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
     },
 )
 async def create_job(
-    body: JobRequest,
+    body: JobRequestDep,
     services: ServicesDep,
     request: Request,
     response: Response,

@@ -58,7 +58,7 @@ def _model(worker: WorkerHeartbeat) -> dict[str, Any]:
 
 
 async def _serve(body: OpenAIRequest, services: ServicesDep, http: Request) -> Response:
-    request = body.to_job_request()
+    request = body.to_job_request(services.settings)
     worker = resolve_model(await services.served.get(), body.model)
     check_servable(request, worker)
     job = await submit_job(services, request)

@@ -6,7 +6,7 @@ import time
 
 import redis.asyncio as aredis
 
-from common.schemas import STORED, Job, JobRequest, JobStatus, LogEntry, WorkerHeartbeat
+from common.schemas import Job, JobRequest, JobStatus, LogEntry, WorkerHeartbeat
 from common.settings import Settings
 from common.store.clients import async_client
 from common.store.errors import JobNotFound
@@ -98,7 +98,7 @@ class AsyncJobStore(WatcherSets):
         return StreamState(
             job_id,
             JobStatus(status),
-            JobRequest.model_validate_json(request, context={STORED: True}),
+            JobRequest.model_validate_json(request),
             float(created_at),
             model or None,
             int(length),

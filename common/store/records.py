@@ -15,7 +15,6 @@ import redis.asyncio as aredis
 
 from common.keys import Keys
 from common.schemas import (
-    STORED,
     DoneEvent,
     Job,
     JobError,
@@ -193,7 +192,7 @@ def record_from_hash(h: dict[str, str], text: str) -> JobRecord:
     )
     return JobRecord(
         job=job,
-        request=JobRequest.model_validate_json(h["request"], context={STORED: True}),
+        request=JobRequest.model_validate_json(h["request"]),
         owner=h.get("owner", ""),
         attempt=int(h.get("attempt") or 0),
         worker=h.get("worker", ""),

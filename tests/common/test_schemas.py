@@ -3,7 +3,10 @@ import math
 import pytest
 from pydantic import ValidationError
 
-from common.schemas import DoneEvent, JobRequest, JobStatus, LogEntry, TokenEvent, Usage
+from common.schemas import LIMIT_EXCEEDED, DoneEvent, JobRequest, JobStatus, LogEntry, TokenEvent, Usage
+from common.settings import Settings
+
+SERVER = Settings(max_tokens_cap=4096)
 
 
 @pytest.mark.parametrize(
@@ -29,7 +32,18 @@ from common.schemas import DoneEvent, JobRequest, JobStatus, LogEntry, TokenEven
 )
 def test_invalid_requests_are_refused(body: dict) -> None:
     with pytest.raises(ValidationError):
-        JobRequest.model_validate(body)
+        JobRequest.accept(body, SERVER)
+
+
+def test_the_servers_settings_give_the_default_and_the_cap() -> None:
+    server = Settings(max_tokens_cap=16, default_max_tokens=5)
+    assert JobRequest.accept({"prompt": "a"}, server).max_tokens == 5
+    assert JobRequest.accept({"prompt": "a", "max_tokens": 16}, server).max_tokens == 16
+    with pytest.raises(ValidationError) as refused:
+        JobRequest.accept({"prompt": "a", "max_tokens": 17}, server)
+    assert refused.value.errors()[0]["type"] == LIMIT_EXCEEDED
+    # Read back from the store: the server that accepted it judged it, with its own settings.
+    assert JobRequest.model_validate_json('{"prompt": "a", "max_tokens": 17}').max_tokens == 17
 
 
 def test_request_defaults_and_stop_list() -> None:
