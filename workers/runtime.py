@@ -168,7 +168,6 @@ class EngineRuntime:
         self._stats: dict[str, Any] = engine.stats()  # engine thread writes, heartbeat reads
         self._pending: list[Delta] = []  # ends made outside engine.step(), written with the next step
         self._publisher = Publisher(store, self._stop)
-        # requeue: sends a job's message again (the Celery app's send_task); None: no sweep for orphans.
         self.liveness = Liveness(store, settings, name, self, self._stop, requeue)
         self._watchdog = Watchdog(settings.engine_stall_s, self._stop, self.liveness.forget_heartbeat)
         self._threads = [
@@ -178,7 +177,7 @@ class EngineRuntime:
 
     @classmethod
     def from_settings(cls, settings: Settings, name: str, requeue: Requeue | None = None) -> EngineRuntime:
-        """Load the model and start the threads (the worker's first heartbeat follows)."""
+        """Load the model, beat once and start the threads."""
         path = settings.model or str(default_model_path())
         engine = Engine(
             EngineConfig(

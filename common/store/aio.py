@@ -85,8 +85,8 @@ class AsyncJobStore(WatcherSets):
 
     async def owner(self, job_id: str) -> str | None:
         """The hash of the API key that created the job (empty without keys); None: no such job."""
-        owner: str | None = await self.redis.hget(self.keys.job(job_id), "owner")
-        return owner
+        owner = await self.redis.hget(self.keys.job(job_id), "owner")
+        return None if owner is None else str(owner)
 
     async def stream_state(self, job_id: str) -> StreamState:
         async with self.redis.pipeline(transaction=True) as pipe:

@@ -71,7 +71,6 @@ class TakeResult:
     attempt: int = 0  # the fencing token for every later write (TAKEN)
     record: JobRecord | None = None  # TAKEN
     log: list[LogEntry] = field(default_factory=list)  # TAKEN: events written by earlier attempts
-    lease_left_s: float = 0.0  # BUSY
 
 
 @dataclass(frozen=True)
@@ -213,10 +212,8 @@ def take_args(keys: Keys, job_id: str, worker: str, model: str, now: float, leas
     )
 
 
-def parse_take(reply: list[Any], now: float) -> TakeResult:
+def parse_take(reply: list[Any]) -> TakeResult:
     status = TakeStatus(reply[0])
-    if status is TakeStatus.BUSY:
-        return TakeResult(status, lease_left_s=max(0.0, float(reply[1]) - now))
     if status is not TakeStatus.TAKEN:
         return TakeResult(status)
     flat = reply[2]

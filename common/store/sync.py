@@ -6,7 +6,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, Self
 
 import redis
 from redis.exceptions import NoScriptError, RedisError
@@ -48,7 +48,7 @@ class SyncJobStore:
         self._requeue = client.register_script(REQUEUE_LUA)
 
     @classmethod
-    def from_settings(cls, settings: Settings) -> SyncJobStore:
+    def from_settings(cls, settings: Settings) -> Self:
         return cls(sync_client(settings.redis_url), settings)
 
     def close(self) -> None:
@@ -57,7 +57,7 @@ class SyncJobStore:
     def take_job(self, job_id: str, worker: str, model: str) -> TakeResult:
         now = time.time()
         keys, args = take_args(self.keys, job_id, worker, model, now, self.settings.lease_s)
-        return parse_take(self._take(keys, args), now)
+        return parse_take(self._take(keys, args))
 
     def append_batch(self, appends: Sequence[Append]) -> list[bool]:
         """Write one engine step for many jobs in one round trip; False where the job is no longer ours."""
