@@ -107,7 +107,7 @@ async def _inbox(state: StreamStateDep, services: ServicesDep) -> AsyncIterator[
         # Its log already ends with the terminal event: nothing will come live.
         yield Inbox()
         return
-    # Only a foreground job still running is cancelled when nobody watches it (detach.py).
+    # Only a foreground job still running is cancelled when nobody watches it (api/watchers.py).
     async with services.follow(state.job_id, watch=state.foreground_and_live) as inbox:
         yield inbox
 

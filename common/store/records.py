@@ -54,7 +54,7 @@ class StreamState:
 
     @property
     def foreground_and_live(self) -> bool:
-        """Whether its streams count as watchers (a job nobody watches is cancelled: detach.py)."""
+        """Whether its streams count as watchers (a job nobody watches is cancelled: api/watchers.py)."""
         return not self.request.background and not self.status.terminal
 
 
