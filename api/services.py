@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager, nullcontext
@@ -9,6 +11,7 @@ from dataclasses import dataclass
 
 from fastapi import FastAPI
 
+from api.batch_feeder import BatchFeeder
 from api.enqueue import Enqueuer
 from api.hub import Hub, Inbox
 from api.metrics import Metrics
@@ -16,7 +19,7 @@ from api.served import ServedModels
 from api.watchers import Watchers
 from common.process import freeze_startup_objects
 from common.settings import Settings
-from common.store import AsyncJobStore
+from common.store import AsyncBatchStore, AsyncJobStore
 
 
 @dataclass(frozen=True)
@@ -28,6 +31,7 @@ class Services:
     metrics: Metrics
     watchers: Watchers  # streams per job across API processes; cancels abandoned foreground jobs
     served: ServedModels  # what the live workers serve, for the submit paths' checks
+    batches: AsyncBatchStore  # files and batches (on the store's Redis client)
 
     @asynccontextmanager
     async def follow(self, job_id: str, watch: bool) -> AsyncIterator[Inbox]:
@@ -46,11 +50,18 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     store = AsyncJobStore.from_settings(settings)
     watchers = Watchers(store, settings.detach_grace_s)
     await watchers.start()
-    app.state.services = Services(settings, store, hub, enqueuer, Metrics(hub), watchers, ServedModels(store))
+    served = ServedModels(store)
+    batches = AsyncBatchStore(store.redis, settings)
+    app.state.services = Services(settings, store, hub, enqueuer, Metrics(hub), watchers, served, batches)
+    # Every API process runs a feeder; one at a time feeds (api/batch_feeder.py).
+    feeder = asyncio.create_task(BatchFeeder(settings, store, batches, enqueuer, served).run())
     freeze_startup_objects()
     try:
         yield
     finally:
+        feeder.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await feeder
         await watchers.stop()
         await hub.stop()
         await store.close()
