@@ -63,9 +63,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_batch(args: argparse.Namespace) -> int:
-    from spool_cli.client import batch
+    from spool_cli.batches import run
 
-    return batch(args.url or default_url(), args.file, args.out, args.api_key)
+    if (args.file is None) == (args.resume is None):
+        print("spool batch: give a FILE or --resume BATCH_ID", file=sys.stderr)
+        return SETTINGS_EXIT
+    return run(args.url or default_url(), args.file, args.resume, args.out, args.errors, args.api_key)
+
+
+def cmd_batches(args: argparse.Namespace) -> int:
+    from spool_cli.batches import list_batches
+
+    return list_batches(args.url or default_url(), args.limit, args.api_key)
 
 
 def cmd_tiny_model(args: argparse.Namespace) -> int:
@@ -122,16 +131,24 @@ def parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "batch",
-        help="submit one job per line of a JSONL file, wait, write the results as JSONL",
-        description="Each line is a job request object (prompt or messages, max_tokens, ...); an "
-        "optional 'custom_id' is echoed in its result. Results keep the input order. It polls the "
-        "jobs in that order every half second, none behind one still queued (the workers take them "
-        "in order); a dropped connection or a 502, 503 or 504 is retried at the next poll.",
+        help="run a JSONL file as one batch of the Batches API; write its output and error files",
+        description="Each line is an OpenAI batch line ({custom_id, method, url, body}) or a bare job "
+        "request ({prompt | messages, ...}, optional custom_id; run as a /v1/jobs line). The file is "
+        "uploaded and run on the server, below interactive requests; a progress line shows completed "
+        "and failed lines, the rate and the time left. The batch goes on if this command stops: "
+        "--resume BATCH_ID picks it up. Exit status 0 when every line succeeded, else 1.",
     )
-    p.add_argument("file", type=Path, help="input JSONL")
-    p.add_argument("--out", type=Path, help="output JSONL (default: stdout)")
+    p.add_argument("file", type=Path, nargs="?", help="input JSONL")
+    p.add_argument("--resume", metavar="BATCH_ID", help="follow a batch submitted before, instead of a FILE")
+    p.add_argument("--out", type=Path, help="output lines (default: FILE's name with .output.jsonl)")
+    p.add_argument("--errors", type=Path, help="error lines (default: FILE's name with .errors.jsonl)")
     _client_options(p)
     p.set_defaults(func=cmd_batch)
+
+    p = sub.add_parser("batches", help="list the batches, newest first")
+    p.add_argument("--limit", type=int, default=20, help="how many (default: 20)")
+    _client_options(p)
+    p.set_defaults(func=cmd_batches)
 
     p = sub.add_parser("tiny-model", help="write a tiny random model + tokenizer (for tests and demos)")
     p.add_argument("dir", type=Path)
