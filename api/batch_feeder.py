@@ -153,7 +153,9 @@ class BatchFeeder:
         """Record the results of the window's jobs that ended; returns the rest of the window."""
         window = await self.batches.window(b["id"])
         ids = list(window)
-        ended = [j for j, s in zip(ids, await self.batches.job_statuses(ids), strict=True) if s is None or JobStatus(s).terminal]
+        statuses = await self.batches.job_statuses(ids)
+        ended = [j for j, s in zip(ids, statuses, strict=True) if s is None or JobStatus(s).terminal]
+        await self._resend_lost([j for j, s in zip(ids, statuses, strict=True) if s == JobStatus.QUEUED.value])
         if not ended:
             return window
         model = min(await self.served.get(), default="")
@@ -168,6 +170,15 @@ class BatchFeeder:
                 results.append(job_result(line, custom_id, b["endpoint"], record, model, ending))
         await self.batches.record(b["id"], results)
         return window
+
+    async def _resend_lost(self, queued: list[str]) -> None:
+        """Send again the messages of lines queued for a lease although the batch's queue list is
+        empty (workers/reaper.py does the same for interactive jobs)."""
+        if not queued or await self.batches.queue_length(self._broker_list):
+            return
+        for job_id in queued:
+            if await self.batches.resend(job_id, self.enqueuer.generate(job_id, BATCH_PRIORITY), self.settings.lease_s):
+                log.warning("batch line %s lost its message; sent it again", job_id)
 
     async def feed(self, b: dict[str, str], room: int) -> None:
         if room <= 0:

@@ -59,8 +59,8 @@ class _Reader:
         if self._header_field.lower() == b"content-disposition":
             _, options = parse_options_header(bytes(self._header_value))
             self._name = options.get(b"name", b"").decode("utf-8", "replace")
-            if b"filename" in options:
-                self._is_file = True
+            self._is_file = b"filename" in options
+            if self._is_file and self._name == "file":
                 self.upload.filename = options[b"filename"].decode("utf-8", "replace")
         self._header_field, self._header_value = bytearray(), bytearray()
 

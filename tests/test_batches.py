@@ -22,6 +22,7 @@ from common.keys import BATCH_PRIORITY, Keys
 # A batch's feeder works every 0.1 s and keeps 12 lines queued or running; the worker has 4 slots
 # (8 task threads), so a few lines always wait in the queue behind the ones the worker holds.
 BATCH_SETTINGS = {"batch_feed_s": 0.1, "batch_window": 12}
+LIMITS = {"batch_max_lines": 100, "max_file_bytes": 60_000}
 PROMPTS = ["the quick brown fox", "once upon a time", "in the beginning", "to be or not to be"]
 
 
@@ -29,7 +30,7 @@ PROMPTS = ["the quick brown fox", "once upon a time", "in the beginning", "to be
 def batch_cluster(prefixes: Prefixes, tiny_model: Path, log_dir: Path) -> Iterator[Cluster]:
     prefix = prefixes.new()
     worker = start_worker(prefix, tiny_model, log_dir, max_batch_size=4)
-    api = start_api(prefix, log_dir, sse_ping_s=1, **BATCH_SETTINGS)
+    api = start_api(prefix, log_dir, sse_ping_s=1, **BATCH_SETTINGS, **LIMITS)
     yield Cluster(prefix, worker, api)
     api.stop()
     worker.stop()
@@ -94,6 +95,42 @@ def test_a_file_is_listed_read_back_byte_for_byte_and_deleted(oai: openai.OpenAI
     assert oai.files.delete(file_id).deleted
     with pytest.raises(openai.NotFoundError):
         oai.files.retrieve(file_id)
+
+
+@pytest.mark.parametrize(
+    ("content", "status", "code"),
+    [
+        (b"{}\n" * 101, 400, "too_many_lines"),  # SPOOL_BATCH_MAX_LINES
+        (b"x" * 60_001, 413, "file_too_large"),  # SPOOL_MAX_FILE_BYTES
+        (b"\xff\xfe{}\n", 400, "invalid_encoding"),
+    ],
+)
+def test_an_upload_over_a_limit_is_refused_and_leaves_nothing(
+    batch_cluster: Cluster, content: bytes, status: int, code: str
+) -> None:
+    resp = httpx.post(
+        f"{batch_cluster.url}/v1/files", data={"purpose": "batch"}, files={"file": ("x.jsonl", content)}, timeout=30
+    )
+    assert resp.status_code == status and resp.json()["error"]["code"] == code
+    r = redis.Redis.from_url(REDIS_URL)
+    assert not list(r.scan_iter(f"{batch_cluster.prefix}:file:*:upload"))
+
+
+def test_an_upload_must_be_a_multipart_form_with_a_batch_file(batch_cluster: Cluster) -> None:
+    url = f"{batch_cluster.url}/v1/files"
+    assert httpx.post(url, json={"purpose": "batch"}).json()["error"]["code"] == "invalid_content_type"
+    assert httpx.post(url, data={"purpose": "batch"}, files={"other": ("x", b"{}")}).json()["error"]["code"] == "missing_file"
+    assert httpx.post(url, data={"purpose": "fine-tune"}, files={"file": ("x", b"{}")}).json()["error"]["param"] == "purpose"
+
+
+def test_batches_are_listed_newest_first_a_page_at_a_time(oai: openai.OpenAI) -> None:
+    made = [run_batch(oai, [completion_line(i, max_tokens=2)], "/v1/completions") for i in range(3)]
+    first = oai.batches.list(limit=2)
+    assert [b.id for b in first.data] == made[::-1][:2] and first.has_more
+    second = oai.batches.list(limit=2, after=first.data[-1].id)
+    assert second.data[0].id == made[0]
+    for batch_id in made:
+        assert ended(oai, batch_id).status == "completed"
 
 
 def test_a_40_line_batch_answers_each_line_as_its_endpoint_would(oai: openai.OpenAI, batch_cluster: Cluster) -> None:
@@ -263,6 +300,26 @@ def test_a_batch_survives_its_api_and_a_worker_killed_mid_run(
     finally:
         for s in services:
             s.stop()
+
+
+def test_a_line_whose_message_was_lost_is_sent_again(prefixes: Prefixes, tiny_model: Path, log_dir: Path) -> None:
+    api = start_api(prefixes.new(), log_dir, ready=False, heartbeat_s=0.5, heartbeat_ttl_s=2, lease_s=2, **BATCH_SETTINGS)
+    keys, r = Keys(api.prefix), redis.Redis.from_url(REDIS_URL, decode_responses=True)
+    queued_lines = keys.broker_list(keys.queue_llm, BATCH_PRIORITY)
+    worker = None
+    try:
+        with openai.OpenAI(base_url=f"{api.url}/v1", api_key="unused", max_retries=0) as client:
+            batch_id = run_batch(client, [completion_line(i, max_tokens=4) for i in range(3)], "/v1/completions")
+            wait_until(lambda: r.llen(queued_lines) == 3, "the lines queued", 30, (api,))
+            r.delete(queued_lines)  # lost (no worker runs on this prefix yet)
+            wait_until(lambda: r.llen(queued_lines) == 3, "the lines sent again", 30, (api,))
+            worker = start_worker(api.prefix, tiny_model, log_dir, max_batch_size=4)
+            batch = ended(client, batch_id)
+            assert (batch.status, batch.request_counts.completed) == ("completed", 3)
+    finally:
+        api.stop()
+        if worker is not None:
+            worker.stop()
 
 
 def _kill(service: Service) -> None:

@@ -29,6 +29,7 @@ from common.store.lua import (
     FINALIZING_LUA,
     FINISH_LUA,
     RECORD_LUA,
+    RESEND_LUA,
     VALIDATED_LUA,
 )
 from common.store.records import QueueMessage, new_job_fields
@@ -78,6 +79,7 @@ class AsyncBatchStore:
                 "end": END_LUA,
                 "finalizing": FINALIZING_LUA,
                 "finish": FINISH_LUA,
+                "resend": RESEND_LUA,
             }.items()
         }
 
@@ -204,6 +206,14 @@ class AsyncBatchStore:
         for r in rejected:
             args += [r.line, json.dumps([r.kind, r.result])]
         return int(await self._scripts["feed"](keys, args))
+
+    async def queue_length(self, broker_list: str) -> int:
+        return int(await self.redis.llen(broker_list))
+
+    async def resend(self, job_id: str, message: QueueMessage, min_gap_s: float) -> bool:
+        """Push a queued line's message again if it has waited ``min_gap_s`` since it was sent."""
+        keys = [self.keys.job(job_id), message.list_key]
+        return bool(await self._scripts["resend"](keys, [repr(time.time()), repr(min_gap_s), message.payload]))
 
     async def record(self, batch_id: str, results: Sequence[LineResult]) -> None:
         """Set each line's result once and count it; its job leaves the window."""

@@ -287,3 +287,17 @@ redis.call('SREM', KEYS[2], ARGV[1])
 for i = 1, 4 do if i ~= 2 then redis.call('EXPIRE', KEYS[i], ARGV[3]) end end
 return final
 """
+
+# KEYS: job hash, broker list. ARGV: now, min gap (s), message.
+# A batch line still queued although the batch's queue list is empty lost its message (a worker
+# died between popping it and taking the job, or Redis lost the last writes): push it again, once
+# per gap since it was fed or last resent. A duplicate finds the job running and is dropped.
+RESEND_LUA = """
+if redis.call('HGET', KEYS[1], 'status') ~= 'queued' then return 0 end
+local since = math.max(tonumber(redis.call('HGET', KEYS[1], 'created_at') or '0'),
+                       tonumber(redis.call('HGET', KEYS[1], 'requeued_at') or '0'))
+if since > tonumber(ARGV[1]) - tonumber(ARGV[2]) then return 0 end
+redis.call('HSET', KEYS[1], 'requeued_at', ARGV[1])
+redis.call('LPUSH', KEYS[2], ARGV[3])
+return 1
+"""
