@@ -59,6 +59,8 @@ class Settings(BaseSettings):
     # leases lapse and other workers (or this one, restarted by its supervisor) take them over.
     engine_stall_s: float = Field(300.0, gt=0)
     worker_name: str = ""  # empty: celery's hostname
+    # Each worker process serves its Prometheus metrics on this port (workers/metrics.py); unset: none.
+    worker_metrics_port: int | None = Field(None, ge=1, le=65535)
 
     # API process
     host: str = "127.0.0.1"

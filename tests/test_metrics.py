@@ -1,0 +1,104 @@
+"""Metrics read from a live worker's and a live API's endpoints after real jobs ran through them."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+from procs import Prefixes, Service, free_port, start_api, start_worker
+from prometheus_client.parser import text_string_to_metric_families
+from sse_client import Event, iter_sse
+
+Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
+
+
+@dataclass(frozen=True)
+class Stack:
+    worker: Service
+    worker_metrics: str  # the worker's /metrics URL
+    api: Service
+    model: Path  # the worker's SPOOL_MODEL, its metrics' model_name
+
+
+@pytest.fixture(scope="module")
+def stack(prefixes: Prefixes, tiny_model: Path, log_dir: Path) -> Iterator[Stack]:
+    prefix, port = prefixes.new(), free_port()
+    worker = start_worker(prefix, tiny_model, log_dir, max_batch_size=4, worker_metrics_port=port)
+    api = start_api(prefix, log_dir)
+    yield Stack(worker, f"http://127.0.0.1:{port}/metrics", api, tiny_model)
+    api.stop()
+    worker.stop()
+
+
+def scrape(url: str) -> Samples:
+    text = httpx.get(url, timeout=10).text
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def value(samples: Samples, name: str, **labels: str) -> float:
+    matching = [v for (n, ls), v in samples.items() if n == name and set(labels.items()) <= ls]
+    assert matching, f"{name}{labels} not exported"
+    return sum(matching)
+
+
+@dataclass(frozen=True)
+class Timed:
+    submitted: float  # time.time() before the POST
+    first_token: float  # when the first token event arrived
+    prompt_tokens: int
+    completion_tokens: int
+    finish_reason: str
+
+
+def streamed_job(client: httpx.Client, url: str, prompt: str, max_tokens: int) -> Timed:
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    submitted, first = time.time(), 0.0
+    with client.stream("POST", f"{url}/v1/jobs", json=body) as r:
+        assert r.status_code == 200, r.read()
+        for item in iter_sse(r):
+            if isinstance(item, Event) and item.event == "token" and not first:
+                first = time.time()
+            if isinstance(item, Event) and item.terminal:
+                done = item.data
+    usage = done["usage"]
+    return Timed(submitted, first, usage["prompt_tokens"], usage["completion_tokens"], done["finish_reason"])
+
+
+def test_worker_histograms_and_counters_match_the_jobs(stack: Stack, client: httpx.Client) -> None:
+    jobs = [streamed_job(client, stack.api.url, f"metrics job {i}", 6 + 3 * i) for i in range(4)]
+    m = scrape(stack.worker_metrics)
+    model = {"model_name": str(stack.model)}
+    n = len(jobs)
+    for h in (
+        "spool_time_to_first_token_seconds",
+        "spool_e2e_request_latency_seconds",
+        "spool_request_queue_time_seconds",
+        "spool_request_prefill_time_seconds",
+        "spool_request_decode_time_seconds",
+        "spool_request_prompt_tokens",
+        "spool_request_generation_tokens",
+    ):
+        assert value(m, f"{h}_count", **model) == n, h
+    # The worker's TTFT of each job lies between the job's creation and its first token's arrival
+    # here, so their sum is within what this test measured from its own POSTs.
+    ttft_sum = value(m, "spool_time_to_first_token_seconds_sum")
+    assert 0 < ttft_sum <= sum(j.first_token - j.submitted for j in jobs)
+    generated = sum(j.completion_tokens for j in jobs)
+    assert value(m, "spool_generation_tokens_total") == generated
+    assert value(m, "spool_prompt_tokens_total") == sum(j.prompt_tokens for j in jobs)
+    assert value(m, "spool_request_generation_tokens_sum") == generated
+    assert value(m, "spool_inter_token_latency_seconds_count") == generated - n
+    for reason in ("stop", "length", "cancelled", "timeout", "error"):  # every label from the start
+        expected = sum(j.finish_reason == reason for j in jobs)
+        assert value(m, "spool_request_success_total", finished_reason=reason) == expected, reason
+    assert value(m, "spool_num_requests_running") == 0
+    assert value(m, "spool_kv_cache_usage_perc") == 0
+    assert value(m, "spool_takeovers_total") == 0
