@@ -7,6 +7,7 @@ from fastapi import FastAPI
 from api.auth import AuthMiddleware
 from api.errors import install_error_handlers
 from api.limits import BodyLimitMiddleware
+from api.metrics import RequestMetricsMiddleware
 from api.routes import health, jobs, openai
 from api.services import lifespan
 from common.settings import Settings, get_settings
@@ -18,7 +19,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.settings = settings
     install_error_handlers(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
-    app.add_middleware(AuthMiddleware, keys=settings.api_key_set)  # outermost: 401 before the body is read
+    app.add_middleware(AuthMiddleware, keys=settings.api_key_set)  # 401 before the body is read
+    app.add_middleware(RequestMetricsMiddleware)  # outermost: every answer counts, a 401 too
     app.include_router(jobs.router)
     app.include_router(health.router)
     app.include_router(openai.router)

@@ -683,6 +683,16 @@ class AsyncJobStore(_Base):
     async def queued_count(self) -> int:
         return int(await self.redis.zcard(self.keys.queued_jobs()))
 
+    async def queue_depths(self) -> list[tuple[str, int]]:
+        """Messages waiting in each Celery queue ("llm", "media"), every priority's list counted."""
+        queues = {"llm": self.keys.queue_llm, "media": self.keys.queue_media}
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for queue in queues.values():
+                for name in self.keys.queue_lists(queue):
+                    pipe.llen(name)
+            lengths = await pipe.execute()
+        return [(q, lengths[2 * i] + lengths[2 * i + 1]) for i, q in enumerate(queues)]
+
     async def watched(self, job_id: str, now: float, grace_s: float) -> bool:
         """Whether anybody watches the job (see ``watching``); drops the members past counting."""
         key = self.keys.job_watchers(job_id)

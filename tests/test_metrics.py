@@ -9,9 +9,11 @@ from pathlib import Path
 
 import httpx
 import pytest
-from procs import Prefixes, Service, free_port, start_api, start_worker
+from procs import Prefixes, Service, finished_job, free_port, start_api, start_worker, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 from sse_client import Event, iter_sse
+
+from api.metrics import REJECT_REASONS
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
@@ -102,3 +104,35 @@ def test_worker_histograms_and_counters_match_the_jobs(stack: Stack, client: htt
     assert value(m, "spool_num_requests_running") == 0
     assert value(m, "spool_kv_cache_usage_perc") == 0
     assert value(m, "spool_takeovers_total") == 0
+
+
+def test_api_counts_routes_refusals_and_resumes(stack: Stack, client: httpx.Client) -> None:
+    url = stack.api.url
+    before = scrape(f"{url}/metrics")
+    for reason in REJECT_REASONS:  # every reason from the start, and typed as counters
+        assert ("spool_jobs_rejected_total", frozenset({("reason", reason)})) in before, reason
+    assert client.post(f"{url}/v1/jobs", json={"prompt": "p", "temperature": -1}).status_code == 422
+    assert client.post(f"{url}/v1/jobs", json={"prompt": "p", "max_tokens": 10**6}).status_code == 400
+    assert client.post(f"{url}/v1/jobs", content=b"{not json", headers={"content-type": "application/json"}).status_code == 400
+    job = client.post(f"{url}/v1/jobs", json={"prompt": "p", "max_tokens": 3}).json()
+    finished_job(client, url, job["id"])
+    assert client.get(f"{url}/v1/jobs/{job['id']}/events?after=1").status_code == 200
+    after = scrape(f"{url}/metrics")
+
+    def grew(name: str, **labels: str) -> float:
+        return value(after, name, **labels) - (value(before, name, **labels) if any(
+            n == name and set(labels.items()) <= ls for n, ls in before) else 0)
+
+    assert grew("spool_jobs_rejected_total", reason="invalid_request") == 1
+    assert grew("spool_jobs_rejected_total", reason="limit_exceeded") == 1
+    assert grew("spool_jobs_rejected_total", reason="invalid_json") == 1
+    assert grew("spool_jobs_submitted_total") == 1
+    assert grew("spool_sse_resumes_total") == 1
+    assert grew("spool_http_requests_total", method="POST", route="/v1/jobs", status="422") == 1
+    assert grew("spool_http_requests_total", method="GET", route="/v1/jobs/{job_id}/events", status="200") == 1
+    assert value(after, "spool_queue_depth", queue="llm") == 0
+    assert value(after, "spool_queue_depth", queue="media") == 0
+    # Cumulative engine figures from the heartbeat are counters (a rate() over them makes sense);
+    # the next beat (every 0.5 s here) carries this test's tokens.
+    wait_until(lambda: value(scrape(f"{url}/metrics"), "spool_engine_generated_tokens_total") > 0, "a beat", 10)
+    assert ("spool_engine_steps_total", frozenset({("worker", f"{stack.api.prefix}-w1")})) in scrape(f"{url}/metrics")

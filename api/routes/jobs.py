@@ -65,17 +65,15 @@ async def create_job(
 
 async def submit_job(services: Services, body: JobRequest, idempotency_key: str | None = None) -> Job:
     """Store the job with its Celery message, in one script (429 when the queue is full)."""
-    metrics = services.metrics
     try:
         job = await services.store.create_job(
             body, current_owner(), services.enqueuer.generate, idempotency_key
         )
-    except QueueFull as e:
-        metrics.jobs_rejected.labels("queue_full").inc()
+    except QueueFull as e:  # counted with the other refusals (api/metrics.py)
         raise ApiError(429, str(e), code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)}) from None
     except IdempotencyConflict as e:
         raise ApiError(409, str(e), param="Idempotency-Key", code="idempotency_key_reused") from None
-    metrics.jobs_submitted.inc()
+    services.metrics.jobs_submitted.inc()
     return job
 
 
