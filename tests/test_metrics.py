@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import re
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -9,6 +11,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import yaml
 from procs import Prefixes, Service, finished_job, free_port, start_api, start_worker, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 from sse_client import Event, iter_sse
@@ -136,3 +139,42 @@ def test_api_counts_routes_refusals_and_resumes(stack: Stack, client: httpx.Clie
     # the next beat (every 0.5 s here) carries this test's tokens.
     wait_until(lambda: value(scrape(f"{url}/metrics"), "spool_engine_generated_tokens_total") > 0, "a beat", 10)
     assert ("spool_engine_steps_total", frozenset({("worker", f"{stack.api.prefix}-w1")})) in scrape(f"{url}/metrics")
+
+
+DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
+METRIC_NAME = re.compile(r"\bspool_[a-z_]+\b")
+
+
+def dashboard_exprs() -> list[str]:
+    dashboard = json.loads((DEPLOY / "grafana/dashboards/spool.json").read_text())
+    return [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+
+
+def test_monitoring_files_parse_and_point_at_the_services() -> None:
+    compose = yaml.safe_load((DEPLOY.parent / "docker-compose.yml").read_text())["services"]
+    for name in ("prometheus", "grafana"):
+        for volume in compose[name]["volumes"]:
+            assert (DEPLOY.parent / volume.split(":")[0]).exists(), volume  # every mounted file is in the repo
+    scrape = yaml.safe_load((DEPLOY / "prometheus/prometheus.yml").read_text())
+    ports = {job["job_name"]: job["dns_sd_configs"][0] for job in scrape["scrape_configs"]}
+    worker_port = compose["worker"]["environment"]["SPOOL_WORKER_METRICS_PORT"]
+    assert ports["spool-worker"] == {"names": ["worker"], "type": "A", "port": int(worker_port)}
+    api_command = compose["api"]["command"]
+    assert ports["spool-api"]["port"] == int(api_command[api_command.index("--port") + 1])
+    for f in (DEPLOY / "grafana/provisioning").rglob("*.yml"):
+        assert yaml.safe_load(f.read_text())["apiVersion"] == 1
+    assert dashboard_exprs()
+
+
+def test_every_metric_the_dashboard_names_is_exported(stack: Stack) -> None:
+    exported = {name for name, _ in scrape(stack.worker_metrics)} | {
+        name for name, _ in scrape(f"{stack.api.url}/metrics")
+    }
+    named = {m for expr in dashboard_exprs() for m in METRIC_NAME.findall(expr)}
+    assert named, "the dashboard names no metric"
+    assert named <= exported, sorted(named - exported)
+    # The labels its queries group and filter by are the exported ones.
+    samples = scrape(stack.worker_metrics) | scrape(f"{stack.api.url}/metrics")
+    assert {"model_name", "finished_reason", "queue", "reason", "status"} <= {
+        k for _, labels in samples for k, _ in labels
+    }
