@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
 
 from api.auth import AuthMiddleware
 from api.errors import install_error_handlers
@@ -20,6 +21,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     install_error_handlers(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     app.add_middleware(AuthMiddleware, keys=settings.api_key_set)  # 401 before the body is read
+    if settings.cors_origin_list:  # outside the keys' check: a preflight carries no Authorization
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=settings.cors_origin_list,
+            allow_methods=["GET", "POST"],
+            allow_headers=["Authorization", "Content-Type", "Last-Event-ID", "Idempotency-Key"],
+            expose_headers=["Location"],
+        )
     app.add_middleware(RequestMetricsMiddleware)  # outermost: every answer counts, a 401 too
     app.include_router(jobs.router)
     app.include_router(health.router)

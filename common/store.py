@@ -27,9 +27,11 @@ from common.schemas import (
     DoneEvent,
     Job,
     JobError,
+    JobList,
     JobRequest,
     JobStatus,
     LogEntry,
+    JobSummary,
     TokenEvent,
     Usage,
     WorkerHeartbeat,
@@ -179,7 +181,7 @@ def create_call(
     fields = new_job_fields(job_id, request, owner, now)
     message = message_for(job_id) if message_for else None
     flat = [x for kv in fields.items() for x in kv]
-    script_keys = [keys.queued_jobs(), keys.job(job_id)]
+    script_keys = [keys.queued_jobs(), keys.job(job_id), keys.owner_jobs(owner)]
     script_keys += [message.list_key] if message else []
     # An idempotency key is remembered as long as a finished job (its job outlives it).
     idem_ttl: int | str = ""
@@ -187,7 +189,17 @@ def create_call(
         script_keys.append(keys.idempotency(owner, idempotency_key))
         idem_ttl = settings.job_ttl_s
     payload = message.payload if message else ""
-    return fields, (script_keys, [settings.max_queued_jobs, job_id, repr(now), payload, idem_ttl, *flat])
+    index = [owner_index_age_s(settings), OWNER_INDEX_MAX]
+    return fields, (script_keys, [settings.max_queued_jobs, job_id, repr(now), payload, idem_ttl, *index, *flat])
+
+
+OWNER_INDEX_MAX = 10_000  # newest jobs an owner's index (GET /v1/jobs) keeps
+
+
+def owner_index_age_s(settings: Settings) -> int:
+    """How long an owner's index keeps a job: its TTL after it ends, and as long again for the
+    time it was queued and ran (a job whose hash expired meanwhile is skipped when listed)."""
+    return 2 * settings.job_ttl_s
 
 
 def _float_or_none(v: str | None) -> float | None:
@@ -213,20 +225,31 @@ def record_reads(pipe: P, keys: Keys, job_id: str) -> P:
     return pipe
 
 
-def record_from_hash(h: dict[str, str], text: str) -> JobRecord:
+SUMMARY_FIELDS = (
+    "id", "status", "finish_reason", "prompt_tokens", "completion_tokens", "error",
+    "created_at", "started_at", "finished_at", "model",
+)  # fmt: skip
+LIST_SCAN_MAX = 1000  # index entries one GET /v1/jobs reads at most (a status filter skips some)
+
+
+def summary_from_hash(h: Mapping[str, str | None]) -> JobSummary:
     prompt_tokens, completion_tokens = int(h.get("prompt_tokens") or 0), int(h.get("completion_tokens") or 0)
-    job = Job(
-        id=h["id"],
+    error = h.get("error")
+    return JobSummary(
+        id=str(h["id"]),
         status=JobStatus(h["status"]),
-        text=text,
         finish_reason=h.get("finish_reason") or None,
         usage=Usage.of(prompt_tokens, completion_tokens),
-        error=JobError.model_validate_json(h["error"]) if h.get("error") else None,
-        created_at=float(h["created_at"]),
+        error=JobError.model_validate_json(error) if error else None,
+        created_at=float(str(h["created_at"])),
         started_at=_float_or_none(h.get("started_at")),
         finished_at=_float_or_none(h.get("finished_at")),
         model=h.get("model") or None,
     )
+
+
+def record_from_hash(h: dict[str, str], text: str) -> JobRecord:
+    job = Job(**dict(summary_from_hash(h)), text=text)
     return JobRecord(
         job=job,
         request=JobRequest.model_validate_json(h["request"], context={STORED: True}),
@@ -682,6 +705,44 @@ class AsyncJobStore(_Base):
 
     async def queued_count(self) -> int:
         return int(await self.redis.zcard(self.keys.queued_jobs()))
+
+    async def list_jobs(
+        self, owner: str, limit: int, after: str | None = None, status: JobStatus | None = None
+    ) -> JobList:
+        """The owner's jobs newest first, from its index (``Keys.owner_jobs``), after job ``after``.
+
+        Reads at most LIST_SCAN_MAX index entries: with a filter that matches few of them, the page
+        may be short with ``has_more`` set and ``last_id`` the last entry read. Expired jobs are skipped.
+        """
+        index = self.keys.owner_jobs(owner)
+        start = 0
+        if after is not None:
+            rank = await self.redis.zrevrank(index, after)
+            if rank is None:
+                raise JobNotFound(after)
+            start = rank + 1
+        found: list[JobSummary] = []
+        last_read, end = None, start + LIST_SCAN_MAX
+        while len(found) <= limit and start < end:
+            ids = await self.redis.zrevrange(index, start, min(start + 2 * limit, end) - 1)
+            if not ids:
+                break
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for job_id in ids:
+                    pipe.hmget(self.keys.job(job_id), SUMMARY_FIELDS)
+                rows = await pipe.execute()
+            for job_id, row in zip(ids, rows, strict=True):
+                h = dict(zip(SUMMARY_FIELDS, row, strict=True))
+                if h["id"] is not None and (status is None or h["status"] == status.value):
+                    found.append(summary_from_hash(h))
+                    if len(found) > limit:
+                        break
+                last_read = job_id
+            start += len(ids)
+        has_more = len(found) > limit or (start >= end and last_read is not None)
+        data = found[:limit]
+        last_id = last_read if has_more and len(found) <= limit else (data[-1].id if data else None)
+        return JobList(data=data, first_id=data[0].id if data else None, last_id=last_id, has_more=has_more)
 
     async def queue_depths(self) -> list[tuple[str, int]]:
         """Messages waiting in each Celery queue ("llm", "media"), every priority's list counted."""

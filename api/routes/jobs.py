@@ -3,19 +3,19 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Literal
+from typing import Annotated, Literal
 
-from fastapi import APIRouter, Request, Response
+from fastapi import APIRouter, Query, Request, Response
 from fastapi.sse import EventSourceResponse
 
 from api.auth import current_owner
-from api.deps import CursorDep, IdempotencyKey, InboxDep, JobDep, JobId, ServicesDep, StreamStateDep
+from api.deps import CursorDep, IdempotencyKey, InboxDep, JobDep, JobId, ServicesDep, StoreDep, StreamStateDep
 from api.errors import ApiError
 from api.openai_compat.stream import openai_view, streamed_submit
 from api.served import check_with_live_workers
 from api.services import Services
 from api.sse import event_stream, relay, to_sse_list
-from common.schemas import Job, JobRequest
+from common.schemas import Job, JobList, JobRequest, JobStatus
 from common.store import IdempotencyConflict, QueueFull
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
@@ -107,6 +107,18 @@ async def wait_for_job(services: Services, job_id: str, request: Request) -> Job
             raise ApiError(CLIENT_CLOSED_REQUEST, "the client closed the request", code="client_closed_request")
         waits[0].result()  # relay's errors (Redis unreachable) go to their handlers
     return await services.store.get_job(job_id)
+
+
+@router.get("")
+async def list_jobs(
+    store: StoreDep,
+    limit: Annotated[int, Query(ge=1, le=100)] = 20,
+    after: Annotated[str | None, Query(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")] = None,
+    status: JobStatus | None = None,
+) -> JobList:
+    """The jobs of the caller's API key (without keys: every job), newest first, without their
+    text. ``after``: the ``last_id`` of the page before; ``status``: only jobs in that state."""
+    return await store.list_jobs(current_owner(), limit, after, status)
 
 
 @router.get("/{job_id}")
