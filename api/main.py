@@ -9,7 +9,7 @@ from api.auth import AuthMiddleware
 from api.errors import install_error_handlers
 from api.limits import BodyLimitMiddleware
 from api.metrics import RequestMetricsMiddleware
-from api.routes import health, jobs, openai
+from api.routes import console, health, jobs, openai
 from api.services import lifespan
 from common.settings import Settings, get_settings
 
@@ -33,6 +33,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(jobs.router)
     app.include_router(health.router)
     app.include_router(openai.router)
+    app.include_router(console.router)
     return app
 
 
