@@ -24,7 +24,11 @@ _ENGINE_GAUGES = (
     ("spool_engine_running_requests", "Requests holding a KV slot", "running"),
     ("spool_engine_waiting_requests", "Requests in the engine waiting for a slot", "waiting"),
     ("spool_engine_slots", "KV-cache slots (the most requests decoded together)", "slots"),
-    ("spool_engine_kv_cache_usage", "Share of the KV cache's token positions in use (0 to 1)", "kv_cache_usage"),
+    (
+        "spool_engine_kv_cache_usage",
+        "Share of the KV cache's token positions in use (0 to 1)",
+        "kv_cache_usage",
+    ),
 )
 _ENGINE_COUNTERS = (
     ("spool_engine_steps", "Engine steps since the worker started", "steps"),
@@ -82,7 +86,10 @@ class Metrics:
             registry=self.registry,
         )
         self.jobs_rejected = Counter(
-            "spool_jobs_rejected", "Submits refused before enqueueing, by reason", ["reason"], registry=self.registry
+            "spool_jobs_rejected",
+            "Submits refused before enqueueing, by reason",
+            ["reason"],
+            registry=self.registry,
         )
         for reason in REJECT_REASONS:
             self.jobs_rejected.labels(reason)
@@ -94,12 +101,17 @@ class Metrics:
             registry=self.registry,
         )
         self.sse_resumes = Counter(
-            "spool_sse_resumes", "Event streams opened after an event id (Last-Event-ID or ?after)", registry=self.registry
+            "spool_sse_resumes",
+            "Event streams opened after an event id (Last-Event-ID or ?after)",
+            registry=self.registry,
         )
         # Read from Redis at scrape time (see routes/health.py), so the figures are the cluster's.
         self.queued_jobs = Gauge("spool_queued_jobs", "Jobs waiting for a worker", registry=self.registry)
         self.queue_depth = Gauge(
-            "spool_queue_depth", "Messages in a Celery queue, not yet taken", ["queue"], registry=self.registry
+            "spool_queue_depth",
+            "Messages in a Celery queue, not yet taken",
+            ["queue"],
+            registry=self.registry,
         )
         self.workers = Gauge("spool_workers", "Workers with a live heartbeat", registry=self.registry)
         Gauge("spool_sse_streams", "Open SSE streams", registry=self.registry).set_function(

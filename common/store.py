@@ -30,8 +30,8 @@ from common.schemas import (
     JobList,
     JobRequest,
     JobStatus,
-    LogEntry,
     JobSummary,
+    LogEntry,
     TokenEvent,
     Usage,
     WorkerHeartbeat,
@@ -718,13 +718,14 @@ class AsyncJobStore(_Base):
         start = 0
         if after is not None:
             rank = await self.redis.zrevrank(index, after)
-            if rank is None:
+            if not isinstance(rank, int):  # not this owner's job (or expired)
                 raise JobNotFound(after)
             start = rank + 1
         found: list[JobSummary] = []
-        last_read, end = None, start + LIST_SCAN_MAX
+        last_read: str | None = None
+        end = start + LIST_SCAN_MAX
         while len(found) <= limit and start < end:
-            ids = await self.redis.zrevrange(index, start, min(start + 2 * limit, end) - 1)
+            ids = [str(i) for i in await self.redis.zrevrange(index, start, min(start + 2 * limit, end) - 1)]
             if not ids:
                 break
             async with self.redis.pipeline(transaction=False) as pipe:

@@ -116,15 +116,23 @@ def test_api_counts_routes_refusals_and_resumes(stack: Stack, client: httpx.Clie
         assert ("spool_jobs_rejected_total", frozenset({("reason", reason)})) in before, reason
     assert client.post(f"{url}/v1/jobs", json={"prompt": "p", "temperature": -1}).status_code == 422
     assert client.post(f"{url}/v1/jobs", json={"prompt": "p", "max_tokens": 10**6}).status_code == 400
-    assert client.post(f"{url}/v1/jobs", content=b"{not json", headers={"content-type": "application/json"}).status_code == 400
+    assert (
+        client.post(
+            f"{url}/v1/jobs", content=b"{not json", headers={"content-type": "application/json"}
+        ).status_code
+        == 400
+    )
     job = client.post(f"{url}/v1/jobs", json={"prompt": "p", "max_tokens": 3}).json()
     finished_job(client, url, job["id"])
     assert client.get(f"{url}/v1/jobs/{job['id']}/events?after=1").status_code == 200
     after = scrape(f"{url}/metrics")
 
     def grew(name: str, **labels: str) -> float:
-        return value(after, name, **labels) - (value(before, name, **labels) if any(
-            n == name and set(labels.items()) <= ls for n, ls in before) else 0)
+        return value(after, name, **labels) - (
+            value(before, name, **labels)
+            if any(n == name and set(labels.items()) <= ls for n, ls in before)
+            else 0
+        )
 
     assert grew("spool_jobs_rejected_total", reason="invalid_request") == 1
     assert grew("spool_jobs_rejected_total", reason="limit_exceeded") == 1
@@ -132,13 +140,19 @@ def test_api_counts_routes_refusals_and_resumes(stack: Stack, client: httpx.Clie
     assert grew("spool_jobs_submitted_total") == 1
     assert grew("spool_sse_resumes_total") == 1
     assert grew("spool_http_requests_total", method="POST", route="/v1/jobs", status="422") == 1
-    assert grew("spool_http_requests_total", method="GET", route="/v1/jobs/{job_id}/events", status="200") == 1
+    assert (
+        grew("spool_http_requests_total", method="GET", route="/v1/jobs/{job_id}/events", status="200") == 1
+    )
     assert value(after, "spool_queue_depth", queue="llm") == 0
     assert value(after, "spool_queue_depth", queue="media") == 0
     # Cumulative engine figures from the heartbeat are counters (a rate() over them makes sense);
     # the next beat (every 0.5 s here) carries this test's tokens.
-    wait_until(lambda: value(scrape(f"{url}/metrics"), "spool_engine_generated_tokens_total") > 0, "a beat", 10)
-    assert ("spool_engine_steps_total", frozenset({("worker", f"{stack.api.prefix}-w1")})) in scrape(f"{url}/metrics")
+    wait_until(
+        lambda: value(scrape(f"{url}/metrics"), "spool_engine_generated_tokens_total") > 0, "a beat", 10
+    )
+    assert ("spool_engine_steps_total", frozenset({("worker", f"{stack.api.prefix}-w1")})) in scrape(
+        f"{url}/metrics"
+    )
 
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
@@ -154,7 +168,9 @@ def test_monitoring_files_parse_and_point_at_the_services() -> None:
     compose = yaml.safe_load((DEPLOY.parent / "docker-compose.yml").read_text())["services"]
     for name in ("prometheus", "grafana"):
         for volume in compose[name]["volumes"]:
-            assert (DEPLOY.parent / volume.split(":")[0]).exists(), volume  # every mounted file is in the repo
+            assert (DEPLOY.parent / volume.split(":")[0]).exists(), (
+                volume
+            )  # every mounted file is in the repo
     scrape = yaml.safe_load((DEPLOY / "prometheus/prometheus.yml").read_text())
     ports = {job["job_name"]: job["dns_sd_configs"][0] for job in scrape["scrape_configs"]}
     worker_port = compose["worker"]["environment"]["SPOOL_WORKER_METRICS_PORT"]

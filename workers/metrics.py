@@ -75,7 +75,9 @@ class WorkerMetrics:
             "spool_e2e_request_latency_seconds", "Job created to its last token", LATENCY_BUCKETS
         )
         self.queue_time = histogram(
-            "spool_request_queue_time_seconds", "Job created to first scheduled in the engine", LATENCY_BUCKETS
+            "spool_request_queue_time_seconds",
+            "Job created to first scheduled in the engine",
+            LATENCY_BUCKETS,
         )
         self.prefill_time = histogram(
             "spool_request_prefill_time_seconds", "First scheduled to first token", LATENCY_BUCKETS
@@ -91,7 +93,9 @@ class WorkerMetrics:
         )
         self.prompt_tokens = counter("spool_prompt_tokens", "Prompt tokens of the jobs added to the engine")
         self.generation_tokens = counter("spool_generation_tokens", "Tokens generated")
-        self.takeovers = counter("spool_takeovers", "Jobs this worker continued after another worker's attempt")
+        self.takeovers = counter(
+            "spool_takeovers", "Jobs this worker continued after another worker's attempt"
+        )
         success = Counter(
             "spool_request_success",
             "Jobs that ended on this worker, by finish reason",
@@ -101,7 +105,9 @@ class WorkerMetrics:
         self.success = {r: success.labels(model_name, r) for r in FINISHED_REASONS}
         self.running = gauge("spool_num_requests_running", "Requests holding a KV slot")
         self.waiting = gauge("spool_num_requests_waiting", "Requests in the engine waiting for a slot")
-        self.kv_usage = gauge("spool_kv_cache_usage_perc", "Share of the KV cache's token positions in use (0 to 1)")
+        self.kv_usage = gauge(
+            "spool_kv_cache_usage_perc", "Share of the KV cache's token positions in use (0 to 1)"
+        )
 
     def serve(self, port: int, addr: str = "0.0.0.0") -> None:
         """Serve /metrics on ``port`` from a daemon thread (prometheus_client's own server)."""
@@ -162,7 +168,7 @@ class WorkerMetrics:
 
     def _finished(self, a: Append, now: float) -> None:
         assert a.final is not None
-        self.success.get(a.final.finish_reason, self.success["error"]).inc()
+        self.success.get(a.final.finish_reason or "error", self.success["error"]).inc()
         t = self._jobs.pop(a.job_id, None)
         if t is None:  # ended before it reached the engine (cancelled, timed out, done earlier)
             return

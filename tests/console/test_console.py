@@ -16,7 +16,7 @@ from typing import Any
 
 import httpx
 import pytest
-from procs import Prefixes, Service, finished_job, free_port, start_api, start_worker, wait_until
+from procs import Prefixes, Service, finished_job, free_port, start_api, start_worker
 from sse_client import read_events
 
 sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is in the test extras")
@@ -102,9 +102,7 @@ def wait_tokens(page: Any, n: int) -> None:
 
 
 def wait_terminal(page: Any) -> str:
-    page.wait_for_function(
-        f"{list(TERMINAL)}.includes(document.querySelector('#job-status').dataset.state)"
-    )
+    page.wait_for_function(f"{list(TERMINAL)}.includes(document.querySelector('#job-status').dataset.state)")
     return str(page.get_attribute("#job-status", "data-state"))
 
 
@@ -122,7 +120,9 @@ def signal_group(service: Service, sig: signal.Signals) -> None:
     os.killpg(service.proc.pid, sig)
 
 
-def test_a_prompt_streams_to_the_jobs_final_text(stack: Stack, page: Any, client: httpx.Client, tmp_path: Path) -> None:
+def test_a_prompt_streams_to_the_jobs_final_text(
+    stack: Stack, page: Any, client: httpx.Client, tmp_path: Path
+) -> None:
     open_console(page, stack.api.url)
     assert page.get_attribute("#health", "data-state") == "ok"
     page.screenshot(path=tmp_path / "empty.png")
@@ -239,7 +239,7 @@ def test_readable_on_a_phone(stack: Stack, browser: Any, tmp_path: Path) -> None
 
 def test_the_root_links_to_the_console(stack: Stack, client: httpx.Client) -> None:
     root = client.get(f"{stack.api.url}/")
-    assert root.status_code == 200 and 'href=/console' in root.text
+    assert root.status_code == 200 and "href=/console" in root.text
     for asset in ("console.js", "console.css"):
         assert client.get(f"{stack.api.url}/console/{asset}").status_code == 200
     assert client.get(f"{stack.api.url}/console/..%2Fmain.py").status_code == 404
