@@ -14,6 +14,7 @@ clock only.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -23,6 +24,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 
 from common.store import Append
 from workers.engine import Delta
+
+log = logging.getLogger(__name__)
 
 # Seconds from a millisecond (a GPU's inter-token latency) to ten minutes (a long job on a CPU).
 LATENCY_BUCKETS = (
@@ -124,7 +127,19 @@ class WorkerMetrics:
     def step(
         self, started: float, deltas: Sequence[Delta], appends: Sequence[Append], stats: Mapping[str, Any]
     ) -> None:
-        """After one engine step that began at ``started`` (unix s): its deltas and their writes."""
+        """After one engine step that began at ``started`` (unix s): its deltas and their writes.
+
+        Never raises: the runtime calls it before handing the step's writes to the writer, and a
+        fault in a figure must not cost a job its events.
+        """
+        try:
+            self._step(started, deltas, appends, stats)
+        except Exception:
+            log.exception("could not record the step's metrics; going on")
+
+    def _step(
+        self, started: float, deltas: Sequence[Delta], appends: Sequence[Append], stats: Mapping[str, Any]
+    ) -> None:
         now = time.time()
         # A job that ended without a token this step left the engine's waiting queue unscheduled.
         with_token = {d.request_id for d in deltas if d.token_ids}
