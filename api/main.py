@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
 
 from api.auth import AuthMiddleware
 from api.errors import install_error_handlers
 from api.limits import BodyLimitMiddleware
-from api.routes import health, jobs, openai
+from api.metrics import RequestMetricsMiddleware
+from api.routes import console, health, jobs, openai
 from api.services import lifespan
 from common.settings import Settings, get_settings
 
@@ -18,10 +20,20 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.settings = settings
     install_error_handlers(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
-    app.add_middleware(AuthMiddleware, keys=settings.api_key_set)  # outermost: 401 before the body is read
+    app.add_middleware(AuthMiddleware, keys=settings.api_key_set)  # 401 before the body is read
+    if settings.cors_origin_list:  # outside the keys' check: a preflight carries no Authorization
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=settings.cors_origin_list,
+            allow_methods=["GET", "POST"],
+            allow_headers=["Authorization", "Content-Type", "Last-Event-ID", "Idempotency-Key"],
+            expose_headers=["Location"],
+        )
+    app.add_middleware(RequestMetricsMiddleware)  # outermost: every answer counts, a 401 too
     app.include_router(jobs.router)
     app.include_router(health.router)
     app.include_router(openai.router)
+    app.include_router(console.router)
     return app
 
 

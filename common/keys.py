@@ -73,6 +73,11 @@ class Keys:
         scans the keyspace; a worker is live while its heartbeat key exists."""
         return f"{self.prefix}:workers"
 
+    def owner_jobs(self, owner: str) -> str:
+        """Sorted set of one owner's job ids (score: created_at), for listing them newest first;
+        written by the create script, trimmed by age and count there (common/store/records.py)."""
+        return f"{self.prefix}:owner:{owner or 'anonymous'}:jobs"
+
     def queued_jobs(self) -> str:
         """Sorted set of queued job ids (score: enqueue time); sized for backpressure."""
         return f"{self.prefix}:queued"

@@ -33,6 +33,7 @@ from common.store import Append, SyncJobStore, TakeResult, TakeStatus
 from workers.engine import Delta, Engine, EngineConfig, FinishReason, RequestTooLongError, SamplingParams
 from workers.engine.tiny import default_model_path
 from workers.liveness import HeldJob, Liveness
+from workers.metrics import WorkerMetrics
 from workers.publisher import JobCursor, Publisher
 from workers.reaper import Requeue
 from workers.watchdog import Watchdog
@@ -159,6 +160,7 @@ class EngineRuntime:
         self.settings = settings
         self.name = name  # heartbeat key and the job hash's `worker`
         self.model = model  # shown in heartbeats and jobs
+        self.metrics = WorkerMetrics(model)  # observed on the engine thread (workers/metrics.py)
         self._stop = threading.Event()
         self._inbox: queue.SimpleQueue[_Add | _Abort | _Drop | object] = queue.SimpleQueue()
         # One list of log entries per step; None after the last.
@@ -193,6 +195,8 @@ class EngineRuntime:
         )
         model = settings.served_model_name or settings.model or "spool-default"
         runtime = cls(engine, SyncJobStore.from_settings(settings), settings, name, model, requeue)
+        if settings.worker_metrics_port is not None:
+            runtime.metrics.serve(settings.worker_metrics_port)
         runtime.start()
         return runtime
 
@@ -272,12 +276,14 @@ class EngineRuntime:
         while self._drain_inbox(block=not self.engine.has_unfinished() and not self._pending):
             try:
                 self._expire()
+                started = time.time()
                 deltas = self._pending + (self._step() if self.engine.has_unfinished() else [])
                 self._pending = []
                 self._stats = self.engine.stats()
                 with self._lock:
                     cursors = {job_id: j.cursor for job_id, j in self._jobs.items()}
                 appends = self._publisher.prepare(deltas, cursors)
+                self.metrics.step(started, deltas, appends, self._stats)
                 if appends:
                     self._outbox.put(appends)  # waits while the writer is OUTBOX_STEPS behind
             except Exception:
@@ -303,6 +309,7 @@ class EngineRuntime:
                 self._abort(cmd)
             elif isinstance(cmd, _Drop):
                 self.engine.abort(cmd.job_id)  # its CANCELLED delta is dropped: the job is released
+                self.metrics.dropped(cmd.job_id)
             try:
                 cmd = self._inbox.get_nowait()
             except queue.Empty:
@@ -340,6 +347,8 @@ class EngineRuntime:
             self._pending.append(end_delta(job, FinishReason.ERROR, str(e)))
             return
         job.in_engine = True
+        c = job.cursor
+        self.metrics.added(job_id, job.created_at, c.prompt_tokens, c.attempt, bool(job.resume_token_ids))
 
     def _abort(self, cmd: _Abort) -> None:
         job = self._job(cmd.job_id)
