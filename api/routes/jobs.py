@@ -22,6 +22,7 @@ router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 
 RETRY_AFTER_S = 2  # a full queue drains at the workers' pace; retrying sooner only adds load
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for it; logged, never received
+READY_HEADER = "X-Spool-Ready"  # on a submit: "false" while no worker is live (the job waits in the queue)
 
 
 @router.post(
@@ -51,12 +52,14 @@ async def create_job(
     With an ``Idempotency-Key`` header the client used before (within ``SPOOL_JOB_TTL_S``), no
     job is created: the answer is about the job that key created, so a submit whose answer was
     lost can be sent again; the same key with another body is a 409."""
-    check_with_live_workers(await services.served.get(), body)
+    models = await services.served.get()
+    check_with_live_workers(models, body)
     job = await submit_job(services, body, idempotency_key)
-    location = f"/v1/jobs/{job.id}"
+    # A job is queued whether or not a worker is live (it waits for one); this says which.
+    headers = {"Location": f"/v1/jobs/{job.id}", READY_HEADER: "true" if models else "false"}
     if body.stream:
-        return streamed_submit(services, job.id, to_sse_list, not body.background, {"Location": location})
-    response.headers["Location"] = location
+        return streamed_submit(services, job.id, to_sse_list, not body.background, headers)
+    response.headers.update(headers)
     if body.background:
         return job
     response.status_code = 200
