@@ -92,12 +92,4 @@ def check_servable(request: JobRequest, worker: WorkerHeartbeat) -> None:
             param="messages",
             code="no_chat_template",
         )
-    limit = worker.max_model_len
-    if limit is not None and request.max_tokens >= limit:
-        raise ApiError(
-            400,
-            f"max_tokens is {request.max_tokens}, but the model's context length is {limit} tokens "
-            "for the prompt and the completion together",
-            param="max_tokens",
-            code="context_length_exceeded",
-        )
+    # Whether the request fits the model's context is api/context.py's check (it counts tokens).

@@ -588,6 +588,10 @@ class SyncJobStore(_Base):
         pipe.zremrangebyscore(self.keys.workers(), "-inf", now - WORKER_FORGET_S)
         pipe.execute()
 
+    def put_tokenizer(self, digest: str, spec_json: str) -> None:
+        """Store a served model's tokenizer spec (once: a digest names one content)."""
+        self.redis.set(self.keys.tokenizer(digest), spec_json, nx=True)
+
     def remove_heartbeat(self, name: str) -> None:
         pipe = self.redis.pipeline(transaction=False)
         pipe.delete(self.keys.worker(name))
@@ -691,6 +695,11 @@ class AsyncJobStore(_Base):
             pipe.zrange(key, 0, -1, withscores=True)
             _, members = await pipe.execute()
         return watching(members, now, grace_s)
+
+    async def get_tokenizer(self, digest: str) -> str | None:
+        """The tokenizer spec a heartbeat names (common/prompt_tokens.py), None if not stored."""
+        spec: str | None = await self.redis.get(self.keys.tokenizer(digest))
+        return spec
 
     async def list_workers(self) -> list[WorkerHeartbeat]:
         names = [str(n) for n in await self.redis.zrange(self.keys.workers(), 0, -1)]

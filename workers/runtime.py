@@ -43,6 +43,7 @@ from workers.engine import Delta, Engine, EngineConfig, FinishReason, RequestToo
 from workers.engine.tiny import default_model_path
 from workers.publisher import JobCursor, Publisher
 from workers.reaper import Reaper, Requeue
+from workers.tokenizer_spec import publish_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -190,6 +191,7 @@ class EngineRuntime:
         self._publisher = Publisher(store, self._stop)
         self._step_started: float | None = None  # monotonic; set by the engine thread around a step
         self._connected_since: float | None = None  # start of the current run of successful beats
+        self.tokenizer_digest: str | None = None  # the spec the API counts prompt tokens with, once stored
         self._threads = [
             NamedThread(target=self._engine_loop, name="spool-engine", daemon=True),
             NamedThread(target=self._write_loop, name="spool-writer", daemon=True),
@@ -231,6 +233,8 @@ class EngineRuntime:
         else:
             if released:
                 log.info("requeueing %d job(s) of this worker's earlier run", len(released))
+        # Before the first beat, which names it: the API checks requests' lengths from then on.
+        self.tokenizer_digest = publish_tokenizer(self.engine.tokenizer, self.store, prompt_of)
         self._beat_once()
         for t in self._threads:
             t.start()
@@ -453,6 +457,7 @@ class EngineRuntime:
                 model=self.model,
                 chat_template=bool(self.engine.tokenizer.chat_template),
                 max_model_len=self.engine.max_model_len,
+                tokenizer=self.tokenizer_digest,
             )
             self.store.beat(beat)
             self._connected_since = self._connected_since or beat.ts

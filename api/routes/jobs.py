@@ -54,6 +54,7 @@ async def create_job(
     lost can be sent again; the same key with another body is a 409."""
     models = await services.served.get()
     check_with_live_workers(models, body)
+    await services.context.check_live(body, models)
     job = await submit_job(services, body, idempotency_key)
     # A job is queued whether or not a worker is live (it waits for one); this says which.
     headers = {"Location": f"/v1/jobs/{job.id}", READY_HEADER: "true" if models else "false"}
