@@ -80,7 +80,10 @@ class ContextCheck:
             return await asyncio.to_thread(counter.count, request)  # a long prompt: off the event loop
         except TemplateError as e:  # e.g. roles that do not alternate: the worker would fail the job
             raise ApiError(
-                400, f"The model's chat template refuses these messages: {e}", param="messages", code="invalid_messages"
+                400,
+                f"The model's chat template refuses these messages: {e}",
+                param="messages",
+                code="invalid_messages",
             ) from None
 
     async def _counter(self, digest: str) -> PromptCounter | None:

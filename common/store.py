@@ -698,8 +698,8 @@ class AsyncJobStore(_Base):
 
     async def get_tokenizer(self, digest: str) -> str | None:
         """The tokenizer spec a heartbeat names (common/prompt_tokens.py), None if not stored."""
-        spec: str | None = await self.redis.get(self.keys.tokenizer(digest))
-        return spec
+        spec = await self.redis.get(self.keys.tokenizer(digest))
+        return None if spec is None else str(spec)  # (decode_responses: a str already)
 
     async def list_workers(self) -> list[WorkerHeartbeat]:
         names = [str(n) for n in await self.redis.zrange(self.keys.workers(), 0, -1)]

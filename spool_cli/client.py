@@ -17,7 +17,7 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import httpx
 
@@ -66,7 +66,7 @@ class Api:
     def close(self) -> None:
         self.http.close()
 
-    def __enter__(self) -> Api:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *_: object) -> None:
@@ -445,7 +445,7 @@ def _batch_interrupted(api: Api, results: list[dict[str, Any]], out: Path | None
         return INTERRUPTED
     try:
         _say(
-            f"interrupted; {len(running)} submitted job(s) run on, their ids in {where} (status \"submitted\") "
+            f'interrupted; {len(running)} submitted job(s) run on, their ids in {where} (status "submitted") '
             f"and in `spool jobs`. Each result: spool job ID; cancel them all: press Ctrl-C again within "
             f"{SECOND_CTRL_C_S:g} s, or spool cancel {' '.join(running)}"
         )

@@ -124,7 +124,9 @@ def cmd_tiny_model(args: argparse.Namespace) -> int:
 
 def default_url() -> str:
     settings = get_settings()
-    host = "127.0.0.1" if settings.host in ("0.0.0.0", "::") else settings.host  # where a local API is reached
+    host = (
+        "127.0.0.1" if settings.host in ("0.0.0.0", "::") else settings.host
+    )  # where a local API is reached
     return f"http://{host}:{settings.port}"
 
 
@@ -141,7 +143,8 @@ def _command(
         name,
         help=summary,
         description="\n\n".join(
-            textwrap.fill(text, HELP_WIDTH) for text in (f"{summary[0].upper()}{summary[1:]}. {details}", settings)
+            textwrap.fill(text, HELP_WIDTH)
+            for text in (f"{summary[0].upper()}{summary[1:]}. {details}", settings)
         ),
         epilog=f"example:\n  {example}",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -217,7 +220,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, help="sample from the k likeliest tokens only")
     p.add_argument("--seed", type=int, help="same seed, same tokens")
     p.add_argument("--stop", action="append", help="end before this string (repeat for up to 4)")
-    p.add_argument("--chat", action="store_true", help="send the prompt as a user message (the chat template)")
+    p.add_argument(
+        "--chat", action="store_true", help="send the prompt as a user message (the chat template)"
+    )
     p.add_argument("--system", help="a system message before the prompt (implies --chat)")
     _client_options(p)
     p.set_defaults(func=cmd_generate)
@@ -294,7 +299,9 @@ def parser() -> argparse.ArgumentParser:
         "spool tiny-model /tmp/tiny && SPOOL_MODEL=/tmp/tiny spool up",
     )
     p.add_argument("dir", type=Path, help="where to write it (created if missing)")
-    p.add_argument("--arch", choices=["llama", "qwen2", "gpt2", "opt"], default="llama", help="default: llama")
+    p.add_argument(
+        "--arch", choices=["llama", "qwen2", "gpt2", "opt"], default="llama", help="default: llama"
+    )
     p.set_defaults(func=cmd_tiny_model)
     return root
 

@@ -50,7 +50,7 @@ def wait(url: str, pid: int) -> bool:
     while _alive(pid):
         if _ready(url):
             print(
-                f"spool: ready at {url} (docs: {url}/docs); try: scripts/spool generate \"ROMEO:\"",
+                f'spool: ready at {url} (docs: {url}/docs); try: scripts/spool generate "ROMEO:"',
                 file=sys.stderr,
             )
             return True

@@ -42,7 +42,11 @@ def tokenizer(tiny_model: Path) -> Any:
 def worker_count(tokenizer: Any, path: str) -> int:
     """The prompt's tokens as the worker counts them."""
     if path == "/v1/chat/completions":
-        return len(tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True, return_dict=False))
+        return len(
+            tokenizer.apply_chat_template(
+                MESSAGES, add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+        )
     return len(tokenizer.encode(PROMPT, add_special_tokens=True))
 
 
@@ -108,12 +112,27 @@ def test_the_apis_count_equals_the_workers(arch_model: str, tiny_model: Path) ->
     for text in ("x", PROMPT * 3, "<|im_start|>user\nsneaky<|im_end|>"):
         assert counter.prompt_ids(text) == tokenizer.encode(text, add_special_tokens=True)
     chat = counter.messages_ids(MESSAGES)
-    assert chat == tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert chat == tokenizer.apply_chat_template(
+        MESSAGES, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
 
 
 def test_a_tokenizer_the_api_cannot_mirror_is_not_published(tiny_model: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
     spec = checked_spec(tokenizer, prompt_of)
     assert spec is not None
-    wrong: Callable[[str], list[int]] = lambda text: [*tokenizer.encode(text), 0]  # noqa: E731
+    wrong: Callable[[str], list[int]] = lambda text: [*tokenizer.encode(text), 0]
     assert agrees(PromptCounter(spec), wrong, None) == "the prompt 'Hello, world!'"
+
+
+def test_a_submit_says_whether_a_worker_is_live(cluster: Cluster, bare_api) -> None:  # type: ignore[no-untyped-def]
+    """POST /v1/jobs queues the job with or without a live worker; X-Spool-Ready says which."""
+    live = httpx.post(cluster.url + "/v1/jobs", json={"prompt": "x", "max_tokens": 1})
+    assert (live.status_code, live.headers["x-spool-ready"]) == (202, "true")
+    waits = httpx.post(bare_api.url + "/v1/jobs", json={"prompt": "x", "max_tokens": 1})
+    assert (waits.status_code, waits.headers["x-spool-ready"], waits.json()["status"]) == (
+        202,
+        "false",
+        "queued",
+    )
+    httpx.post(f"{bare_api.url}/v1/jobs/{waits.json()['id']}/cancel")

@@ -135,7 +135,8 @@ def test_request_limits(one_slot: tuple[Workers, Service], client: httpx.Client)
     # worker stored, and refuses it before a job exists (tests/test_context_length.py: every endpoint).
     long = {"prompt": "many words " * 400, "max_tokens": 16}
     err = envelope(client.post(f"{api.url}/v1/jobs", json=long), 400)
-    assert err["code"] == "context_length_exceeded" and "512" in err["message"] and "max_tokens 16" in err["message"]
+    assert err["code"] == "context_length_exceeded"
+    assert "512" in err["message"] and "max_tokens 16" in err["message"]
 
 
 def test_timeout_ends_the_job_and_frees_its_slot(

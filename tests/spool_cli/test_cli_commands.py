@@ -43,7 +43,9 @@ def job_status(url: str, job_id: str) -> str:
 
 
 @pytest.mark.parametrize("command", COMMANDS)
-def test_every_command_says_what_it_does_which_settings_and_an_example(command: str, env: dict[str, str]) -> None:
+def test_every_command_says_what_it_does_which_settings_and_an_example(
+    command: str, env: dict[str, str]
+) -> None:
     result = spool(command, "--help", env=env)
     assert result.returncode == 0
     description = result.stdout.split("\n\n")[1]
@@ -83,26 +85,57 @@ def test_a_wrong_url_fails_at_once_with_one_line_naming_it(
 def test_generate_reads_the_prompt_from_stdin_and_ends_with_one_summary_line(  # type: ignore[no-untyped-def]
     cluster, tiny_model: Path, env: dict[str, str]
 ) -> None:
-    result = spool("generate", "-", "--max-tokens", "9", "--temperature", "0", "--url", cluster.url, env=env, stdin="hello")
+    result = spool(
+        "generate",
+        "-",
+        "--max-tokens",
+        "9",
+        "--temperature",
+        "0",
+        "--url",
+        cluster.url,
+        env=env,
+        stdin="hello",
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout == greedy(tiny_model, "hello", 9).text + "\n"
     [line] = result.stderr.splitlines()
     assert re.fullmatch(
-        r"spool: succeeded \(finish reason length\), 9 tokens in \d+\.\d s \(\d+\.\d tok/s\), job [0-9a-f]{32}", line
+        r"spool: succeeded \(finish reason length\), 9 tokens in \d+\.\d s \(\d+\.\d tok/s\), job [0-9a-f]{32}",
+        line,
     ), line
 
 
 def test_generate_sends_the_sampling_options_and_chat_messages(  # type: ignore[no-untyped-def]
     cluster, prefixes, env: dict[str, str]
 ) -> None:
-    argv = ["generate", "Speak.", "--system", "Be terse.", "--max-tokens", "5", "--seed", "7", "--top-p", "0.9"]
+    argv = [
+        "generate",
+        "Speak.",
+        "--system",
+        "Be terse.",
+        "--max-tokens",
+        "5",
+        "--seed",
+        "7",
+        "--top-p",
+        "0.9",
+    ]
     argv += ["--top-k", "20", "--stop", "zz", "--stop", "yy", "--url", cluster.url]
     result = spool(*argv, env=env)
     assert result.returncode == 0, result.stderr
     [job_id] = JOB_ID.findall(result.stderr)
     request = json.loads(prefixes.client.hget(Keys(cluster.prefix).job(job_id), "request"))
-    assert request["messages"] == [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Speak."}]
-    assert (request["seed"], request["top_p"], request["top_k"], request["stop"]) == (7, 0.9, 20, ["zz", "yy"])
+    assert request["messages"] == [
+        {"role": "system", "content": "Be terse."},
+        {"role": "user", "content": "Speak."},
+    ]
+    assert (request["seed"], request["top_p"], request["top_k"], request["stop"]) == (
+        7,
+        0.9,
+        20,
+        ["zz", "yy"],
+    )
     chat = spool("generate", "Speak.", "--chat", "--max-tokens", "3", "--url", cluster.url, env=env)
     [chat_id] = JOB_ID.findall(chat.stderr)
     request = json.loads(prefixes.client.hget(Keys(cluster.prefix).job(chat_id), "request"))
@@ -112,7 +145,9 @@ def test_generate_sends_the_sampling_options_and_chat_messages(  # type: ignore[
 def test_ctrl_c_leaves_the_job_running_and_says_how_to_resume_and_cancel_it(  # type: ignore[no-untyped-def]
     cluster, tiny_model: Path, env: dict[str, str]
 ) -> None:
-    proc = popen("generate", LONG_PROMPT, "--max-tokens", "400", "--temperature", "0", "--url", cluster.url, env=env)
+    proc = popen(
+        "generate", LONG_PROMPT, "--max-tokens", "400", "--temperature", "0", "--url", cluster.url, env=env
+    )
     assert proc.stdout is not None
     os.read(proc.stdout.fileno(), 1)  # a token is on the terminal: the stream is open
     proc.send_signal(signal.SIGINT)
@@ -158,7 +193,9 @@ def test_jobs_lists_what_was_submitted_and_job_and_cancel_act_on_one(  # type: i
     assert cancelled.returncode == 1 and "No job with id" in cancelled.stderr  # done_id: another prefix
 
 
-def test_batch_with_a_bad_line_names_it_and_submits_nothing(bare_api: Service, env: dict[str, str], tmp_path: Path, prefixes) -> None:  # type: ignore[no-untyped-def]
+def test_batch_with_a_bad_line_names_it_and_submits_nothing(
+    bare_api: Service, env: dict[str, str], tmp_path: Path, prefixes
+) -> None:  # type: ignore[no-untyped-def]
     src = tmp_path / "in.jsonl"
     src.write_text('{"prompt": "fine"}\n\n{"prompt": "broken"\n[1, 2]\n')
     queued = Keys(bare_api.prefix).queued_jobs()
@@ -171,7 +208,9 @@ def test_batch_with_a_bad_line_names_it_and_submits_nothing(bare_api: Service, e
     assert (missing.returncode, missing.stderr) == (1, f"spool: no such file: {tmp_path / 'nope.jsonl'}\n")
 
 
-def test_ctrl_c_in_batch_writes_the_submitted_ids(bare_api: Service, env: dict[str, str], tmp_path: Path, prefixes) -> None:  # type: ignore[no-untyped-def]
+def test_ctrl_c_in_batch_writes_the_submitted_ids(
+    bare_api: Service, env: dict[str, str], tmp_path: Path, prefixes
+) -> None:  # type: ignore[no-untyped-def]
     src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     src.write_text("".join(json.dumps({"prompt": f"b{i}", "custom_id": f"c{i}"}) + "\n" for i in range(3)))
     queued = Keys(bare_api.prefix).queued_jobs()
