@@ -21,7 +21,7 @@ from common.schemas import JobRequest, WorkerHeartbeat
 from common.store import AsyncJobStore
 
 KEEP_COUNTERS = 4  # tokenizers kept per API process (one per served model; a rollout has two)
-INLINE_CHARS = 8192  # shorter prompts are counted on the event loop (tens of microseconds)
+INLINE_CHARS = 1024  # shorter prompts are counted on the event loop (about 0.1 ms; 8,192 characters: 4.5 ms)
 CODE = "context_length_exceeded"
 
 
