@@ -131,7 +131,7 @@ class Follow:
     """Where a client is in one job's stream."""
 
     job_id: str | None  # None until the submit's answer named the job
-    started: float  # monotonic time of the submit (or of the first read of an existing job)
+    started: float | None  # monotonic time of the submit; None: following a job submitted earlier
     last: str = "0"  # id of the last event shown
     newline: bool = False  # the terminal's cursor is after some text
 
@@ -150,7 +150,7 @@ def generate(url: str, body: dict[str, Any], api_key: str | None) -> int:
 
 def follow(url: str, job_id: str, api_key: str | None) -> int:
     """Print a job's text from its first token to its end, as ``generate`` does (resume after Ctrl-C)."""
-    state = Follow(job_id, time.monotonic())
+    state = Follow(job_id, None)
     with Api(url, api_key) as api:
         try:
             return _stream(api, state, None)
@@ -228,10 +228,12 @@ def _show(state: Follow, event: str, data: dict[str, Any]) -> int | None:
         _say(f"job {state.job_id} failed ({data['type']}): {data['message']}")
         return 1
     tokens = data["usage"]["completion_tokens"]
-    seconds = time.monotonic() - state.started
+    rate = ""  # a job followed after its start: its tokens came before this client did
+    if state.started is not None:
+        seconds = time.monotonic() - state.started
+        rate = f" in {seconds:.1f} s ({tokens / seconds if seconds > 0 else 0.0:.1f} tok/s)"
     _say(
-        f"{data['status']} (finish reason {data['finish_reason']}), {tokens} tokens in {seconds:.1f} s "
-        f"({tokens / seconds if seconds > 0 else 0.0:.1f} tok/s), job {state.job_id}"
+        f"{data['status']} (finish reason {data['finish_reason']}), {tokens} tokens{rate}, job {state.job_id}"
     )
     return 0 if data["status"] == "succeeded" else 1
 
