@@ -1,8 +1,9 @@
 """Which model is served, and what it can take, read from the workers' heartbeats.
 
-The API imports no tokenizer, so it learns the model's facts (its name, whether it has a chat
-template, its max_model_len) from the heartbeats and refuses what the model cannot serve before
-a job is queued.
+The API loads no model, so it learns the model's facts (its name, whether it has a chat
+template, its max_model_len, the tokenizer spec the worker stored) from the heartbeats and
+refuses what the model cannot serve before a job is queued (a request too long for its
+context: api/context.py).
 """
 
 from __future__ import annotations
