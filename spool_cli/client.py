@@ -375,14 +375,16 @@ def _submit(api: Api, body: dict[str, Any]) -> tuple[str | None, str | None]:
 
 
 def _poll(api: Api, job_id: str) -> dict[str, Any] | None:
-    """The job, or None while the API cannot answer (a replica restarting, Redis unreachable)."""
+    """The job, or None while the API cannot answer (a replica restarting, Redis unreachable).
+    A refusal (the job expired, another API key) ends the job's wait as status "lost"."""
     try:
         resp = api.http.get(f"/v1/jobs/{job_id}")
     except httpx.TransportError:
         return None
     if resp.status_code in RETRY_STATUSES:
         return None
-    resp.raise_for_status()
+    if resp.is_error:
+        return {"status": "lost", "error": {"message": _error(resp), "type": "lost"}}
     job: dict[str, Any] = resp.json()
     return job
 
@@ -421,7 +423,7 @@ def _run_batch(api: Api, rows: list[dict[str, Any]], results: list[dict[str, Any
                 # one wait too. (Polling them all each round costs the API a request per
                 # queued job every POLL_S: a 1,000-line batch would keep it busy.)
                 break
-            if job["status"] in TERMINAL:
+            if job["status"] in TERMINAL | {"lost"}:
                 pending.pop(job_id).update(
                     {k: job.get(k) for k in ("status", "text", "finish_reason", "usage", "error")}
                 )

@@ -236,7 +236,7 @@ def parser() -> argparse.ArgumentParser:
         "JSON object (its number is named) or a missing file submits nothing. Results keep the "
         "input order. It polls the jobs in that order every half second, none behind one still "
         "queued (the workers take them in order); a dropped connection or a 502, 503 or 504 is "
-        "retried at the next poll. Ctrl-C writes the results so far (unfinished jobs with status "
+        "retried at the next poll; a job the API no longer knows (expired) ends with status 'lost'. Ctrl-C writes the results so far (unfinished jobs with status "
         "'submitted' and their ids) and leaves the jobs running; a second Ctrl-C within 2 s "
         "cancels them. Each job is recorded for spool jobs.",
         CLIENT_SETTINGS,

@@ -227,3 +227,21 @@ def test_ctrl_c_in_batch_writes_the_submitted_ids(
     listing = spool("jobs", "--url", bare_api.url, env=env)
     assert all(r["job_id"] in listing.stdout for r in results)
     spool("cancel", *(r["job_id"] for r in results), "--url", bare_api.url, env=env)
+
+
+def test_batch_reports_a_job_the_api_forgot_instead_of_a_traceback(  # type: ignore[no-untyped-def]
+    bare_api: Service, env: dict[str, str], tmp_path: Path, prefixes
+) -> None:
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text(json.dumps({"prompt": "forgotten"}) + "\n")
+    keys, r = Keys(bare_api.prefix), prefixes.client
+    before = set(r.zrange(keys.queued_jobs(), 0, -1))
+    proc = popen("batch", str(src), "--out", str(out), "--url", bare_api.url, env=env)
+    wait_until(lambda: len(set(r.zrange(keys.queued_jobs(), 0, -1)) - before) == 1, "the batch submitted", 30)
+    [job_id] = {j.decode() for j in set(r.zrange(keys.queued_jobs(), 0, -1)) - before}
+    r.delete(keys.job(job_id))  # as if it expired: the API answers 404
+    r.zrem(keys.queued_jobs(), job_id)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 1 and b"Traceback" not in err
+    [result] = [json.loads(line) for line in out.read_text().splitlines()]
+    assert result["status"] == "lost" and "No job with id" in result["error"]["message"]
