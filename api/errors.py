@@ -97,10 +97,12 @@ def _location(loc: Sequence[int | str]) -> str | None:
     return ".".join(parts) or None
 
 
-async def _validation_error(_: Request, exc: Exception) -> JSONResponse:
+async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
     errors = exc.errors()
     first = errors[0]
+    if first["type"] == LIMIT_EXCEEDED and (context := await _past_the_context(request, first)):
+        return _respond(context)
     if first["type"] == "json_invalid":
         # Not JSON at all: a malformed request (400) rather than a schema violation (422).
         return _respond(
@@ -110,6 +112,27 @@ async def _validation_error(_: Request, exc: Exception) -> JSONResponse:
     # Valid in form but above a limit of this server (e.g. SPOOL_MAX_TOKENS_CAP): 400, with the numbers.
     status = 400 if first["type"] == LIMIT_EXCEEDED else 422
     return _respond(ApiError(status, message, param=_location(first["loc"]), code=str(first["type"])))
+
+
+async def _past_the_context(request: Request, error: Mapping[str, Any]) -> ApiError | None:
+    """max_tokens above SPOOL_MAX_TOKENS_CAP and past the served model's context too: the error
+    names the model's limit (the smaller, so one error says how far to go), and the cap."""
+    services = getattr(request.app.state, "services", None)
+    value, cap = error.get("ctx", {}).get("value"), error.get("ctx", {}).get("cap")
+    if services is None or not isinstance(value, int):
+        return None
+    limits = [w.max_model_len for w in (await services.served.get()).values() if w.max_model_len]
+    if not limits or value < min(limits):
+        return None
+    limit = min(limits)
+    return ApiError(
+        400,
+        f"This model's maximum context length is {limit} tokens, for the prompt and the completion "
+        f"together; {_location(error['loc'])} is {value} (and this server's cap, SPOOL_MAX_TOKENS_CAP, "
+        f"is {cap}). Ask for fewer than {limit} tokens.",
+        param=_location(error["loc"]),
+        code="context_length_exceeded",
+    )
 
 
 async def _not_found(_: Request, exc: Exception) -> JSONResponse:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
+from fastapi_offline import FastAPIOffline
 
 from api.auth import AuthMiddleware
 from api.errors import install_error_handlers
@@ -13,10 +14,21 @@ from api.routes import console, health, jobs, openai
 from api.services import lifespan
 from common.settings import Settings, get_settings
 
+DOCS_ASSETS = "/docs-assets"  # Swagger UI's and ReDoc's files, served from the fastapi-offline package
+
 
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or get_settings()
-    app = FastAPI(title="Spool", version="0.1.0", lifespan=lifespan)
+    # NOTE: FastAPI's own /docs and /redoc load their scripts from a CDN, so they render blank on
+    # a machine without internet; these serve the same pages with the files from the package.
+    app = FastAPIOffline(
+        title="Spool",
+        version="0.1.0",
+        lifespan=lifespan,
+        static_url=DOCS_ASSETS,
+        # The online validator's badge would be fetched from validator.swagger.io.
+        swagger_ui_parameters={"validatorUrl": None},
+    )
     app.state.settings = settings
     install_error_handlers(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
@@ -27,7 +39,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             allow_origins=settings.cors_origin_list,
             allow_methods=["GET", "POST"],
             allow_headers=["Authorization", "Content-Type", "Last-Event-ID", "Idempotency-Key"],
-            expose_headers=["Location"],
+            expose_headers=["Location", "X-Spool-Ready"],
         )
     app.add_middleware(RequestMetricsMiddleware)  # outermost: every answer counts, a 401 too
     app.include_router(jobs.router)

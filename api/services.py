@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from fastapi import FastAPI
 
+from api.context import ContextCheck
 from api.enqueue import Enqueuer
 from api.hub import Hub, Inbox
 from api.metrics import Metrics
@@ -28,6 +29,7 @@ class Services:
     metrics: Metrics
     watchers: Watchers  # streams per job across API processes; cancels abandoned foreground jobs
     served: ServedModels  # what the live workers serve, for the submit paths' checks
+    context: ContextCheck  # refuses what cannot fit the served model's context, before a job exists
 
     @asynccontextmanager
     async def follow(self, job_id: str, watch: bool) -> AsyncIterator[Inbox]:
@@ -46,7 +48,9 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     store = AsyncJobStore.from_settings(settings)
     watchers = Watchers(store, settings.detach_grace_s)
     await watchers.start()
-    app.state.services = Services(settings, store, hub, enqueuer, Metrics(hub), watchers, ServedModels(store))
+    app.state.services = Services(
+        settings, store, hub, enqueuer, Metrics(hub), watchers, ServedModels(store), ContextCheck(store)
+    )
     freeze_startup_objects()
     try:
         yield

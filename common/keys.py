@@ -64,6 +64,11 @@ class Keys:
     def job_id_from_channel(self, channel: str) -> str:
         return channel[len(self.prefix) + len(":job:") : -len(":events")]
 
+    def tokenizer(self, digest: str) -> str:
+        """String: what the API needs to count a model's prompt tokens (common/prompt_tokens.py),
+        by the digest a worker's heartbeat names (a model's tokenizer may change under its name)."""
+        return f"{self.prefix}:tokenizer:{digest}"
+
     def worker(self, name: str) -> str:
         """Key with a TTL: the worker's heartbeat."""
         return f"{self.prefix}:worker:{name}"

@@ -259,3 +259,4 @@ class WorkerHeartbeat(BaseModel):
     model: str
     chat_template: bool | None = None  # the tokenizer has one (messages can be rendered); None: not said
     max_model_len: int | None = None  # prompt + generated tokens per request
+    tokenizer: str | None = None  # digest of its tokenizer spec in Redis (Keys.tokenizer); None: none stored

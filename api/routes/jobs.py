@@ -29,6 +29,8 @@ from common.store import StreamState
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 
+READY_HEADER = "X-Spool-Ready"  # on a submit: "false" while no worker is live (the job waits in the queue)
+
 
 @router.post(
     "",
@@ -57,12 +59,15 @@ async def create_job(
     With an ``Idempotency-Key`` header the client used before (within ``SPOOL_JOB_TTL_S``), no
     job is created: the answer is about the job that key created, so a submit whose answer was
     lost can be sent again; the same key with another body is a 409."""
-    check_with_live_workers(await services.served.get(), body)
+    models = await services.served.get()
+    check_with_live_workers(models, body)
+    await services.context.check_live(body, models)
     job = await submit_job(services, body, idempotency_key)
-    location = f"/v1/jobs/{job.id}"
+    # A job is queued whether or not a worker is live (it waits for one); this says which.
+    headers = {"Location": f"/v1/jobs/{job.id}", READY_HEADER: "true" if models else "false"}
     if body.stream:
-        return streamed_submit(services, job.id, to_sse_list, not body.background, {"Location": location})
-    response.headers["Location"] = location
+        return streamed_submit(services, job.id, to_sse_list, not body.background, headers)
+    response.headers.update(headers)
     if body.background:
         return job
     response.status_code = 200

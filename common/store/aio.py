@@ -172,6 +172,11 @@ class AsyncJobStore(WatcherSets):
             lengths = await pipe.execute()
         return [(q, lengths[2 * i] + lengths[2 * i + 1]) for i, q in enumerate(queues)]
 
+    async def get_tokenizer(self, digest: str) -> str | None:
+        """The tokenizer spec a heartbeat names (common/prompt_tokens.py), None if not stored."""
+        spec = await self.redis.get(self.keys.tokenizer(digest))
+        return None if spec is None else str(spec)  # (decode_responses: a str already)
+
     async def list_workers(self) -> list[WorkerHeartbeat]:
         names = [str(n) for n in await self.redis.zrange(self.keys.workers(), 0, -1)]
         return heartbeats_from(await self.redis.mget(worker_keys(self.keys, names))) if names else []
