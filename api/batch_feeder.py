@@ -36,6 +36,7 @@ from typing import Any
 from redis.exceptions import RedisError
 
 from api.batch_lines import LineError, job_result, line_request, lost_result, parse_line, refused
+from api.context import ContextCheck
 from api.enqueue import Enqueuer
 from api.errors import ApiError
 from api.openai_compat.batches import error_line
@@ -65,12 +66,14 @@ class BatchFeeder:
         batches: AsyncBatchStore,
         enqueuer: Enqueuer,
         served: ServedModels,
+        context: ContextCheck,
     ) -> None:
         self.settings = settings
         self.jobs = jobs
         self.batches = batches
         self.enqueuer = enqueuer
         self.served = served
+        self.context = context
         self._token = secrets.token_hex(8)
         self._lease_s = settings.batch_feed_s * LEASE_TICKS
         self._broker_list = Keys.broker_list(settings.keys.queue_llm, BATCH_PRIORITY)
@@ -197,7 +200,7 @@ class BatchFeeder:
                 continue
             job_id = new_job_id()
             try:
-                request = line_request(b["endpoint"], line["body"], self.settings, models)
+                request = await line_request(b["endpoint"], line["body"], self.settings, models, self.context)
             except ApiError as e:
                 rejected.append(refused(i, line["custom_id"], e, job_id))
                 continue

@@ -16,6 +16,7 @@ from typing import Any
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
+from api.context import ContextCheck
 from api.errors import ApiError, body_errors, error_body, validation_error
 from api.openai_compat.batches import error_line, response_line
 from api.openai_compat.chunks import View
@@ -67,8 +68,12 @@ def parse_line(raw: str, endpoint: str) -> dict[str, Any] | None:
     return line
 
 
-def line_request(
-    endpoint: str, body: dict[str, Any], settings: Settings, models: Mapping[str, WorkerHeartbeat]
+async def line_request(
+    endpoint: str,
+    body: dict[str, Any],
+    settings: Settings,
+    models: Mapping[str, WorkerHeartbeat],
+    context: ContextCheck,
 ) -> JobRequest:
     """The job a line's body asks for, as its endpoint would accept it; ApiError as it would refuse.
 
@@ -82,6 +87,7 @@ def line_request(
         if model is None:
             request = JobRequest.accept(body, settings)
             check_with_live_workers(models, request)
+            await context.check_live(request, models)
         else:
             try:
                 parsed = model.model_validate(body)
@@ -89,7 +95,9 @@ def line_request(
                 raise body_errors(e) from None
             request = parsed.to_job_request(settings)
             if models:
-                check_servable(request, resolve_model(models, parsed.model))
+                worker = resolve_model(models, parsed.model)
+                check_servable(request, worker)
+                await context.check(request, worker)
     except ValidationError as e:
         raise validation_error(body_errors(e)) from None
     except RequestValidationError as e:

@@ -110,9 +110,33 @@ def validation_error(exc: RequestValidationError) -> ApiError:
     return ApiError(status, message, param=_location(first["loc"]), code=str(first["type"]))
 
 
-async def _validation_error(_: Request, exc: Exception) -> JSONResponse:
+async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
+    first = exc.errors()[0]
+    if first["type"] == LIMIT_EXCEEDED and (context := await _past_the_context(request, first)):
+        return _respond(context)
     return _respond(validation_error(exc))
+
+
+async def _past_the_context(request: Request, error: Mapping[str, Any]) -> ApiError | None:
+    """max_tokens above SPOOL_MAX_TOKENS_CAP and past the served model's context too: the error
+    names the model's limit (the smaller, so one error says how far to go), and the cap."""
+    services = getattr(request.app.state, "services", None)
+    value, cap = error.get("ctx", {}).get("value"), error.get("ctx", {}).get("cap")
+    if services is None or not isinstance(value, int):
+        return None
+    limits = [w.max_model_len for w in (await services.served.get()).values() if w.max_model_len]
+    if not limits or value < min(limits):
+        return None
+    limit = min(limits)
+    return ApiError(
+        400,
+        f"This model's maximum context length is {limit} tokens, for the prompt and the completion "
+        f"together; {_location(error['loc'])} is {value} (and this server's cap, SPOOL_MAX_TOKENS_CAP, "
+        f"is {cap}). Ask for fewer than {limit} tokens.",
+        param=_location(error["loc"]),
+        code="context_length_exceeded",
+    )
 
 
 async def _not_found(_: Request, exc: Exception) -> JSONResponse:

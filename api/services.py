@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from fastapi import FastAPI
 
 from api.batch_feeder import BatchFeeder
+from api.context import ContextCheck
 from api.enqueue import Enqueuer
 from api.hub import Hub, Inbox
 from api.metrics import Metrics
@@ -31,6 +32,7 @@ class Services:
     metrics: Metrics
     watchers: Watchers  # streams per job across API processes; cancels abandoned foreground jobs
     served: ServedModels  # what the live workers serve, for the submit paths' checks
+    context: ContextCheck  # refuses what cannot fit the served model's context, before a job exists
     batches: AsyncBatchStore  # files and batches (on the store's Redis client)
 
     @asynccontextmanager
@@ -50,11 +52,11 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     store = AsyncJobStore.from_settings(settings)
     watchers = Watchers(store, settings.detach_grace_s)
     await watchers.start()
-    served = ServedModels(store)
+    served, context = ServedModels(store), ContextCheck(store)
     batches = AsyncBatchStore(store.redis, settings)
-    app.state.services = Services(settings, store, hub, enqueuer, Metrics(hub), watchers, served, batches)
+    app.state.services = Services(settings, store, hub, enqueuer, Metrics(hub), watchers, served, context, batches)
     # Every API process runs a feeder; one at a time feeds (api/batch_feeder.py).
-    feeder = asyncio.create_task(BatchFeeder(settings, store, batches, enqueuer, served).run())
+    feeder = asyncio.create_task(BatchFeeder(settings, store, batches, enqueuer, served, context).run())
     freeze_startup_objects()
     try:
         yield

@@ -32,8 +32,7 @@ async def submit_job(services: Services, body: JobRequest, idempotency_key: str 
         job = await services.store.create_job(
             body, current_owner(), services.enqueuer.generate, idempotency_key
         )
-    except QueueFull as e:
-        metrics.jobs_rejected.labels("queue_full").inc()
+    except QueueFull as e:  # counted with the other refusals (api/metrics.py)
         raise ApiError(429, str(e), code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)}) from None
     except IdempotencyConflict as e:
         raise ApiError(409, str(e), param="Idempotency-Key", code="idempotency_key_reused") from None

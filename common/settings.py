@@ -50,6 +50,9 @@ class Settings(BaseSettings):
     detach_grace_s: float = Field(30.0, ge=0)
     sse_ping_s: float = Field(15.0, gt=0)
     api_keys: str = ""  # comma-separated; empty disables authentication
+    # Comma-separated origins whose pages may call the API (CORS), e.g. https://console.example;
+    # "*" for any. Empty: none (the console at /console is same-origin and needs none).
+    cors_origins: str = ""
 
     # Files and batches (API)
     max_file_bytes: int = Field(200_000_000, ge=1)  # an uploaded file's size at most
@@ -70,6 +73,8 @@ class Settings(BaseSettings):
     # leases lapse and other workers (or this one, restarted by its supervisor) take them over.
     engine_stall_s: float = Field(300.0, gt=0)
     worker_name: str = ""  # empty: celery's hostname
+    # Each worker process serves its Prometheus metrics on this port (workers/metrics.py); unset: none.
+    worker_metrics_port: int | None = Field(None, ge=1, le=65535)
 
     # API process
     host: str = "127.0.0.1"
@@ -102,6 +107,10 @@ class Settings(BaseSettings):
     @property
     def keys(self) -> Keys:
         return Keys(self.redis_prefix)
+
+    @property
+    def cors_origin_list(self) -> list[str]:
+        return [o.strip() for o in self.cors_origins.split(",") if o.strip()]
 
     @property
     def api_key_set(self) -> frozenset[str]:

@@ -21,9 +21,10 @@ from typing import IO, Any
 
 import httpx
 
+from spool_cli.client import INTERRUPTED, SECOND_CTRL_C_S, Api, read_batch
+
 POLL_S = 1.0
 RETRY_STATUSES = {502, 503, 504}  # a replica restarting, Redis unreachable: poll again
-TIMEOUT = httpx.Timeout(30.0, read=300.0)
 ENDED = {"completed", "failed", "expired", "cancelled"}
 BAR = 24  # characters of the progress bar
 
@@ -42,15 +43,12 @@ def _check(resp: httpx.Response) -> dict[str, Any]:
     return dict(resp.json())
 
 
-def batch_lines(src: IO[str], out: IO[str]) -> str:
-    """Copy ``src`` to ``out`` as batch lines; returns their endpoint (the one url they share)."""
+def batch_lines(rows: list[dict[str, Any]], out: IO[str]) -> str:
+    """Write the rows to ``out`` as batch lines; returns their endpoint (the one url they share)."""
     endpoints: set[str] = set()
-    for n, raw in enumerate(src, 1):
-        if not raw.strip():
-            continue
-        row = json.loads(raw)
-        if not isinstance(row, dict) or "body" not in row:  # a bare job request
-            custom_id = row.pop("custom_id", None) if isinstance(row, dict) else None
+    for n, row in enumerate(rows, 1):
+        if "body" not in row:  # a bare job request
+            custom_id = row.pop("custom_id", None)
             row = {"custom_id": custom_id or f"line-{n}", "method": "POST", "url": "/v1/jobs", "body": row}
         endpoints.add(str(row.get("url")))
         out.write(json.dumps(row) + "\n")
@@ -59,16 +57,25 @@ def batch_lines(src: IO[str], out: IO[str]) -> str:
     return endpoints.pop()
 
 
-def submit(client: httpx.Client, file: Path) -> dict[str, Any]:
-    """Upload ``file`` as batch lines and create its batch."""
-    with file.open() as src, tempfile.TemporaryFile("w+") as lines:
-        endpoint = batch_lines(src, lines)
+def submit(api: Api, file: Path) -> dict[str, Any]:
+    """Upload ``file`` as batch lines (each checked first: a bad one submits nothing) and create its batch."""
+    rows = read_batch(file)
+    with tempfile.TemporaryFile("w+") as lines:
+        endpoint = batch_lines(rows, lines)
         lines.seek(0)
-        uploaded = _check(
-            client.post("/v1/files", data={"purpose": "batch"}, files={"file": (file.name, lines.buffer)})
-        )
+        files = {"file": (file.name, lines.buffer)}
+        uploaded = _check(_call(api, "POST", "/v1/files", data={"purpose": "batch"}, files=files))
     body = {"input_file_id": uploaded["id"], "endpoint": endpoint, "completion_window": "24h"}
-    return _check(client.post("/v1/batches", json=body))
+    return _check(_call(api, "POST", "/v1/batches", json=body))
+
+
+def _call(api: Api, method: str, path: str, **kwargs: Any) -> httpx.Response:
+    """One request; an API that never answered raises Unreachable (main prints the one line)."""
+    try:
+        return api.http.request(method, path, **kwargs)
+    except httpx.TransportError as e:
+        api.lost(e)
+        raise BatchError(f"the API went away ({e}); if the batch was created: spool batches") from None
 
 
 def progress(batch: dict[str, Any], started: float, done_at_start: int) -> str:
@@ -85,14 +92,15 @@ def progress(batch: dict[str, Any], started: float, done_at_start: int) -> str:
     )
 
 
-def follow(client: httpx.Client, batch_id: str) -> dict[str, Any]:
+def follow(api: Api, batch_id: str) -> dict[str, Any]:
     """Poll the batch until it ended, a progress line on stderr; returns it."""
     started, first = time.monotonic(), None
     while True:
         try:
-            resp = client.get(f"/v1/batches/{batch_id}")
-        except httpx.TransportError:
-            resp = None
+            resp = api.http.get(f"/v1/batches/{batch_id}")
+        except httpx.TransportError as e:
+            api.lost(e)
+            resp = None  # gone for a moment (a replica restarting): poll again
         if resp is not None and resp.status_code not in RETRY_STATUSES:
             batch = _check(resp)
             counts = batch["request_counts"]
@@ -104,12 +112,12 @@ def follow(client: httpx.Client, batch_id: str) -> dict[str, Any]:
         time.sleep(POLL_S)
 
 
-def download(client: httpx.Client, file_id: str | None, dest: Path) -> int:
+def download(api: Api, file_id: str | None, dest: Path) -> int:
     """Write the file's content to ``dest`` (an empty file when there is none); its line count."""
     lines = 0
     with dest.open("wb") as out:
         if file_id:
-            with client.stream("GET", f"/v1/files/{file_id}/content") as resp:
+            with api.http.stream("GET", f"/v1/files/{file_id}/content") as resp:
                 if resp.status_code >= 400:
                     resp.read()
                     _check(resp)
@@ -123,24 +131,18 @@ def run(
     url: str, file: Path | None, resume: str | None, out: Path | None, errors: Path | None, api_key: str | None
 ) -> int:
     """``spool batch``: 0 when every line succeeded, 1 when some failed or the batch did not complete."""
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    with httpx.Client(base_url=url, headers=headers, timeout=TIMEOUT) as client:
+    with Api(url, api_key) as api:
         try:
-            if resume is None:
-                assert file is not None
-                batch_id = submit(client, file)["id"]
-            else:
-                batch_id = resume
+            batch_id = submit(api, file)["id"] if resume is None else resume
             stem = str(file.with_suffix("")) if file is not None else batch_id
-            print(f"batch {batch_id} (resume with: spool batch --resume {batch_id})", file=sys.stderr)
             try:
-                batch = follow(client, batch_id)
+                print(f"batch {batch_id} (resume with: spool batch --resume {batch_id})", file=sys.stderr, flush=True)
+                batch = follow(api, batch_id)
             except KeyboardInterrupt:
-                print(f"\ninterrupted; the batch goes on: spool batch --resume {batch_id}", file=sys.stderr)
-                return 130
+                return _interrupted(api, batch_id)
             out, errors = out or Path(f"{stem}.output.jsonl"), errors or Path(f"{stem}.errors.jsonl")
-            n_out = download(client, batch["output_file_id"], out)
-            n_err = download(client, batch["error_file_id"], errors)
+            n_out = download(api, batch["output_file_id"], out)
+            n_err = download(api, batch["error_file_id"], errors)
         except BatchError as e:
             print(f"spool batch: {e}", file=sys.stderr)
             return 1
@@ -150,12 +152,26 @@ def run(
     return 0 if batch["status"] == "completed" and n_err == 0 else 1
 
 
+def _interrupted(api: Api, batch_id: str) -> int:
+    """The batch runs on; a second Ctrl-C soon after cancels it."""
+    try:
+        print(
+            f"\ninterrupted; the batch runs on on the server: spool batch --resume {batch_id}; "
+            f"cancel it: press Ctrl-C again within {SECOND_CTRL_C_S:g} s",
+            file=sys.stderr,
+        )
+        time.sleep(SECOND_CTRL_C_S)
+    except KeyboardInterrupt:
+        status = _check(_call(api, "POST", f"/v1/batches/{batch_id}/cancel"))["status"]
+        print(f"batch {batch_id}: {status}", file=sys.stderr)
+    return INTERRUPTED
+
+
 def list_batches(url: str, limit: int, api_key: str | None) -> int:
     """``spool batches``: the newest batches, one line each."""
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    with httpx.Client(base_url=url, headers=headers, timeout=TIMEOUT) as client:
+    with Api(url, api_key) as api:
         try:
-            batches = _check(client.get("/v1/batches", params={"limit": limit}))["data"]
+            batches = _check(_call(api, "GET", "/v1/batches", params={"limit": limit}))["data"]
         except BatchError as e:
             print(f"spool batches: {e}", file=sys.stderr)
             return 1

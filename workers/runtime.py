@@ -33,8 +33,10 @@ from common.store import Append, SyncJobStore, TakeResult, TakeStatus
 from workers.engine import Delta, Engine, EngineConfig, FinishReason, RequestTooLongError, SamplingParams
 from workers.engine.tiny import default_model_path
 from workers.liveness import HeldJob, Liveness
+from workers.metrics import WorkerMetrics
 from workers.publisher import JobCursor, Publisher
 from workers.reaper import Requeue
+from workers.tokenizer_spec import publish_tokenizer
 from workers.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
@@ -159,6 +161,7 @@ class EngineRuntime:
         self.settings = settings
         self.name = name  # heartbeat key and the job hash's `worker`
         self.model = model  # shown in heartbeats and jobs
+        self.metrics = WorkerMetrics(model)  # observed on the engine thread (workers/metrics.py)
         self._stop = threading.Event()
         self._inbox: queue.SimpleQueue[_Add | _Abort | _Drop | object] = queue.SimpleQueue()
         # One list of log entries per step; None after the last.
@@ -170,6 +173,7 @@ class EngineRuntime:
         self._publisher = Publisher(store, self._stop)
         self.liveness = Liveness(store, settings, name, self, self._stop, requeue)
         self._watchdog = Watchdog(settings.engine_stall_s, self._stop, self.liveness.forget_heartbeat)
+        self.tokenizer_digest: str | None = None  # the spec the API counts prompt tokens with, once stored
         self._threads = [
             NamedThread(target=self._engine_loop, name="spool-engine", daemon=True),
             NamedThread(target=self._write_loop, name="spool-writer", daemon=True),
@@ -193,10 +197,14 @@ class EngineRuntime:
         )
         model = settings.served_model_name or settings.model or "spool-default"
         runtime = cls(engine, SyncJobStore.from_settings(settings), settings, name, model, requeue)
+        if settings.worker_metrics_port is not None:
+            runtime.metrics.serve(settings.worker_metrics_port)
         runtime.start()
         return runtime
 
     def start(self) -> None:
+        # Before the first beat, which names it: the API checks requests' lengths from then on.
+        self.tokenizer_digest = publish_tokenizer(self.engine.tokenizer, self.store, prompt_of)
         # Liveness beats once first: the worker is ready before Celery consumes a message.
         self.liveness.start()
         for t in self._threads:
@@ -264,6 +272,7 @@ class EngineRuntime:
             "model": self.model,
             "chat_template": bool(self.engine.tokenizer.chat_template),
             "max_model_len": self.engine.max_model_len,
+            "tokenizer": self.tokenizer_digest,
         }
 
     # -- the engine thread -----------------------------------------------------------------------
@@ -272,12 +281,14 @@ class EngineRuntime:
         while self._drain_inbox(block=not self.engine.has_unfinished() and not self._pending):
             try:
                 self._expire()
+                started = time.time()
                 deltas = self._pending + (self._step() if self.engine.has_unfinished() else [])
                 self._pending = []
                 self._stats = self.engine.stats()
                 with self._lock:
                     cursors = {job_id: j.cursor for job_id, j in self._jobs.items()}
                 appends = self._publisher.prepare(deltas, cursors)
+                self.metrics.step(started, deltas, appends, self._stats)
                 if appends:
                     self._outbox.put(appends)  # waits while the writer is OUTBOX_STEPS behind
             except Exception:
@@ -303,6 +314,7 @@ class EngineRuntime:
                 self._abort(cmd)
             elif isinstance(cmd, _Drop):
                 self.engine.abort(cmd.job_id)  # its CANCELLED delta is dropped: the job is released
+                self.metrics.dropped(cmd.job_id)
             try:
                 cmd = self._inbox.get_nowait()
             except queue.Empty:
@@ -340,6 +352,8 @@ class EngineRuntime:
             self._pending.append(end_delta(job, FinishReason.ERROR, str(e)))
             return
         job.in_engine = True
+        c = job.cursor
+        self.metrics.added(job_id, job.created_at, c.prompt_tokens, c.attempt, bool(job.resume_token_ids))
 
     def _abort(self, cmd: _Abort) -> None:
         job = self._job(cmd.job_id)

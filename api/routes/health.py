@@ -33,5 +33,6 @@ async def readyz(store: StoreDep) -> dict[str, Any]:
 async def metrics(services: ServicesDep) -> Response:
     m = services.metrics
     m.queued_jobs.set(await services.store.queued_count())
+    m.set_queue_depths(await services.store.queue_depths())
     m.set_workers(await services.store.list_workers())
     return Response(generate_latest(m.registry), media_type=CONTENT_TYPE_LATEST)

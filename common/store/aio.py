@@ -6,12 +6,14 @@ import time
 
 import redis.asyncio as aredis
 
-from common.schemas import Job, JobRequest, JobStatus, LogEntry, WorkerHeartbeat
+from common.schemas import Job, JobList, JobRequest, JobStatus, JobSummary, LogEntry, WorkerHeartbeat
 from common.settings import Settings
 from common.store.clients import async_client
 from common.store.errors import JobNotFound
 from common.store.lua import CANCEL_LUA, CREATE_LUA
 from common.store.records import (
+    LIST_SCAN_MAX,
+    SUMMARY_FIELDS,
     JobRecord,
     MessageFor,
     StreamState,
@@ -25,6 +27,7 @@ from common.store.records import (
     job_text,
     record_from_hash,
     record_reads,
+    summary_from_hash,
     worker_keys,
 )
 from common.store.watchers import WatcherSets
@@ -119,6 +122,60 @@ class AsyncJobStore(WatcherSets):
 
     async def queued_count(self) -> int:
         return int(await self.redis.zcard(self.keys.queued_jobs()))
+
+    async def list_jobs(
+        self, owner: str, limit: int, after: str | None = None, status: JobStatus | None = None
+    ) -> JobList:
+        """The owner's jobs newest first, from its index (``Keys.owner_jobs``), after job ``after``.
+
+        Reads at most LIST_SCAN_MAX index entries: with a filter that matches few of them, the page
+        may be short with ``has_more`` set and ``last_id`` the last entry read. Expired jobs are skipped.
+        """
+        index = self.keys.owner_jobs(owner)
+        start = 0
+        if after is not None:
+            rank = await self.redis.zrevrank(index, after)
+            if not isinstance(rank, int):  # not this owner's job (or expired)
+                raise JobNotFound(after)
+            start = rank + 1
+        found: list[JobSummary] = []
+        last_read: str | None = None
+        end = start + LIST_SCAN_MAX
+        while len(found) <= limit and start < end:
+            ids = [str(i) for i in await self.redis.zrevrange(index, start, min(start + 2 * limit, end) - 1)]
+            if not ids:
+                break
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for job_id in ids:
+                    pipe.hmget(self.keys.job(job_id), SUMMARY_FIELDS)
+                rows = await pipe.execute()
+            for job_id, row in zip(ids, rows, strict=True):
+                h = dict(zip(SUMMARY_FIELDS, row, strict=True))
+                if h["id"] is not None and (status is None or h["status"] == status.value):
+                    found.append(summary_from_hash(h))
+                    if len(found) > limit:
+                        break
+                last_read = job_id
+            start += len(ids)
+        has_more = len(found) > limit or (start >= end and last_read is not None)
+        data = found[:limit]
+        last_id = last_read if has_more and len(found) <= limit else (data[-1].id if data else None)
+        return JobList(data=data, first_id=data[0].id if data else None, last_id=last_id, has_more=has_more)
+
+    async def queue_depths(self) -> list[tuple[str, int]]:
+        """Messages waiting in each Celery queue ("llm", "media"), every priority's list counted."""
+        queues = {"llm": self.keys.queue_llm, "media": self.keys.queue_media}
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for queue in queues.values():
+                for name in self.keys.queue_lists(queue):
+                    pipe.llen(name)
+            lengths = await pipe.execute()
+        return [(q, lengths[2 * i] + lengths[2 * i + 1]) for i, q in enumerate(queues)]
+
+    async def get_tokenizer(self, digest: str) -> str | None:
+        """The tokenizer spec a heartbeat names (common/prompt_tokens.py), None if not stored."""
+        spec = await self.redis.get(self.keys.tokenizer(digest))
+        return None if spec is None else str(spec)  # (decode_responses: a str already)
 
     async def list_workers(self) -> list[WorkerHeartbeat]:
         names = [str(n) for n in await self.redis.zrange(self.keys.workers(), 0, -1)]

@@ -4,12 +4,14 @@ Every status transition and every append is one script, so each is atomic withou
 retries, and each is safe to run twice (a retried call after a dropped connection is a no-op).
 """
 
-# KEYS: queued zset, job hash[, broker list][, idempotency key].
-# ARGV: max queued, job id, now, message ('' for none), idempotency TTL ('' for none), field, value, ...
+# KEYS: queued zset, job hash, owner's job index[, broker list][, idempotency key].
+# ARGV: max queued, job id, now, message ('' for none), idempotency TTL ('' for none),
+#       index max age (s), index max length, field, value, ...
 # With a message, it is pushed onto the broker list with the job: a job and its message exist
 # together or not at all. With an idempotency key that names a job already, nothing is created
 # and that job's id is returned (before the queue's limit: a retry of an accepted job is no new
-# load). Returns 1 (created), 0 (queue full) or that id.
+# load). The owner's index gets the job and loses the entries past its age or length, so it
+# never grows for good. Returns 1 (created), 0 (queue full) or that id.
 CREATE_LUA = """
 local idem = ARGV[5] ~= '' and KEYS[#KEYS]
 if idem then
@@ -17,9 +19,13 @@ if idem then
   if earlier then return earlier end
 end
 if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[1]) then return 0 end
-redis.call('HSET', KEYS[2], unpack(ARGV, 6))
+redis.call('HSET', KEYS[2], unpack(ARGV, 8))
 redis.call('ZADD', KEYS[1], ARGV[3], ARGV[2])
-if ARGV[4] ~= '' then redis.call('LPUSH', KEYS[3], ARGV[4]) end
+redis.call('ZADD', KEYS[3], ARGV[3], ARGV[2])
+redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', '(' .. (tonumber(ARGV[3]) - tonumber(ARGV[6])))
+redis.call('ZREMRANGEBYRANK', KEYS[3], 0, -tonumber(ARGV[7]) - 1)
+redis.call('EXPIRE', KEYS[3], ARGV[6])
+if ARGV[4] ~= '' then redis.call('LPUSH', KEYS[4], ARGV[4]) end
 if idem then redis.call('SET', idem, ARGV[2], 'EX', ARGV[5]) end
 return 1
 """

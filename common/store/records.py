@@ -6,7 +6,7 @@ from __future__ import annotations
 import enum
 import secrets
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -20,6 +20,7 @@ from common.schemas import (
     JobError,
     JobRequest,
     JobStatus,
+    JobSummary,
     LogEntry,
     TokenEvent,
     Usage,
@@ -141,7 +142,7 @@ def create_call(
     fields = new_job_fields(job_id, request, owner, now)
     message = message_for(job_id) if message_for else None
     flat = [x for kv in fields.items() for x in kv]
-    script_keys = [keys.queued_jobs(), keys.job(job_id)]
+    script_keys = [keys.queued_jobs(), keys.job(job_id), keys.owner_jobs(owner)]
     script_keys += [message.list_key] if message else []
     # An idempotency key is remembered as long as a finished job (its job outlives it).
     idem_ttl: int | str = ""
@@ -149,7 +150,17 @@ def create_call(
         script_keys.append(keys.idempotency(owner, idempotency_key))
         idem_ttl = settings.job_ttl_s
     payload = message.payload if message else ""
-    return fields, (script_keys, [settings.max_queued_jobs, job_id, repr(now), payload, idem_ttl, *flat])
+    index = [owner_index_age_s(settings), OWNER_INDEX_MAX]
+    return fields, (script_keys, [settings.max_queued_jobs, job_id, repr(now), payload, idem_ttl, *index, *flat])
+
+
+OWNER_INDEX_MAX = 10_000  # newest jobs an owner's index (GET /v1/jobs) keeps
+
+
+def owner_index_age_s(settings: Settings) -> int:
+    """How long an owner's index keeps a job: its TTL after it ends, and as long again for the
+    time it was queued and ran (a job whose hash expired meanwhile is skipped when listed)."""
+    return 2 * settings.job_ttl_s
 
 
 def _float_or_none(v: str | None) -> float | None:
@@ -175,20 +186,31 @@ def record_reads(pipe: P, keys: Keys, job_id: str) -> P:
     return pipe
 
 
-def record_from_hash(h: dict[str, str], text: str) -> JobRecord:
+SUMMARY_FIELDS = (
+    "id", "status", "finish_reason", "prompt_tokens", "completion_tokens", "error",
+    "created_at", "started_at", "finished_at", "model",
+)  # fmt: skip
+LIST_SCAN_MAX = 1000  # index entries one GET /v1/jobs reads at most (a status filter skips some)
+
+
+def summary_from_hash(h: Mapping[str, str | None]) -> JobSummary:
     prompt_tokens, completion_tokens = int(h.get("prompt_tokens") or 0), int(h.get("completion_tokens") or 0)
-    job = Job(
-        id=h["id"],
+    error = h.get("error")
+    return JobSummary(
+        id=str(h["id"]),
         status=JobStatus(h["status"]),
-        text=text,
         finish_reason=h.get("finish_reason") or None,
         usage=Usage.of(prompt_tokens, completion_tokens),
-        error=JobError.model_validate_json(h["error"]) if h.get("error") else None,
-        created_at=float(h["created_at"]),
+        error=JobError.model_validate_json(error) if error else None,
+        created_at=float(str(h["created_at"])),
         started_at=_float_or_none(h.get("started_at")),
         finished_at=_float_or_none(h.get("finished_at")),
         model=h.get("model") or None,
     )
+
+
+def record_from_hash(h: dict[str, str], text: str) -> JobRecord:
+    job = Job(**dict(summary_from_hash(h)), text=text)
     return JobRecord(
         job=job,
         request=JobRequest.model_validate_json(h["request"]),

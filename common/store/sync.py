@@ -206,6 +206,10 @@ class SyncJobStore:
         pipe.zremrangebyscore(self.keys.workers(), "-inf", now - WORKER_FORGET_S)
         pipe.execute()
 
+    def put_tokenizer(self, digest: str, spec_json: str) -> None:
+        """Store a served model's tokenizer spec (once: a digest names one content)."""
+        self.redis.set(self.keys.tokenizer(digest), spec_json, nx=True)
+
     def remove_heartbeat(self, name: str) -> None:
         pipe = self.redis.pipeline(transaction=False)
         pipe.delete(self.keys.worker(name))

@@ -32,11 +32,6 @@ def spool(
     )
 
 
-def test_every_command_has_help() -> None:
-    for command in ("worker", "api", "up", "generate", "batch", "batches", "tiny-model"):
-        assert spool(command, "--help").returncode == 0
-
-
 @pytest.mark.parametrize(
     ("bad", "named"),
     [

@@ -111,14 +111,21 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, int | float]:
         return {
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
             "slots": self.num_slots,
             "max_model_len": self.max_model_len,
+            "kv_cache_usage": self.kv_cache_usage(),
             **vars(self._stats),
         }
+
+    def kv_cache_usage(self) -> float:
+        """Share of the KV cache's token positions that hold a running request's keys (0 to 1)."""
+        cache = self.runner.cache
+        held = sum(r.num_computed for r in self.scheduler.running)
+        return held / (cache.num_slots * cache.max_len)
 
     def step(self) -> list[Delta]:
         aborted, self._aborted = self._aborted, set()
