@@ -156,6 +156,8 @@ def test_a_40_line_batch_answers_each_line_as_its_endpoint_would(oai: openai.Ope
         job = httpx.get(f"{batch_cluster.url}/v1/jobs/{out[0]['response']['request_id']}").json()
         assert job["status"] == "succeeded"
         assert job["text"] == _text(out[0]["response"]["body"])
+        listed = httpx.get(f"{batch_cluster.url}/v1/jobs", params={"limit": 100}).json()["data"]
+        assert {r["response"]["request_id"] for r in out} <= {j["id"] for j in listed}
 
 
 def _text(body: dict[str, Any]) -> str:

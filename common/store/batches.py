@@ -32,7 +32,7 @@ from common.store.lua import (
     RESEND_LUA,
     VALIDATED_LUA,
 )
-from common.store.records import QueueMessage, new_job_fields
+from common.store.records import OWNER_INDEX_MAX, QueueMessage, new_job_fields, owner_index_age_s
 
 ENDED = ("completed", "failed", "expired", "cancelled")  # a batch's final statuses
 UPLOAD_TTL_S = 3600  # an upload's lines left behind by an API process that died mid-upload go
@@ -196,8 +196,9 @@ class AsyncBatchStore:
 
         Returns 1 (fed), 0 (another feeder fed them first) or -1 (the batch is not running)."""
         k, now = self.keys, time.time()
-        keys = [k.batch(batch_id), k.batch_window(batch_id), k.batch_results(batch_id), broker_list]
-        args: list[Any] = [str(lines[0]), str(lines[1]), len(jobs), len(rejected)]
+        keys = [k.batch(batch_id), k.batch_window(batch_id), k.batch_results(batch_id), broker_list, k.owner_jobs(owner)]
+        index = [owner_index_age_s(self.settings), OWNER_INDEX_MAX]
+        args: list[Any] = [str(lines[0]), str(lines[1]), len(jobs), len(rejected), repr(now), *index]
         for j in jobs:
             fields = {**new_job_fields(j.job_id, j.request, owner, now), "batch": batch_id}
             keys.append(k.job(j.job_id))

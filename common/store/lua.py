@@ -201,26 +201,32 @@ end
 return status
 """
 
-# KEYS: batch hash, window hash, results hash, broker list, job hash, job hash, ...
-# ARGV: next line expected, next line after, jobs, rejected lines,
-#       then per job: job id, window value, message, field count n, n fields and values;
+# KEYS: batch hash, window hash, results hash, broker list, owner's job index, job hash, job hash, ...
+# ARGV: next line expected, next line after, jobs, rejected lines, now, index max age (s), index
+#       max length, then per job: job id, window value, message, field count n, n fields and values;
 #       then per rejected line: line index, result JSON.
 # Feeds a batch's next lines: each becomes a job with its message (a job and its message exist
-# together or not at all, as in CREATE_LUA), in the window; a line refused as the endpoint would
-# refuse it gets its result at once. Only from the expected line on, so two feeders never feed
-# a line twice.
+# together or not at all, as in CREATE_LUA), in the window and in its owner's index (GET /v1/jobs,
+# trimmed as CREATE_LUA trims it); a line refused as the endpoint would refuse it gets its result
+# at once. Only from the expected line on, so two feeders never feed a line twice.
 FEED_LUA = """
 if redis.call('HGET', KEYS[1], 'status') ~= 'in_progress' or redis.call('HGET', KEYS[1], 'ending') then
   return -1
 end
 if redis.call('HGET', KEYS[1], 'next_line') ~= ARGV[1] then return 0 end
-local i, k = 5, 5
+local i, k = 8, 6
 for _ = 1, tonumber(ARGV[3]) do
   local n = tonumber(ARGV[i + 3])
   redis.call('HSET', KEYS[k], unpack(ARGV, i + 4, i + 3 + n))
   redis.call('LPUSH', KEYS[4], ARGV[i + 2])
   redis.call('HSET', KEYS[2], ARGV[i], ARGV[i + 1])
+  redis.call('ZADD', KEYS[5], ARGV[5], ARGV[i])
   i, k = i + 4 + n, k + 1
+end
+if tonumber(ARGV[3]) > 0 then
+  redis.call('ZREMRANGEBYSCORE', KEYS[5], '-inf', '(' .. (tonumber(ARGV[5]) - tonumber(ARGV[6])))
+  redis.call('ZREMRANGEBYRANK', KEYS[5], 0, -tonumber(ARGV[7]) - 1)
+  redis.call('EXPIRE', KEYS[5], ARGV[6])
 end
 local failed = 0
 for _ = 1, tonumber(ARGV[4]) do
