@@ -16,10 +16,9 @@ from fastapi import APIRouter, Path, Query
 from pydantic import BaseModel, ConfigDict, Field
 
 from api.auth import current_owner
-from api.deps import ServicesDep
+from api.deps import ServicesDep, owned_file
 from api.errors import ApiError
 from api.openai_compat.batches import COMPLETION_WINDOWS, ENDPOINTS, batch_object, page
-from api.routes.files import owned_file
 from common.store import AsyncBatchStore
 
 router = APIRouter(prefix="/v1/batches", tags=["batches"])

@@ -17,11 +17,10 @@ from fastapi.responses import StreamingResponse
 from python_multipart.exceptions import MultipartParseError
 
 from api.auth import current_owner
-from api.deps import ServicesDep
+from api.deps import ServicesDep, owned_file
 from api.errors import ApiError
 from api.openai_compat.batches import file_object, page
 from api.uploads import receive_upload
-from common.store import AsyncBatchStore
 
 router = APIRouter(prefix="/v1/files", tags=["files"])
 
@@ -81,14 +80,6 @@ async def list_files(
         if h.get("owner", "") == owner and (purpose is None or h["purpose"] == purpose)
     ]
     return page(files, after, limit)
-
-
-async def owned_file(store: AsyncBatchStore, file_id: str) -> dict[str, str]:
-    """The file's stored object; 404 for an unknown id or another key's file."""
-    h = await store.get_file(file_id)
-    if h is None or h.get("owner", "") != current_owner():
-        raise ApiError(404, f"No file with id {file_id!r} (unknown, or expired)", param="file_id", code="file_not_found")
-    return h
 
 
 @router.get("/{file_id}")
