@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from workers.engine.request import Request, RequestStatus
-from workers.engine.scheduler import Move, Scheduler
+from workers.engine.scheduler import Copy, Scheduler
 from workers.engine.types import EngineConfig, SamplingParams
 
 
@@ -47,9 +47,9 @@ def test_decoding_rows_and_contiguous_slots_after_removal() -> None:
     plan = s.schedule()
     assert plan.decodes == [a, b, c]
     # Removing the first request moves the last one into its slot, copying its cached tokens.
-    assert s.remove(a) == Move(src=2, dst=0, length=3)
+    assert s.remove(a) == [Copy(src=2, dst=0, stop=3)]
     assert [r.slot for r in s.running] == [0, 1] and s.running == [c, b]
-    assert s.remove(b) is None  # the last slot: nothing to move
+    assert s.remove(b) == []  # the last slot: nothing to move
 
 
 def test_a_step_budget_below_one_chunk_is_refused() -> None:

@@ -60,6 +60,9 @@ class EngineConfig:
     kv_cache_memory_bytes: int | None = None  # KV budget; fewer slots are allocated when it cannot hold them all
     prefill_chunk_size: int = 512  # prompt tokens one request prefills per step
     max_prefill_tokens_per_step: int = 2048  # prompt tokens all requests prefill per step
+    # Reuse the keys and values of prompt prefixes (in blocks of 16 tokens) that a running
+    # request's slot, or a finished one's not yet reused, already holds: see prefix_cache.py.
+    enable_prefix_caching: bool = True
     trust_remote_code: bool = False
 
     def __post_init__(self) -> None:
