@@ -1184,9 +1184,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--model-dir", type=Path, help="use (or write) the benchmark model here instead of a temp dir"
     )
-    p.add_argument("--prefix-requests", type=int, help="prefix section: shared-prefix requests (default 64)")
-    p.add_argument("--prefix-len", type=int, help="prefix section: the shared prefix's tokens (default 1024)")
-    p.add_argument("--conversations", type=int, help="prefix section: multi-turn conversations (default 16)")
+    p.add_argument("--prefix-requests", type=int, help="prefix section: shared-prefix requests; None: 64 (8 with --quick)")
+    p.add_argument("--prefix-len", type=int, help="prefix section: the shared prefix's tokens; None: 1024 (64 with --quick)")
+    p.add_argument("--conversations", type=int, help="prefix section: multi-turn conversations; None: 16 (4 with --quick)")
     return p.parse_args(argv)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 from greedy import greedy
@@ -33,8 +34,10 @@ class Run:
         self.tokens: dict[str, list[int]] = {}
         self.finished: set[str] = set()
 
-    def add(self, rid: str, prompt: Sequence[int], max_tokens: int, **kwargs: object) -> None:
-        self.engine.add_request(rid, list(prompt), SamplingParams(max_tokens=max_tokens, temperature=0.0), **kwargs)  # type: ignore[arg-type]
+    def add(self, rid: str, prompt: Sequence[int], max_tokens: int, **kwargs: Any) -> None:
+        self.engine.add_request(
+            rid, list(prompt), SamplingParams(max_tokens=max_tokens, temperature=0.0), **kwargs
+        )
         self.tokens[rid] = []
 
     def steps(self, n: int | None = None) -> None:
@@ -57,7 +60,9 @@ def expected(model_dir: Path, prompt: Sequence[int], max_tokens: int) -> list[in
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_greedy_parity_with_shared_prefixes(arch: str, tiny_model_dirs: dict[str, Path], make_engine) -> None:  # type: ignore[no-untyped-def]
     model_dir = tiny_model_dirs[arch]
-    engine = make_engine(model=str(model_dir), max_batch_size=2, prefill_chunk_size=16, max_prefill_tokens_per_step=32)
+    engine = make_engine(
+        model=str(model_dir), max_batch_size=2, prefill_chunk_size=16, max_prefill_tokens_per_step=32
+    )
     run = Run(engine)
     prefix = ids(3 * B + 5, seed=1)
     prompts = {

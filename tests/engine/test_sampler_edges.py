@@ -44,7 +44,9 @@ def greedy_params() -> list[SamplingParams]:
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("seeded", [False, True])
-def test_edge_values_sample_valid_tokens_and_greedy_where_they_mean_it(dtype: torch.dtype, seeded: bool) -> None:
+def test_edge_values_sample_valid_tokens_and_greedy_where_they_mean_it(
+    dtype: torch.dtype, seeded: bool
+) -> None:
     sampler = Sampler(torch.device("cpu"), seed=0)
     vocab = 1000
     greedy, sampled = greedy_params(), SAMPLED
@@ -69,8 +71,13 @@ def test_edge_values_through_the_engine(dtype: str, make_engine, llama_dir: Path
     engine = make_engine(dtype=dtype, max_batch_size=16)
     prompt = "ROMEO:"
     reference = engine.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0))[0].token_ids
-    greedy = [SamplingParams(max_tokens=8, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k) for p in greedy_params()]
-    sampled = [SamplingParams(max_tokens=8, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k) for p in SAMPLED]
+    greedy = [
+        SamplingParams(max_tokens=8, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k)
+        for p in greedy_params()
+    ]
+    sampled = [
+        SamplingParams(max_tokens=8, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k) for p in SAMPLED
+    ]
     outs = engine.generate([prompt] * (len(greedy) + len(sampled)), greedy + sampled)
     for p, out in zip(greedy, outs, strict=False):
         assert out.token_ids == reference, f"{p} in {dtype}"

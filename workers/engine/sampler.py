@@ -48,7 +48,8 @@ class Sampler:
         logits = logits.float()
         # Greedy rows divide by 1 (their sample is replaced by the argmax below): every divisor is
         # at least GREEDY_TEMPERATURE, so no scaled logit overflows or divides by zero.
-        temperature = to_device([1.0 if p.greedy else p.temperature for p in params], torch.float32, self.device)
+        divisors = [1.0 if p.greedy else p.temperature for p in params]
+        temperature = to_device(divisors, torch.float32, self.device)
         scaled = logits / temperature[:, None]
         if any(p.top_k is not None or p.top_p < 1 for p in params):
             scaled = self._truncate(scaled, params)
