@@ -5,6 +5,12 @@ admit waiting requests first come, first served into free slots; plan one prefil
 each request that still has prompt tokens to feed (within a per-step token budget, so a long
 prompt never stalls decode rows for more than one chunk); decode every request that has
 exactly one token to feed.
+
+With prefix caching the free slots ``n..`` keep what finished requests computed
+(``cached``), and the plan starts with the slot copies (``cache_ops``) that give a request the
+blocks some slot already holds: an admitted request takes over the free slot holding its longest
+cached prefix, a prefilling one copies blocks another slot holds by now, and one whose next block
+another request computes in this very step waits a step for it (see docs/internals.md).
 """
 
 from __future__ import annotations
