@@ -40,6 +40,7 @@ class Settings(BaseSettings):
     kv_cache_memory_bytes: int | None = Field(None, ge=1)
     prefill_chunk_size: int = Field(512, ge=16)
     max_prefill_tokens_per_step: int = Field(2048, ge=16)
+    enable_prefix_caching: bool = True  # reuse cached prompt prefixes, per owner (the engine's EngineConfig)
 
     # Jobs (API)
     max_queued_jobs: int = Field(1000, ge=1)
