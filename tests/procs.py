@@ -1,7 +1,8 @@
-"""Real processes for the tests: ``spool worker`` and uvicorn as subprocesses on a real Redis.
+"""Real processes for the tests: ``spool worker`` and ``spool api`` as subprocesses on a real Redis.
 
-Each runs in its own process group with its output in a log file; ``running`` lists those
-still up, so a failing test's report can carry their logs (see conftest.py).
+They are started and stopped by the harness (spool_cli/procs.py): each in its own process group,
+its output in a log file. ``running`` lists those still up, so a failing test's report can carry
+their logs (see conftest.py).
 """
 
 from __future__ import annotations
@@ -9,11 +10,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -26,89 +25,70 @@ import pytest
 import redis
 
 from common.keys import Keys
+from spool_cli import procs as harness
+from spool_cli.procs import free_port, http_status
 
 REDIS_URL = os.environ.get("TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 ROOT = Path(__file__).resolve().parents[1]
 SPOOL = str(Path(sys.executable).with_name("spool"))  # the console script of this venv
 START_TIMEOUT_S = 120.0  # a worker loads torch and the model before its first heartbeat
-LOG_TAIL_CHARS = 6000
 
 running: list[Service] = []  # processes whose logs go into a failing test's report
 
 
 @dataclass
 class Service:
-    name: str
+    """A harness process as a test holds it: its prefix, its URL (an API), and ``running``."""
+
+    handle: harness.Proc
     prefix: str  # its SPOOL_REDIS_PREFIX
-    proc: subprocess.Popen[bytes]
-    log_path: Path
     url: str = ""
 
+    @property
+    def name(self) -> str:
+        return self.handle.name
+
+    @property
+    def proc(self) -> subprocess.Popen[bytes]:
+        return self.handle.popen
+
+    @property
+    def log_path(self) -> Path:
+        assert self.handle.log_path is not None
+        return self.handle.log_path
+
     def alive(self) -> bool:
-        return self.proc.poll() is None
+        return self.handle.alive()
 
     def log_tail(self) -> str:
-        return self.log_path.read_text(errors="replace")[-LOG_TAIL_CHARS:]
+        return self.handle.log_tail()
 
     def stop(self) -> None:
-        if self.alive():
-            # The process leads its own group: celery's pool children go with it.
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(5)
+        self.handle.stop()
         if self in running:
             running.remove(self)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def spool_env(prefix: str, **settings: object) -> dict[str, str]:
-    """This environment minus any SPOOL_* of the caller, plus the given settings."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SPOOL_")}
-    env.update(SPOOL_REDIS_URL=REDIS_URL, SPOOL_REDIS_PREFIX=prefix, PYTHONUNBUFFERED="1")
-    env.update({f"SPOOL_{k.upper()}": str(v) for k, v in settings.items()})
-    return env
+    """This environment minus any SPOOL_* of the caller, plus the test Redis and the settings."""
+    return harness.spool_env(REDIS_URL, prefix, **settings)
 
 
 def start(name: str, argv: list[str], env: dict[str, str], log_dir: Path) -> Service:
     """Start a process in its own group, output to ``log_dir/name.log``."""
-    log_path = log_dir / f"{name}.log"
-    with log_path.open("wb") as out:
-        proc = subprocess.Popen(
-            argv, env=env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-        )
-    service = Service(name, env["SPOOL_REDIS_PREFIX"], proc, log_path)
+    service = Service(
+        harness.start(name, argv, env=env, log_dir=log_dir, cwd=ROOT), env["SPOOL_REDIS_PREFIX"]
+    )
     running.append(service)
     return service
 
 
 def wait_until(check: Callable[[], bool], what: str, timeout: float, watch: tuple[Service, ...] = ()) -> None:
     """Poll ``check`` until it holds; fail early, with its log, if a watched process exits."""
-    deadline = time.monotonic() + timeout
-    while not check():
-        for s in watch:
-            if not s.alive():
-                pytest.fail(
-                    f"{s.name} exited with {s.proc.returncode} while waiting for {what}:\n{s.log_tail()}"
-                )
-        if time.monotonic() > deadline:
-            logs = "\n".join(f"--- {s.name}\n{s.log_tail()}" for s in watch)
-            pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}\n{logs}")
-        time.sleep(0.05)
-
-
-def http_status(url: str) -> int | None:
     try:
-        return httpx.get(url, timeout=2).status_code
-    except httpx.TransportError:
-        return None
+        harness.wait_until(check, what, timeout, [s.handle for s in watch])
+    except harness.HarnessError as e:
+        pytest.fail(str(e))
 
 
 def start_api(
