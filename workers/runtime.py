@@ -61,6 +61,10 @@ class Outcome(str, enum.Enum):
     SHUTDOWN = "shutdown"  # the worker stopped first; the job's lease lapses and another takes it
 
 
+class ModelLoadError(RuntimeError):
+    """The worker's model did not load: it cannot serve, and must not take jobs."""
+
+
 @dataclass(frozen=True)
 class RunResult:
     outcome: Outcome
@@ -202,18 +206,22 @@ class EngineRuntime:
     def from_settings(cls, settings: Settings, name: str, requeue: Requeue | None = None) -> EngineRuntime:
         """Load the model and start the threads (the worker's first heartbeat follows)."""
         path = settings.model or str(default_model_path())
-        engine = Engine(
-            EngineConfig(
-                model=path,
-                device=settings.device,
-                dtype=settings.dtype,
-                max_batch_size=settings.max_batch_size,
-                max_model_len=settings.max_model_len,
-                kv_cache_memory_bytes=settings.kv_cache_memory_bytes,
-                prefill_chunk_size=settings.prefill_chunk_size,
-                max_prefill_tokens_per_step=settings.max_prefill_tokens_per_step,
+        try:
+            engine = Engine(
+                EngineConfig(
+                    model=path,
+                    device=settings.device,
+                    dtype=settings.dtype,
+                    max_batch_size=settings.max_batch_size,
+                    max_model_len=settings.max_model_len,
+                    kv_cache_memory_bytes=settings.kv_cache_memory_bytes,
+                    prefill_chunk_size=settings.prefill_chunk_size,
+                    max_prefill_tokens_per_step=settings.max_prefill_tokens_per_step,
+                )
             )
-        )
+        except Exception as e:
+            model = repr(settings.model) if settings.model else f"unset (the default model, {path})"
+            raise ModelLoadError(f"SPOOL_MODEL={model} did not load: {type(e).__name__}: {e}") from e
         model = settings.served_model_name or settings.model or "spool-default"
         runtime = cls(engine, SyncJobStore.from_settings(settings), settings, name, model, requeue)
         runtime.start()

@@ -6,6 +6,7 @@ message is consumed) and stops after the pool has finished its tasks (``worker_s
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from celery import Task, signals
@@ -15,9 +16,12 @@ from common.keys import GENERATE_TASK, REQUEUE_PRIORITY
 from common.process import freeze_startup_objects
 from common.settings import get_settings
 from workers.celery_app import app
-from workers.runtime import EngineRuntime, Outcome
+from workers.runtime import EngineRuntime, ModelLoadError, Outcome
+
+log = logging.getLogger(__name__)
 
 RETRY_MARGIN_S = 0.5  # past this worker's lease deadline
+EXIT_MODEL_NOT_LOADED = 78  # EX_CONFIG: the worker's status when its model does not load
 
 _runtime: EngineRuntime | None = None
 
@@ -31,7 +35,13 @@ def requeue(job_id: str) -> None:
 def start_runtime(sender: Any, **_: Any) -> None:
     global _runtime
     settings = get_settings()
-    _runtime = EngineRuntime.from_settings(settings, settings.worker_name or sender.hostname, requeue)
+    try:
+        _runtime = EngineRuntime.from_settings(settings, settings.worker_name or sender.hostname, requeue)
+    except ModelLoadError as e:
+        # NOTE: Celery logs what a worker_init handler raises and starts consuming anyway, with no
+        # engine to run the jobs; SystemExit is no Exception, so it ends the worker here.
+        log.critical("the worker exits with status %d before taking any job: %s", EXIT_MODEL_NOT_LOADED, e)
+        raise SystemExit(EXIT_MODEL_NOT_LOADED) from e
     freeze_startup_objects()  # the model and the libraries: never scanned by a collection again
 
 
