@@ -598,6 +598,10 @@ class SyncJobStore(_Base):
         names = [str(n) for n in self.redis.zrange(self.keys.workers(), 0, -1)]
         return heartbeats_from(self.redis.mget(worker_keys(self.keys, names))) if names else []
 
+    def heartbeat(self, name: str) -> WorkerHeartbeat | None:
+        """The live heartbeat of the worker ``name``, if it has one."""
+        return next(iter(heartbeats_from([self.redis.get(self.keys.worker(name))])), None)
+
 
 class AsyncJobStore(_Base):
     """The API's store, over redis.asyncio."""

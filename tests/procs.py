@@ -104,14 +104,29 @@ def start_api(
     return api
 
 
-def start_worker(prefix: str, model: Path, log_dir: Path, name: str = "w1", **settings: object) -> Service:
-    """``spool worker`` with a fast heartbeat; waits for its heartbeat key in Redis."""
-    env = spool_env(prefix, model=model, worker_name=f"{prefix}-{name}", heartbeat_s=0.5, **settings)
-    worker = start(f"worker-{prefix}-{name}", [SPOOL, "worker"], env, log_dir)
+def start_worker(
+    prefix: str, model: Path, log_dir: Path, name: str | None = "w1", **settings: object
+) -> Service:
+    """``spool worker`` named ``{prefix}-{name}`` (None: its default name), with a fast heartbeat;
+    waits for its own heartbeat in Redis (a killed worker's may still be there)."""
+    named = {} if name is None else {"worker_name": f"{prefix}-{name}"}
+    env = spool_env(prefix, model=model, heartbeat_s=0.5, **named, **settings)
+    worker = start(f"worker-{prefix}-{name or 'default'}", [SPOOL, "worker"], env, log_dir)
     r = redis.Redis.from_url(str(settings.get("redis_url", REDIS_URL)))
-    key = Keys(prefix).worker(f"{prefix}-{name}")
-    wait_until(lambda: bool(r.exists(key)), f"{worker.name} heartbeat", START_TIMEOUT_S, (worker,))
+    wait_until(
+        lambda: worker.proc.pid in heartbeat_pids(r, Keys(prefix)),
+        f"{worker.name} heartbeat",
+        START_TIMEOUT_S,
+        (worker,),
+    )
     return worker
+
+
+def heartbeat_pids(r: redis.Redis, keys: Keys) -> dict[int, str]:
+    """pid -> name of the workers with a live heartbeat on this prefix."""
+    names = [n.decode() if isinstance(n, bytes) else str(n) for n in r.zrange(keys.workers(), 0, -1)]
+    beats = [json.loads(v) for v in r.mget([keys.worker(n) for n in names]) if v] if names else []
+    return {b["pid"]: b["name"] for b in beats if b.get("pid")}
 
 
 @dataclass

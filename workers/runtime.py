@@ -30,7 +30,7 @@ import sys
 import threading
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from redis.exceptions import RedisError
@@ -41,6 +41,7 @@ from common.settings import Settings
 from common.store import Append, SyncJobStore, TakeResult, TakeStatus
 from workers.engine import Delta, Engine, EngineConfig, FinishReason, RequestTooLongError, SamplingParams
 from workers.engine.tiny import default_model_path
+from workers.identity import this_process
 from workers.publisher import JobCursor, Publisher
 from workers.reaper import Reaper, Requeue
 
@@ -461,6 +462,7 @@ class EngineRuntime:
                 model=self.model,
                 chat_template=bool(self.engine.tokenizer.chat_template),
                 max_model_len=self.engine.max_model_len,
+                **asdict(this_process()),
             )
             self.store.beat(beat)
             self._connected_since = self._connected_since or beat.ts
