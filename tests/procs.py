@@ -122,11 +122,15 @@ def start_worker(
     return worker
 
 
+def heartbeats(r: redis.Redis, keys: Keys) -> list[dict[str, Any]]:
+    """The live heartbeats of the workers on this prefix."""
+    names = [n.decode() if isinstance(n, bytes) else str(n) for n in r.zrange(keys.workers(), 0, -1)]
+    return [json.loads(v) for v in r.mget([keys.worker(n) for n in names]) if v] if names else []
+
+
 def heartbeat_pids(r: redis.Redis, keys: Keys) -> dict[int, str]:
     """pid -> name of the workers with a live heartbeat on this prefix."""
-    names = [n.decode() if isinstance(n, bytes) else str(n) for n in r.zrange(keys.workers(), 0, -1)]
-    beats = [json.loads(v) for v in r.mget([keys.worker(n) for n in names]) if v] if names else []
-    return {b["pid"]: b["name"] for b in beats if b.get("pid")}
+    return {b["pid"]: b["name"] for b in heartbeats(r, keys) if b.get("pid")}
 
 
 @dataclass

@@ -18,6 +18,7 @@ from procs import (
     Service,
     finished_job,
     heartbeat_pids,
+    heartbeats,
     spool_env,
     start,
     start_api,
@@ -35,11 +36,6 @@ def start_unwatched(prefix: str, log_dir: Path, label: str, **settings: object) 
     return start(f"worker-{prefix}-{label}", [SPOOL, "worker"], env, log_dir)
 
 
-def live_names(r: redis.Redis, keys: Keys) -> set[str]:
-    names = [n.decode() for n in r.zrange(keys.workers(), 0, -1)]
-    return {n for n in names if r.exists(keys.worker(n))}
-
-
 def test_two_workers_with_the_default_name_on_one_host_are_two_workers(
     prefixes: Prefixes, tiny_model: Path, log_dir: Path, redis_client: redis.Redis, client: httpx.Client
 ) -> None:
@@ -50,7 +46,7 @@ def test_two_workers_with_the_default_name_on_one_host_are_two_workers(
     ]
     api = start_api(prefix, log_dir, ready=False)
     try:
-        wait_until(lambda: len(live_names(redis_client, keys)) == 2, "two heartbeats", 120, tuple(workers))
+        wait_until(lambda: len(heartbeats(redis_client, keys)) == 2, "two heartbeats", 120, tuple(workers))
         names = heartbeat_pids(redis_client, keys)
         assert set(names) == {w.proc.pid for w in workers}
         assert all(n.startswith("spool-") for n in names.values())
