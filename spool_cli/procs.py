@@ -62,11 +62,11 @@ class Proc:
         stop_all([self], grace_s)
 
     def exit_status(self) -> str:
-        """How it ended, for a person: "status 1" or "SIGKILL"."""
+        """How it ended, for a person: "exited with status 1", "was killed by SIGKILL"."""
         code = self.popen.returncode
         if code is None:
-            return "still running"
-        return f"status {code}" if code >= 0 else signal.Signals(-code).name
+            return "is still running"
+        return f"exited with status {code}" if code >= 0 else f"was killed by {signal.Signals(-code).name}"
 
 
 def start(
@@ -127,9 +127,7 @@ def wait_until(check: Callable[[], bool], what: str, timeout: float, watch: Iter
     while not check():
         for p in watch:
             if not p.alive():
-                raise HarnessError(
-                    f"{p.name} exited ({p.exit_status()}) while waiting for {what}:\n{p.log_tail()}"
-                )
+                raise HarnessError(f"{p.name} {p.exit_status()} while waiting for {what}:\n{p.log_tail()}")
         if time.monotonic() > deadline:
             tails = "\n".join(f"--- {p.name}\n{p.log_tail()}" for p in watch)
             raise HarnessError(f"timed out after {timeout:.0f}s waiting for {what}\n{tails}")

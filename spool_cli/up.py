@@ -1,4 +1,9 @@
-"""``spool up``: a worker and the API as child processes, on a Redis found or started here."""
+"""``spool up``: a worker and the API as child processes, on a Redis found or started here.
+
+It runs until Ctrl-C or SIGTERM (the children are stopped; status 0) or until a child exits:
+that one is named with its exit status, the others are stopped, and ``spool up`` exits 1. It
+restarts nothing: a supervisor (systemd, Docker's restart policy) restarts ``spool up`` whole.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +15,11 @@ from spool_cli import procs as harness
 
 LOCAL_REDIS = "redis://127.0.0.1:6379/0"
 STOP_S = 20.0  # how long children get to stop before they are killed
+EXIT_CHILD_DIED = 1
+
+
+def say(message: str) -> None:
+    print(f"spool: {message}", file=sys.stderr, flush=True)
 
 
 def find_redis() -> tuple[str, harness.Proc | None] | None:
@@ -21,17 +31,16 @@ def find_redis() -> tuple[str, harness.Proc | None] | None:
         proc, url = harness.start_redis()
     except harness.HarnessError:
         return None
-    print(f"spool: started redis-server at {url} (no persistence)", file=sys.stderr)
+    say(f"started redis-server at {url} (no persistence)")
     return url, proc
 
 
 def up() -> int:
     found = find_redis()
     if found is None:
-        print(
-            "spool: no Redis: set SPOOL_REDIS_URL, run one on localhost:6379 "
-            "(e.g. `docker run -p 6379:6379 redis`), or install redis-server",
-            file=sys.stderr,
+        say(
+            "no Redis: set SPOOL_REDIS_URL, run one on localhost:6379 "
+            "(e.g. `docker run -p 6379:6379 redis`), or install redis-server"
         )
         return 1
     url, redis_server = found
@@ -40,14 +49,18 @@ def up() -> int:
     env = {**os.environ, "SPOOL_REDIS_URL": url}
     spool = [sys.executable, "-m", "spool_cli.main"]
     children: list[harness.Proc] = []
+    status = 0
     try:
         children.append(harness.start("worker", [*spool, "worker"], env=env))
         children.append(harness.start("api", [*spool, "api"], env=env))
-        harness.wait_any(children if redis_server is None else [*children, redis_server])
+        say(", ".join(f"{p.name} (pid {p.pid})" for p in children) + " started")
+        died = harness.wait_any(children if redis_server is None else [*children, redis_server])
+        say(f"{died.name} (pid {died.pid}) {died.exit_status()}; stopping the others")
+        status = EXIT_CHILD_DIED
     except KeyboardInterrupt:
         pass
     finally:
         harness.stop_all(children, STOP_S)  # the API and the worker first, Redis last
         if redis_server is not None:
             redis_server.stop()
-    return 0
+    return status

@@ -203,3 +203,33 @@ def finished_job(client: httpx.Client, url: str, job_id: str, timeout: float = 6
 
     wait_until(final, f"job {job_id} to end", timeout)
     return job
+
+
+def start_spool_up(name: str, env: dict[str, str], log_dir: Path) -> Service:
+    """``spool up``, its output to ``log_dir/name.log``; ``spool_up_children`` reads its children."""
+    return start(name, [SPOOL, "up"], env, log_dir)
+
+
+def spool_up_children(up: Service) -> dict[str, int]:
+    """command -> pid of the ``spool worker`` and ``spool api`` children of ``spool up``."""
+    found: dict[str, int] = {}
+
+    def started() -> bool:
+        pids = Path(f"/proc/{up.proc.pid}/task/{up.proc.pid}/children").read_text().split()
+        for pid in pids:
+            with contextlib.suppress(FileNotFoundError):  # one that exited meanwhile
+                argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+                if b"spool_cli.main" in argv:
+                    found[argv[argv.index(b"spool_cli.main") + 1].decode()] = int(pid)
+        return {"worker", "api"} <= set(found)
+
+    wait_until(started, f"{up.name} to start its children", 60, (up,))
+    return found
+
+
+def pid_gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
