@@ -207,17 +207,15 @@ def start_api(
     env: Mapping[str, str],
     *,
     log_dir: Path | None = None,
-    ready_path: str = "/healthz",
     timeout: float = 60.0,
-    port: int | None = None,
     tree: Path | None = None,
     cpus: set[int] | None = None,
 ) -> tuple[Proc, str]:
-    """The API on a free port (or ``port``); returns once ``ready_path`` answers 200.
+    """The API on a free port; returns once /healthz answers 200: (proc, url).
 
     ``tree``: run ``python -m uvicorn api.main:app`` from that checkout (its directory comes
     first on the module path) instead of ``spool api``."""
-    port = port or free_port()
+    port = free_port()
     where = ["--host", "127.0.0.1", "--port", str(port)]
     argv = (
         [sys.executable, "-m", "uvicorn", "api.main:app", *where] if tree else [*spool_argv(), "api", *where]
@@ -225,27 +223,8 @@ def start_api(
     proc = start(name, argv, env=env, log_dir=log_dir, cwd=tree, cpus=cpus)
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_until(lambda: http_status(url + ready_path) == 200, f"{name} {ready_path}", timeout, [proc])
+        wait_until(lambda: http_status(url + "/healthz") == 200, f"{name} /healthz", timeout, [proc])
     except HarnessError:
         stop_all([proc])
         raise
     return proc, url
-
-
-def start_worker(
-    name: str,
-    env: Mapping[str, str],
-    ready: Callable[[], bool],
-    *,
-    log_dir: Path | None = None,
-    timeout: float = 180.0,
-    cpus: set[int] | None = None,
-) -> Proc:
-    """``spool worker``; returns once ``ready()`` holds (say, its heartbeat is in Redis)."""
-    proc = start(name, [*spool_argv(), "worker"], env=env, log_dir=log_dir, cpus=cpus)
-    try:
-        wait_until(ready, f"{name} to be ready", timeout, [proc])
-    except HarnessError:
-        stop_all([proc])
-        raise
-    return proc
