@@ -64,7 +64,7 @@ class Settings(BaseSettings):
     # A worker whose engine step runs longer than this exits (a hung kernel, a deadlock): its jobs'
     # leases lapse and other workers (or this one, restarted by its supervisor) take them over.
     engine_stall_s: float = Field(300.0, gt=0)
-    worker_name: str = ""  # empty: celery's hostname
+    worker_name: str = ""  # empty: spool-{hostname}-{pid}-{random} (workers/identity.py)
     # Each worker process serves its Prometheus metrics on this port (workers/metrics.py); unset: none.
     worker_metrics_port: int | None = Field(None, ge=1, le=65535)
 

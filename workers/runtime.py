@@ -21,7 +21,7 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from redis.exceptions import RedisError
@@ -32,6 +32,7 @@ from common.settings import Settings
 from common.store import Append, SyncJobStore, TakeResult, TakeStatus
 from workers.engine import Delta, Engine, EngineConfig, FinishReason, RequestTooLongError, SamplingParams
 from workers.engine.tiny import default_model_path
+from workers.identity import this_process
 from workers.liveness import HeldJob, Liveness
 from workers.metrics import WorkerMetrics
 from workers.publisher import JobCursor, Publisher
@@ -50,6 +51,10 @@ class Outcome(str, enum.Enum):
     SKIPPED = "skipped"  # nothing to do: already finished, cancelled while queued, or unknown
     BUSY = "busy"  # another worker runs it under a live lease (a duplicate message)
     SHUTDOWN = "shutdown"  # the worker stopped first; the job's lease lapses and another takes it
+
+
+class ModelLoadError(RuntimeError):
+    """The worker's model did not load: it cannot serve, and must not take jobs."""
 
 
 @dataclass(frozen=True)
@@ -185,19 +190,23 @@ class EngineRuntime:
     def from_settings(cls, settings: Settings, name: str, requeue: Requeue | None = None) -> EngineRuntime:
         """Load the model, beat once and start the threads."""
         path = settings.model or str(default_model_path())
-        engine = Engine(
-            EngineConfig(
-                model=path,
-                device=settings.device,
-                dtype=settings.dtype,
-                max_batch_size=settings.max_batch_size,
-                max_model_len=settings.max_model_len,
-                kv_cache_memory_bytes=settings.kv_cache_memory_bytes,
-                prefill_chunk_size=settings.prefill_chunk_size,
-                max_prefill_tokens_per_step=settings.max_prefill_tokens_per_step,
-                enable_prefix_caching=settings.enable_prefix_caching,
+        try:
+            engine = Engine(
+                EngineConfig(
+                    model=path,
+                    device=settings.device,
+                    dtype=settings.dtype,
+                    max_batch_size=settings.max_batch_size,
+                    max_model_len=settings.max_model_len,
+                    kv_cache_memory_bytes=settings.kv_cache_memory_bytes,
+                    prefill_chunk_size=settings.prefill_chunk_size,
+                    max_prefill_tokens_per_step=settings.max_prefill_tokens_per_step,
+                    enable_prefix_caching=settings.enable_prefix_caching,
+                )
             )
-        )
+        except Exception as e:
+            model = repr(settings.model) if settings.model else f"unset (the default model, {path})"
+            raise ModelLoadError(f"SPOOL_MODEL={model} did not load: {type(e).__name__}: {e}") from e
         model = settings.served_model_name or settings.model or "spool-default"
         runtime = cls(engine, SyncJobStore.from_settings(settings), settings, name, model, requeue)
         if settings.worker_metrics_port is not None:
@@ -276,6 +285,7 @@ class EngineRuntime:
             "chat_template": bool(self.engine.tokenizer.chat_template),
             "max_model_len": self.engine.max_model_len,
             "tokenizer": self.tokenizer_digest,
+            **asdict(this_process()),
         }
 
     # -- the engine thread -----------------------------------------------------------------------
