@@ -10,10 +10,11 @@ throughput  ``--lines`` completion lines (random word prompts, greedy) as one ba
             against the same prompts added at once to an ``Engine`` in this process with the
             same max_batch_size. Ratio: batch tok/s over engine tok/s (target >= 0.9).
 ttft        ``--probes`` streamed ``/v1/completions`` requests, one after the other, on the idle
-            service, then as many while the batch runs: p50 of each (target: during <= 1.5x idle).
+            service, then as many while each batch runs (``--rounds``, alternating with the
+            engine alone, medians reported): p50 of each (target: during <= 1.5x idle).
 
     .venv/bin/python bench/batch_bench.py                         # 1,000 lines of 16 tokens
-    .venv/bin/python bench/batch_bench.py --lines 200 --probes 5  # a short run
+    .venv/bin/python bench/batch_bench.py --lines 200 --probes 5 --rounds 2  # a short run
 """
 
 from __future__ import annotations
@@ -29,10 +30,11 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from engine_bench import FULL, QUICK, build_model, loadavg, quiet_libraries
-from stack_bench import Procs, spool_argv, spool_env, start_api, start_redis, wait_until
+from measure import loadavg
+from workload import FULL, QUICK, build_model, quiet_libraries
 
 from common.schemas import JobRequest
+from spool_cli.procs import spool_argv, spool_env, start, start_api, start_redis, stop_all, wait_until
 from workers.engine import Engine, EngineConfig
 from workers.engine.tiny import make_eos_unreachable
 from workers.runtime import sampling_params
@@ -47,10 +49,8 @@ def prompts(n: int, seed: int) -> list[str]:
     return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 24))) for _ in range(n)]
 
 
-def engine_tok_s(model: Path, texts: list[str], max_tokens: int, batch: int) -> float:
-    engine = Engine(EngineConfig(model=str(model), max_batch_size=batch), seed=0)
+def engine_tok_s(engine: Engine, texts: list[str], max_tokens: int) -> float:
     params = sampling_params(JobRequest.model_validate({"prompt": "x", "max_tokens": max_tokens, "temperature": 0}))
-    engine.generate(texts[:batch], params)  # warm-up
     t0 = time.perf_counter()
     outs = engine.generate(texts, params)
     seconds = time.perf_counter() - t0
@@ -100,56 +100,69 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--batch-size", type=int, default=32, help="SPOOL_MAX_BATCH_SIZE of the worker and the engine")
     p.add_argument("--window", type=int, default=256, help="SPOOL_BATCH_WINDOW")
-    p.add_argument("--probes", type=int, default=10, help="interactive requests, idle and during the batch")
+    p.add_argument("--probes", type=int, default=10, help="interactive requests, idle and during each batch")
+    p.add_argument("--rounds", type=int, default=3, help="engine and batch runs, alternating (medians reported)")
     p.add_argument("--model", choices=["full", "quick"], default="full",
-                   help="engine_bench's random Llama: full (~58M parameters) or quick (tiny, steps of about a ms)")  # fmt: skip
+                   help="workload.py's random Llama: full (~58M parameters) or quick (tiny, steps of about a ms)")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, help="also write the figures as JSON here")
     args = p.parse_args(argv)
     quiet_libraries()
     texts = prompts(args.lines, args.seed)
+    engine_runs: list[float] = []
+    batch_runs: list[float] = []
+    during: list[float] = []
     with tempfile.TemporaryDirectory(prefix="spool-batch-bench-") as tmp:
         work = Path(tmp)
         model = work / "model"
         build_model(model, (FULL if args.model == "full" else QUICK).model, args.seed)
         make_eos_unreachable(model)
-        engine = engine_tok_s(model, texts, args.max_tokens, args.batch_size)
-        procs = Procs(work)
+        engine = Engine(EngineConfig(model=str(model), max_batch_size=args.batch_size), seed=0)
+        engine_tok_s(engine, texts[: args.batch_size], args.max_tokens)  # warm-up
+        procs = []
         try:
-            redis_url = start_redis(procs, work, None)
+            redis, redis_url = start_redis(log_dir=work, data_dir=work)
+            procs.append(redis)
             env = spool_env(redis_url, "bench-batch", model=model, max_batch_size=args.batch_size,
                             batch_window=args.window, heartbeat_s=0.5)  # fmt: skip
-            worker = procs.start("worker", [*spool_argv(), "worker"], env)
-            api, url = start_api(procs, "api", env, None)
+            worker = start("worker", [*spool_argv(), "worker"], env=env, log_dir=work)
+            procs.append(worker)
+            api, url = start_api("api", env, log_dir=work)
+            procs.append(api)
             with httpx.Client(base_url=url, timeout=120) as client:
                 wait_until(lambda: client.get("/readyz").status_code == 200, "a worker", 180, [worker, api])
                 ttft_s(client, "warm up")
                 idle = [ttft_s(client, "probe " + t) for t in texts[: args.probes]]
-                seconds, batch, during = run_batch(client, texts, args.max_tokens, args.probes)
+                # Alternating, so that the other load of a shared machine falls on both sides alike.
+                for _ in range(args.rounds):
+                    engine_runs.append(engine_tok_s(engine, texts, args.max_tokens))
+                    seconds, batch, probes = run_batch(client, texts, args.max_tokens, args.probes)
+                    if batch["status"] != "completed" or batch["request_counts"]["completed"] != args.lines:
+                        print(f"the batch did not complete: {batch}", file=sys.stderr)
+                        return 1
+                    batch_runs.append(args.lines * args.max_tokens / seconds)
+                    during += probes
         finally:
-            procs.stop_all()
-    counts = batch["request_counts"]
-    if batch["status"] != "completed" or counts["completed"] != args.lines:
-        print(f"the batch did not complete: {batch}", file=sys.stderr)
-        return 1
-    batch_tok_s = args.lines * args.max_tokens / seconds
+            stop_all(procs)
+    engine_median, batch_median = statistics.median(engine_runs), statistics.median(batch_runs)
     report = {
         "lines": args.lines,
         "max_tokens": args.max_tokens,
         "batch_size": args.batch_size,
         "window": args.window,
         "model": args.model,
-        "engine_tok_s": engine,
-        "batch_tok_s": batch_tok_s,
-        "batch_seconds": seconds,
-        "ratio": batch_tok_s / engine,
+        "engine_tok_s": engine_runs,
+        "batch_tok_s": batch_runs,
+        "ratio": batch_median / engine_median,
         "ttft_idle_p50_ms": statistics.median(idle) * 1e3,
         "ttft_during_p50_ms": statistics.median(during) * 1e3 if during else None,
         "loadavg": loadavg(),
     }
-    print(f"batch of {args.lines} lines x {args.max_tokens} tokens, {args.model} model, max_batch_size {args.batch_size}, window {args.window}")
-    print(f"  engine alone       {engine:8.1f} tok/s")
-    print(f"  batch (end to end) {batch_tok_s:8.1f} tok/s in {seconds:.1f} s   ratio {report['ratio']:.2f} (target >= {TARGET_RATIO})")
+    print(f"batch of {args.lines} lines x {args.max_tokens} tokens, {args.model} model, "
+          f"max_batch_size {args.batch_size}, window {args.window}, {args.rounds} rounds")  # fmt: skip
+    print(f"  engine alone       {engine_median:8.1f} tok/s (runs: {', '.join(f'{x:.0f}' for x in engine_runs)})")
+    print(f"  batch (end to end) {batch_median:8.1f} tok/s (runs: {', '.join(f'{x:.0f}' for x in batch_runs)})   "
+          f"ratio {report['ratio']:.2f} (target >= {TARGET_RATIO})")  # fmt: skip
     if during:
         factor = statistics.median(during) / statistics.median(idle)
         print(f"  TTFT p50 idle {report['ttft_idle_p50_ms']:.0f} ms, during the batch {report['ttft_during_p50_ms']:.0f} ms: "

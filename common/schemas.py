@@ -260,3 +260,8 @@ class WorkerHeartbeat(BaseModel):
     chat_template: bool | None = None  # the tokenizer has one (messages can be rendered); None: not said
     max_model_len: int | None = None  # prompt + generated tokens per request
     tokenizer: str | None = None  # digest of its tokenizer spec in Redis (Keys.tokenizer); None: none stored
+    # The worker process (workers/identity.py): tells a live holder of the name from an earlier run.
+    host: str | None = None
+    pid: int | None = None
+    pid_ns: str | None = None
+    instance: str | None = None  # random, new with every process

@@ -40,6 +40,7 @@ class Settings(BaseSettings):
     kv_cache_memory_bytes: int | None = Field(None, ge=1)
     prefill_chunk_size: int = Field(512, ge=16)
     max_prefill_tokens_per_step: int = Field(2048, ge=16)
+    enable_prefix_caching: bool = True  # reuse cached prompt prefixes, per owner (the engine's EngineConfig)
 
     # Jobs (API)
     max_queued_jobs: int = Field(1000, ge=1)
@@ -72,7 +73,7 @@ class Settings(BaseSettings):
     # A worker whose engine step runs longer than this exits (a hung kernel, a deadlock): its jobs'
     # leases lapse and other workers (or this one, restarted by its supervisor) take them over.
     engine_stall_s: float = Field(300.0, gt=0)
-    worker_name: str = ""  # empty: celery's hostname
+    worker_name: str = ""  # empty: spool-{hostname}-{pid}-{random} (workers/identity.py)
     # Each worker process serves its Prometheus metrics on this port (workers/metrics.py); unset: none.
     worker_metrics_port: int | None = Field(None, ge=1, le=65535)
 

@@ -203,9 +203,11 @@ def parser() -> argparse.ArgumentParser:
         "up",
         "run a worker and the API together (laptop); finds or starts a Redis",
         "Uses SPOOL_REDIS_URL if set, else a Redis on localhost:6379, else starts redis-server (no "
-        "persistence) on a free port. Ctrl-C stops everything.",
+        "persistence) on a free port. Ctrl-C or SIGTERM stops everything (status 0). If a child "
+        "exits (a worker whose model does not load, an API killed), spool up names it with its "
+        "exit status, stops the others and exits 1; it restarts nothing.",
         "Settings: all of the worker's and the API's (spool worker --help, spool api --help).",
-        "SPOOL_PORT=8001 spool up",
+        "spool up",
     )
     p.set_defaults(func=cmd_up)
 

@@ -21,6 +21,7 @@ from common.store.records import (
     ScriptCall,
     TakeResult,
     append_args,
+    heartbeats_from,
     parse_take,
     take_args,
 )
@@ -205,6 +206,10 @@ class SyncJobStore:
         pipe.zadd(self.keys.workers(), {heartbeat.name: now})
         pipe.zremrangebyscore(self.keys.workers(), "-inf", now - WORKER_FORGET_S)
         pipe.execute()
+
+    def heartbeat(self, name: str) -> WorkerHeartbeat | None:
+        """The live heartbeat of the worker ``name``, if it has one."""
+        return next(iter(heartbeats_from([self.redis.get(self.keys.worker(name))])), None)
 
     def put_tokenizer(self, digest: str, spec_json: str) -> None:
         """Store a served model's tokenizer spec (once: a digest names one content)."""
