@@ -7,8 +7,8 @@ with engine_bench's random Llama (``--model``; EOS unreachable, so every line ge
 
 throughput  ``--lines`` completion lines (random word prompts, greedy) as one batch (upload,
             create, poll until completed: validation, feeding and the results files included),
-            against the same prompts added at once to an ``Engine`` in this process with the
-            same max_batch_size. Ratio: batch tok/s over engine tok/s (target >= 0.9).
+            against the same prompts through an ``Engine`` in this process with the same
+            max_batch_size, kept full (twice its batch size in it at a time). Ratio: batch tok/s over engine tok/s (target >= 0.9).
 ttft        ``--probes`` streamed ``/v1/completions`` requests, one after the other, on the idle
             service, then as many while each batch runs (``--rounds``, alternating with the
             engine alone, medians reported): p50 of each (target: during <= 1.5x idle).
@@ -49,12 +49,22 @@ def prompts(n: int, seed: int) -> list[str]:
     return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 24))) for _ in range(n)]
 
 
-def engine_tok_s(engine: Engine, texts: list[str], max_tokens: int) -> float:
+def engine_tok_s(engine: Engine, texts: list[str], max_tokens: int, batch: int) -> float:
+    """The engine alone, kept full: ``2 * batch`` requests in it at a time, the next added as
+    one ends (as the worker's task threads feed it; all at once, a queue of hundreds of waiting
+    requests slows every step: see docs/benchmarks.md)."""
     params = sampling_params(JobRequest.model_validate({"prompt": "x", "max_tokens": max_tokens, "temperature": 0}))
-    t0 = time.perf_counter()
-    outs = engine.generate(texts, params)
-    seconds = time.perf_counter() - t0
-    return sum(len(o.token_ids) for o in outs) / seconds
+    pending = list(enumerate(texts))[::-1]
+    t0, tokens, inside = time.perf_counter(), 0, 0
+    while pending or engine.has_unfinished():
+        while pending and inside < 2 * batch:
+            i, text = pending.pop()
+            engine.add_request(f"bench-{t0}-{i}", text, params)
+            inside += 1
+        for delta in engine.step():
+            tokens += len(delta.token_ids)
+            inside -= bool(delta.finished)
+    return tokens / (time.perf_counter() - t0)
 
 
 def ttft_s(client: httpx.Client, prompt: str) -> float:
@@ -118,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         build_model(model, (FULL if args.model == "full" else QUICK).model, args.seed)
         make_eos_unreachable(model)
         engine = Engine(EngineConfig(model=str(model), max_batch_size=args.batch_size), seed=0)
-        engine_tok_s(engine, texts[: args.batch_size], args.max_tokens)  # warm-up
+        engine_tok_s(engine, texts[: args.batch_size], args.max_tokens, args.batch_size)  # warm-up
         procs = []
         try:
             redis, redis_url = start_redis(log_dir=work, data_dir=work)
@@ -135,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
                 idle = [ttft_s(client, "probe " + t) for t in texts[: args.probes]]
                 # Alternating, so that the other load of a shared machine falls on both sides alike.
                 for _ in range(args.rounds):
-                    engine_runs.append(engine_tok_s(engine, texts, args.max_tokens))
+                    engine_runs.append(engine_tok_s(engine, texts, args.max_tokens, args.batch_size))
                     seconds, batch, probes = run_batch(client, texts, args.max_tokens, args.probes)
                     if batch["status"] != "completed" or batch["request_counts"]["completed"] != args.lines:
                         print(f"the batch did not complete: {batch}", file=sys.stderr)
