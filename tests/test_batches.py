@@ -304,8 +304,10 @@ def test_a_batch_survives_its_api_and_a_worker_killed_mid_run(
             s.stop()
 
 
-def test_a_line_whose_message_was_lost_is_sent_again(prefixes: Prefixes, tiny_model: Path, log_dir: Path) -> None:
-    api = start_api(prefixes.new(), log_dir, ready=False, heartbeat_s=0.5, heartbeat_ttl_s=2, lease_s=2, **BATCH_SETTINGS)
+def test_a_line_whose_message_was_lost_is_sent_again_and_lines_are_not_counted_as_queued_jobs(prefixes: Prefixes, tiny_model: Path, log_dir: Path) -> None:
+    api = start_api(
+        prefixes.new(), log_dir, ready=False, heartbeat_s=0.5, heartbeat_ttl_s=2, lease_s=2, max_queued_jobs=2, **BATCH_SETTINGS
+    )
     keys, r = Keys(api.prefix), redis.Redis.from_url(REDIS_URL, decode_responses=True)
     queued_lines = keys.broker_list(keys.queue_llm, BATCH_PRIORITY)
     worker = None
@@ -313,6 +315,8 @@ def test_a_line_whose_message_was_lost_is_sent_again(prefixes: Prefixes, tiny_mo
         with openai.OpenAI(base_url=f"{api.url}/v1", api_key="unused", max_retries=0) as client:
             batch_id = run_batch(client, [completion_line(i, max_tokens=4) for i in range(3)], "/v1/completions")
             wait_until(lambda: r.llen(queued_lines) == 3, "the lines queued", 30, (api,))
+            # Three lines queued, SPOOL_MAX_QUEUED_JOBS 2: batch lines do not count against it.
+            assert httpx.post(f"{api.url}/v1/jobs", json={"prompt": "interactive", "max_tokens": 2}).status_code == 202
             r.delete(queued_lines)  # lost (no worker runs on this prefix yet)
             wait_until(lambda: r.llen(queued_lines) == 3, "the lines sent again", 30, (api,))
             worker = start_worker(api.prefix, tiny_model, log_dir, max_batch_size=4)
