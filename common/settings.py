@@ -47,7 +47,7 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(1 << 20, ge=1024)
     detach_grace_s: float = Field(30.0, ge=0)
     sse_ping_s: float = Field(15.0, gt=0)
-    api_keys: str = ""  # comma-separated; empty disables authentication
+    api_keys: str = ""  # comma-separated; empty disables authentication (blank entries are refused)
 
     # Workers (liveness)
     # A killed worker's jobs are taken over about max(lease_s, heartbeat_ttl_s) + heartbeat_s
@@ -73,6 +73,15 @@ class Settings(BaseSettings):
     def _device(cls, v: str) -> str:
         if v != "cpu" and v != "mps" and not (v == "cuda" or v.startswith("cuda:")):
             raise ValueError("must be cpu, cuda, cuda:N or mps")
+        return v
+
+    @field_validator("api_keys")
+    @classmethod
+    def _api_keys(cls, v: str) -> str:
+        # NOTE: " , " or "," would parse to no key at all and serve without authentication: a
+        # value that is set but blank somewhere is a mistake, never a way to turn keys off.
+        if v and any(not k.strip() for k in v.split(",")):
+            raise ValueError("has a blank key; give comma-separated non-blank keys, or leave it unset")
         return v
 
     @model_validator(mode="after")
