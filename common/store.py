@@ -130,6 +130,18 @@ class Append:
     final: Final | None = None
 
 
+class Appended(str, enum.Enum):
+    """What became of one Append (APPEND_LUA's reply)."""
+
+    WRITTEN = "written"  # written now, or by an earlier try of the same append
+    FENCED = "fenced"  # another worker took the job over (its attempt moved on)
+    GAP = "gap"  # still this attempt's, but the log does not end just before the first entry
+
+    @classmethod
+    def of(cls, reply: int) -> Appended:
+        return {1: cls.WRITTEN, 2: cls.WRITTEN, 0: cls.FENCED}.get(reply, cls.GAP)
+
+
 # ---- pure parts shared by both stores ------------------------------------------------------
 
 ScriptCall = tuple[list[str], list[Any]]  # (KEYS, ARGV) of one Lua script call
@@ -206,7 +218,13 @@ P = TypeVar("P", redis.client.Pipeline, aredis.client.Pipeline)
 
 
 def record_reads(pipe: P, keys: Keys, job_id: str) -> P:
-    """Queue the reads of a job's record: its hash, its text and its log's length."""
+    """Queue the reads of a job's record: its hash, its text and its log's length.
+
+    In this order, in a pipeline without MULTI: Redis out of memory refuses every command
+    queued in a MULTI, reads included, and reads must go on then. The order makes the reads
+    consistent enough: the script that ends a job writes its last text and its status at once,
+    so a hash read as ended is followed by its whole text (a running job's may be ahead of it).
+    """
     pipe.hgetall(keys.job(job_id))
     pipe.get(keys.job_text(job_id))
     pipe.llen(keys.job_log(job_id))
@@ -371,6 +389,7 @@ REDIS_TIMEOUTS = {"socket_timeout": 10.0, "socket_connect_timeout": 5.0}
 
 
 ASYNC_POOL_SIZE = 128  # Redis connections per API process
+WRITE_PROBE_TTL_MS = 10_000
 ASYNC_POOL_WAIT_S = 10.0  # how long a command waits for one before it fails
 
 
@@ -437,7 +456,7 @@ class SyncJobStore(_Base):
         return record_from_hash(fields, "").job
 
     def get_record(self, job_id: str) -> JobRecord:
-        pipe = self.redis.pipeline(transaction=True)
+        pipe = self.redis.pipeline(transaction=False)  # see record_reads
         h, text, logged = record_reads(pipe, self.keys, job_id).execute()
         if not h:
             raise JobNotFound(job_id)
@@ -461,12 +480,11 @@ class SyncJobStore(_Base):
         check_cancel(self._cancel(keys, args), job_id)
         return self.get_job(job_id)
 
-    def append_batch(self, appends: Sequence[Append]) -> list[bool]:
-        """Write one engine step for many jobs in one round trip; False where the job is no longer ours."""
+    def append_batch(self, appends: Sequence[Append]) -> list[Appended]:
+        """Write one engine step for many jobs in one round trip; what became of each append."""
         now = time.time()
         calls = [append_args(self.keys, a, self.settings.job_ttl_s, now) for a in appends]
-        replies = self._evalsha_all(calls)
-        return [r in (1, 2) for r in replies]
+        return [Appended.of(r) for r in self._evalsha_all(calls)]
 
     def _evalsha_all(self, calls: list[ScriptCall]) -> list[Any]:
         # NOTE: Script objects in a pipeline cost an extra SCRIPT EXISTS round trip per execute;
@@ -490,7 +508,8 @@ class SyncJobStore(_Base):
     def renew_leases(self, held: Mapping[str, int]) -> list[str]:
         """Extend the leases of the jobs this worker holds (job id -> attempt); returns those it lost.
 
-        A job is lost when another worker took it over (its attempt moved on) or it ended.
+        A job is lost when another worker took it over (its attempt moved on) or it expired; one
+        that ended at its attempt is not (this worker wrote its end, maybe just now).
         """
         return self._set_leases(held, time.time() + self.settings.lease_s)
 
@@ -506,8 +525,13 @@ class SyncJobStore(_Base):
         for job_id in ids:
             pipe.hmget(self.keys.job(job_id), ["worker", "attempt"])
         held = {j: int(a) for j, (w, a) in zip(ids, pipe.execute(), strict=True) if w == worker and a}
-        self._set_leases(held, 0.0)
+        self.lapse_leases(held)
         return list(held)
+
+    def lapse_leases(self, held: Mapping[str, int]) -> None:
+        """Lapse the leases of these jobs (job id -> attempt) where the attempt is still theirs,
+        so that the next sweep requeues them and a take-over resumes them from the log."""
+        self._set_leases(held, 0.0)
 
     def _set_leases(self, held: Mapping[str, int], deadline: float) -> list[str]:
         """Set the lease deadline of jobs still at these attempts and running; returns the others."""
@@ -618,6 +642,10 @@ class AsyncJobStore(_Base):
     async def ping(self) -> bool:
         return bool(await self.redis.ping())
 
+    async def probe_write(self) -> None:
+        """One small write, which raises while Redis refuses writes (common/redis_errors.py)."""
+        await self.redis.set(self.keys.write_probe(), "1", px=WRITE_PROBE_TTL_MS)
+
     async def create_job(
         self,
         request: JobRequest,
@@ -640,7 +668,7 @@ class AsyncJobStore(_Base):
         return record_from_hash(fields, "").job
 
     async def get_record(self, job_id: str) -> JobRecord:
-        async with self.redis.pipeline(transaction=True) as pipe:
+        async with self.redis.pipeline(transaction=False) as pipe:  # see record_reads
             h, text, logged = await record_reads(pipe, self.keys, job_id).execute()
         if not h:
             raise JobNotFound(job_id)
@@ -652,7 +680,8 @@ class AsyncJobStore(_Base):
         return (await self.get_record(job_id)).job
 
     async def stream_state(self, job_id: str) -> StreamState:
-        async with self.redis.pipeline(transaction=True) as pipe:
+        # No MULTI (see record_reads): a log read after the hash is at least as long as it says.
+        async with self.redis.pipeline(transaction=False) as pipe:
             pipe.hmget(self.keys.job(job_id), ["status", "request", "created_at", "model"])
             pipe.llen(self.keys.job_log(job_id))
             (status, request, created_at, model), length = await pipe.execute()
@@ -686,7 +715,7 @@ class AsyncJobStore(_Base):
     async def watched(self, job_id: str, now: float, grace_s: float) -> bool:
         """Whether anybody watches the job (see ``watching``); drops the members past counting."""
         key = self.keys.job_watchers(job_id)
-        async with self.redis.pipeline(transaction=True) as pipe:
+        async with self.redis.pipeline(transaction=False) as pipe:  # in order on one connection
             pipe.zremrangebyscore(key, "-inf", f"({now - grace_s!r}")
             pipe.zrange(key, 0, -1, withscores=True)
             _, members = await pipe.execute()

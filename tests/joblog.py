@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from common.schemas import DoneEvent, ErrorEvent, JobRequest, JobStatus, LogEntry, Usage
 from common.settings import Settings
-from common.store import Append, Final, SyncJobStore, token_entry
+from common.store import Append, Appended, Final, SyncJobStore, token_entry
 
 
 class LogWriter:
@@ -55,4 +55,4 @@ class LogWriter:
 
     def _append(self, job_id: str, entries: list[LogEntry], final: Final | None = None) -> None:
         append = Append(job_id, self._attempt[job_id], entries, 3, self._tokens[job_id], final)
-        assert self.store.append_batch([append]) == [True]
+        assert self.store.append_batch([append]) == [Appended.WRITTEN]

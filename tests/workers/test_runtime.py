@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from common.schemas import ChatMessage, Job, JobRequest, JobStatus, LogEntry
-from common.store import Append, SyncJobStore, token_entry
+from common.store import Append, Appended, SyncJobStore, token_entry
 from workers.engine import Engine, SamplingParams
 from workers.runtime import EngineRuntime, Outcome, prompt_of
 
@@ -184,7 +184,7 @@ def test_takeover_resumes_from_the_stored_tokens(
     # A worker that wrote k tokens and died: its lease lapses.
     first = store.take_job(job.id, "dead-worker", "m")
     entries = [token_entry(1, 0, decode(ids[:k]), ids[:k])]
-    assert store.append_batch([Append(job.id, first.attempt, entries, 3, k)]) == [True]
+    assert store.append_batch([Append(job.id, first.attempt, entries, 3, k)]) == [Appended.WRITTEN]
     store.redis.zadd(store.keys.running_jobs(), {job.id: time.time() - 1})
     assert runtime.run_job(job.id).outcome is Outcome.FINISHED
     got = store.get_job(job.id)
