@@ -73,6 +73,10 @@ class Keys:
         scans the keyspace; a worker is live while its heartbeat key exists."""
         return f"{self.prefix}:workers"
 
+    def write_probe(self) -> str:
+        """String with a short TTL that /readyz sets: Redis takes writes (not out of memory)."""
+        return f"{self.prefix}:write_probe"
+
     def queued_jobs(self) -> str:
         """Sorted set of queued job ids (score: enqueue time); sized for backpressure."""
         return f"{self.prefix}:queued"
