@@ -66,6 +66,11 @@ class Settings(BaseSettings):
     # On SIGTERM `spool api` stops accepting, waits this long for open requests and streams to
     # end, then closes them: their clients resume on another replica (Last-Event-ID).
     shutdown_timeout_s: int = Field(5, ge=0)
+    # Limits on what a client makes `spool api` read, before the app (api/http_limits.py).
+    max_header_bytes: int = Field(32 * 1024, ge=1024)  # request line and headers: else 431
+    header_timeout_s: float = Field(10.0, gt=0)  # a connection's request head: else 408
+    body_timeout_s: float = Field(30.0, gt=0)  # a request's body, from its head on: else 408
+    max_connections: int = Field(2048, ge=1)  # open connections (SSE streams too): else 503
     served_model_name: str = ""  # name in /v1/models; empty: derived from model
 
     @field_validator("device")

@@ -39,12 +39,17 @@ def cmd_worker(_: argparse.Namespace) -> int:
 def cmd_api(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from api.http_limits import HttpLimits, protocol_class
+
     settings = get_settings()
     uvicorn.run(
         "api.main:app",
         host=args.host or settings.host,
         port=args.port or settings.port,
         timeout_graceful_shutdown=settings.shutdown_timeout_s,  # an SSE stream never ends by itself
+        # Header size, read timeouts and the connection cap, before the app (`spool up` and the
+        # compose file's api service run this command too).
+        http=protocol_class(HttpLimits.of(settings)),
     )
     return 0
 
