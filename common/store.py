@@ -581,6 +581,28 @@ class SyncJobStore(_Base):
             pipe.exists(self.keys.worker(name))
         return {n for n, alive in zip(names, pipe.execute(), strict=True) if alive}
 
+    def unacked_deliveries(self) -> dict[str, str]:
+        """kombu's records of the messages delivered and not acknowledged: delivery tag -> record."""
+        return dict(self.redis.hscan_iter(self.keys.broker_unacked["unacked_key"], count=500))
+
+    def ended_or_gone(self, job_ids: Iterable[str]) -> set[str]:
+        """Which of these jobs have ended (succeeded, failed, cancelled) or expired."""
+        ids = sorted(set(job_ids))
+        pipe = self.redis.pipeline(transaction=False)
+        for job_id in ids:
+            pipe.hget(self.keys.job(job_id), "status")
+        return {j for j, status in zip(ids, pipe.execute(), strict=True) if status not in ("queued", "running")}
+
+    def drop_deliveries(self, tags: Sequence[str]) -> None:
+        """Remove kombu's records of these deliveries, as its acknowledgement would."""
+        if not tags:
+            return
+        names = self.keys.broker_unacked
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.zrem(names["unacked_index_key"], *tags)
+        pipe.hdel(names["unacked_key"], *tags)
+        pipe.execute()
+
     def claim_requeue(self, job_id: str, now: float, min_gap_s: float) -> bool:
         """Atomically claim sending this job's message again; True for exactly one claimer per gap."""
         keys = [self.keys.job(job_id), self.keys.running_jobs(), self.keys.queued_jobs()]

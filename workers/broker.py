@@ -19,8 +19,9 @@ Redis refusing writes (out of memory, a read-only replica) ends the worker too: 
 delivery, acknowledging it and the visibility-timeout restore's lock are writes (in MULTI), and
 kombu raises their refusal out of the event loop ("Unrecoverable error"). Those are skipped
 instead, with a warning: an unrecorded delivery is covered by the sweep like an unrestored one,
-and an acknowledgement left undone leaves a record that the visibility-timeout restore hands
-out again (the duplicate finds its job ended and is dropped).
+and an acknowledgement left undone leaves a record that the sweep drops once its job has ended
+(``Reaper.drop_ended_deliveries``), or that the visibility-timeout restore hands out again (the
+duplicate finds its job ended and is dropped).
 """
 
 from __future__ import annotations
