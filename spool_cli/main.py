@@ -11,12 +11,29 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from common.redis_policy import UnsafeRedis
 from common.settings import SettingsError, get_settings
 
 SETTINGS_EXIT = 2
 
 
+def check_redis_at_start(url: str) -> None:
+    """Refuse a Redis that evicts keys (UnsafeRedis); one not reachable yet is waited for later."""
+    import redis
+
+    from common.redis_policy import check_redis
+
+    client = redis.Redis.from_url(url, socket_connect_timeout=2, socket_timeout=5)
+    try:
+        check_redis(client)
+    except redis.RedisError as e:
+        print(f"spool: Redis's maxmemory-policy not checked, Redis not reachable yet ({e})", file=sys.stderr)
+    finally:
+        client.close()
+
+
 def cmd_worker(_: argparse.Namespace) -> int:
+    check_redis_at_start(get_settings().redis_url)  # before torch loads: seconds sooner
     from workers.celery_app import app, worker_concurrency  # loads torch: only here
 
     settings = get_settings()
@@ -42,6 +59,7 @@ def cmd_api(args: argparse.Namespace) -> int:
     from api.http_limits import HttpLimits, protocol_class
 
     settings = get_settings()
+    check_redis_at_start(settings.redis_url)  # the app's start checks again (a bare uvicorn too)
     uvicorn.run(
         "api.main:app",
         host=args.host or settings.host,
@@ -149,7 +167,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
         return int(args.func(args))
-    except SettingsError as e:
+    except (SettingsError, UnsafeRedis) as e:
         print(f"spool: {e}", file=sys.stderr)
         return SETTINGS_EXIT
     except KeyboardInterrupt:
