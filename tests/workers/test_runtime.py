@@ -212,3 +212,19 @@ def test_a_job_taken_over_is_dropped(runtime: EngineRuntime, store: SyncJobStore
 def test_heartbeat_names_the_model(runtime: EngineRuntime, store: SyncJobStore) -> None:
     beat = poll(lambda: store.list_workers(), "a heartbeat")
     assert beat[0].model and "peak_batch_size" in beat[0].engine  # type: ignore[index]
+
+
+def test_a_gap_in_the_log_hands_the_job_back(runtime: EngineRuntime, store: SyncJobStore) -> None:
+    """A gap (an entry of this worker's missing: a write that was skipped) is no take-over: the
+    attempt is still this worker's. It stops the job and lapses its lease at once, so the sweep
+    requeues it and a take-over resumes from what is stored (before: dropped as "taken over by
+    another worker", its lease left to lapse unrenewed)."""
+    job = store.create_job(JobRequest(prompt=LONG_PROMPT, max_tokens=400, temperature=0))
+    thread, outcomes = run_in_thread(runtime, job.id)
+    poll(lambda: len(store.read_log(job.id)) >= 3, "a few tokens")
+    store.redis.rpop(store.keys.job_log(job.id))
+    thread.join(30)
+    assert outcomes == [Outcome.LOST]
+    assert store.get_record(job.id).attempt == 1
+    lease = store.redis.zscore(store.keys.running_jobs(), job.id)
+    assert lease is not None and lease <= time.time()  # lapsed now, not a lease from now
