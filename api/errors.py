@@ -46,7 +46,7 @@ class ApiError(Exception):
         param: str | None = None,
         code: str | None = None,
         headers: Mapping[str, str] | None = None,
-        type: str | None = None,
+        error_type: str | None = None,  # else the status's (_TYPES)
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -54,18 +54,22 @@ class ApiError(Exception):
         self.param = param
         self.code = code
         self.headers = dict(headers or {})
-        self.type = type
+        self.error_type = error_type
 
 
 def error_body(
-    status: int, message: str, param: str | None = None, code: str | None = None, type: str | None = None
+    status: int,
+    message: str,
+    param: str | None = None,
+    code: str | None = None,
+    error_type: str | None = None,
 ) -> dict[str, Any]:
-    kind = type or _TYPES.get(status, "api_error")
+    kind = error_type or _TYPES.get(status, "api_error")
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 def _respond(err: ApiError) -> JSONResponse:
-    body = error_body(err.status, err.message, err.param, err.code, err.type)
+    body = error_body(err.status, err.message, err.param, err.code, err.error_type)
     return JSONResponse(body, err.status, err.headers)
 
 
@@ -135,7 +139,7 @@ def write_refused(exc: Exception) -> ApiError:
         503,
         f"Service unavailable: Redis refused the write ({exc}); retry later",
         code="redis_write_refused",
-        type=WRITE_REFUSED_TYPE,
+        error_type=WRITE_REFUSED_TYPE,
         headers={"Retry-After": str(RETRY_AFTER_S)},
     )
 

@@ -165,6 +165,7 @@ def test_a_redis_refusing_writes_for_a_while_loses_nothing_and_kills_nothing(
         if status == 503:
             assert set(body["error"]) == ENVELOPE, body
             assert body["error"]["code"] == "redis_write_refused", body
+            assert body["error"]["type"] == "redis_write_refused_error", body
             assert int(headers["retry-after"]) >= 1
     figures["redis_oom_window_s"] = WINDOW_S
     figures["redis_oom_jobs"] = f"{JOBS} jobs of {MAX_TOKENS} tokens on 2 workers: all succeeded, greedy text"
