@@ -114,10 +114,21 @@ def parser() -> argparse.ArgumentParser:
     )
     sub = root.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    p = sub.add_parser("worker", help="run a Celery worker that owns the engine (settings from SPOOL_*)")
+    p = sub.add_parser(
+        "worker",
+        help="run a Celery worker that owns the engine (settings from SPOOL_*)",
+        description="Exits with status 2 on a Redis whose maxmemory-policy evicts keys.",
+    )
     p.set_defaults(func=cmd_worker)
 
-    p = sub.add_parser("api", help="run the HTTP API (uvicorn api.main:app)")
+    p = sub.add_parser(
+        "api",
+        help="run the HTTP API (uvicorn api.main:app)",
+        description="Serves with limits before the app: request heads up to SPOOL_MAX_HEADER_BYTES "
+        "(else 431), a head within SPOOL_HEADER_TIMEOUT_S and a body within SPOOL_BODY_TIMEOUT_S "
+        "(else 408), at most SPOOL_MAX_CONNECTIONS connections (else 503). Exits with status 2 on a "
+        "Redis whose maxmemory-policy evicts keys.",
+    )
     p.add_argument("--host", help="interface to bind (default: SPOOL_HOST)")
     p.add_argument("--port", type=int, help="port to listen on (default: SPOOL_PORT)")
     p.set_defaults(func=cmd_api)
