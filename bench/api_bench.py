@@ -38,7 +38,7 @@ from stack_bench import REPO_ROOT, Procs, cpu_seconds, log, spool_env, start_api
 
 from common.schemas import DoneEvent, JobRequest, JobStatus, LogEntry, Usage, WorkerHeartbeat
 from common.settings import Settings
-from common.store import Append, Final, SyncJobStore, token_entry
+from common.store import Append, Appended, Final, SyncJobStore, token_entry
 
 BURST = 32
 STEP_JOBS = 32  # jobs per step write in the events parts
@@ -75,7 +75,7 @@ class Target:
         attempt = self.store.take_job(job.id, "bench", "bench").attempt
         if tokens:
             entries = [token_entry(i + 1, i, " word", [7]) for i in range(tokens)]
-            assert self.store.append_batch([Append(job.id, attempt, entries, 1, tokens)]) == [True]
+            assert self.store.append_batch([Append(job.id, attempt, entries, 1, tokens)]) == [Appended.WRITTEN]
         return job.id, attempt
 
     def finish(self, job_id: str, attempt: int, tokens: int) -> None:
@@ -85,7 +85,7 @@ class Target:
             tokens + 1, DoneEvent(status=JobStatus.SUCCEEDED, finish_reason="length", usage=usage)
         )
         final = Final(JobStatus.SUCCEEDED, "length")
-        assert self.store.append_batch([Append(job_id, attempt, [done], 1, tokens, final)]) == [True]
+        assert self.store.append_batch([Append(job_id, attempt, [done], 1, tokens, final)]) == [Appended.WRITTEN]
 
 
 def cpu_per_call(target: Target, n: int, call: Callable[[], Any]) -> float:
