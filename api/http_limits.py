@@ -91,10 +91,12 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             if self._deadline is None:  # a keep-alive connection's next request begins
                 self._arm(self.limits.header_timeout_s, self._head_too_slow)
         super().data_received(data)
-        if self._in_head and self._head_bytes > self.limits.max_header_bytes and not self.transport.is_closing():
+        too_large = self._in_head and self._head_bytes > self.limits.max_header_bytes
+        if too_large and not self.transport.is_closing():
             # NOTE: checked per read, before the parser has buffered more than one read (64 KiB)
             # beyond the limit: httptools keeps a header value whole until it ends.
-            message = f"Request head is larger than {self.limits.max_header_bytes} bytes (SPOOL_MAX_HEADER_BYTES)"
+            limit = self.limits.max_header_bytes
+            message = f"Request head is larger than {limit} bytes (SPOOL_MAX_HEADER_BYTES)"
             self._refuse(431, message, "headers_too_large")
 
     def on_headers_complete(self) -> None:
@@ -127,12 +129,14 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
 
     def _head_too_slow(self) -> None:
         self._deadline = None
-        message = f"Request head not received within {self.limits.header_timeout_s:g}s (SPOOL_HEADER_TIMEOUT_S)"
+        limit = self.limits.header_timeout_s
+        message = f"Request head not received within {limit:g}s (SPOOL_HEADER_TIMEOUT_S)"
         self._refuse(408, message, "request_timeout")
 
     def _body_too_slow(self) -> None:
         self._deadline = None
-        message = f"Request body not received within {self.limits.body_timeout_s:g}s (SPOOL_BODY_TIMEOUT_S)"
+        limit = self.limits.body_timeout_s
+        message = f"Request body not received within {limit:g}s (SPOOL_BODY_TIMEOUT_S)"
         self._refuse(408, message, "request_timeout")
 
     def _refuse(self, status: int, message: str, code: str) -> None:

@@ -591,7 +591,8 @@ class SyncJobStore(_Base):
         pipe = self.redis.pipeline(transaction=False)
         for job_id in ids:
             pipe.hget(self.keys.job(job_id), "status")
-        return {j for j, status in zip(ids, pipe.execute(), strict=True) if status not in ("queued", "running")}
+        statuses = pipe.execute()
+        return {j for j, status in zip(ids, statuses, strict=True) if status not in ("queued", "running")}
 
     def drop_deliveries(self, tags: Sequence[str]) -> None:
         """Remove kombu's records of these deliveries, as its acknowledgement would."""

@@ -105,8 +105,8 @@ class Publisher:
         for a, reply in zip(appends, replies, strict=True):
             by_reply[reply].add(a.job_id)
         lost, gaps = by_reply[Appended.FENCED], by_reply[Appended.GAP] - by_reply[Appended.FENCED]
-        finished = {a.job_id for a, r in zip(appends, replies, strict=True) if r is Appended.WRITTEN and a.final}
-        return Sent(finished - lost - gaps, lost, gaps)
+        ended = {a.job_id for a, r in zip(appends, replies, strict=True) if r is Appended.WRITTEN and a.final}
+        return Sent(ended - lost - gaps, lost, gaps)
 
     def _send(self, appends: Sequence[Append]) -> list[Appended]:
         # The appends are idempotent (the store skips entries already in the log), so a try that

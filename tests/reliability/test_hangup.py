@@ -54,7 +54,10 @@ def submit_and_hang_up(api: Service, store: SyncJobStore) -> str:
     """Send a non-streamed completion, take its job as a worker would, and hang up at once."""
     host, port = api.url.removeprefix("http://").split(":")
     body = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 1000, "temperature": 0}).encode()
-    head = f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    head = (
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    )
     queued = store.keys.queued_jobs()
     before = set(store.redis.zrange(queued, 0, -1))
     with socket.create_connection((host, int(port))) as sock:

@@ -28,6 +28,9 @@ TIMEOUT_S = 1.0  # SPOOL_HEADER_TIMEOUT_S and SPOOL_BODY_TIMEOUT_S here
 MAX_CONNECTIONS = 16
 ANSWER_WAIT_S = 10.0  # a socket read waits this long for the answer (the limits are 1 s)
 ENVELOPE = {"message", "type", "param", "code"}
+DECLARED_100KB = (
+    b"POST /v1/jobs HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100000\r\n\r\n"
+)
 
 
 @pytest.fixture(scope="module")
@@ -132,14 +135,13 @@ def test_a_connection_that_sends_nothing_is_refused_408(limited_api: Service) ->
 
 def test_a_body_shorter_than_its_content_length_is_refused_408(limited_api: Service) -> None:
     sock = connect(limited_api)
-    head = b"POST /v1/jobs HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100000\r\n\r\n"
-    sock.sendall(head + b'{"prompt": "')
+    sock.sendall(DECLARED_100KB + b'{"prompt": "')
     check_refused(sock, 408, "request_timeout")
 
 
 def test_a_body_that_trickles_in_is_refused_408(limited_api: Service) -> None:
     sock = connect(limited_api)
-    sock.sendall(b"POST /v1/jobs HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100000\r\n\r\n")
+    sock.sendall(DECLARED_100KB)
     try:
         for _ in range(int(ANSWER_WAIT_S / 0.1)):
             sock.sendall(b"          ")  # 10 bytes every 0.1 s
