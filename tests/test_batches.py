@@ -328,6 +328,26 @@ def test_a_line_whose_message_was_lost_is_sent_again_and_lines_are_not_counted_a
             worker.stop()
 
 
+def test_a_batch_past_its_window_expires_keeping_what_finished(prefixes: Prefixes, log_dir: Path) -> None:
+    api = start_api(prefixes.new(), log_dir, ready=False, **BATCH_SETTINGS)  # no worker: nothing runs
+    keys, r = Keys(api.prefix), redis.Redis.from_url(REDIS_URL, decode_responses=True)
+    try:
+        with openai.OpenAI(base_url=f"{api.url}/v1", api_key="unused", max_retries=0) as client:
+            lines = [completion_line(i) for i in range(20)]  # more than a window (12)
+            batch_id = run_batch(client, lines, "/v1/completions")
+            wait_until(lambda: r.hlen(keys.batch_window(batch_id)) == 12, "the window fed", 30, (api,))
+            r.hset(keys.batch(batch_id), "expires_at", repr(time.time() - 1))  # as if 24 h passed
+            batch = ended(client, batch_id)
+            assert batch.status == "expired" and batch.expired_at and batch.output_file_id is None
+            errors = jsonl(client, batch.error_file_id)
+            assert [e["custom_id"] for e in errors] == [line["custom_id"] for line in lines]
+            assert {e["error"]["code"] for e in errors} == {"batch_expired"}
+            fed = [e["id"].removeprefix("batch_req_") for e in errors[:12]]  # the window's jobs: never ran
+            assert [r.hget(keys.job(j), "status") for j in fed] == ["cancelled"] * 12
+    finally:
+        api.stop()
+
+
 def _kill(service: Service) -> None:
     os.killpg(service.proc.pid, signal.SIGKILL)
     service.proc.wait(10)
