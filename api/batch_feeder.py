@@ -44,7 +44,15 @@ from api.served import ServedModels
 from common.keys import BATCH_PRIORITY, Keys
 from common.schemas import JobStatus
 from common.settings import Settings
-from common.store import AsyncBatchStore, AsyncJobStore, Conflict, JobNotFound, LineJob, LineResult, new_job_id
+from common.store import (
+    AsyncBatchStore,
+    AsyncJobStore,
+    Conflict,
+    JobNotFound,
+    LineJob,
+    LineResult,
+    new_job_id,
+)
 
 log = logging.getLogger(__name__)
 

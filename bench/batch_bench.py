@@ -41,7 +41,8 @@ from workers.runtime import sampling_params
 
 TARGET_RATIO = 0.9
 TARGET_TTFT = 1.5
-WORDS = "the quick brown fox jumps over a lazy dog while seven old owls sing of rain and light".split()
+WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while", "seven", "old",
+         "owls", "sing", "of", "rain", "and", "light"]  # fmt: skip
 
 
 def prompts(n: int, seed: int) -> list[str]:

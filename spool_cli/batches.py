@@ -133,7 +133,7 @@ def run(
     """``spool batch``: 0 when every line succeeded, 1 when some failed or the batch did not complete."""
     with Api(url, api_key) as api:
         try:
-            batch_id = submit(api, file)["id"] if resume is None else resume
+            batch_id = submit(api, file)["id"] if file is not None else str(resume)
             stem = str(file.with_suffix("")) if file is not None else batch_id
             try:
                 print(f"batch {batch_id} (resume with: spool batch --resume {batch_id})", file=sys.stderr, flush=True)
@@ -147,8 +147,8 @@ def run(
             print(f"spool batch: {e}", file=sys.stderr)
             return 1
     print(f"{batch['status']}: {n_out} line(s) in {out}, {n_err} in {errors}", file=sys.stderr)
-    for e in (batch.get("errors") or {}).get("data") or []:
-        print(f"  line {e.get('line')}: {e.get('message')} ({e.get('code')})", file=sys.stderr)
+    for error in (batch.get("errors") or {}).get("data") or []:
+        print(f"  line {error.get('line')}: {error.get('message')} ({error.get('code')})", file=sys.stderr)
     return 0 if batch["status"] == "completed" and n_err == 0 else 1
 
 

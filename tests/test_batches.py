@@ -187,8 +187,10 @@ def test_bad_lines_fail_with_the_endpoints_errors_and_the_rest_complete(oai: ope
     [
         (b'{"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x"}}\nnot json\n', "invalid_json", 2),
         (
-            b'{"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x"}}\n'
-            b'{"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"prompt": "y"}}\n',
+            (
+                b'{"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x"}}\n'
+                b'{"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"prompt": "y"}}\n'
+            ),
             "duplicate_custom_id",
             2,
         ),

@@ -59,6 +59,11 @@ class LineResult:
     job_id: str = ""  # the job that leaves the window with it; empty for a line that never ran
 
 
+def _strs(h: dict[Any, Any]) -> dict[str, str] | None:
+    """A hash as read (the client decodes replies), None when it does not exist."""
+    return {str(k): str(v) for k, v in h.items()} or None
+
+
 def _flat(fields: dict[str, str]) -> list[str]:
     return [x for kv in fields.items() for x in kv]
 
@@ -105,7 +110,7 @@ class AsyncBatchStore:
         )
 
     async def get_file(self, file_id: str) -> dict[str, str] | None:
-        return await self.redis.hgetall(self.keys.file(file_id)) or None
+        return _strs(await self.redis.hgetall(self.keys.file(file_id)))
 
     async def list_files(self) -> list[dict[str, str]]:
         """Every file's object, newest first; forgets the ids of files that expired."""
@@ -113,7 +118,7 @@ class AsyncBatchStore:
 
     async def read_lines(self, file_id: str, start: int, count: int) -> list[str]:
         """Lines ``start`` to ``start + count - 1`` of the file (fewer past its end)."""
-        return list(await self.redis.lrange(self.keys.file_lines(file_id), start, start + count - 1))
+        return [str(x) for x in await self.redis.lrange(self.keys.file_lines(file_id), start, start + count - 1)]
 
     async def delete_file(self, file_id: str) -> bool:
         async with self.redis.pipeline(transaction=True) as pipe:
@@ -146,7 +151,7 @@ class AsyncBatchStore:
             await pipe.execute()
 
     async def get_batch(self, batch_id: str) -> dict[str, str] | None:
-        return await self.redis.hgetall(self.keys.batch(batch_id)) or None
+        return _strs(await self.redis.hgetall(self.keys.batch(batch_id)))
 
     async def list_batches(self) -> list[dict[str, str]]:
         """Every batch's state, newest first; forgets the ids of batches that expired."""

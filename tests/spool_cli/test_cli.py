@@ -12,7 +12,6 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 import redis
 from greedy import greedy

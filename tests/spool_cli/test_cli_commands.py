@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 from greedy import greedy
-from procs import SPOOL, Service, free_port, wait_until
+from procs import SPOOL, Service, free_port
 
 from common.keys import Keys
 
