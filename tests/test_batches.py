@@ -206,6 +206,15 @@ def test_an_input_that_is_not_request_lines_fails_the_batch_naming_the_line(
     assert batch.output_file_id is None and batch.request_counts.completed == 0
 
 
+def test_two_batches_share_the_workers(oai: openai.OpenAI) -> None:
+    first = run_batch(oai, [completion_line(i, max_tokens=16) for i in range(36)], "/v1/completions")
+    second = run_batch(oai, [completion_line(i, max_tokens=16) for i in range(36)], "/v1/completions")
+    wait_until(lambda: oai.batches.retrieve(second).request_counts.completed >= 6, "the second batch going", 120)
+    # Each has its own window in the queue: the second did not wait for the first to end.
+    assert oai.batches.retrieve(first).request_counts.completed < 36
+    assert ended(oai, first).status == ended(oai, second).status == "completed"
+
+
 def test_cancel_mid_run_keeps_what_finished_and_runs_nothing_after(oai: openai.OpenAI, batch_cluster: Cluster) -> None:
     lines = [completion_line(i, max_tokens=48) for i in range(40)]
     batch_id = run_batch(oai, lines, "/v1/completions")
