@@ -21,6 +21,16 @@ MAX_STOP_STRINGS = 4
 # back from the store, already judged by the API that accepted it; a tool's own) neither applies.
 SERVER_SETTINGS = "settings"
 LIMIT_EXCEEDED = "limit_exceeded"  # validation error type of a value above a configured limit (400)
+OUT_OF_RANGE = "out_of_range"  # validation error type of a sampling extra outside its range (400, as OpenAI)
+MAX_LOGIT_BIAS = 300  # token ids one request may bias
+MAX_LOGPROBS = 20  # top logprobs per token (chat's top_logprobs limit)
+# The sampling extras' (lowest, highest) values, both included.
+_RANGES: dict[str, tuple[float, float]] = {
+    "frequency_penalty": (-2, 2),
+    "presence_penalty": (-2, 2),
+    "logprobs": (0, MAX_LOGPROBS),
+    "min_tokens": (0, math.inf),
+}
 
 
 class JobStatus(str, enum.Enum):
@@ -92,6 +102,45 @@ class JobRequest(BaseModel):
     stream: bool = False  # POST /v1/jobs answers with the job's event stream instead of the job
     user: str | None = Field(None, max_length=256)  # the end user, as the OpenAI API's `user`; stored only
     stream_include_usage: bool = False  # OpenAI stream format: end with a usage chunk (stream_options)
+    # Logits processing (the engine's SamplingParams; docs/openai.md). Neutral by default.
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # > 0; 1 changes nothing
+    min_tokens: int = 0  # at most max_tokens
+    logit_bias: dict[int, float] | None = None  # token id -> -100..100, added to its logit
+    logprobs: int | None = None  # each token's logprob and the top this many (0..20); None: none
+
+    @field_validator("frequency_penalty", "presence_penalty", "logprobs", "min_tokens")
+    @classmethod
+    def _in_range(cls, v: float | None, info: ValidationInfo) -> float | None:
+        low, high = _RANGES[str(info.field_name)]
+        if v is not None and not low <= v <= high:
+            bounds = f"at least {low}" if high == math.inf else f"between {low} and {high}"
+            raise PydanticCustomError(OUT_OF_RANGE, "{name} is {value}; it must be " + bounds, {"name": info.field_name, "value": v})
+        return v
+
+    @field_validator("repetition_penalty")
+    @classmethod
+    def _repetition_penalty(cls, v: float) -> float:
+        if not (math.isfinite(v) and v > 0):
+            raise PydanticCustomError(OUT_OF_RANGE, "repetition_penalty is {value}; it must be above 0", {"value": v})
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, v: dict[int, float] | None) -> dict[int, float] | None:
+        if v is None:
+            return v
+        if len(v) > MAX_LOGIT_BIAS:
+            raise PydanticCustomError(OUT_OF_RANGE, "logit_bias has {n} entries; at most {max}", {"n": len(v), "max": MAX_LOGIT_BIAS})
+        for token, bias in v.items():
+            if token < 0 or not -100 <= bias <= 100:
+                raise PydanticCustomError(
+                    OUT_OF_RANGE,
+                    "logit_bias maps token ids (>= 0) to values between -100 and 100; got {token}: {bias}",
+                    {"token": token, "bias": bias},
+                )
+        return v
 
     @field_validator("prompt", "stop", "user")
     @classmethod
@@ -138,6 +187,16 @@ class JobRequest(BaseModel):
             self.max_tokens = settings.default_max_tokens
         return self
 
+    @model_validator(mode="after")
+    def _min_tokens(self) -> JobRequest:
+        if self.min_tokens > self.max_tokens:
+            raise PydanticCustomError(
+                OUT_OF_RANGE,
+                "min_tokens is {value}; it must be at most max_tokens ({max_tokens})",
+                {"value": self.min_tokens, "max_tokens": self.max_tokens},
+            )
+        return self
+
     @classmethod
     def accept(cls, data: Any, settings: Settings) -> JobRequest:
         """Validate a client's request with the server's default max_tokens and limits."""
@@ -164,10 +223,21 @@ class Usage(BaseModel):
         )
 
 
+class TopLogprob(BaseModel):
+    token: str  # the token alone, decoded
+    token_id: int
+    logprob: float
+
+
+class TokenLogprob(TopLogprob):
+    top: list[TopLogprob]  # the most likely tokens at its position, most likely first
+
+
 class TokenEvent(BaseModel):
     index: int  # counts token events of the job from 0
     text: str
     token_ids: list[int]
+    logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asked (absent else)
 
 
 class DoneEvent(BaseModel):
@@ -205,7 +275,7 @@ class LogEntry(BaseModel):
 
     @classmethod
     def token(cls, seq: int, event: TokenEvent) -> LogEntry:
-        return cls(seq=seq, type="token", data=event.model_dump(mode="json"))
+        return cls(seq=seq, type="token", data=event.model_dump(mode="json", exclude_none=True))
 
     @classmethod
     def done(cls, seq: int, event: DoneEvent) -> LogEntry:

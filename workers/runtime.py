@@ -101,6 +101,12 @@ def sampling_params(r: JobRequest) -> SamplingParams:
         top_k=r.top_k,
         seed=r.seed,
         stop=tuple(r.stop_list),
+        frequency_penalty=r.frequency_penalty,
+        presence_penalty=r.presence_penalty,
+        repetition_penalty=r.repetition_penalty,
+        min_tokens=r.min_tokens,
+        logit_bias=tuple((r.logit_bias or {}).items()),
+        logprobs=r.logprobs,
     )
 
 
