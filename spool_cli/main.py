@@ -198,6 +198,7 @@ def parser() -> argparse.ArgumentParser:
         "exits (a worker whose model does not load, an API killed), spool up names it with its "
         "exit status, stops the others and exits 1; it restarts nothing.",
         "Settings: all of the worker's and the API's (spool worker --help, spool api --help).",
+        "SPOOL_PORT=8001 spool up",
     )
     p.set_defaults(func=cmd_up)
 
