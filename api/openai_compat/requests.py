@@ -120,6 +120,14 @@ class OpenAIRequest(_Open):
             _refuse_extras(self.stream_options.model_extra, "stream_options.")
             include_usage = bool(self.stream_options.include_usage)
         tokens_name, max_tokens = self.max_tokens_field()
+        if self.min_tokens is not None and self.min_tokens > (limit := max_tokens or settings.default_max_tokens):
+            # JobRequest checks it too, as a whole-body error: here it gets its param.
+            raise ApiError(
+                400,
+                f"min_tokens is {self.min_tokens}; it must be at most {tokens_name} ({limit})",
+                param="min_tokens",
+                code="out_of_range",
+            )
         fields: dict[str, Any] = {
             **self.prompt_fields(),
             "max_tokens": max_tokens,

@@ -13,8 +13,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import xgrammar
 
+from workers.engine import grammar
 from workers.engine.detokenizer import IncrementalDetokenizer
+from workers.engine.grammar import Grammars, Masks
 from workers.engine.model_runner import ModelRunner
 from workers.engine.processors import LogitsProcessors
 from workers.engine.request import Request
@@ -63,6 +66,8 @@ class Engine:
         self.eos_token_ids = self._eos_token_ids()
         self.processors = LogitsProcessors(self.num_slots, self.runner.vocab_size, self.runner.device, self.eos_token_ids)
         self._token_texts: dict[int, str] = {}  # logprobs' token strings, decoded once each
+        self.grammars = Grammars(self.tokenizer, self.runner.vocab_size)  # any thread may compile
+        self.masks = Masks(self.num_slots, self.runner.vocab_size, self.runner.device)
         self._requests: dict[str, Request] = {}
         self._generators: dict[str, torch.Generator] = {}
         self._aborted: set[str] = set()
@@ -79,6 +84,7 @@ class Engine:
         resume_token_ids: Sequence[int] = (),
         resume_text: str = "",
         cache_salt: str = "",
+        json_grammar: xgrammar.CompiledGrammar | None = None,
     ) -> int:
         """Queue a request; returns its prompt length in tokens.
 
@@ -86,6 +92,8 @@ class Engine:
         text it already delivered): they are prefilled with the prompt, count towards
         ``max_tokens`` and are not emitted again. With prefix caching, only requests with the
         same ``cache_salt`` (the worker passes the job's owner) share cached prompt prefixes.
+        ``json_grammar`` (from ``self.grammars.json``, compiled on any thread) constrains the
+        output; the resumed tokens are replayed through its matcher first.
         """
         if request_id in self._requests:
             raise ValueError(f"request {request_id!r} already exists")
@@ -111,6 +119,7 @@ class Engine:
             detokenizer=detokenizer,
             output_token_ids=list(resume_token_ids),
             cache_salt=cache_salt,
+            matcher=None if json_grammar is None else grammar.matcher(json_grammar, resume_token_ids),
         )
         if params.seed is not None:
             generator = self.sampler.request_generator(params.seed)
@@ -228,7 +237,7 @@ class Engine:
         """Each due request's next token (and logprobs where asked), with the step's one
         device-to-host transfer."""
         params = [r.params for r in due]
-        logits = self.processors.apply(logits, due)
+        logits = self.masks.apply(self.processors.apply(logits, due), due)
         sampled = self.sampler.sample(logits, params, [self._generators.get(r.request_id) for r in due])
         self.processors.update(due, sampled)
         asking = [i for i, p in enumerate(params) if p.logprobs is not None]
@@ -263,6 +272,9 @@ class Engine:
         self._stats.generated_tokens += len(due)
         for request, token_id, lp in zip(due, token_ids, logprobs, strict=True):
             request.output_token_ids.append(token_id)
+            if request.matcher is not None and not request.matcher.accept_token(token_id):
+                deltas.append(self._finish(request, FinishReason.ERROR, error="the sampled token broke the grammar"))
+                continue
             # Before min_tokens a stop string does not count (EOS and stop ids cannot be sampled).
             text = request.detokenizer.add([token_id], match_stop=request.num_generated > request.params.min_tokens)
             reason = self._stop_reason(request, token_id)
@@ -276,6 +288,8 @@ class Engine:
     def _stop_reason(self, request: Request, token_id: int) -> FinishReason | None:
         params = request.params
         if request.detokenizer.stopped or token_id in params.stop_token_ids:
+            return FinishReason.STOP
+        if request.matcher is not None and request.matcher.is_terminated():
             return FinishReason.STOP
         if token_id in self.eos_token_ids and not params.ignore_eos:
             return FinishReason.STOP
