@@ -18,7 +18,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from starlette.exceptions import HTTPException
 
-from common.schemas import LIMIT_EXCEEDED, OUT_OF_RANGE
+from common.schemas import INVALID_SCHEMA, LIMIT_EXCEEDED, OUT_OF_RANGE
 from common.store import Conflict, JobNotFound
 
 # OpenAI-style error types, so clients written against that API branch on familiar names.
@@ -110,8 +110,9 @@ async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
         )
     message = "; ".join(f"{_location(e['loc']) or 'body'}: {e['msg']}" for e in errors)
     # Valid in form but above a limit of this server (e.g. SPOOL_MAX_TOKENS_CAP), or a sampling
-    # extra (penalties, logit_bias, logprobs) outside its range as OpenAI answers it: 400, with the numbers.
-    status = 400 if first["type"] in (LIMIT_EXCEEDED, OUT_OF_RANGE) else 422
+    # extra (penalties, logit_bias, logprobs) outside its range, or a response_format schema that
+    # is not one, as OpenAI answers them: 400, with the numbers or what is wrong.
+    status = 400 if first["type"] in (LIMIT_EXCEEDED, OUT_OF_RANGE, INVALID_SCHEMA) else 422
     return _respond(ApiError(status, message, param=_location(first["loc"]), code=str(first["type"])))
 
 

@@ -10,6 +10,7 @@ import enum
 import math
 from typing import Annotated, Any, Literal
 
+import jsonschema
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
@@ -83,6 +84,57 @@ def _finite(v: float | None) -> float | None:
     return v
 
 
+INVALID_SCHEMA = "invalid_json_schema"  # validation error type of a response_format schema that is not one (400)
+
+
+class JsonSchemaFormat(BaseModel):
+    """OpenAI's ``response_format.json_schema``."""
+
+    name: str = Field("response", max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None  # the output always follows the schema: constrained decoding is strict
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, serialize_by_alias=True)
+
+    @field_validator("schema_")
+    @classmethod
+    def _is_a_schema(cls, v: dict[str, Any]) -> dict[str, Any]:
+        # NOTE: jsonschema, not the grammar compiler: the API imports no torch. What is a valid
+        # schema the compiler still cannot use fails the job with invalid_request (a 400 too).
+        try:
+            jsonschema.validators.validator_for(v).check_schema(v)
+        except jsonschema.SchemaError as e:
+            where = "/".join(map(str, e.absolute_path)) or "the root"
+            raise PydanticCustomError(INVALID_SCHEMA, "not a valid JSON schema at {where}: {error}", {"where": where, "error": e.message}) from None
+        return v
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's ``response_format``: ``text`` (no constraint), ``json_object`` (any JSON object)
+    or ``json_schema`` (JSON that validates against ``json_schema.schema``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise PydanticCustomError(INVALID_SCHEMA, "json_schema is required with type json_schema, and only then")
+        return self
+
+    @property
+    def constrained(self) -> bool:
+        return self.type != "text"
+
+    @property
+    def schema_or_none(self) -> dict[str, Any] | None:
+        """The schema the output follows; None with json_object (any object)."""
+        return self.json_schema.schema_ if self.json_schema is not None else None
+
+
 class JobRequest(BaseModel):
     """A validated generation request, stored as JSON in the job hash's ``request`` field."""
 
@@ -109,6 +161,7 @@ class JobRequest(BaseModel):
     min_tokens: int = 0  # at most max_tokens
     logit_bias: dict[int, float] | None = None  # token id -> -100..100, added to its logit
     logprobs: int | None = None  # each token's logprob and the top this many (0..20); None: none
+    response_format: ResponseFormat | None = None  # structured outputs (workers/engine/grammar.py)
 
     @field_validator("frequency_penalty", "presence_penalty", "logprobs", "min_tokens")
     @classmethod

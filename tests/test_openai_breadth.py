@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 import openai
@@ -15,6 +15,7 @@ from greedy import greedy
 from openai.types.chat import ChatCompletionMessageParam
 from openai_stream import read_stream
 from procs import Cluster
+from pydantic import BaseModel, Field
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 PROMPT = "the quick brown fox"
@@ -127,3 +128,41 @@ def test_completions_logprobs_above_5_is_a_400(oai: openai.OpenAI, model: str) -
     with pytest.raises(openai.BadRequestError, match="between 0 and 5") as e:
         oai.completions.create(model=model, prompt=PROMPT, max_tokens=4, logprobs=6)
     assert isinstance(e.value.body, dict) and e.value.body["param"] == "logprobs"
+
+
+class Pet(BaseModel):
+    # Bounded fields: a random tiny model ends each one within max_tokens.
+    kind: Literal["cat", "dog", "fish"]
+    age: int = Field(ge=0, le=30)
+    name: str = Field(pattern="^[a-z]{1,8}$")
+    toys: list[Literal["ball", "rope"]] = Field(max_length=2)
+
+
+def test_parse_with_a_pydantic_model(oai: openai.OpenAI, model: str) -> None:
+    for temperature in (0.0, 1.0):
+        got = oai.chat.completions.parse(
+            model=model, messages=MESSAGES, max_tokens=120, temperature=temperature, seed=5, response_format=Pet
+        )
+        [choice] = got.choices
+        assert choice.finish_reason == "stop"
+        assert isinstance(choice.message.parsed, Pet), choice.message.content
+
+
+def test_json_object_on_completions_and_jobs(oai: openai.OpenAI, model: str, cluster: Cluster, client: httpx.Client) -> None:
+    schema = Pet.model_json_schema()
+    fmt = {"type": "json_schema", "json_schema": {"name": "pet", "schema": schema}}
+    got = oai.completions.create(model=model, prompt=PROMPT, max_tokens=120, temperature=0, extra_body={"response_format": fmt})
+    Pet.model_validate_json(got.choices[0].text)
+    job = client.post(
+        f"{cluster.url}/v1/jobs", json={"prompt": PROMPT, "max_tokens": 120, "temperature": 0, "response_format": fmt, "background": False}
+    ).json()
+    assert job["status"] == "succeeded" and job["text"] == got.choices[0].text
+
+
+def test_an_invalid_schema_is_a_400_saying_what_is_wrong(oai: openai.OpenAI, model: str) -> None:
+    fmt: Any = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": {"a": {"type": "integer2"}}}}}
+    with pytest.raises(openai.BadRequestError, match="properties/a/type") as e:
+        oai.chat.completions.create(model=model, messages=MESSAGES, max_tokens=4, response_format=fmt)
+    assert isinstance(e.value.body, dict) and e.value.body["param"] == "response_format.json_schema.schema"
+    with pytest.raises(openai.BadRequestError, match="json_schema is required"):
+        oai.chat.completions.create(model=model, messages=MESSAGES, max_tokens=4, response_format={"type": "json_schema"})  # type: ignore[typeddict-item]

@@ -88,6 +88,7 @@ class OpenAIRequest(_Open):
     repetition_penalty: float | None = None  # vLLM's extra (transformers'), as min_tokens
     min_tokens: int | None = None
     logit_bias: dict[str, float] | None = None  # token id (as a string, JSON's keys) -> bias
+    response_format: dict[str, Any] | None = None  # validated as JobRequest's ResponseFormat
 
     def prompt_fields(self) -> dict[str, Any]:
         raise NotImplementedError
@@ -145,6 +146,7 @@ class OpenAIRequest(_Open):
             "min_tokens": self.min_tokens,
             "logit_bias": _logit_bias(self.logit_bias),
             "logprobs": self.logprobs_field(),
+            "response_format": self.response_format,
         }
         try:
             return JobRequest.accept({k: v for k, v in fields.items() if v is not None}, settings)
