@@ -166,3 +166,8 @@ def test_an_invalid_schema_is_a_400_saying_what_is_wrong(oai: openai.OpenAI, mod
     assert isinstance(e.value.body, dict) and e.value.body["param"] == "response_format.json_schema.schema"
     with pytest.raises(openai.BadRequestError, match="json_schema is required"):
         oai.chat.completions.create(model=model, messages=MESSAGES, max_tokens=4, response_format={"type": "json_schema"})  # type: ignore[typeddict-item]
+    # A valid schema the grammar compiler cannot use: the worker says so, the job fails, a 400.
+    fmt["json_schema"]["schema"] = {"$ref": "#/$defs/missing"}
+    with pytest.raises(openai.BadRequestError, match="response_format: the JSON schema cannot be used: .*missing") as e:
+        oai.chat.completions.create(model=model, messages=MESSAGES, max_tokens=4, response_format=fmt)
+    assert e.value.code == "invalid_request"
