@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager, nullcontext
@@ -16,8 +17,12 @@ from api.metrics import Metrics
 from api.served import ServedModels
 from api.watchers import Watchers
 from common.process import freeze_startup_objects
+from common.redis_errors import UNREACHABLE
+from common.redis_policy import check_redis_async
 from common.settings import Settings
 from common.store import AsyncJobStore
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -39,13 +44,23 @@ class Services:
             yield inbox
 
 
+async def refuse_unsafe_redis(store: AsyncJobStore) -> None:
+    """Raise UnsafeRedis (the process does not start) for a Redis that evicts keys; a Redis not
+    reachable yet is not waited for (the API answers 503 until it is)."""
+    try:
+        await check_redis_async(store.redis)
+    except UNREACHABLE as e:
+        log.warning("Redis's maxmemory-policy not checked, Redis not reachable yet (%s)", e)
+
+
 @asynccontextmanager
 async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     settings: Settings = app.state.settings
     hub = Hub(settings.redis_url, settings.keys, client_name=f"{settings.redis_prefix}-api-hub-{os.getpid()}")
     enqueuer = Enqueuer(settings)
-    await hub.start()
     store = AsyncJobStore.from_settings(settings)
+    await refuse_unsafe_redis(store)
+    await hub.start()
     watchers = Watchers(store, settings.detach_grace_s)
     await watchers.start()
     app.state.services = Services(

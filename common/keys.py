@@ -83,6 +83,10 @@ class Keys:
         written by the create script, trimmed by age and count there (common/store/records.py)."""
         return f"{self.prefix}:owner:{owner or 'anonymous'}:jobs"
 
+    def write_probe(self) -> str:
+        """String with a short TTL that /readyz sets: Redis takes writes (not out of memory)."""
+        return f"{self.prefix}:write_probe"
+
     def queued_jobs(self) -> str:
         """Sorted set of queued job ids (score: enqueue time); sized for backpressure."""
         return f"{self.prefix}:queued"

@@ -50,7 +50,7 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(1 << 20, ge=1024)
     detach_grace_s: float = Field(30.0, ge=0)
     sse_ping_s: float = Field(15.0, gt=0)
-    api_keys: str = ""  # comma-separated; empty disables authentication
+    api_keys: str = ""  # comma-separated; empty disables authentication (blank entries are refused)
     # Comma-separated origins whose pages may call the API (CORS), e.g. https://console.example;
     # "*" for any. Empty: none (the console at /console is same-origin and needs none).
     cors_origins: str = ""
@@ -74,6 +74,11 @@ class Settings(BaseSettings):
     # On SIGTERM `spool api` stops accepting, waits this long for open requests and streams to
     # end, then closes them: their clients resume on another replica (Last-Event-ID).
     shutdown_timeout_s: int = Field(5, ge=0)
+    # Limits on what a client makes `spool api` read, before the app (api/http_limits.py).
+    max_header_bytes: int = Field(32 * 1024, ge=1024)  # request line and headers: else 431
+    header_timeout_s: float = Field(10.0, gt=0)  # a connection's request head: else 408
+    body_timeout_s: float = Field(30.0, gt=0)  # a request's body, from its head on: else 408
+    max_connections: int = Field(2048, ge=1)  # open connections (SSE streams too): else 503
     served_model_name: str = ""  # name in /v1/models; empty: derived from model
 
     @field_validator("device")
@@ -81,6 +86,15 @@ class Settings(BaseSettings):
     def _device(cls, v: str) -> str:
         if v != "cpu" and v != "mps" and not (v == "cuda" or v.startswith("cuda:")):
             raise ValueError("must be cpu, cuda, cuda:N or mps")
+        return v
+
+    @field_validator("api_keys")
+    @classmethod
+    def _api_keys(cls, v: str) -> str:
+        # NOTE: " , " or "," would parse to no key at all and serve without authentication: a
+        # value that is set but blank somewhere is a mistake, never a way to turn keys off.
+        if v and any(not k.strip() for k in v.split(",")):
+            raise ValueError("has a blank key; give comma-separated non-blank keys, or leave it unset")
         return v
 
     @model_validator(mode="after")

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from common.redis_policy import UnsafeRedis
 from common.settings import SettingsError, get_settings
 
 SETTINGS_EXIT = 2
@@ -25,7 +26,23 @@ CLIENT_SETTINGS = (
 )
 
 
+def check_redis_at_start(url: str) -> None:
+    """Refuse a Redis that evicts keys (UnsafeRedis); one not reachable yet is waited for later."""
+    import redis
+
+    from common.redis_policy import check_redis
+
+    client = redis.Redis.from_url(url, socket_connect_timeout=2, socket_timeout=5)
+    try:
+        check_redis(client)
+    except redis.RedisError as e:
+        print(f"spool: Redis's maxmemory-policy not checked, Redis not reachable yet ({e})", file=sys.stderr)
+    finally:
+        client.close()
+
+
 def cmd_worker(_: argparse.Namespace) -> int:
+    check_redis_at_start(get_settings().redis_url)  # before torch loads: seconds sooner
     from workers.celery_app import app, worker_concurrency  # loads torch: only here
 
     settings = get_settings()
@@ -48,12 +65,18 @@ def cmd_worker(_: argparse.Namespace) -> int:
 def cmd_api(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from api.http_limits import HttpLimits, protocol_class
+
     settings = get_settings()
+    check_redis_at_start(settings.redis_url)  # the app's start checks again (a bare uvicorn too)
     uvicorn.run(
         "api.main:app",
         host=args.host or settings.host,
         port=args.port or settings.port,
         timeout_graceful_shutdown=settings.shutdown_timeout_s,  # an SSE stream never ends by itself
+        # Header size, read timeouts and the connection cap, before the app (`spool up` and the
+        # compose file's api service run this command too).
+        http=protocol_class(HttpLimits.of(settings)),
     )
     return 0
 
@@ -166,7 +189,8 @@ def parser() -> argparse.ArgumentParser:
         "run a Celery worker that owns the engine",
         "It loads the model, beats a heartbeat into Redis (the API is ready once one is live) and "
         "runs the queued jobs in one continuous batch. Run one per accelerator, under a supervisor "
-        "that restarts it (it exits 70 when an engine step stalls).",
+        "that restarts it (it exits 70 when an engine step stalls, 78 when its model does not load "
+        "or its name is held by a live worker, 2 on a Redis whose maxmemory-policy evicts keys).",
         "Settings: SPOOL_REDIS_URL, SPOOL_REDIS_PREFIX, SPOOL_MODEL, SPOOL_DEVICE, SPOOL_DTYPE, the "
         "engine's (SPOOL_MAX_BATCH_SIZE, SPOOL_MAX_MODEL_LEN, ...) and the liveness ones "
         "(SPOOL_HEARTBEAT_S, SPOOL_LEASE_S, SPOOL_WORKER_NAME, ...).",
@@ -179,7 +203,10 @@ def parser() -> argparse.ArgumentParser:
         "api",
         "run the HTTP API (uvicorn api.main:app)",
         "Jobs, their event streams and the OpenAI-compatible routes; /docs has the reference. It "
-        "needs Redis, and a worker for /readyz to answer 200.",
+        "needs Redis, and a worker for /readyz to answer 200. It serves with limits before the app: "
+        "request heads up to SPOOL_MAX_HEADER_BYTES (else 431), a head within SPOOL_HEADER_TIMEOUT_S "
+        "and a body within SPOOL_BODY_TIMEOUT_S (else 408), at most SPOOL_MAX_CONNECTIONS "
+        "connections (else 503). Exits with status 2 on a Redis whose maxmemory-policy evicts keys.",
         "Settings: SPOOL_HOST, SPOOL_PORT, SPOOL_REDIS_URL, SPOOL_REDIS_PREFIX, the request limits "
         "(SPOOL_MAX_TOKENS_CAP, SPOOL_MAX_QUEUED_JOBS, SPOOL_MAX_BODY_BYTES, ...), SPOOL_API_KEYS "
         "and SPOOL_SHUTDOWN_TIMEOUT_S.",
@@ -314,7 +341,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
         return int(args.func(args))
-    except SettingsError as e:
+    except (SettingsError, UnsafeRedis) as e:
         print(f"spool: {e}", file=sys.stderr)
         return SETTINGS_EXIT
     except (Unreachable, BadBatch) as e:

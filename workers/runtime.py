@@ -428,16 +428,34 @@ class EngineRuntime:
 
     def _write(self, appends: list[Append]) -> None:
         try:
-            finished, lost = self._publisher.send(appends)
+            sent = self._publisher.send(appends)  # retries while Redis is unreachable or refuses writes
         except RedisError:
             if not self._stop.is_set():  # Redis unreachable at shutdown: the leases lapse instead
-                log.exception("could not write the step's events; going on")
+                # Not a refusal that passes: a gap follows, and _hand_back resumes the jobs.
+                log.exception("could not write the step's events")
             return
-        for job_id in lost:
+        for job_id in sent.lost:
             log.warning("job %s was taken over by another worker; dropping it", job_id)
             self._inbox.put(_Drop(job_id))
-        self._release(finished, Outcome.FINISHED)
-        self._release(lost, Outcome.LOST)
+        self._hand_back(sent.gaps)
+        self._release(sent.finished, Outcome.FINISHED)
+        self._release(sent.lost | sent.gaps, Outcome.LOST)
+
+    def _hand_back(self, gaps: set[str]) -> None:
+        """Jobs whose log has a gap before this worker's next event (one of its writes was lost):
+        not a take-over (the attempt is still ours). What is stored is consistent, what the engine
+        holds is not, so stop them and lapse their leases: the sweep requeues them and the worker
+        that takes them resumes from the stored tokens, with the text an unbroken run gives."""
+        if not gaps:
+            return
+        held = {job_id: job.attempt for job_id, job in self.held().items() if job_id in gaps}
+        for job_id in gaps:
+            log.error("job %s: its log has a gap before this worker's next event; handing it back", job_id)
+            self._inbox.put(_Drop(job_id))
+        try:
+            self.store.lapse_leases(held)
+        except RedisError as e:  # its lease then lapses unrenewed (this worker no longer holds it)
+            log.warning("could not lapse the leases of %s: %s", sorted(held), e)
 
     def _release(self, job_ids: set[str], outcome: Outcome) -> None:
         with self._lock:

@@ -8,7 +8,7 @@ import redis.asyncio as aredis
 
 from common.schemas import Job, JobList, JobRequest, JobStatus, JobSummary, LogEntry, WorkerHeartbeat
 from common.settings import Settings
-from common.store.clients import async_client
+from common.store.clients import WRITE_PROBE_TTL_MS, async_client
 from common.store.errors import JobNotFound
 from common.store.lua import CANCEL_LUA, CREATE_LUA
 from common.store.records import (
@@ -53,6 +53,10 @@ class AsyncJobStore(WatcherSets):
     async def ping(self) -> bool:
         return bool(await self.redis.ping())
 
+    async def probe_write(self) -> None:
+        """One small write, which raises while Redis refuses writes (common/redis_errors.py)."""
+        await self.redis.set(self.keys.write_probe(), "1", px=WRITE_PROBE_TTL_MS)
+
     async def create_job(
         self,
         request: JobRequest,
@@ -75,7 +79,7 @@ class AsyncJobStore(WatcherSets):
         return record_from_hash(fields, "").job
 
     async def get_record(self, job_id: str) -> JobRecord:
-        async with self.redis.pipeline(transaction=True) as pipe:
+        async with self.redis.pipeline(transaction=False) as pipe:  # see record_reads
             h, text, logged = await record_reads(pipe, self.keys, job_id).execute()
         if not h:
             raise JobNotFound(job_id)
@@ -92,7 +96,8 @@ class AsyncJobStore(WatcherSets):
         return None if owner is None else str(owner)
 
     async def stream_state(self, job_id: str) -> StreamState:
-        async with self.redis.pipeline(transaction=True) as pipe:
+        # No MULTI (see record_reads): a log read after the hash is at least as long as it says.
+        async with self.redis.pipeline(transaction=False) as pipe:
             pipe.hmget(self.keys.job(job_id), ["status", "request", "created_at", "model"])
             pipe.llen(self.keys.job_log(job_id))
             (status, request, created_at, model), length = await pipe.execute()

@@ -114,17 +114,19 @@ return status
 
 
 # KEYS: running zset, job hash, job hash, ... ARGV: lease deadline, job id, attempt, job id, attempt, ...
-# Renews the leases of the jobs a worker still holds (attempt unchanged); returns the ids it lost.
+# Renews the leases of the jobs a worker still holds (attempt unchanged); returns the ids it lost
+# (taken over, or expired). A job that ended at the worker's attempt is not lost: that worker
+# wrote its end (a renewal racing the job's last append must not read as a take-over).
 # With a deadline of 0 it lapses them instead (a restarted worker releasing its earlier run's jobs).
 # Fenced like the appends: a worker that was taken over must not keep the new holder's lease alive.
 RENEW_LUA = """
 local lost = {}
 for i = 2, #KEYS do
   local id, attempt = ARGV[2 * i - 2], ARGV[2 * i - 1]
-  if redis.call('HGET', KEYS[i], 'attempt') == attempt and redis.call('HGET', KEYS[i], 'status') == 'running' then
-    redis.call('ZADD', KEYS[1], 'XX', ARGV[1], id)
-  else
+  if redis.call('HGET', KEYS[i], 'attempt') ~= attempt then
     lost[#lost + 1] = id
+  elseif redis.call('HGET', KEYS[i], 'status') == 'running' then
+    redis.call('ZADD', KEYS[1], 'XX', ARGV[1], id)
   end
 end
 return lost

@@ -96,6 +96,18 @@ class Append:
     final: Final | None = None
 
 
+class Appended(str, enum.Enum):
+    """What became of one Append (APPEND_LUA's reply)."""
+
+    WRITTEN = "written"  # written now, or by an earlier try of the same append
+    FENCED = "fenced"  # another worker took the job over (its attempt moved on)
+    GAP = "gap"  # still this attempt's, but the log does not end just before the first entry
+
+    @classmethod
+    def of(cls, reply: int) -> Appended:
+        return {1: cls.WRITTEN, 2: cls.WRITTEN, 0: cls.FENCED}.get(reply, cls.GAP)
+
+
 ScriptCall = tuple[list[str], list[Any]]  # (KEYS, ARGV) of one Lua script call
 
 
@@ -180,7 +192,13 @@ P = TypeVar("P", redis.client.Pipeline, aredis.client.Pipeline)
 
 
 def record_reads(pipe: P, keys: Keys, job_id: str) -> P:
-    """Queue the reads of a job's record: its hash, its text and its log's length."""
+    """Queue the reads of a job's record: its hash, its text and its log's length.
+
+    In this order, in a pipeline without MULTI: Redis out of memory refuses every command
+    queued in a MULTI, reads included, and reads must go on then. The order makes the reads
+    consistent enough: the script that ends a job writes its last text and its status at once,
+    so a hash read as ended is followed by its whole text (a running job's may be ahead of it).
+    """
     pipe.hgetall(keys.job(job_id))
     pipe.get(keys.job_text(job_id))
     pipe.llen(keys.job_log(job_id))
