@@ -1116,6 +1116,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prefix-requests", type=int, help="prefix section: shared-prefix requests; None: 64 (8 with --quick)")
     p.add_argument("--prefix-len", type=int, help="prefix section: the shared prefix's tokens; None: 1024 (64 with --quick)")
     p.add_argument("--conversations", type=int, help="prefix section: multi-turn conversations; None: 16 (4 with --quick)")
+    p.add_argument("--mixed-requests", type=int, help="mixed and structured sections: requests; None: 64 (12 with --quick)")
     return p.parse_args(argv)
 
 
@@ -1125,7 +1126,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if args.threads:
         torch.set_num_threads(args.threads)
     plan = QUICK if args.quick else FULL
-    smaller = {"prefix_requests": args.prefix_requests, "prefix_len": args.prefix_len, "conversations": args.conversations}
+    smaller = {
+        "prefix_requests": args.prefix_requests,
+        "prefix_len": args.prefix_len,
+        "conversations": args.conversations,
+        "mixed_requests": args.mixed_requests,
+    }
     plan = dataclasses.replace(plan, **{k: v for k, v in smaller.items() if v is not None})
     if torch.device(args.device).type == "cuda":
         global _SYNC

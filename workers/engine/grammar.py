@@ -81,16 +81,15 @@ class Masks:
         self._host = xgr.allocate_token_bitmask(rows, vocab_size)  # [rows, ceil(V / 32)] int32
         if device.type == "cuda":
             self._host = self._host.pin_memory()
+        self._filler = xgr.BatchGrammarMatcher(max_threads="auto")
 
     @torch.inference_mode()
     def apply(self, logits: torch.Tensor, due: Sequence[Request]) -> torch.Tensor:
         rows = [i for i, r in enumerate(due) if r.matcher is not None]
         if not rows:
             return logits
-        for i in rows:  # the kernel reads mask row i for logits row i
-            matcher = due[i].matcher
-            assert matcher is not None
-            matcher.fill_next_token_bitmask(self._host, i)
+        # Row i of the mask for batch row i (what the kernel reads), filled on xgrammar's threads.
+        self._filler.batch_fill_next_token_bitmask([due[i].matcher for i in rows], self._host, indices=rows)
         # The next step fills the buffer again only after this step's transfer to the host, which
         # waits for this copy: a non-blocking copy from the pinned buffer is safe.
         mask = self._host[: rows[-1] + 1].to(self.device, non_blocking=True)
