@@ -257,9 +257,9 @@ class EngineRuntime:
         if taken.status is not TakeStatus.TAKEN:
             return Outcome.SKIPPED
         job = new_job(taken)
-        self._compile(job)
         with self._lock:
-            self._jobs[job_id] = job
+            self._jobs[job_id] = job  # held from now on: its lease is renewed while it compiles
+        self._compile(job)
         if taken.record is not None and taken.record.cancel_requested:
             self._inbox.put(_Abort(job_id, None))  # cancelled while an earlier attempt ran it
         self._inbox.put(_Add(job_id))

@@ -8,10 +8,13 @@ from pathlib import Path
 
 import jsonschema
 import pytest
+import torch
 from greedy import greedy
 
 from workers.engine import SamplingParams
+from workers.engine.detokenizer import IncrementalDetokenizer
 from workers.engine.grammar import GrammarError
+from workers.engine.request import Request
 from workers.engine.tiny import ARCHITECTURES
 
 # A string, an integer, an enum and a nested array; bounded, so a random tiny model ends it.
@@ -95,3 +98,10 @@ def test_schemas_compile_once_and_bad_ones_say_why(make_engine) -> None:  # type
     assert (engine.grammars.compiled, engine.grammars.hits) == (1, 1)
     with pytest.raises(GrammarError, match="integer2"):
         engine.grammars.json({"type": "integer2"})
+
+
+def test_a_batch_with_no_constrained_row_pays_nothing(make_engine) -> None:  # type: ignore[no-untyped-def]
+    engine = make_engine()
+    logits = torch.randn(2, engine.runner.vocab_size)
+    plain = [Request(str(i), [1, 2], SamplingParams(), IncrementalDetokenizer(engine.tokenizer)) for i in range(2)]
+    assert engine.masks.apply(logits, plain) is logits  # no fill, no copy, no kernel
