@@ -334,19 +334,34 @@ def _listed(api: Api, limit: int, status: str | None) -> tuple[list[dict[str, An
     params: dict[str, Any] = {"status": status} if status else {}
     while len(jobs) < limit:
         params["limit"] = min(limit - len(jobs), PAGE_MAX)
-        try:
-            resp = api.http.get("/v1/jobs", params=params)
-        except httpx.TransportError as e:
-            api.lost(e)
-            return jobs, f"connection lost ({e})"
-        if resp.is_error:
-            return jobs, _error(resp)
-        page = resp.json()
+        page, error = _page(api, params)
+        if page is None:
+            return jobs, error
         jobs += page["data"]
         if not page["has_more"]:
             break
         params["after"] = page["last_id"]
     return jobs, None
+
+
+def _page(api: Api, params: dict[str, Any]) -> tuple[dict[str, Any] | None, str | None]:
+    """(one page of GET /v1/jobs, None) or (None, the error); a lost connection or a 502, 503 or
+    504 is tried again with back-off, up to ``MAX_RECONNECTS`` times."""
+    failures = 0
+    while True:
+        try:
+            resp = api.http.get("/v1/jobs", params=params)
+        except httpx.TransportError as e:
+            api.lost(e)
+            error = f"connection lost ({e})"
+        else:
+            if resp.status_code not in RETRY_STATUSES:
+                return (None, _error(resp)) if resp.is_error else (resp.json(), None)
+            error = _error(resp)
+        failures += 1
+        if failures > MAX_RECONNECTS:
+            return None, error
+        _back_off(failures)
 
 
 # -- batch ---------------------------------------------------------------------------------------

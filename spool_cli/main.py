@@ -245,8 +245,7 @@ def parser() -> argparse.ArgumentParser:
         "job's id. A dropped connection, or a 502, 503 or 504 while reconnecting (a replica "
         "restarting, Redis unreachable), resumes the stream after the last event shown, backing off "
         "for up to about 45 s in all before giving up. Ctrl-C leaves the job running and prints how "
-        "to resume it (spool job ID --follow) or cancel it; a second Ctrl-C within 2 s cancels it. "
-        "The job is recorded for spool jobs.",
+        "to resume it (spool job ID --follow) or cancel it; a second Ctrl-C within 2 s cancels it.",
         CLIENT_SETTINGS,
         'echo "Speak, friend." | spool generate - --chat --system "You are terse." --max-tokens 40 --seed 7',
     )
@@ -289,7 +288,8 @@ def parser() -> argparse.ArgumentParser:
         "jobs",
         "list the API key's jobs, newest first, with their status, tokens, creation time and model",
         "Asks the API (GET /v1/jobs) for the jobs of --api-key (without keys on the API: every "
-        "job), whichever client submitted them, page after page until --limit are shown. A job "
+        "job), whichever client submitted them, page after page until --limit are shown (a dropped "
+        "connection or a 502, 503 or 504 asks for the page again, with back-off). A job "
         "is listed until the API forgets it, SPOOL_JOB_TTL_S after it ended; the model shows once "
         "a worker took the job.",
         CLIENT_SETTINGS,
