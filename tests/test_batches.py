@@ -167,7 +167,7 @@ def _text(body: dict[str, Any]) -> str:
 
 def test_bad_lines_fail_with_the_endpoints_errors_and_the_rest_complete(oai: openai.OpenAI, batch_cluster: Cluster) -> None:
     lines = [chat_line(i) for i in range(6)]
-    lines[1]["body"]["frequency_penalty"] = 0.5  # an unsupported parameter: the endpoint's 400
+    lines[1]["body"]["n"] = 2  # refused by the endpoint: 400 unsupported_parameter
     del lines[4]["body"]["messages"]  # a missing field: the endpoint's 422
     batch = ended(oai, run_batch(oai, lines, "/v1/chat/completions"))
     assert batch.status == "completed"
