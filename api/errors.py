@@ -18,7 +18,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from starlette.exceptions import HTTPException
 
-from common.schemas import LIMIT_EXCEEDED
+from common.schemas import INVALID_PART, LIMIT_EXCEEDED
 from common.store import Conflict, JobNotFound
 
 # OpenAI-style error types, so clients written against that API branch on familiar names.
@@ -108,7 +108,9 @@ async def _validation_error(_: Request, exc: Exception) -> JSONResponse:
         )
     message = "; ".join(f"{_location(e['loc']) or 'body'}: {e['msg']}" for e in errors)
     # Valid in form but above a limit of this server (e.g. SPOOL_MAX_TOKENS_CAP): 400, with the numbers.
-    status = 400 if first["type"] == LIMIT_EXCEEDED else 422
+    # A job's parts that do not fit (an unknown type, prompt_from forward, a bad size): 400 too.
+    bad_parts = first["type"] == INVALID_PART or first["loc"][1:2] == ("parts",)
+    status = 400 if first["type"] == LIMIT_EXCEEDED or bad_parts else 422
     return _respond(ApiError(status, message, param=_location(first["loc"]), code=str(first["type"])))
 
 

@@ -19,8 +19,9 @@ NO_WORKER_RETRY_S = 2
 
 
 async def served_models(store: AsyncJobStore) -> dict[str, WorkerHeartbeat]:
-    """One heartbeat per served model name, from the workers that are alive now."""
-    return {w.model: w for w in sorted(await store.list_workers(), key=lambda w: w.name)}
+    """One heartbeat per served (text) model name, from the workers that are alive now."""
+    workers = sorted(await store.list_workers(), key=lambda w: w.name)
+    return {w.model: w for w in workers if w.kind == "text"}
 
 
 class ServedModels:
@@ -79,7 +80,15 @@ def check_with_live_workers(models: Mapping[str, WorkerHeartbeat], request: JobR
     worker then refuses what its model cannot take, and the job fails with the reason.
     """
     if models:
-        check_servable(request, models[min(models)])
+        for text in text_requests(request):
+            check_servable(text, models[min(models)])
+
+
+def text_requests(request: JobRequest) -> list[JobRequest]:
+    """What the text model runs of a request: itself, or its text parts."""
+    if request.parts is None:
+        return [request]
+    return [r for k in range(len(request.parts)) if isinstance(r := request.part_request(k), JobRequest)]
 
 
 def check_servable(request: JobRequest, worker: WorkerHeartbeat) -> None:

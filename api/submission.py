@@ -30,7 +30,7 @@ async def submit_job(services: Services, body: JobRequest, idempotency_key: str 
     metrics = services.metrics
     try:
         job = await services.store.create_job(
-            body, current_owner(), services.enqueuer.generate, idempotency_key
+            body, current_owner(), services.enqueuer.generate, idempotency_key, services.enqueuer.media
         )
     except QueueFull as e:
         metrics.jobs_rejected.labels("queue_full").inc()

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from fastapi import APIRouter, Request, Response
+from fastapi import APIRouter, Path, Request, Response
 from fastapi.sse import EventSourceResponse
 
 from api.deps import (
@@ -15,15 +15,17 @@ from api.deps import (
     JobId,
     JobRequestDep,
     ServicesDep,
+    StoreDep,
     StreamStateDep,
 )
+from api.errors import ApiError
 from api.openai_compat.chunks import View
 from api.served import check_with_live_workers, served_models
 from api.services import Services
 from api.sse import event_stream, relay, to_sse_list
 from api.submission import streamed_submit, submit_job, wait_for_job
 from common.schemas import Job
-from common.store import StreamState
+from common.store import JobNotFound, StreamState
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 
@@ -80,6 +82,26 @@ async def cancel_job(job_id: JobId, services: ServicesDep) -> Job:
     """
     services.metrics.jobs_cancelled.inc()
     return await services.store.request_cancel(job_id)
+
+
+@router.get(
+    "/{job_id}/parts/{index}/content",
+    response_class=Response,
+    responses={200: {"content": {"image/png": {}}, "description": "The image part's PNG"}},
+)
+async def part_content(job_id: JobId, index: Annotated[int, Path(ge=0, le=1 << 16)], store: StoreDep) -> Response:
+    """An image part's bytes, from any replica, until the job expires (404 before the part succeeded)."""
+    data = await store.part_content(job_id, index)
+    if data is None:
+        if await store.owner(job_id) is None:
+            raise JobNotFound(job_id)
+        raise ApiError(
+            404,
+            f"Part {index} of job {job_id!r} has no content: not an image part, not succeeded, or expired",
+            param="index",
+            code="content_not_found",
+        )
+    return Response(data, media_type="image/png")
 
 
 # NOTE: no response_class=EventSourceResponse here: with it FastAPI expects a yield endpoint.
