@@ -16,16 +16,22 @@ from common.settings import SettingsError, get_settings
 SETTINGS_EXIT = 2
 
 
-def cmd_worker(_: argparse.Namespace) -> int:
-    from workers.celery_app import app, worker_concurrency  # loads torch: only here
-
+def cmd_worker(args: argparse.Namespace) -> int:
     settings = get_settings()
+    if args.kind == "media":
+        from workers.media.tasks import app  # loads torch and diffusers: only here
+
+        concurrency, queue = 1, settings.keys.queue_media
+    else:
+        from workers.celery_app import app, worker_concurrency  # loads torch: only here
+
+        concurrency, queue = worker_concurrency(settings), settings.keys.queue_llm
     app.worker_main(
         [
             "worker",
             "--pool=threads",
-            f"--concurrency={worker_concurrency(settings)}",
-            f"--queues={settings.keys.queue_llm}",
+            f"--concurrency={concurrency}",
+            f"--queues={queue}",
             "--loglevel=INFO",
             # Liveness is Spool's own heartbeat key; Celery's chatter only slows the start.
             "--without-gossip",
@@ -75,6 +81,13 @@ def cmd_tiny_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_tiny_image_model(args: argparse.Namespace) -> int:
+    from workers.media.tiny import build_tiny_image_model
+
+    print(build_tiny_image_model(args.dir))
+    return 0
+
+
 def default_url() -> str:
     settings = get_settings()
     return f"http://{settings.host}:{settings.port}"
@@ -91,7 +104,14 @@ def parser() -> argparse.ArgumentParser:
     )
     sub = root.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    p = sub.add_parser("worker", help="run a Celery worker that owns the engine (settings from SPOOL_*)")
+    p = sub.add_parser(
+        "worker",
+        help="run a Celery worker that owns the engine (settings from SPOOL_*)",
+        description="--kind text (the default) runs text jobs and text parts on SPOOL_MODEL; "
+        "--kind media runs image parts on one diffusers pipeline (SPOOL_IMAGE_MODEL, "
+        "SPOOL_IMAGE_DEVICE, SPOOL_IMAGE_DTYPE), one image at a time.",
+    )
+    p.add_argument("--kind", choices=["text", "media"], default="text", help="the jobs it runs (default: text)")
     p.set_defaults(func=cmd_worker)
 
     p = sub.add_parser("api", help="run the HTTP API (uvicorn api.main:app)")
@@ -137,6 +157,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("dir", type=Path)
     p.add_argument("--arch", choices=["llama", "qwen2", "gpt2", "opt"], default="llama")
     p.set_defaults(func=cmd_tiny_model)
+
+    p = sub.add_parser(
+        "tiny-image-model",
+        help="write a tiny random Stable Diffusion pipeline (for tests and demos; its images are noise)",
+    )
+    p.add_argument("dir", type=Path)
+    p.set_defaults(func=cmd_tiny_image_model)
     return root
 
 

@@ -1,4 +1,5 @@
-"""``spool up``: a worker and the API as child processes, on a Redis found or started here."""
+"""``spool up``: a text worker, a media worker and the API as child processes, on a Redis found
+or started here."""
 
 from __future__ import annotations
 
@@ -83,6 +84,9 @@ def up() -> int:
     spool = [sys.executable, "-m", "spool_cli.main"]
     try:
         procs.append(subprocess.Popen([*spool, "worker"], env=env))
+        # Its own name: a SPOOL_WORKER_NAME given for the pair would make them one heartbeat.
+        media_name = {"SPOOL_WORKER_NAME": f"{env['SPOOL_WORKER_NAME']}-media"} if env.get("SPOOL_WORKER_NAME") else {}
+        procs.append(subprocess.Popen([*spool, "worker", "--kind", "media"], env={**env, **media_name}))
         procs.append(subprocess.Popen([*spool, "api"], env=env))
         # Block until any child exits (or Ctrl-C); then stop the rest.
         os.wait()

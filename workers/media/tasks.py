@@ -1,0 +1,62 @@
+"""The media workers' Celery app and task: hands an image part to this process's MediaRuntime.
+
+Its own app, on the ``{p}.media`` queue with one task thread: a worker runs one pipeline, one
+image at a time. The runtime starts with the worker (``worker_init``: the pipeline is loaded
+before the first message is consumed) and stops with it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from celery import Task, signals
+from redis.exceptions import RedisError
+
+from common.keys import MEDIA_TASK, REQUEUE_PRIORITY
+from common.process import freeze_startup_objects
+from common.settings import get_settings
+from workers.celery_app import make_app
+from workers.media.runtime import MediaRuntime
+from workers.runtime import Outcome
+
+RETRY_MARGIN_S = 0.5  # past this worker's lease deadline (as workers/tasks.py)
+
+_settings = get_settings()
+app = make_app(_settings, include=(), queue=_settings.keys.queue_media, concurrency=1)
+
+_runtime: MediaRuntime | None = None
+
+
+def requeue(part_id: str) -> None:
+    """Send a part's message again (the sweep found it orphaned: workers/reaper.py)."""
+    app.send_task(MEDIA_TASK, args=[part_id], queue=_settings.keys.queue_media, priority=REQUEUE_PRIORITY)
+
+
+@signals.worker_init.connect
+def start_runtime(sender: Any, **_: Any) -> None:
+    global _runtime
+    if sender.app is not app:
+        return
+    _runtime = MediaRuntime.from_settings(_settings, _settings.worker_name or sender.hostname, requeue)
+    freeze_startup_objects()
+
+
+@signals.worker_shutdown.connect
+def stop_runtime(**_: Any) -> None:
+    if _runtime is not None:
+        _runtime.close()
+
+
+@app.task(
+    name=MEDIA_TASK,
+    bind=True,
+    max_retries=None,
+    autoretry_for=(RedisError,),
+    retry_backoff=True,
+    retry_backoff_max=30,
+)
+def generate_image(self: Task, part_id: str) -> None:
+    if _runtime is None:
+        raise RuntimeError("the media runtime starts with the worker (worker_init); none is running")
+    if _runtime.run_part(part_id) is Outcome.SHUTDOWN:
+        raise self.retry(countdown=_settings.lease_s + RETRY_MARGIN_S)
