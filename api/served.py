@@ -24,6 +24,11 @@ async def served_models(store: AsyncJobStore) -> dict[str, WorkerHeartbeat]:
     return {w.model: w for w in workers if w.kind == "text"}
 
 
+async def media_models(store: AsyncJobStore) -> set[str]:
+    """The image pipelines the live media workers serve."""
+    return {w.model for w in await store.list_workers() if w.kind == "media"}
+
+
 class ServedModels:
     """``served_models`` for the submit paths, read from Redis at most once per ``ttl_s`` per API
     process while a worker is live: a burst of submissions reads the heartbeats once, not once

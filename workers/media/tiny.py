@@ -95,6 +95,7 @@ def build_tiny_image_model(out_dir: str | os.PathLike[str]) -> Path:
         beta_schedule="scaled_linear",
         clip_sample=False,
         set_alpha_to_one=False,
+        steps_offset=1,
     )
     pipe = StableDiffusionPipeline(
         vae=vae,
