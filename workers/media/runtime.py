@@ -82,7 +82,8 @@ class MediaRuntime:
         """Load the pipeline (the tiny one by default), beat once and start liveness."""
         model = settings.image_model or str(default_image_model_path())
         pipeline = ImagePipeline(model, settings.image_device, settings.image_dtype)
-        runtime = cls(pipeline, SyncJobStore.from_settings(settings), settings, name, settings.image_model or "spool-tiny-image")
+        store = SyncJobStore.from_settings(settings)
+        runtime = cls(pipeline, store, settings, name, settings.image_model or "spool-tiny-image", requeue)
         runtime.liveness.start()
         return runtime
 
