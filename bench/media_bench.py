@@ -35,15 +35,14 @@ from typing import Any
 import httpx
 import redis
 import torch
-
 from stack_bench import REPO_ROOT, Procs, spool_argv, spool_env, start_api, start_redis, wait_until
 
 sys.path.insert(0, str(REPO_ROOT))
 
-from common.keys import Keys  # noqa: E402
-from workers.engine.tiny import build_tiny_model  # noqa: E402
-from workers.media.pipeline import ImagePipeline, ImageSpec  # noqa: E402
-from workers.media.tiny import build_tiny_image_model  # noqa: E402
+from common.keys import Keys
+from workers.engine.tiny import build_tiny_model
+from workers.media.pipeline import ImagePipeline, ImageSpec
+from workers.media.tiny import build_tiny_image_model
 
 PREFIX = "bench-media"
 
@@ -87,6 +86,7 @@ def ttft(url: str, jobs: int, size: int, steps: int) -> dict[str, float]:
         for i in range(jobs):  # alternated, so a slow moment of a shared machine hits both
             runs["text"].append(first_token_s(c, {"parts": [text]}))
             runs["text+image"].append(first_token_s(c, {"parts": [text, {**image, "seed": i}]}))
+
         # Let the last image parts finish before anything else is measured.
         def idle() -> bool:
             workers = c.get("/readyz").json()["workers"]

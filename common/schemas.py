@@ -185,7 +185,9 @@ class ImagePart(BaseModel):
     def _size(cls, v: str, info: ValidationInfo) -> str:
         m = _SIZE.match(v)
         if not m:
-            raise PydanticCustomError(INVALID_PART, "size must be WIDTHxHEIGHT, e.g. 256x256; got {v!r}", {"v": v})
+            raise PydanticCustomError(
+                INVALID_PART, "size must be WIDTHxHEIGHT, e.g. 256x256; got {v!r}", {"v": v}
+            )
         w, h = int(m[1]), int(m[2])
         if w % 8 or h % 8:
             raise PydanticCustomError(

@@ -111,7 +111,9 @@ def parser() -> argparse.ArgumentParser:
         "--kind media runs image parts on one diffusers pipeline (SPOOL_IMAGE_MODEL, "
         "SPOOL_IMAGE_DEVICE, SPOOL_IMAGE_DTYPE), one image at a time.",
     )
-    p.add_argument("--kind", choices=["text", "media"], default="text", help="the jobs it runs (default: text)")
+    p.add_argument(
+        "--kind", choices=["text", "media"], default="text", help="the jobs it runs (default: text)"
+    )
     p.set_defaults(func=cmd_worker)
 
     p = sub.add_parser("api", help="run the HTTP API (uvicorn api.main:app)")

@@ -85,7 +85,8 @@ def up() -> int:
     try:
         procs.append(subprocess.Popen([*spool, "worker"], env=env))
         # Its own name: a SPOOL_WORKER_NAME given for the pair would make them one heartbeat.
-        media_name = {"SPOOL_WORKER_NAME": f"{env['SPOOL_WORKER_NAME']}-media"} if env.get("SPOOL_WORKER_NAME") else {}
+        named = env.get("SPOOL_WORKER_NAME")
+        media_name = {"SPOOL_WORKER_NAME": f"{named}-media"} if named else {}
         procs.append(subprocess.Popen([*spool, "worker", "--kind", "media"], env={**env, **media_name}))
         procs.append(subprocess.Popen([*spool, "api"], env=env))
         # Block until any child exits (or Ctrl-C); then stop the rest.

@@ -27,10 +27,10 @@ from procs import (
     Prefixes,
     Service,
     finished_job,
+    spool_env,
     start,
     start_api,
     start_worker,
-    spool_env,
     wait_until,
 )
 from sse_client import Event, check_full_stream, read_events
@@ -164,18 +164,28 @@ def test_partial_when_the_image_times_out(client: httpx.Client, media: Media) ->
 
 def test_prompt_from_takes_the_text_parts_final_text(client: httpx.Client, media: Media) -> None:
     text = {"type": "text", "prompt": "The sea", "max_tokens": 6, "temperature": 0}
-    job_id = submit(client, media, [text, {"type": "image", "prompt_from": 0, "size": "32x32", "steps": 2, "seed": 7}])
+    job_id = submit(
+        client, media, [text, {"type": "image", "prompt_from": 0, "size": "32x32", "steps": 2, "seed": 7}]
+    )
     events = events_of(client, media, job_id)
     job = finished_job(client, media.url, job_id)
     assert job["status"] == "succeeded", job
     # The image part started only after the text part ended.
-    ends = [e.id for e in events if e.event == "part" and e.data == {**e.data, "part": 0, "status": "succeeded"}]
-    starts = [e.id for e in events if e.event == "part" and e.data.get("part") == 1 and e.data["status"] == "running"]
+    ends = [
+        e.id for e in events if e.event == "part" and e.data == {**e.data, "part": 0, "status": "succeeded"}
+    ]
+    starts = [
+        e.id
+        for e in events
+        if e.event == "part" and e.data.get("part") == 1 and e.data["status"] == "running"
+    ]
     assert ends and starts and ends[0] < starts[0]
     # Its image is the one that prompt gives directly.
     final_text = job["parts"][0]["text"]
     assert final_text
-    direct = submit(client, media, [{"type": "image", "prompt": final_text, "size": "32x32", "steps": 2, "seed": 7}])
+    direct = submit(
+        client, media, [{"type": "image", "prompt": final_text, "size": "32x32", "steps": 2, "seed": 7}]
+    )
     assert finished_job(client, media.url, direct)["status"] == "succeeded"
     assert content(client, media, direct, 0) == content(client, media, job_id, 1)
 
@@ -273,7 +283,9 @@ def test_bad_parts_are_400s_with_the_reason(
 def test_sigkill_mid_image_another_media_worker_takes_over(client: httpx.Client, media: Media) -> None:
     r = redis.Redis.from_url(REDIS_URL, decode_responses=True)
     media.start_media_worker("m2")
-    job_id = submit(client, media, [{"type": "image", "prompt": "takeover", "size": "64x64", "steps": 24, "seed": 9}])
+    job_id = submit(
+        client, media, [{"type": "image", "prompt": "takeover", "size": "64x64", "steps": 24, "seed": 9}]
+    )
     url = f"{media.url}/v1/jobs/{job_id}/events"
     seen = read_events(client, url, stop_after=4)  # running, steps 1 to 3
     part_hash = media.keys.job(f"{job_id}:part:0")
@@ -292,6 +304,8 @@ def test_sigkill_mid_image_another_media_worker_takes_over(client: httpx.Client,
     assert after == list(range(1, 25))  # the new attempt ran from step 0
     assert r.hget(part_hash, "worker") != victim_name
     # The same image as one never interrupted.
-    clean = submit(client, media, [{"type": "image", "prompt": "takeover", "size": "64x64", "steps": 24, "seed": 9}])
+    clean = submit(
+        client, media, [{"type": "image", "prompt": "takeover", "size": "64x64", "steps": 24, "seed": 9}]
+    )
     assert finished_job(client, media.url, clean)["status"] == "succeeded"
     assert content(client, media, clean, 0) == content(client, media, job_id, 0)

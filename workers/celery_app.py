@@ -41,7 +41,10 @@ def make_app(
         # Celery's defaults ("celery", "celeryev") would be shared by every prefix on the Redis.
         control_exchange=settings.keys.control_exchange,
         event_exchange=settings.keys.event_exchange,
-        task_routes={GENERATE_TASK: {"queue": settings.keys.queue_llm}, MEDIA_TASK: {"queue": settings.keys.queue_media}},
+        task_routes={
+            GENERATE_TASK: {"queue": settings.keys.queue_llm},
+            MEDIA_TASK: {"queue": settings.keys.queue_media},
+        },
         broker_transport_options={"visibility_timeout": VISIBILITY_TIMEOUT_S, **settings.keys.broker_unacked},
         # Redis, without the restore that kills the worker when Redis restarts (workers/broker.py).
         broker_transport=TRANSPORT,

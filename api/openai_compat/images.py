@@ -42,9 +42,7 @@ class ImageGenerationRequest(_Open):
             if (value := getattr(self, name)) is not None:
                 part[name] = value
         # Each image of n its own seed (one seed given: seed, seed + 1, ...), so they differ.
-        parts = [
-            {**part, "seed": part["seed"] + i} if "seed" in part else part for i in range(self.n or 1)
-        ]
+        parts = [{**part, "seed": part["seed"] + i} if "seed" in part else part for i in range(self.n or 1)]
         fields = {"parts": parts, "background": False, "user": self.user}
         try:
             return JobRequest.accept({k: v for k, v in fields.items() if v is not None}, settings)
@@ -55,7 +53,10 @@ class ImageGenerationRequest(_Open):
 def failure(job: Job) -> ApiError:
     """A job that did not make every image: the first failed part's reason."""
     failed = next((p for p in job.parts if p["status"] != JobStatus.SUCCEEDED.value), None)
-    error = (failed or {}).get("error") or {"message": f"the job ended {job.status.value}", "type": "cancelled"}
+    error = (failed or {}).get("error") or {
+        "message": f"the job ended {job.status.value}",
+        "type": "cancelled",
+    }
     status = 504 if error["type"] == "timeout" else 500
     return ApiError(status, f"Image generation failed: {error['message']}", code=error["type"])
 

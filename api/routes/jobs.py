@@ -89,7 +89,9 @@ async def cancel_job(job_id: JobId, services: ServicesDep) -> Job:
     response_class=Response,
     responses={200: {"content": {"image/png": {}}, "description": "The image part's PNG"}},
 )
-async def part_content(job_id: JobId, index: Annotated[int, Path(ge=0, le=1 << 16)], store: StoreDep) -> Response:
+async def part_content(
+    job_id: JobId, index: Annotated[int, Path(ge=0, le=1 << 16)], store: StoreDep
+) -> Response:
     """An image part's bytes, from any replica, until the job expires (404 before the part succeeded)."""
     data = await store.part_content(job_id, index)
     if data is None:

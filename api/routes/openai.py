@@ -47,7 +47,8 @@ async def images_generations(body: ImageGenerationRequest, services: ServicesDep
         if models and body.model not in models:
             raise ApiError(
                 404,
-                f"The image model {body.model!r} does not exist; this server serves {', '.join(map(repr, models))}",
+                f"The image model {body.model!r} does not exist; "
+                f"this server serves {', '.join(map(repr, models))}",
                 param="model",
                 code="model_not_found",
             )

@@ -5,7 +5,6 @@ from __future__ import annotations
 import time
 
 import redis.asyncio as aredis
-
 from redis.asyncio.client import NEVER_DECODE
 
 from common.keys import part_id
@@ -27,8 +26,8 @@ from common.store.records import (
     decode_log,
     heartbeats_from,
     job_text,
-    record_from_hash,
     part_reads,
+    record_from_hash,
     record_reads,
     with_parts,
     worker_keys,

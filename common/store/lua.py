@@ -88,7 +88,8 @@ return 1
 # ``summary`` is the data of the event that ended it; the job's ``done`` lists them all.
 PARTS_LIB = """
 local function part_event(log, chan, data, kind)
-  local entry = '{"seq":' .. (redis.call('LLEN', log) + 1) .. ',"type":"' .. (kind or 'part') .. '","data":' .. data .. '}'
+  local seq = redis.call('LLEN', log) + 1
+  local entry = '{"seq":' .. seq .. ',"type":"' .. (kind or 'part') .. '","data":' .. data .. '}'
   redis.call('RPUSH', log, entry)
   redis.call('PUBLISH', chan, entry)
 end
@@ -107,7 +108,8 @@ local function finish_job(job, log, chan, text, now, ttl)
   if redis.call('HGET', job, 'cancel_requested') == '1' then status = 'cancelled'
   elseif bad == 0 then status = 'succeeded'
   elseif ok == 0 then status = 'failed' end
-  part_event(log, chan, '{"status":"' .. status .. '","parts":[' .. table.concat(summaries, ',') .. ']}', 'done')
+  local done = '{"status":"' .. status .. '","parts":[' .. table.concat(summaries, ',') .. ']}'
+  part_event(log, chan, done, 'done')
   redis.call('HSET', job, 'status', status, 'finished_at', now)
   for _, key in ipairs({job, log, text}) do redis.call('EXPIRE', key, ttl) end
   for _, k in ipairs(pk) do

@@ -364,7 +364,12 @@ def as_part_entry(entry: LogEntry, index: int) -> LogEntry:
     if entry.type == "token":
         return entry.model_copy(update={"data": {"part": index, **data}})
     if entry.type == "done":
-        end = {"part": index, "status": data["status"], "finish_reason": data["finish_reason"], "usage": data["usage"]}
+        end = {
+            "part": index,
+            "status": data["status"],
+            "finish_reason": data["finish_reason"],
+            "usage": data["usage"],
+        }
         return LogEntry.part_status(entry.seq, end)
     if entry.type == "error":
         error = {"message": data["message"], "type": data["type"]}

@@ -148,7 +148,13 @@ class MediaRuntime:
         prompt = request.prompt if request.prompt is not None else self._prompt_from(job_id, request)
         seed = request.seed if request.seed is not None else secrets.randbelow(2**63)
         spec = ImageSpec(
-            prompt, request.width, request.height, request.steps, seed, request.guidance_scale, request.negative_prompt
+            prompt,
+            request.width,
+            request.height,
+            request.steps,
+            seed,
+            request.guidance_scale,
+            request.negative_prompt,
         )
         try:
             image = self.pipeline.generate(spec, lambda step, steps: self._progress(part, step, steps))
@@ -201,7 +207,12 @@ class MediaRuntime:
         return self._end(part, JobStatus.FAILED, {"error": error.model_dump()}, error=error)
 
     def _end(
-        self, part: _Part, status: JobStatus, result: dict[str, Any], png: bytes = b"", error: JobError | None = None
+        self,
+        part: _Part,
+        status: JobStatus,
+        result: dict[str, Any],
+        png: bytes = b"",
+        error: JobError | None = None,
     ) -> Outcome:
         entry = LogEntry.part_status(part.seq(), {"part": part.index, "status": status.value, **result})
         final = Final(status, None, error)
