@@ -19,7 +19,7 @@ from common.schemas import Job, JobRequest, JobStatus
 from common.settings import Settings
 
 # OpenAI's parameters whose value here asks for what Spool does anyway.
-_NEUTRAL_IMAGE: dict[str, object] = {"quality": ("auto", "standard"), "output_format": ("png",)}
+_NEUTRAL_IMAGE: dict[str, tuple[object, ...]] = {"quality": ("auto", "standard"), "output_format": ("png",)}
 
 
 class ImageGenerationRequest(_Open):

@@ -107,7 +107,7 @@ def build_tiny_image_model(out_dir: str | os.PathLike[str]) -> Path:
         feature_extractor=None,
         requires_safety_checker=False,
     )
-    pipe.save_pretrained(out)
+    pipe.save_pretrained(out)  # type: ignore[attr-defined]
     return out
 
 
