@@ -79,6 +79,7 @@ StreamStateDep = Annotated[StreamState, Depends(_stream_state)]
 
 async def _cursor(
     state: StreamStateDep,
+    services: ServicesDep,
     last_event_id: Annotated[int | None, Header(ge=0)] = None,
     after: Annotated[int | None, Query(ge=0)] = None,
 ) -> int:
@@ -93,6 +94,8 @@ async def _cursor(
             param="Last-Event-ID",
             code="invalid_cursor",
         )
+    if cursor:
+        services.metrics.sse_resumes.inc()
     return cursor
 
 

@@ -1,8 +1,8 @@
 """The one error envelope, ``{"error": {"message", "type", "param", "code"}}``, for every error.
 
 Handlers map FastAPI's own errors (HTTPException, request validation, the body-size limit) and
-infrastructure failures (Redis or the Celery broker unreachable) into it, so a client parses
-one shape whatever went wrong.
+infrastructure failures (Redis or the Celery broker unreachable, Redis refusing writes) into it,
+so a client parses one shape whatever went wrong.
 """
 
 from __future__ import annotations
@@ -14,10 +14,9 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 from starlette.exceptions import HTTPException
 
+from common.redis_errors import UNREACHABLE, WRITE_REFUSED
 from common.schemas import INVALID_PART, LIMIT_EXCEEDED
 from common.store import Conflict, JobNotFound
 
@@ -33,6 +32,8 @@ _TYPES: Mapping[int, str] = {
     429: "rate_limit_error",
     503: "service_unavailable_error",
 }
+WRITE_REFUSED_TYPE = "redis_write_refused_error"  # a 503 whose cause a client may want to tell apart
+RETRY_AFTER_S = 1  # Redis back, or taking writes again: usually seconds
 
 
 class ApiError(Exception):
@@ -46,6 +47,7 @@ class ApiError(Exception):
         param: str | None = None,
         code: str | None = None,
         headers: Mapping[str, str] | None = None,
+        error_type: str | None = None,  # else the status's (_TYPES)
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -53,6 +55,7 @@ class ApiError(Exception):
         self.param = param
         self.code = code
         self.headers = dict(headers or {})
+        self.error_type = error_type
 
 
 def body_errors(e: ValidationError, renamed: Mapping[str, str] | None = None) -> RequestValidationError:
@@ -65,15 +68,19 @@ def body_errors(e: ValidationError, renamed: Mapping[str, str] | None = None) ->
 
 
 def error_body(
-    status: int, message: str, param: str | None = None, code: str | None = None
+    status: int,
+    message: str,
+    param: str | None = None,
+    code: str | None = None,
+    error_type: str | None = None,
 ) -> dict[str, Any]:
-    return {
-        "error": {"message": message, "type": _TYPES.get(status, "api_error"), "param": param, "code": code}
-    }
+    kind = error_type or _TYPES.get(status, "api_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 def _respond(err: ApiError) -> JSONResponse:
-    return JSONResponse(error_body(err.status, err.message, err.param, err.code), err.status, err.headers)
+    body = error_body(err.status, err.message, err.param, err.code, err.error_type)
+    return JSONResponse(body, err.status, err.headers)
 
 
 async def _api_error(_: Request, exc: Exception) -> JSONResponse:
@@ -97,10 +104,12 @@ def _location(loc: Sequence[int | str]) -> str | None:
     return ".".join(parts) or None
 
 
-async def _validation_error(_: Request, exc: Exception) -> JSONResponse:
+async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
     errors = exc.errors()
     first = errors[0]
+    if first["type"] == LIMIT_EXCEEDED and (context := await _past_the_context(request, first)):
+        return _respond(context)
     if first["type"] == "json_invalid":
         # Not JSON at all: a malformed request (400) rather than a schema violation (422).
         return _respond(
@@ -112,6 +121,27 @@ async def _validation_error(_: Request, exc: Exception) -> JSONResponse:
     bad_parts = first["type"] == INVALID_PART or first["loc"][1:2] == ("parts",)
     status = 400 if first["type"] == LIMIT_EXCEEDED or bad_parts else 422
     return _respond(ApiError(status, message, param=_location(first["loc"]), code=str(first["type"])))
+
+
+async def _past_the_context(request: Request, error: Mapping[str, Any]) -> ApiError | None:
+    """max_tokens above SPOOL_MAX_TOKENS_CAP and past the served model's context too: the error
+    names the model's limit (the smaller, so one error says how far to go), and the cap."""
+    services = getattr(request.app.state, "services", None)
+    value, cap = error.get("ctx", {}).get("value"), error.get("ctx", {}).get("cap")
+    if services is None or not isinstance(value, int):
+        return None
+    limits = [w.max_model_len for w in (await services.served.get()).values() if w.max_model_len]
+    if not limits or value < min(limits):
+        return None
+    limit = min(limits)
+    return ApiError(
+        400,
+        f"This model's maximum context length is {limit} tokens, for the prompt and the completion "
+        f"together; {_location(error['loc'])} is {value} (and this server's cap, SPOOL_MAX_TOKENS_CAP, "
+        f"is {cap}). Ask for fewer than {limit} tokens.",
+        param=_location(error["loc"]),
+        code="context_length_exceeded",
+    )
 
 
 async def _not_found(_: Request, exc: Exception) -> JSONResponse:
@@ -129,8 +159,28 @@ async def _conflict(_: Request, exc: Exception) -> JSONResponse:
 
 async def _backend_down(_: Request, exc: Exception) -> JSONResponse:
     return _respond(
-        ApiError(503, f"Service unavailable: Redis is unreachable ({exc})", code="backend_unavailable")
+        ApiError(
+            503,
+            f"Service unavailable: Redis is unreachable ({exc})",
+            code="backend_unavailable",
+            headers={"Retry-After": str(RETRY_AFTER_S)},
+        )
     )
+
+
+def write_refused(exc: Exception) -> ApiError:
+    """Redis is up and refuses writes (out of memory, or a read-only replica): it passes."""
+    return ApiError(
+        503,
+        f"Service unavailable: Redis refused the write ({exc}); retry later",
+        code="redis_write_refused",
+        error_type=WRITE_REFUSED_TYPE,
+        headers={"Retry-After": str(RETRY_AFTER_S)},
+    )
+
+
+async def _write_refused(_: Request, exc: Exception) -> JSONResponse:
+    return _respond(write_refused(exc))
 
 
 async def _internal(_: Request, exc: Exception) -> JSONResponse:
@@ -144,6 +194,10 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(JobNotFound, _not_found)
     app.add_exception_handler(Conflict, _conflict)
-    for exc in (RedisConnectionError, RedisTimeoutError):
+    for exc in UNREACHABLE:
         app.add_exception_handler(exc, _backend_down)
+    # NOTE: without a handler of their own these were 500s, and an exception left to the last
+    # resort also makes uvicorn drop the keep-alive connection.
+    for exc in WRITE_REFUSED:
+        app.add_exception_handler(exc, _write_refused)
     app.add_exception_handler(Exception, _internal)  # the last resort, answered as a 500

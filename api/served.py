@@ -1,8 +1,9 @@
 """Which model is served, and what it can take, read from the workers' heartbeats.
 
-The API imports no tokenizer, so it learns the model's facts (its name, whether it has a chat
-template, its max_model_len) from the heartbeats and refuses what the model cannot serve before
-a job is queued.
+The API loads no model, so it learns the model's facts (its name, whether it has a chat
+template, its max_model_len, the tokenizer spec the worker stored) from the heartbeats and
+refuses what the model cannot serve before a job is queued (a request too long for its
+context: api/context.py).
 """
 
 from __future__ import annotations
@@ -106,12 +107,4 @@ def check_servable(request: JobRequest, worker: WorkerHeartbeat) -> None:
             param="messages",
             code="no_chat_template",
         )
-    limit = worker.max_model_len
-    if limit is not None and request.max_tokens >= limit:
-        raise ApiError(
-            400,
-            f"max_tokens is {request.max_tokens}, but the model's context length is {limit} tokens "
-            "for the prompt and the completion together",
-            param="max_tokens",
-            code="context_length_exceeded",
-        )
+    # Whether the request fits the model's context is api/context.py's check (it counts tokens).

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager, nullcontext
@@ -9,14 +10,19 @@ from dataclasses import dataclass
 
 from fastapi import FastAPI
 
+from api.context import ContextCheck
 from api.enqueue import Enqueuer
 from api.hub import Hub, Inbox
 from api.metrics import Metrics
 from api.served import ServedModels
 from api.watchers import Watchers
 from common.process import freeze_startup_objects
+from common.redis_errors import UNREACHABLE
+from common.redis_policy import check_redis_async
 from common.settings import Settings
 from common.store import AsyncJobStore
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -28,6 +34,7 @@ class Services:
     metrics: Metrics
     watchers: Watchers  # streams per job across API processes; cancels abandoned foreground jobs
     served: ServedModels  # what the live workers serve, for the submit paths' checks
+    context: ContextCheck  # refuses what cannot fit the served model's context, before a job exists
 
     @asynccontextmanager
     async def follow(self, job_id: str, watch: bool) -> AsyncIterator[Inbox]:
@@ -37,16 +44,28 @@ class Services:
             yield inbox
 
 
+async def refuse_unsafe_redis(store: AsyncJobStore) -> None:
+    """Raise UnsafeRedis (the process does not start) for a Redis that evicts keys; a Redis not
+    reachable yet is not waited for (the API answers 503 until it is)."""
+    try:
+        await check_redis_async(store.redis)
+    except UNREACHABLE as e:
+        log.warning("Redis's maxmemory-policy not checked, Redis not reachable yet (%s)", e)
+
+
 @asynccontextmanager
 async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     settings: Settings = app.state.settings
     hub = Hub(settings.redis_url, settings.keys, client_name=f"{settings.redis_prefix}-api-hub-{os.getpid()}")
     enqueuer = Enqueuer(settings)
-    await hub.start()
     store = AsyncJobStore.from_settings(settings)
+    await refuse_unsafe_redis(store)
+    await hub.start()
     watchers = Watchers(store, settings.detach_grace_s)
     await watchers.start()
-    app.state.services = Services(settings, store, hub, enqueuer, Metrics(hub), watchers, ServedModels(store))
+    app.state.services = Services(
+        settings, store, hub, enqueuer, Metrics(hub), watchers, ServedModels(store), ContextCheck(store)
+    )
     freeze_startup_objects()
     try:
         yield

@@ -23,6 +23,7 @@ from common.store import IdempotencyConflict, QueueFull
 
 RETRY_AFTER_S = 2  # a full queue drains at the workers' pace; retrying sooner only adds load
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for it; logged, never received
+RECANCEL_S = 0.05  # a task that did not end this long after its cancel is cancelled again
 
 
 async def submit_job(services: Services, body: JobRequest, idempotency_key: str | None = None) -> Job:
@@ -32,13 +33,28 @@ async def submit_job(services: Services, body: JobRequest, idempotency_key: str 
         job = await services.store.create_job(
             body, current_owner(), services.enqueuer.generate, idempotency_key, services.enqueuer.media
         )
-    except QueueFull as e:
-        metrics.jobs_rejected.labels("queue_full").inc()
+    except QueueFull as e:  # counted with the other refusals (api/metrics.py)
         raise ApiError(429, str(e), code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)}) from None
     except IdempotencyConflict as e:
         raise ApiError(409, str(e), param="Idempotency-Key", code="idempotency_key_reused") from None
     metrics.jobs_submitted.inc()
     return job
+
+
+async def cancel_until_done(tasks: list[asyncio.Future[None]]) -> None:
+    """Cancel the tasks, again and again until each has ended.
+
+    NOTE: one cancel is not enough. A cancel that lands while a task is inside redis-py (seen in
+    the hub's SUBSCRIBE of a job, a client hanging up just as its wait began: about 1 in 3 with
+    an immediate hang-up) can be swallowed; the task then ran on with ``cancelling() == 1`` and
+    this wait never ended, the request kept watching its job, and a foreground job whose client
+    was gone ran to its end instead of being cancelled after the grace. (Starlette's streams
+    are cancelled by anyio's cancel scopes, which cancel again at every await.)
+    """
+    while pending := [t for t in tasks if not t.done()]:
+        for task in pending:
+            task.cancel()
+        await asyncio.wait(pending, timeout=RECANCEL_S)
 
 
 async def wait_for_job(services: Services, job_id: str, request: Request) -> Job:
@@ -60,8 +76,7 @@ async def wait_for_job(services: Services, job_id: str, request: Request) -> Job
         try:
             done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            for task in waits:
-                task.cancel()
+            await cancel_until_done(waits)
             await asyncio.gather(*waits, return_exceptions=True)  # their ends, errors included, seen
         if waits[0] not in done:
             raise ApiError(CLIENT_CLOSED_REQUEST, "the client closed the request", code="client_closed_request")

@@ -34,11 +34,14 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from stack_bench import REPO_ROOT, Procs, cpu_seconds, log, spool_env, start_api, start_redis
+from measure import cpu_seconds, log
 
 from common.schemas import DoneEvent, JobRequest, JobStatus, LogEntry, Usage, WorkerHeartbeat
 from common.settings import Settings
-from common.store import Append, AsyncJobStore, Final, SyncJobStore, token_entry
+from common.store import Append, Appended, AsyncJobStore, Final, SyncJobStore, token_entry
+from spool_cli import procs as harness
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
 
 BURST = 32
 STEP_JOBS = 32  # jobs per step write in the events parts
@@ -48,12 +51,14 @@ MAX_QUEUED = 10**7  # the submitted jobs stay queued (no worker): no backpressur
 class Target:
     """One tree's API process and a store on its prefix."""
 
-    def __init__(self, procs: Procs, redis_url: str, tree: Path, index: int) -> None:
+    def __init__(
+        self, procs: list[harness.Proc], log_dir: Path, redis_url: str, tree: Path, index: int
+    ) -> None:
         prefix = f"apibench{index}"
         self.tree = tree
-        self.proc, self.url = start_api(
-            procs, f"api{index}", spool_env(redis_url, prefix, max_queued_jobs=MAX_QUEUED), None, tree
-        )
+        env = harness.spool_env(redis_url, prefix, max_queued_jobs=MAX_QUEUED)
+        self.proc, self.url = harness.start_api(f"api{index}", env, log_dir=log_dir, tree=tree)
+        procs.append(self.proc)
         settings = Settings.model_validate(
             {
                 "redis_url": redis_url,
@@ -75,7 +80,7 @@ class Target:
         attempt = self.store.take_job(job_id, "bench", "bench").attempt
         if tokens:
             entries = [token_entry(i + 1, i, " word", [7]) for i in range(tokens)]
-            assert self.store.append_batch([Append(job_id, attempt, entries, 1, tokens)]) == [True]
+            assert self.store.append_batch([Append(job_id, attempt, entries, 1, tokens)]) == [Appended.WRITTEN]
         return job_id, attempt
 
     async def _create_job(self) -> str:
@@ -94,7 +99,7 @@ class Target:
             tokens + 1, DoneEvent(status=JobStatus.SUCCEEDED, finish_reason="length", usage=usage)
         )
         final = Final(JobStatus.SUCCEEDED, "length")
-        assert self.store.append_batch([Append(job_id, attempt, [done], 1, tokens, final)]) == [True]
+        assert self.store.append_batch([Append(job_id, attempt, [done], 1, tokens, final)]) == [Appended.WRITTEN]
 
 
 def cpu_per_call(target: Target, n: int, call: Callable[[], Any]) -> float:
@@ -235,10 +240,11 @@ def main() -> int:
     trees = [t.resolve() for t in (args.tree or [REPO_ROOT])]
 
     with tempfile.TemporaryDirectory(prefix="spool-api-bench-") as tmp:
-        procs = Procs(Path(tmp))
+        procs: list[harness.Proc] = []
         try:
-            redis_url = start_redis(procs, Path(tmp), None)
-            targets = [Target(procs, redis_url, tree, i) for i, tree in enumerate(trees)]
+            redis, redis_url = harness.start_redis(data_dir=Path(tmp), log_dir=Path(tmp))
+            procs.append(redis)
+            targets = [Target(procs, Path(tmp), redis_url, tree, i) for i, tree in enumerate(trees)]
             rounds: list[list[dict[str, float]]] = [[] for _ in targets]
             with httpx.Client(timeout=60) as client:
                 for target in targets:  # warm-up: every path once
@@ -262,7 +268,7 @@ def main() -> int:
                             + json.dumps({k: round(v, 2) for k, v in figures.items()})
                         )
         finally:
-            procs.stop_all()
+            harness.stop_all(procs)
 
     medians = [
         {k: statistics.median(f[k] for f in tree_rounds) for k in tree_rounds[0]} for tree_rounds in rounds

@@ -13,6 +13,12 @@ mixed    64 requests, prompts of 16..128 tokens, max_tokens drawn from 16..128, 
 decode   ms per generated token at batch 1 after a prompt of 64 and of 1024 tokens: Spool's
          engine (timed step() calls), the bare model with a DynamicCache (reference), and the
          no-cache loop (re-runs the whole sequence every token: the anti-example).
+prefix   prefix caching on and off. Shared prefix: 64 requests, one 1,024-token prefix plus 16..64
+         unique tokens each, 32 new tokens each, batch 16 (throughput, time to first token p50
+         and p95). Multi-turn: 16 conversations of 4 turns (each turn sent when the previous one
+         ended, its prompt the whole conversation so far): total time. transformers'
+         ContinuousBatchingManager with block sharing on, for the shared prefix. uniform and
+         mixed also run the engine with caching off (what caching costs where nothing is shared).
 
 Every method is warmed up once (on a small slice of its workload) before it is timed. Targets
 are printed next to the figures, never asserted. See docs/benchmarks.md.
@@ -20,159 +26,60 @@ are printed next to the figures, never asserted. See docs/benchmarks.md.
     .venv/bin/python bench/engine_bench.py                 # full run (~10 min on a quiet 2-core CPU)
     .venv/bin/python bench/engine_bench.py --quick         # smoke run, tiny model, a few seconds
     .venv/bin/python bench/engine_bench.py --only decode --json /tmp/decode.json
+    .venv/bin/python bench/engine_bench.py --only prefix --prefix-requests 32 --prefix-len 512
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
-import logging
 import math
 import os
 import platform
 import random
 import statistics
-import sys
 import tempfile
 import time
-import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
-
 import torch
 import transformers
-from tokenizers import Tokenizer
-from transformers import (
-    AutoModelForCausalLM,
-    DynamicCache,
-    GenerationConfig,
-    LlamaConfig,
-    PreTrainedTokenizerFast,
-    StaticCache,
+from measure import fmt, loadavg, log, ratio, verdict
+from transformers import AutoModelForCausalLM, DynamicCache, GenerationConfig, StaticCache
+
+# workload puts the repository root on the module path: import it before the project's modules.
+from workload import (
+    DTYPES,
+    FULL,
+    QUICK,
+    Plan,
+    build_model,
+    quiet_libraries,
+    random_prompts,
+    spool_engine,
+    unseen_like,
 )
 
-from workers.engine import Engine, EngineConfig, SamplingParams
-from workers.engine.tiny import special_token_ids, tiny_tokenizer, wrap_tokenizer
+from workers.engine import Engine, SamplingParams
 
-SECTIONS = ("uniform", "mixed", "decode")
+SECTIONS = ("uniform", "mixed", "decode", "prefix")
 TARGET_ENGINE_VS_CEILING = 0.85  # engine tok/s >= 0.85 x ceiling tok/s
+TARGET_CACHING_COST = 0.97  # no sharing: engine tok/s with prefix caching >= 0.97 x without
+TARGET_SHARED_SPEEDUP = 3.0  # shared prefix: tok/s with caching >= 3 x without
+TARGET_SHARED_TTFT = 0.3  # shared prefix: p50 time to first token with caching <= 0.3 x without
+TARGET_TURNS_SPEEDUP = 2.0  # multi-turn: total time without caching >= 2 x with
 TARGET_DECODE_GROWTH = 1.3  # cached decode ms/token at ctx 1024 <= 1.3 x at ctx 64
 
 # transformers' type hints for model methods (generate, generate_batch, ...) confuse mypy.
 HFModel = Any
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-# -- sizes ----------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ModelSize:
-    vocab_size: int
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    intermediate_size: int
-    max_position_embeddings: int
-
-
-@dataclass(frozen=True)
-class Plan:
-    model: ModelSize
-    # uniform
-    uniform_requests: int
-    uniform_prompt_len: tuple[int, int]
-    uniform_new_tokens: int
-    uniform_batch: int
-    # mixed
-    mixed_requests: int
-    mixed_prompt_len: tuple[int, int]
-    mixed_max_tokens: tuple[int, int]
-    mixed_batch: int
-    # decode
-    decode_contexts: tuple[int, int]
-    decode_steps: int  # timed step() calls per context, cached paths
-    nocache_steps: tuple[int, int]  # timed steps per context, no-cache loop
-    decode_max_model_len: int
-    # a warm-up runs this many requests (and at most warmup_tokens new tokens each)
-    warmup_requests: int
-    warmup_tokens: int
-
-
-FULL = Plan(
-    model=ModelSize(
-        vocab_size=32000,
-        hidden_size=512,
-        num_layers=8,
-        num_heads=8,
-        num_kv_heads=8,
-        intermediate_size=1408,
-        max_position_embeddings=2048,
-    ),
-    uniform_requests=32,
-    uniform_prompt_len=(16, 128),
-    uniform_new_tokens=64,
-    uniform_batch=32,
-    mixed_requests=64,
-    mixed_prompt_len=(16, 128),
-    mixed_max_tokens=(16, 128),
-    mixed_batch=16,
-    decode_contexts=(64, 1024),
-    decode_steps=32,
-    nocache_steps=(16, 4),
-    decode_max_model_len=2048,
-    warmup_requests=4,
-    warmup_tokens=8,
-)
-
-QUICK = Plan(
-    model=ModelSize(
-        vocab_size=4096,
-        hidden_size=64,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        intermediate_size=128,
-        max_position_embeddings=512,
-    ),
-    uniform_requests=8,
-    uniform_prompt_len=(4, 16),
-    uniform_new_tokens=8,
-    uniform_batch=8,
-    mixed_requests=12,
-    mixed_prompt_len=(4, 16),
-    mixed_max_tokens=(2, 8),
-    mixed_batch=4,
-    decode_contexts=(16, 128),
-    decode_steps=4,
-    nocache_steps=(2, 2),
-    decode_max_model_len=256,
-    warmup_requests=2,
-    warmup_tokens=2,
-)
-
 
 # -- helpers --------------------------------------------------------------------------------------
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-def quiet_libraries() -> None:
-    transformers.logging.set_verbosity_error()
-    transformers.logging.disable_progress_bar()
-    logging.getLogger("ContinuousBatchingLogger").setLevel(logging.CRITICAL)  # "no psutil" noise on CPU
-    warnings.filterwarnings("ignore")
 
 
 _SYNC: Callable[[], None] = lambda: None  # torch.cuda.synchronize on a CUDA device (set in main)
@@ -189,64 +96,6 @@ def timer() -> Iterator[list[float]]:
     finally:
         _SYNC()
         box.append(time.perf_counter() - start)
-
-
-def loadavg() -> list[float] | None:
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        return None
-
-
-def ratio(a: float | None, b: float | None) -> float | None:
-    return None if not a or not b else a / b
-
-
-def random_prompts(rng: random.Random, n: int, lengths: tuple[int, int], vocab: int) -> list[list[int]]:
-    # Ids 4.. avoid the special tokens (pad, bos, <|im_start|>, eos) of the tiny tokenizer.
-    return [[rng.randrange(4, vocab) for _ in range(rng.randint(*lengths))] for _ in range(n)]
-
-
-# -- the model ------------------------------------------------------------------------------------
-
-
-def bench_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
-    """The tiny tokenizer's byte-level BPE, its vocabulary padded with plain words to ``vocab_size``.
-
-    Prompts are token ids, so the tokenizer only matters for the engine's incremental
-    detokenizer; padding the vocabulary makes every id the model can emit decode to text
-    (ids past the end of a vocabulary decode to nothing, which would make detokenizing free).
-    """
-    base = tiny_tokenizer()
-    data = json.loads(base.backend_tokenizer.to_str())
-    vocab = data["model"]["vocab"]
-    for i in range(len(vocab), vocab_size):
-        vocab[f"\u0120w{i}"] = i  # "\u0120" is the byte-level space: id i decodes to " w{i}"
-    return wrap_tokenizer(Tokenizer.from_str(json.dumps(data)))
-
-
-def build_model(out_dir: Path, size: ModelSize, seed: int) -> int:
-    """Write a random Llama and its tokenizer to ``out_dir``; return its parameter count."""
-    tokenizer = bench_tokenizer(size.vocab_size)
-    assert len(tokenizer) == size.vocab_size, (len(tokenizer), size.vocab_size)
-    ids = special_token_ids(tokenizer)
-    config = LlamaConfig(
-        vocab_size=size.vocab_size,
-        hidden_size=size.hidden_size,
-        num_hidden_layers=size.num_layers,
-        num_attention_heads=size.num_heads,
-        num_key_value_heads=size.num_kv_heads,
-        intermediate_size=size.intermediate_size,
-        max_position_embeddings=size.max_position_embeddings,
-        tie_word_embeddings=False,
-        **ids,
-    )
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.generation_config = GenerationConfig(**ids)
-    model.save_pretrained(out_dir)
-    tokenizer.save_pretrained(out_dir)
-    return sum(p.numel() for p in model.parameters())
 
 
 def load_hf_model(model_dir: Path, device: str, dtype: str) -> HFModel:
@@ -342,7 +191,7 @@ def hf_static_waves(
     return useful, computed
 
 
-def cb_config(batch: int, prompts: Sequence[Sequence[int]], max_new: int) -> Any:
+def cb_config(batch: int, prompts: Sequence[Sequence[int]], max_new: int, block_sharing: bool = False) -> Any:
     """transformers' continuous batching sized for the workload (on CPU nothing can be inferred from memory)."""
     from transformers import ContinuousBatchingConfig
 
@@ -353,7 +202,7 @@ def cb_config(batch: int, prompts: Sequence[Sequence[int]], max_new: int) -> Any
         num_blocks=(batch + 2) * per_request,
         max_batch_tokens=2048,  # like the engine's max_prefill_tokens_per_step
         max_requests_per_batch=batch,
-        allow_block_sharing=False,  # random prompts share no prefix
+        allow_block_sharing=block_sharing,  # off: random prompts share no prefix
     )
 
 
@@ -415,22 +264,6 @@ class HFContinuousBatching:
 # -- Spool --------------------------------------------------------------------------------------
 
 
-def spool_engine(
-    model_dir: Path, args: argparse.Namespace, batch: int, max_model_len: int, **config: Any
-) -> Engine:
-    return Engine(
-        EngineConfig(
-            model=str(model_dir),
-            device=args.device,
-            dtype=args.dtype,
-            max_batch_size=batch,
-            max_model_len=max_model_len,
-            **config,
-        ),
-        seed=0,
-    )
-
-
 def engine_generate(
     engine: Engine, prompts: Sequence[Sequence[int]], max_tokens: Sequence[int]
 ) -> dict[str, int]:
@@ -439,6 +272,38 @@ def engine_generate(
     params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in max_tokens]
     outputs = engine.generate([list(p) for p in prompts], params)
     return {"tokens": sum(len(o.token_ids) for o in outputs), "steps": engine.stats()["steps"] - steps}
+
+
+def cpu_ratio(on: Row, off: Row) -> float | None:
+    """Throughput on/off by the process's CPU seconds (the same tokens): with one thread, what the
+    work cost, whatever else the machine ran meanwhile."""
+    return ratio(off.extra["cpu_s"], on.extra["cpu_s"])
+
+
+def engine_without_prefix_caching(
+    section: str,
+    model_dir: Path,
+    args: argparse.Namespace,
+    batch: int,
+    max_model_len: int,
+    few: Sequence[Sequence[int]],
+    few_max: Sequence[int],
+    prompts: Sequence[Sequence[int]],
+    max_tokens: Sequence[int],
+) -> Row:
+    """The engine row again with prefix caching off: what caching costs where nothing is shared."""
+    log(f"{section}: loading the engine with prefix caching off")
+    engine = spool_engine(model_dir, args, batch, max_model_len, enable_prefix_caching=False)
+    row = measure(
+        section,
+        "spool Engine.generate, caching off",
+        lambda: engine_generate(engine, few, few_max),
+        lambda: engine_generate(engine, prompts, max_tokens),
+        sum(max_tokens),
+        note=f"enable_prefix_caching=False, max_batch_size={batch}",
+    )
+    row.note += f", {row.extra['steps']} steps"
+    return row
 
 
 def fcfs_decode_forwards(max_tokens: Sequence[int], slots: int) -> int:
@@ -490,9 +355,11 @@ def measure(
     log(f"{section}: {method}: warm-up")
     warm()
     log(f"{section}: {method}: timed run")
+    cpu = time.process_time()
     with timer() as t:
         result = run()
     extra = dict(result) if isinstance(result, dict) else {"tokens": result}
+    extra["cpu_s"] = time.process_time() - cpu  # steadier than wall time on a shared machine
     tokens = int(extra.pop("tokens"))
     if tokens != expected_tokens:
         raise RuntimeError(f"{section}/{method}: generated {tokens} tokens, expected {expected_tokens}")
@@ -509,6 +376,7 @@ def run_uniform(plan: Plan, args: argparse.Namespace, model_dir: Path, hf: HFMod
     expected = n_new * len(prompts)
     few = prompts[: plan.warmup_requests]
     few_new = min(n_new, plan.warmup_tokens)
+    engine_few = unseen_like(rng, few, plan.model.vocab_size)
     max_model_len = args.max_model_len or plan.decode_max_model_len
     rows: dict[str, Row] = {}
 
@@ -555,16 +423,29 @@ def run_uniform(plan: Plan, args: argparse.Namespace, model_dir: Path, hf: HFMod
     rows["engine"] = measure(
         "uniform",
         "spool Engine.generate",
-        lambda: engine_generate(engine, few, [few_new] * len(few)),
+        lambda: engine_generate(engine, engine_few, [few_new] * len(few)),
         lambda: engine_generate(engine, prompts, [n_new] * len(prompts)),
         expected,
         note=f"max_batch_size={batch}, max_model_len={max_model_len}",
     )
     rows["engine"].note += f", {rows['engine'].extra['steps']} steps"
+    rows["engine_nocache"] = engine_without_prefix_caching(
+        "uniform",
+        model_dir,
+        args,
+        batch,
+        max_model_len,
+        engine_few,
+        [few_new] * len(few),
+        prompts,
+        [n_new] * len(prompts),
+    )
 
     e = rows["engine"].tok_s
     ratios = {
         "engine/ceiling": ratio(e, rows["ceiling"].tok_s),
+        "engine caching on/off": ratio(e, rows["engine_nocache"].tok_s),
+        "engine caching on/off, CPU time": cpu_ratio(rows["engine"], rows["engine_nocache"]),
         "engine/generate": ratio(e, rows["generate"].tok_s) if "generate" in rows else None,
         "engine/generate_batch": ratio(e, rows["generate_batch"].tok_s) if "generate_batch" in rows else None,
     }
@@ -590,6 +471,7 @@ def run_mixed(plan: Plan, args: argparse.Namespace, model_dir: Path, hf: HFModel
     expected = sum(max_tokens)
     few = prompts[: plan.warmup_requests]
     few_max = [min(m, plan.warmup_tokens) for m in max_tokens[: plan.warmup_requests]]
+    engine_few = unseen_like(rng, few, plan.model.vocab_size)
     max_model_len = args.max_model_len or plan.decode_max_model_len
     rows: dict[str, Row] = {}
 
@@ -643,16 +525,21 @@ def run_mixed(plan: Plan, args: argparse.Namespace, model_dir: Path, hf: HFModel
     rows["engine"] = measure(
         "mixed",
         "spool Engine.generate",
-        lambda: engine_generate(engine, few, few_max),
+        lambda: engine_generate(engine, engine_few, few_max),
         lambda: engine_generate(engine, prompts, max_tokens),
         expected,
         note=f"max_batch_size={batch}, max_model_len={max_model_len}",
     )
     rows["engine"].note += f", {rows['engine'].extra['steps']} steps"
+    rows["engine_nocache"] = engine_without_prefix_caching(
+        "mixed", model_dir, args, batch, max_model_len, engine_few, few_max, prompts, max_tokens
+    )
 
     e = rows["engine"].tok_s
     ratios = {
         "engine/ceiling": ratio(e, rows["ceiling"].tok_s),
+        "engine caching on/off": ratio(e, rows["engine_nocache"].tok_s),
+        "engine caching on/off, CPU time": cpu_ratio(rows["engine"], rows["engine_nocache"]),
         "engine/static": ratio(e, rows["static"].tok_s) if "static" in rows else None,
         "engine/transformers_cb": ratio(e, rows["transformers_cb"].tok_s)
         if "transformers_cb" in rows
@@ -773,15 +660,171 @@ def run_decode(plan: Plan, args: argparse.Namespace, model_dir: Path, hf: HFMode
     }
 
 
+# -- prefix caching -----------------------------------------------------------------------------
+
+_request_ids = iter(range(1 << 62))
+
+
+def greedy_params(max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+def engine_requests(engine: Engine, requests: Sequence[tuple[list[int], int]]) -> dict[str, Any]:
+    """Submit (prompt, max_tokens) requests at once and step to the end: tokens generated, time
+    to first token of each (seconds from the submit), prompt tokens computed, cache hits."""
+    before = engine.stats()
+    start = time.perf_counter()
+    pending: set[str] = set()
+    for prompt, max_tokens in requests:
+        rid = f"prefix-{next(_request_ids)}"
+        engine.add_request(rid, prompt, greedy_params(max_tokens))
+        pending.add(rid)
+    ttft: list[float] = []
+    tokens = 0
+    while engine.has_unfinished():
+        for d in engine.step():
+            if d.token_ids and d.request_id in pending:
+                pending.discard(d.request_id)
+                ttft.append(time.perf_counter() - start)
+            tokens += len(d.token_ids)
+    return {"tokens": tokens, "ttft_s": ttft, **cache_figures(engine, before)}
+
+
+def cache_figures(engine: Engine, before: dict[str, int]) -> dict[str, int]:
+    after = engine.stats()
+    return {k: after[k] - before[k] for k in ("prompt_tokens", "prefix_cache_queries", "prefix_cache_hits")}
+
+
+def engine_conversations(
+    engine: Engine, firsts: Sequence[list[int]], users: Sequence[Sequence[list[int]]], new_tokens: int
+) -> dict[str, Any]:
+    """Conversations of ``1 + len(users[c])`` turns: each turn is sent when the previous one ended,
+    its prompt the whole conversation so far (every earlier prompt and reply, then the new user turn)."""
+    before = engine.stats()
+    history = [list(f) for f in firsts]
+    later = [list(u) for u in users]
+    of: dict[str, int] = {}
+
+    def send(c: int) -> None:
+        rid = f"turn-{next(_request_ids)}"
+        of[rid] = c
+        engine.add_request(rid, history[c], greedy_params(new_tokens))
+
+    for c in range(len(firsts)):
+        send(c)
+    tokens = 0
+    while engine.has_unfinished():
+        for d in engine.step():
+            c = of[d.request_id]
+            history[c] += d.token_ids
+            tokens += len(d.token_ids)
+            if d.finished and later[c]:
+                history[c] += later[c].pop(0)
+                send(c)
+    return {"tokens": tokens, **cache_figures(engine, before)}
+
+
+def percentile(xs: Sequence[float], q: float) -> float:
+    ordered = sorted(xs)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+
+
+def run_prefix(plan: Plan, args: argparse.Namespace, model_dir: Path, hf: HFModel) -> dict[str, Any]:
+    rng = random.Random(args.seed + 3)
+    vocab = plan.model.vocab_size
+    prefix = random_prompts(rng, 1, (plan.prefix_len, plan.prefix_len), vocab)[0]
+    tails = random_prompts(rng, plan.prefix_requests, plan.prefix_tail_len, vocab)
+    shared = [(prefix + t, plan.prefix_new_tokens) for t in tails]
+    firsts = random_prompts(rng, plan.conversations, (plan.turn_first_len, plan.turn_first_len), vocab)
+    users = [
+        random_prompts(rng, plan.turns - 1, (plan.turn_user_len, plan.turn_user_len), vocab) for _ in firsts
+    ]
+    # The warm-up has its own prefix, so the timed run starts with nothing cached.
+    warm_prefix = random_prompts(rng, 1, (plan.prefix_len, plan.prefix_len), vocab)[0]
+    warm = [(warm_prefix + t, plan.warmup_tokens) for t in tails[: plan.warmup_requests]]
+    expected_shared = plan.prefix_requests * plan.prefix_new_tokens
+    expected_turns = plan.conversations * plan.turns * plan.turn_new_tokens
+    batch = plan.prefix_batch
+    max_model_len = args.max_model_len or plan.decode_max_model_len
+    rows: dict[str, Row] = {}
+
+    def engine_rows(caching: bool) -> None:
+        on = "on" if caching else "off"
+        log(f"prefix: loading the engine (prefix caching {on}, max_batch_size={batch})")
+        engine = spool_engine(model_dir, args, batch, max_model_len, enable_prefix_caching=caching)
+        row = measure(
+            "prefix",
+            f"spool shared prefix, caching {on}",
+            lambda: engine_requests(engine, warm),
+            lambda: engine_requests(engine, shared),
+            expected_shared,
+        )
+        ttft = row.extra.pop("ttft_s")
+        row.extra.update(ttft_p50_s=statistics.median(ttft), ttft_p95_s=percentile(ttft, 0.95))
+        row.note = (
+            f"TTFT p50 {row.extra['ttft_p50_s']:.2f} s, p95 {row.extra['ttft_p95_s']:.2f} s; "
+            f"{row.extra['prompt_tokens']} prompt tokens computed, {row.extra['prefix_cache_hits']} hit"
+        )
+        rows[f"shared_{on}"] = row
+        row = measure(
+            "prefix",
+            f"spool multi-turn, caching {on}",
+            lambda: engine_conversations(engine, firsts[:1], [users[0][:1]], plan.warmup_tokens),
+            lambda: engine_conversations(engine, firsts, users, plan.turn_new_tokens),
+            expected_turns,
+        )
+        row.note = f"{row.extra['prompt_tokens']} prompt tokens computed, {row.extra['prefix_cache_hits']} hit"
+        rows[f"turns_{on}"] = row
+
+    engine_rows(caching=False)
+    engine_rows(caching=True)
+
+    if not args.skip_hf:
+        cb = cb_config(batch, [p for p, _ in shared], plan.prefix_new_tokens, block_sharing=True)
+        hf.destroy_cached_continuous_batching_manager()
+        log("prefix: starting transformers' ContinuousBatchingManager (block sharing on)")
+        manager = HFContinuousBatching(hf, cb)
+        try:
+            rows["shared_transformers_cb"] = measure(
+                "prefix",
+                "transformers CB, block sharing on",
+                lambda: manager.run([p for p, _ in warm], [n for _, n in warm]),
+                lambda: manager.run([p for p, _ in shared], [n for _, n in shared]),
+                expected_shared,
+                note=f"page_size {cb.page_size}, max_requests_per_batch={batch}",
+            )
+        finally:
+            manager.close()
+
+    ratios = {
+        "shared: caching on/off tok/s": ratio(rows["shared_on"].tok_s, rows["shared_off"].tok_s),
+        "shared: caching on/off TTFT p50": ratio(
+            rows["shared_on"].extra["ttft_p50_s"], rows["shared_off"].extra["ttft_p50_s"]
+        ),
+        "multi-turn: caching off/on seconds": ratio(rows["turns_off"].seconds, rows["turns_on"].seconds),
+        "shared: caching on/transformers CB": ratio(rows["shared_on"].tok_s, rows["shared_transformers_cb"].tok_s)
+        if "shared_transformers_cb" in rows
+        else None,
+    }
+    return {
+        "workload": {
+            "shared_requests": len(shared),
+            "prefix_len": plan.prefix_len,
+            "tail_len": list(plan.prefix_tail_len),
+            "new_tokens_each": plan.prefix_new_tokens,
+            "batch": batch,
+            "conversations": plan.conversations,
+            "turns": plan.turns,
+            "turn_first_len": plan.turn_first_len,
+            "turn_user_len": plan.turn_user_len,
+            "turn_new_tokens": plan.turn_new_tokens,
+        },
+        "rows": {k: asdict(v) for k, v in rows.items()},
+        "ratios": ratios,
+    }
+
+
 # -- report -------------------------------------------------------------------------------------
-
-
-def fmt(x: float | None, spec: str = ".2f") -> str:
-    return "-" if x is None else format(x, spec)
-
-
-def verdict(ok: bool | None) -> str:
-    return "" if ok is None else ("  [meets target]" if ok else "  [BELOW target]")
 
 
 def print_report(report: dict[str, Any]) -> None:
@@ -817,6 +860,8 @@ def print_report(report: dict[str, Any]) -> None:
             target = ""
             if k == "engine/ceiling" and v is not None:
                 target = f"   target >= {TARGET_ENGINE_VS_CEILING}" + verdict(v >= TARGET_ENGINE_VS_CEILING)
+            if k.startswith("engine caching on/off") and v is not None:
+                target = f"   target >= {TARGET_CACHING_COST}" + verdict(v >= TARGET_CACHING_COST)
             print(f"  {k:<36} {fmt(v):>9}{target}")
     if "decode" in report:
         sec = report["decode"]
@@ -840,10 +885,37 @@ def print_report(report: dict[str, Any]) -> None:
         v = sec["ratios"][f"nocache/engine ctx{hi}"]
         print(f"  {'no-cache / engine at ctx ' + hi:<36} {fmt(v, '.1f'):>10}x")
 
+    if "prefix" in report:
+        print_prefix(report["prefix"])
+
     print()
     print("== summary")
     for line in report["summary"]:
         print(f"  {line}")
+
+
+PREFIX_TARGETS = {  # ratio: (target, whether the ratio must be at least it)
+    "shared: caching on/off tok/s": (TARGET_SHARED_SPEEDUP, True),
+    "shared: caching on/off TTFT p50": (TARGET_SHARED_TTFT, False),
+    "multi-turn: caching off/on seconds": (TARGET_TURNS_SPEEDUP, True),
+}
+
+
+def prefix_target(key: str, v: float | None) -> str:
+    if key not in PREFIX_TARGETS or v is None:
+        return ""
+    target, at_least = PREFIX_TARGETS[key]
+    return f"   target {'>=' if at_least else '<='} {target}" + verdict(v >= target if at_least else v <= target)
+
+
+def print_prefix(sec: dict[str, Any]) -> None:
+    print()
+    print(f"== prefix caching: {json.dumps(sec['workload'])}")
+    print(f"  {'method':<36} {'tok/s':>9} {'seconds':>9} {'tokens':>7}  note")
+    for row in sec["rows"].values():
+        print(f"  {row['method']:<36} {row['tok_s']:>9.1f} {row['seconds']:>9.2f} {row['tokens']:>7}  {row['note']}")
+    for k, v in sec["ratios"].items():
+        print(f"  {k:<36} {fmt(v):>9}{prefix_target(k, v)}")
 
 
 def summary_lines(report: dict[str, Any]) -> list[str]:
@@ -858,6 +930,9 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
                 f"engine/ceiling {fmt(r['engine/ceiling'])} (target >= {TARGET_ENGINE_VS_CEILING})"
                 + (f"; {others}" if others else "")
             )
+    if "prefix" in report:
+        r = report["prefix"]["ratios"]
+        lines.append("prefix   " + "; ".join(f"{k} {fmt(v)}" for k, v in r.items() if v is not None))
     if "decode" in report:
         sec = report["decode"]
         lo, hi = (str(c) for c in sec["contexts"])
@@ -889,7 +964,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--only",
         action="append",
         choices=SECTIONS,
-        metavar="{uniform,mixed,decode}",
+        metavar="{uniform,mixed,decode,prefix}",
         help="run only this section (repeat for several); default: all",
     )
     p.add_argument("--json", type=Path, metavar="PATH", help="also write the figures as JSON to PATH")
@@ -911,6 +986,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--model-dir", type=Path, help="use (or write) the benchmark model here instead of a temp dir"
     )
+    p.add_argument("--prefix-requests", type=int, help="prefix section: shared-prefix requests; None: 64 (8 with --quick)")
+    p.add_argument("--prefix-len", type=int, help="prefix section: the shared prefix's tokens; None: 1024 (64 with --quick)")
+    p.add_argument("--conversations", type=int, help="prefix section: multi-turn conversations; None: 16 (4 with --quick)")
     return p.parse_args(argv)
 
 
@@ -920,6 +998,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if args.threads:
         torch.set_num_threads(args.threads)
     plan = QUICK if args.quick else FULL
+    smaller = {"prefix_requests": args.prefix_requests, "prefix_len": args.prefix_len, "conversations": args.conversations}
+    plan = dataclasses.replace(plan, **{k: v for k, v in smaller.items() if v is not None})
     if torch.device(args.device).type == "cuda":
         global _SYNC
         _SYNC = torch.cuda.synchronize
@@ -960,9 +1040,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             "targets": {
                 "engine/ceiling >=": TARGET_ENGINE_VS_CEILING,
                 "decode engine ctx_hi/ctx_lo <=": TARGET_DECODE_GROWTH,
+                "no sharing: engine caching on/off >=": TARGET_CACHING_COST,
+                "shared: caching on/off tok/s >=": TARGET_SHARED_SPEEDUP,
+                "shared: caching on/off TTFT p50 <=": TARGET_SHARED_TTFT,
+                "multi-turn: caching off/on seconds >=": TARGET_TURNS_SPEEDUP,
             },
         }
-        runners = {"uniform": run_uniform, "mixed": run_mixed, "decode": run_decode}
+        runners = {"uniform": run_uniform, "mixed": run_mixed, "decode": run_decode, "prefix": run_prefix}
         for s in sections:
             report[s] = runners[s](plan, args, model_dir, hf)
 

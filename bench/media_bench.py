@@ -32,14 +32,18 @@ import time
 from pathlib import Path
 from typing import Any
 
+REPO_ROOT = Path(__file__).resolve().parent.parent
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
 import httpx
 import redis
 import torch
-from stack_bench import REPO_ROOT, Procs, spool_argv, spool_env, start_api, start_redis, wait_until
-
-sys.path.insert(0, str(REPO_ROOT))
+from measure import loadavg, log
 
 from common.keys import Keys
+from spool_cli import procs as harness
+from spool_cli.procs import spool_argv, spool_env, wait_until
 from workers.engine.tiny import build_tiny_model
 from workers.media.pipeline import ImagePipeline, ImageSpec
 from workers.media.tiny import build_tiny_image_model
@@ -109,20 +113,24 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="spool-media-bench-"))
     image_model = build_tiny_image_model(work / "tiny-sd")
     text_model = build_tiny_model(work / "tiny-llama", "llama")
-    procs = Procs(work)
+    procs: list[harness.Proc] = []
     try:
-        redis_url = start_redis(procs, work, None)
+        redis_proc, redis_url = harness.start_redis(data_dir=work, log_dir=work)
+        procs.append(redis_proc)
         r = redis.Redis.from_url(redis_url)
         keys = Keys(PREFIX)
         common = {"heartbeat_s": 0.5, "max_image_steps": 1000}
         text_env = spool_env(redis_url, PREFIX, model=text_model, worker_name="text", **common)
         media_env = spool_env(redis_url, PREFIX, image_model=image_model, worker_name="media", **common)
         media_env["OMP_NUM_THREADS"] = "1"
-        watch = [procs.start("text", [*spool_argv(), "worker"], text_env)]
-        watch.append(procs.start("media", [*spool_argv(), "worker", "--kind", "media"], media_env))
+        procs.append(harness.start("text", [*spool_argv(), "worker"], env=text_env, log_dir=work))
+        media = [*spool_argv(), "worker", "--kind", "media"]
+        procs.append(harness.start("media", media, env=media_env, log_dir=work))
         for name in ("text", "media"):
-            wait_until(lambda n=name: r.exists(keys.worker(n)), f"{name} heartbeat", 180, watch)
-        _, url = start_api(procs, "api", spool_env(redis_url, PREFIX, **common), None)
+            wait_until(lambda n=name: bool(r.exists(keys.worker(n))), f"{name} heartbeat", 180, procs)
+        api, url = harness.start_api("api", spool_env(redis_url, PREFIX, **common), log_dir=work)
+        procs.append(api)
+        log(f"load average before: {loadavg()}")
         pipe = ImagePipeline(str(image_model))
         direct_images_per_s(pipe, 1, args.size, args.steps)  # warm-up
         asyncio.run(stack_images_per_s(url, 1, args.size, args.steps))
@@ -131,8 +139,9 @@ def main() -> None:
             direct.append(direct_images_per_s(pipe, args.images, args.size, args.steps))
             stack.append(asyncio.run(stack_images_per_s(url, args.images, args.size, args.steps)))
         first = ttft(url, args.text_jobs, args.size, args.steps)
+        log(f"load average after: {loadavg()}")
     finally:
-        procs.stop_all()
+        harness.stop_all(reversed(procs))
     result = {
         "images": args.images,
         "size": args.size,

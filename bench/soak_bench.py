@@ -39,7 +39,11 @@ from typing import Any
 
 import httpx
 import redis
-from stack_bench import Procs, log, rss_kib, spool_argv, spool_env, start_api, start_redis, wait_until
+from measure import log, rss_kib
+
+from spool_cli import procs as harness
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
 
 PREFIX = "soak"
 KINDS = {"stream": 10, "poll": 4, "resume": 3, "cancel": 2, "openai": 2, "bad": 1}  # relative weights
@@ -201,19 +205,25 @@ def main() -> int:
     random.seed(args.seed)
 
     with tempfile.TemporaryDirectory(prefix="spool-soak-") as tmp:
-        procs = Procs(Path(tmp))
+        logs = Path(tmp)
+        procs: list[harness.Proc] = []
         try:
-            redis_url = start_redis(procs, Path(tmp), None)
-            env = spool_env(redis_url, PREFIX, job_ttl_s=args.job_ttl_s)
-            worker = procs.start("worker", [*spool_argv(), "worker"], env)
-            api, api_url = start_api(procs, "api", env, None)
-            wait_until(
-                lambda: httpx.get(f"{api_url}/readyz").status_code == 200, "a ready worker", 120, [worker]
+            redis_server, redis_url = harness.start_redis(data_dir=logs, log_dir=logs)
+            procs.append(redis_server)
+            env = harness.spool_env(redis_url, PREFIX, job_ttl_s=args.job_ttl_s)
+            worker = harness.start(
+                "worker", [*harness.spool_argv(), "worker"], env=env, log_dir=logs, cwd=REPO_ROOT
+            )
+            procs.append(worker)
+            api, api_url = harness.start_api("api", env, log_dir=logs, tree=REPO_ROOT)
+            procs.append(api)
+            harness.wait_until(
+                lambda: harness.http_status(f"{api_url}/readyz") == 200, "a ready worker", 120, [worker]
             )
             r = redis.Redis.from_url(redis_url)
             result = asyncio.run(soak(args, api_url, {"api": api.pid, "worker": worker.pid}, r))
         finally:
-            procs.stop_all()
+            harness.stop_all(procs)
 
     tally: Tally = result["tally"]
     samples = result["samples"]

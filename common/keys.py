@@ -70,6 +70,11 @@ class Keys:
     def job_id_from_channel(self, channel: str) -> str:
         return channel[len(self.prefix) + len(":job:") : -len(":events")]
 
+    def tokenizer(self, digest: str) -> str:
+        """String: what the API needs to count a model's prompt tokens (common/prompt_tokens.py),
+        by the digest a worker's heartbeat names (a model's tokenizer may change under its name)."""
+        return f"{self.prefix}:tokenizer:{digest}"
+
     def worker(self, name: str) -> str:
         """Key with a TTL: the worker's heartbeat."""
         return f"{self.prefix}:worker:{name}"
@@ -78,6 +83,15 @@ class Keys:
         """Sorted set of worker names (score: last beat), so finding the live workers never
         scans the keyspace; a worker is live while its heartbeat key exists."""
         return f"{self.prefix}:workers"
+
+    def owner_jobs(self, owner: str) -> str:
+        """Sorted set of one owner's job ids (score: created_at), for listing them newest first;
+        written by the create script, trimmed by age and count there (common/store/records.py)."""
+        return f"{self.prefix}:owner:{owner or 'anonymous'}:jobs"
+
+    def write_probe(self) -> str:
+        """String with a short TTL that /readyz sets: Redis takes writes (not out of memory)."""
+        return f"{self.prefix}:write_probe"
 
     def queued_jobs(self) -> str:
         """Sorted set of queued job ids (score: enqueue time); sized for backpressure."""

@@ -394,12 +394,11 @@ class JobError(BaseModel):
     type: str
 
 
-class Job(BaseModel):
-    """The job as the API shows it."""
+class JobSummary(BaseModel):
+    """The job without its text, as ``GET /v1/jobs`` lists it."""
 
     id: str
     status: JobStatus
-    text: str  # concatenated token texts; partial while running
     finish_reason: str | None = None
     usage: Usage
     error: JobError | None = None
@@ -410,6 +409,22 @@ class Job(BaseModel):
     model: str | None = None  # the model the worker loaded; None until a worker takes the job
 
 
+class Job(JobSummary):
+    """The job as the API shows it."""
+
+    text: str  # concatenated token texts; partial while running
+
+
+class JobList(BaseModel):
+    """One page of ``GET /v1/jobs``, newest first; the next page is ``?after={last_id}``."""
+
+    object: Literal["list"] = "list"
+    data: list[JobSummary]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
+
+
 class WorkerHeartbeat(BaseModel):
     name: str
     ts: float  # unix seconds of the last beat
@@ -418,3 +433,9 @@ class WorkerHeartbeat(BaseModel):
     kind: Literal["text", "media"] = "text"  # the jobs it runs: text (the {p}.llm queue) or image parts
     chat_template: bool | None = None  # the tokenizer has one (messages can be rendered); None: not said
     max_model_len: int | None = None  # prompt + generated tokens per request
+    tokenizer: str | None = None  # digest of its tokenizer spec in Redis (Keys.tokenizer); None: none stored
+    # The worker process (workers/identity.py): tells a live holder of the name from an earlier run.
+    host: str | None = None
+    pid: int | None = None
+    pid_ns: str | None = None
+    instance: str | None = None  # random, new with every process

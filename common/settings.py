@@ -40,6 +40,7 @@ class Settings(BaseSettings):
     kv_cache_memory_bytes: int | None = Field(None, ge=1)
     prefill_chunk_size: int = Field(512, ge=16)
     max_prefill_tokens_per_step: int = Field(2048, ge=16)
+    enable_prefix_caching: bool = True  # reuse cached prompt prefixes, per owner (the engine's EngineConfig)
 
     # Media worker (image parts): one diffusers pipeline, loaded with DiffusionPipeline.from_pretrained
     image_model: str = ""  # hub id or directory; empty: a tiny random pipeline built on first use
@@ -57,7 +58,10 @@ class Settings(BaseSettings):
     max_image_steps: int = Field(100, ge=1)  # denoising steps of an image part
     detach_grace_s: float = Field(30.0, ge=0)
     sse_ping_s: float = Field(15.0, gt=0)
-    api_keys: str = ""  # comma-separated; empty disables authentication
+    api_keys: str = ""  # comma-separated; empty disables authentication (blank entries are refused)
+    # Comma-separated origins whose pages may call the API (CORS), e.g. https://console.example;
+    # "*" for any. Empty: none (the console at /console is same-origin and needs none).
+    cors_origins: str = ""
 
     # Workers (liveness)
     # A killed worker's jobs are taken over about max(lease_s, heartbeat_ttl_s) + heartbeat_s
@@ -68,7 +72,9 @@ class Settings(BaseSettings):
     # A worker whose engine step runs longer than this exits (a hung kernel, a deadlock): its jobs'
     # leases lapse and other workers (or this one, restarted by its supervisor) take them over.
     engine_stall_s: float = Field(300.0, gt=0)
-    worker_name: str = ""  # empty: celery's hostname
+    worker_name: str = ""  # empty: spool-{hostname}-{pid}-{random} (workers/identity.py)
+    # Each worker process serves its Prometheus metrics on this port (workers/metrics.py); unset: none.
+    worker_metrics_port: int | None = Field(None, ge=1, le=65535)
 
     # API process
     host: str = "127.0.0.1"
@@ -76,6 +82,11 @@ class Settings(BaseSettings):
     # On SIGTERM `spool api` stops accepting, waits this long for open requests and streams to
     # end, then closes them: their clients resume on another replica (Last-Event-ID).
     shutdown_timeout_s: int = Field(5, ge=0)
+    # Limits on what a client makes `spool api` read, before the app (api/http_limits.py).
+    max_header_bytes: int = Field(32 * 1024, ge=1024)  # request line and headers: else 431
+    header_timeout_s: float = Field(10.0, gt=0)  # a connection's request head: else 408
+    body_timeout_s: float = Field(30.0, gt=0)  # a request's body, from its head on: else 408
+    max_connections: int = Field(2048, ge=1)  # open connections (SSE streams too): else 503
     served_model_name: str = ""  # name in /v1/models; empty: derived from model
 
     @field_validator("device", "image_device")
@@ -83,6 +94,15 @@ class Settings(BaseSettings):
     def _device(cls, v: str) -> str:
         if v != "cpu" and v != "mps" and not (v == "cuda" or v.startswith("cuda:")):
             raise ValueError("must be cpu, cuda, cuda:N or mps")
+        return v
+
+    @field_validator("api_keys")
+    @classmethod
+    def _api_keys(cls, v: str) -> str:
+        # NOTE: " , " or "," would parse to no key at all and serve without authentication: a
+        # value that is set but blank somewhere is a mistake, never a way to turn keys off.
+        if v and any(not k.strip() for k in v.split(",")):
+            raise ValueError("has a blank key; give comma-separated non-blank keys, or leave it unset")
         return v
 
     @model_validator(mode="after")
@@ -101,6 +121,10 @@ class Settings(BaseSettings):
     @property
     def keys(self) -> Keys:
         return Keys(self.redis_prefix)
+
+    @property
+    def cors_origin_list(self) -> list[str]:
+        return [o.strip() for o in self.cors_origins.split(",") if o.strip()]
 
     @property
     def api_key_set(self) -> frozenset[str]:

@@ -1,4 +1,12 @@
-"""``spool generate`` and ``spool batch``: HTTP clients of a running API (httpx, no torch)."""
+"""``spool generate``, ``batch``, ``jobs``, ``job`` and ``cancel``: HTTP clients of a running API
+(httpx, no torch).
+
+Connections: an API that was never reached (connection refused, no such host) fails the command
+at once with one line naming the URL; one that answered before and then went away (a replica
+restarting, a dropped connection) is retried with back-off. Ctrl-C never loses a job: the
+commands print the ids of the jobs they submitted and how to resume or cancel them, and every
+job the API named is recorded locally (spool_cli/history.py) for ``spool jobs``.
+"""
 
 from __future__ import annotations
 
@@ -7,20 +15,62 @@ import sys
 import time
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import httpx
+
+from spool_cli import history
 
 TERMINAL = {"succeeded", "failed", "cancelled", "partial"}
 MAX_RECONNECTS = 20  # consecutive failed tries to reach the event stream before giving up
 RETRY_STATUSES = {502, 503, 504}  # a replica restarting, Redis unreachable: try again
 POLL_S = 0.5  # between two rounds of status checks in `spool batch`
 TIMEOUT = httpx.Timeout(30.0, read=120.0)  # the API pings idle streams every SPOOL_SSE_PING_S
+SECOND_CTRL_C_S = 2.0  # a second Ctrl-C within this long of the first cancels the job
+INTERRUPTED = 130  # the shell's status for a command ended by SIGINT
+NEVER_CONNECTED = (httpx.ConnectError, httpx.ConnectTimeout)
+READY_HEADER = "X-Spool-Ready"  # "false" on a submit while no worker is live (the job waits)
 
 
-def _headers(api_key: str | None) -> dict[str, str]:
-    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+class Unreachable(Exception):
+    """The API at the URL never answered: nothing to retry (main prints the one line)."""
+
+    def __init__(self, url: str, error: Exception) -> None:
+        reason = str(error) or type(error).__name__
+        super().__init__(f"cannot reach the API at {url} ({reason}); is it running? (scripts/serve.sh)")
+
+
+class Api:
+    """An httpx client that knows whether the API has answered it yet."""
+
+    def __init__(self, url: str, api_key: str | None) -> None:
+        self.url = url.rstrip("/")
+        self.reached = False
+        self.http = httpx.Client(
+            base_url=self.url,
+            headers={"Authorization": f"Bearer {api_key}"} if api_key else {},
+            timeout=TIMEOUT,
+            event_hooks={"response": [self._answered]},
+        )
+
+    def _answered(self, _: httpx.Response) -> None:
+        self.reached = True
+
+    def lost(self, e: httpx.TransportError) -> None:
+        """A connection failed: raise Unreachable if none was ever made, else return (retry)."""
+        if isinstance(e, NEVER_CONNECTED) and not self.reached:
+            raise Unreachable(self.url, e) from None
+
+    def close(self) -> None:
+        self.http.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
 
 
 def _idempotency() -> dict[str, str]:
@@ -46,6 +96,10 @@ def _error(resp: httpx.Response) -> str:
     return _message(resp.text) or f"HTTP {resp.status_code}: {resp.text[:200]}"
 
 
+def _say(line: str) -> None:
+    print(f"spool: {line}", file=sys.stderr, flush=True)
+
+
 def sse_events(lines: Iterator[str]) -> Iterator[tuple[str, str, str]]:
     """(id, event, data) of each event of a text/event-stream; comments (pings) are skipped.
 
@@ -69,70 +123,247 @@ def sse_events(lines: Iterator[str]) -> Iterator[tuple[str, str, str]]:
             data.append(value)
 
 
+# -- generate, and following a job's stream ------------------------------------------------------
+
+
+@dataclass
+class Follow:
+    """Where a client is in one job's stream."""
+
+    job_id: str | None  # None until the submit's answer named the job
+    started: float | None  # monotonic time of the submit; None: following a job submitted earlier
+    last: str = "0"  # id of the last event shown
+    newline: bool = False  # the terminal's cursor is after some text
+
+
 def generate(url: str, body: dict[str, Any], api_key: str | None) -> int:
     """Submit with ``"stream": true`` and print the tokens as they arrive; after a drop, resume
     the job's stream with Last-Event-ID (or, before the job's id came back, submit again with
-    the same Idempotency-Key)."""
-    with httpx.Client(base_url=url, headers=_headers(api_key), timeout=TIMEOUT) as client:
-        job_id: str | None = None  # known from the submit's Location header on
-        last, failures, submit_key = "0", 0, _idempotency()
-        while failures <= MAX_RECONNECTS:
-            try:
-                with (
-                    client.stream("POST", "/v1/jobs", json={**body, "stream": True}, headers=submit_key)
-                    if job_id is None
-                    else client.stream("GET", f"/v1/jobs/{job_id}/events", headers={"Last-Event-ID": last})
-                ) as stream:
-                    if stream.is_error:
-                        stream.read()
-                        if job_id is None:  # the submit itself was refused
-                            print(f"spool: {_error(stream)}", file=sys.stderr)
-                            return 1
-                        if stream.status_code not in RETRY_STATUSES:
-                            print(f"\nspool: {_error(stream)}", file=sys.stderr)
-                            return 1
-                        print(f"\nspool: {_error(stream)}; resuming after event {last}", file=sys.stderr)
-                    else:
-                        job_id = job_id or stream.headers["location"].rsplit("/", 1)[-1]
-                        for event_id, event, data in sse_events(stream.iter_lines()):
-                            if not event_id:  # the stream's own end (Redis unreachable), not the job's
-                                message = _message(data) or data[:200]
-                                print(f"\nspool: {message}; resuming after event {last}", file=sys.stderr)
-                                break
-                            last, failures = event_id, 0
-                            if (code := _show(event, json.loads(data))) is not None:
-                                return code
-            except httpx.TransportError as e:
-                if job_id is None:  # the job may exist: its key makes the API answer with it
-                    print(f"spool: connection lost while submitting ({e}); submitting again", file=sys.stderr)
+    the same Idempotency-Key). Ctrl-C: see ``_interrupted``."""
+    state = Follow(None, time.monotonic())
+    with Api(url, api_key) as api:
+        try:
+            return _stream(api, state, body)
+        except KeyboardInterrupt:
+            return _interrupted(api, state)
+
+
+def follow(url: str, job_id: str, api_key: str | None) -> int:
+    """Print a job's text from its first token to its end, as ``generate`` does (resume after Ctrl-C)."""
+    state = Follow(job_id, None)
+    with Api(url, api_key) as api:
+        try:
+            return _stream(api, state, None)
+        except KeyboardInterrupt:
+            return _interrupted(api, state)
+
+
+def _stream(api: Api, state: Follow, body: dict[str, Any] | None) -> int:
+    failures, submit_key = 0, _idempotency()
+    while failures <= MAX_RECONNECTS:
+        try:
+            with _open(api, state, body, submit_key) as stream:
+                if stream.is_error:
+                    stream.read()
+                    if state.job_id is None or stream.status_code not in RETRY_STATUSES:
+                        _end_line(state)
+                        _say(_error(stream))
+                        return 1
+                    _end_line(state)
+                    _say(f"{_error(stream)}; resuming after event {state.last}")
                 else:
-                    print(f"\nspool: connection lost ({e}); resuming after event {last}", file=sys.stderr)
-            failures += 1
-            _back_off(failures)
-        print(f"spool: gave up on job {job_id or '(not submitted)'}", file=sys.stderr)
-        return 1
+                    if state.job_id is None:
+                        _submitted(api, state, body or {}, stream)
+                    for event_id, event, data in sse_events(stream.iter_lines()):
+                        if not event_id:  # the stream's own end (Redis unreachable), not the job's
+                            _end_line(state)
+                            _say(f"{_message(data) or data[:200]}; resuming after event {state.last}")
+                            break
+                        state.last, failures = event_id, 0
+                        if (code := _show(state, event, json.loads(data))) is not None:
+                            return code
+        except httpx.TransportError as e:
+            api.lost(e)
+            _end_line(state)
+            if state.job_id is None:  # the job may exist: its key makes the API answer with it
+                _say(f"connection lost while submitting ({e}); submitting again")
+            else:
+                _say(f"connection lost ({e}); resuming after event {state.last}")
+        failures += 1
+        _back_off(failures)
+    _say(f"gave up on job {state.job_id or '(not submitted)'}")
+    return 1
 
 
-def _show(event: str, data: dict[str, Any]) -> int | None:
+def _open(api: Api, state: Follow, body: dict[str, Any] | None, key: dict[str, str]) -> Any:
+    if state.job_id is None:
+        return api.http.stream("POST", "/v1/jobs", json={**(body or {}), "stream": True}, headers=key)
+    return api.http.stream("GET", f"/v1/jobs/{state.job_id}/events", headers={"Last-Event-ID": state.last})
+
+
+def _submitted(api: Api, state: Follow, body: dict[str, Any], stream: httpx.Response) -> None:
+    state.job_id = stream.headers["location"].rsplit("/", 1)[-1]
+    history.record(state.job_id, api.url, history.describe(body), "generate")
+    if stream.headers.get(READY_HEADER) == "false":
+        _say(f"no worker is running: job {state.job_id} waits in the queue until one starts")
+
+
+def _end_line(state: Follow) -> None:
+    """On a terminal, start a message on a line of its own after the text shown so far (the
+    newline goes to stderr: stdout carries the job's text and nothing else)."""
+    if state.newline:
+        print(file=sys.stderr, flush=True)
+        state.newline = False
+
+
+def _show(state: Follow, event: str, data: dict[str, Any]) -> int | None:
     """Print one event; the exit code once the job ended, else None."""
     if event == "token":
         print(data["text"], end="", flush=True)
+        state.newline = state.newline or bool(data["text"])
         return None
-    print()
+    print(flush=True)  # the text's end (an empty line for a job with none)
+    state.newline = False
     if event == "error":
-        print(f"spool: job failed ({data['type']}): {data['message']}", file=sys.stderr)
+        _say(f"job {state.job_id} failed ({data['type']}): {data['message']}")
         return 1
+    tokens = data["usage"]["completion_tokens"]
+    rate = ""  # a job followed after its start: its tokens came before this client did
+    if state.started is not None:
+        seconds = time.monotonic() - state.started
+        rate = f" in {seconds:.1f} s ({tokens / seconds if seconds > 0 else 0.0:.1f} tok/s)"
+    _say(
+        f"{data['status']} (finish reason {data['finish_reason']}), {tokens} tokens{rate}, job {state.job_id}"
+    )
     return 0 if data["status"] == "succeeded" else 1
 
 
-def _submit(client: httpx.Client, body: dict[str, Any]) -> tuple[str | None, str | None]:
+def _interrupted(api: Api, state: Follow) -> int:
+    """Ctrl-C: the job runs on (it is a background job); say how to resume or cancel it, and
+    cancel it if a second Ctrl-C comes within ``SECOND_CTRL_C_S``."""
+    _end_line(state)
+    if state.job_id is None:
+        _say("interrupted before the API named the job (if it made one, it runs on)")
+        return INTERRUPTED
+    job = state.job_id
+    try:  # (the message inside: a second Ctrl-C right after it still cancels)
+        _say(
+            f"interrupted; job {job} runs on. Resume: spool job {job} --follow; cancel: spool cancel {job} "
+            f"(or press Ctrl-C again within {SECOND_CTRL_C_S:g} s)"
+        )
+        time.sleep(SECOND_CTRL_C_S)
+    except KeyboardInterrupt:
+        return _cancel(api, [job]) or INTERRUPTED
+    return INTERRUPTED
+
+
+# -- jobs, job, cancel ---------------------------------------------------------------------------
+
+
+def _get_job(api: Api, job_id: str) -> tuple[dict[str, Any] | None, str | None]:
+    """(job, None), or (None, the API's refusal): one try, an unreachable API raises."""
+    try:
+        resp = api.http.get(f"/v1/jobs/{job_id}")
+    except httpx.TransportError as e:
+        api.lost(e)
+        return None, f"connection lost ({e})"
+    if resp.is_error:
+        return None, _error(resp)
+    job: dict[str, Any] = resp.json()
+    return job, None
+
+
+def show_job(url: str, job_id: str, api_key: str | None) -> int:
+    with Api(url, api_key) as api:
+        job, error = _get_job(api, job_id)
+    if job is None:
+        _say(str(error))
+        return 1
+    print(json.dumps(job, indent=2, ensure_ascii=False))
+    return 0
+
+
+def cancel_jobs(url: str, job_ids: list[str], api_key: str | None) -> int:
+    with Api(url, api_key) as api:
+        return _cancel(api, job_ids)
+
+
+def _cancel(api: Api, job_ids: list[str]) -> int:
+    """Cancel each job; the exit code. A job that already ended is said, not an error."""
+    code = 0
+    for job_id in job_ids:
+        try:
+            resp = api.http.post(f"/v1/jobs/{job_id}/cancel")
+        except httpx.TransportError as e:
+            api.lost(e)
+            _say(f"job {job_id}: connection lost ({e}); not cancelled")
+            code = 1
+            continue
+        if resp.status_code == 409:
+            _say(f"job {job_id}: {_error(resp)}")
+        elif resp.is_error:
+            _say(f"job {job_id}: {_error(resp)}")
+            code = 1
+        else:
+            _say(f"job {job_id}: cancel requested (its status now: {resp.json()['status']})")
+    return code
+
+
+def list_jobs(url: str, limit: int, api_key: str | None) -> int:
+    entries = history.recent(url.rstrip("/"), limit)
+    if not entries:
+        _say(f"no jobs recorded for {url} in {history.path()} (spool generate and spool batch record theirs)")
+        return 0
+    with Api(url, api_key) as api:
+        print(f"{'JOB':32}  {'STATUS':9}  {'TOKENS':>6}  {'SUBMITTED':19}  {'VIA':8}  PROMPT")
+        for entry in entries:
+            job, _ = _get_job(api, entry["id"])
+            status = job["status"] if job else "expired"  # 404: unknown now, its TTL ran out
+            tokens = str(job["usage"]["completion_tokens"]) if job else "-"
+            when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(entry["at"]))
+            what = json.dumps(entry["what"], ensure_ascii=False)
+            print(f"{entry['id']:32}  {status:9}  {tokens:>6}  {when:19}  {entry['via']:8}  {what}")
+    return 0
+
+
+# -- batch ---------------------------------------------------------------------------------------
+
+
+class BadBatch(ValueError):
+    """The input file cannot be read or a line is not a job: nothing was submitted."""
+
+
+def read_batch(file: Path) -> list[dict[str, Any]]:
+    """Every job of a JSONL file, all checked before any is submitted (blank lines skipped)."""
+    try:
+        text = file.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise BadBatch(f"no such file: {file}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise BadBatch(f"cannot read {file}: {e}") from None
+    rows = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError as e:
+            raise BadBatch(f"{file} line {number}: not JSON ({e}); nothing submitted") from None
+        if not isinstance(row, dict):
+            raise BadBatch(f"{file} line {number}: not a JSON object (a job request); nothing submitted")
+        rows.append(row)
+    return rows
+
+
+def _submit(api: Api, body: dict[str, Any]) -> tuple[str | None, str | None]:
     """(job id, None) or (None, error message); waits out a full queue (429 + Retry-After) and
     submits again after a lost connection (with the same Idempotency-Key: one job at most)."""
     key, failures = _idempotency(), 0
     while True:
         try:
-            resp = client.post("/v1/jobs", json=body, headers=key)
+            resp = api.http.post("/v1/jobs", json=body, headers=key)
         except httpx.TransportError as e:
+            api.lost(e)
             failures += 1
             if failures > MAX_RECONNECTS:
                 return None, f"could not submit ({e})"
@@ -143,49 +374,86 @@ def _submit(client: httpx.Client, body: dict[str, Any]) -> tuple[str | None, str
         time.sleep(float(resp.headers.get("Retry-After", "1")))
 
 
-def _poll(client: httpx.Client, job_id: str) -> dict[str, Any] | None:
-    """The job, or None while the API cannot answer (a replica restarting, Redis unreachable)."""
+def _poll(api: Api, job_id: str) -> dict[str, Any] | None:
+    """The job, or None while the API cannot answer (a replica restarting, Redis unreachable).
+    A refusal (the job expired, another API key) ends the job's wait as status "lost"."""
     try:
-        resp = client.get(f"/v1/jobs/{job_id}")
+        resp = api.http.get(f"/v1/jobs/{job_id}")
     except httpx.TransportError:
         return None
     if resp.status_code in RETRY_STATUSES:
         return None
-    resp.raise_for_status()
+    if resp.is_error:
+        return {"status": "lost", "error": {"message": _error(resp), "type": "lost"}}
     job: dict[str, Any] = resp.json()
     return job
 
 
 def batch(url: str, file: Path, out: Path | None, api_key: str | None) -> int:
-    rows = [json.loads(line) for line in file.read_text().splitlines() if line.strip()]
+    rows = read_batch(file)
     results: list[dict[str, Any]] = []
-    with httpx.Client(base_url=url, headers=_headers(api_key), timeout=TIMEOUT) as client:
-        for row in rows:
-            custom_id = row.pop("custom_id", None)
-            job_id, error = _submit(client, {**row, "stream": False})  # polled, never streamed
-            result: dict[str, Any] = {"custom_id": custom_id, "job_id": job_id}
-            if error:
-                result.update(status="rejected", error={"message": error, "type": "rejected"})
-            results.append(result)
-        pending = {r["job_id"]: r for r in results if r["job_id"] and "status" not in r}
-        while pending:
-            for job_id in list(pending):  # in submission order
-                if (job := _poll(client, job_id)) is None:
-                    break  # try again next round
-                if job["status"] == "queued":
-                    # The workers take jobs in the order they were queued: the jobs after this
-                    # one wait too. (Polling them all each round costs the API a request per
-                    # queued job every POLL_S: a 1,000-line batch would keep it busy.)
-                    break
-                if job["status"] in TERMINAL:
-                    pending.pop(job_id).update(
-                        {k: job.get(k) for k in ("status", "text", "finish_reason", "usage", "error")}
-                    )
-            if pending:
-                time.sleep(POLL_S)
-    text = "".join(json.dumps(r) + "\n" for r in results)
+    with Api(url, api_key) as api:
+        try:
+            _run_batch(api, rows, results)
+        except KeyboardInterrupt:
+            _write_results(results, out)
+            return _batch_interrupted(api, results, out)
+    _write_results(results, out)
+    return 0 if all(r["status"] == "succeeded" for r in results) else 1
+
+
+def _run_batch(api: Api, rows: list[dict[str, Any]], results: list[dict[str, Any]]) -> None:
+    for row in rows:
+        custom_id = row.pop("custom_id", None)
+        job_id, error = _submit(api, {**row, "stream": False})  # polled, never streamed
+        result: dict[str, Any] = {"custom_id": custom_id, "job_id": job_id}
+        if error:
+            result.update(status="rejected", error={"message": error, "type": "rejected"})
+        else:
+            assert job_id is not None
+            history.record(job_id, api.url, history.describe(row), "batch")
+        results.append(result)
+    pending = {r["job_id"]: r for r in results if "status" not in r}
+    while pending:
+        for job_id in list(pending):  # in submission order
+            if (job := _poll(api, job_id)) is None:
+                break  # try again next round
+            if job["status"] == "queued":
+                # The workers take jobs in the order they were queued: the jobs after this
+                # one wait too. (Polling them all each round costs the API a request per
+                # queued job every POLL_S: a 1,000-line batch would keep it busy.)
+                break
+            if job["status"] in TERMINAL | {"lost"}:
+                pending.pop(job_id).update(
+                    {k: job.get(k) for k in ("status", "text", "finish_reason", "usage", "error")}
+                )
+        if pending:
+            time.sleep(POLL_S)
+
+
+def _write_results(results: list[dict[str, Any]], out: Path | None) -> None:
+    """The results in input order; a job still unfinished (after Ctrl-C) has status "submitted"."""
+    text = "".join(json.dumps({"status": "submitted", **r}) + "\n" for r in results)
     if out is None:
         sys.stdout.write(text)
+        sys.stdout.flush()
     else:
         out.write_text(text)
-    return 0 if all(r["status"] == "succeeded" for r in results) else 1
+
+
+def _batch_interrupted(api: Api, results: list[dict[str, Any]], out: Path | None) -> int:
+    running = [r["job_id"] for r in results if "status" not in r]
+    where = out or "stdout"
+    if not running:
+        _say(f"interrupted; nothing left running (results so far: {where})")
+        return INTERRUPTED
+    try:
+        _say(
+            f'interrupted; {len(running)} submitted job(s) run on, their ids in {where} (status "submitted") '
+            f"and in `spool jobs`. Each result: spool job ID; cancel them all: press Ctrl-C again within "
+            f"{SECOND_CTRL_C_S:g} s, or spool cancel {' '.join(running)}"
+        )
+        time.sleep(SECOND_CTRL_C_S)
+    except KeyboardInterrupt:
+        _cancel(api, running)
+    return INTERRUPTED

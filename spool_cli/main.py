@@ -1,22 +1,48 @@
 """spool: run a worker, the API, both at once, or talk to a running API.
 
-Every command reads its settings from SPOOL_* environment variables, so processes started with
-the same environment find each other. `spool api`, `generate` and `batch` never import torch.
+Every command reads its settings from SPOOL_* environment variables (the README's table), so
+processes started with the same environment find each other. `spool api` and the client
+commands (generate, batch, jobs, job, cancel) never import torch. `spool COMMAND --help` says
+what each command does, which settings it reads, and gives an example.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import textwrap
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
+from common.redis_policy import UnsafeRedis
 from common.settings import SettingsError, get_settings
 
 SETTINGS_EXIT = 2
+HELP_WIDTH = 88
+CLIENT_SETTINGS = (
+    "Settings: SPOOL_HOST and SPOOL_PORT (the default --url). An API that never answers (a wrong "
+    "--url) fails at once; one that answered and went away is retried."
+)
+
+
+def check_redis_at_start(url: str) -> None:
+    """Refuse a Redis that evicts keys (UnsafeRedis); one not reachable yet is waited for later."""
+    import redis
+
+    from common.redis_policy import check_redis
+
+    client = redis.Redis.from_url(url, socket_connect_timeout=2, socket_timeout=5)
+    try:
+        check_redis(client)
+    except redis.RedisError as e:
+        print(f"spool: Redis's maxmemory-policy not checked, Redis not reachable yet ({e})", file=sys.stderr)
+    finally:
+        client.close()
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
+    check_redis_at_start(get_settings().redis_url)  # before torch loads: seconds sooner
     settings = get_settings()
     if args.kind == "media":
         from workers.media.tasks import app  # loads torch and diffusers: only here
@@ -45,12 +71,18 @@ def cmd_worker(args: argparse.Namespace) -> int:
 def cmd_api(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from api.http_limits import HttpLimits, protocol_class
+
     settings = get_settings()
+    check_redis_at_start(settings.redis_url)  # the app's start checks again (a bare uvicorn too)
     uvicorn.run(
         "api.main:app",
         host=args.host or settings.host,
         port=args.port or settings.port,
         timeout_graceful_shutdown=settings.shutdown_timeout_s,  # an SSE stream never ends by itself
+        # Header size, read timeouts and the connection cap, before the app (`spool up` and the
+        # compose file's api service run this command too).
+        http=protocol_class(HttpLimits.of(settings)),
     )
     return 0
 
@@ -61,17 +93,55 @@ def cmd_up(_: argparse.Namespace) -> int:
     return up()
 
 
+def job_body(args: argparse.Namespace) -> dict[str, Any]:
+    """The job request of `spool generate`'s arguments (the API's defaults for what is not given)."""
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    if args.chat or args.system is not None:
+        system = [{"role": "system", "content": args.system}] if args.system is not None else []
+        text: dict[str, Any] = {"messages": [*system, {"role": "user", "content": prompt}]}
+    else:
+        text = {"prompt": prompt}
+    stop = args.stop[0] if args.stop and len(args.stop) == 1 else args.stop
+    options = {
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "top_k": args.top_k,
+        "seed": args.seed,
+        "stop": stop,
+    }
+    return {**text, **{k: v for k, v in options.items() if v is not None}}
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from spool_cli.client import generate
 
-    body = {"prompt": args.prompt, "max_tokens": args.max_tokens, "temperature": args.temperature}
-    return generate(args.url or default_url(), {k: v for k, v in body.items() if v is not None}, args.api_key)
+    return generate(args.url or default_url(), job_body(args), args.api_key)
 
 
 def cmd_batch(args: argparse.Namespace) -> int:
     from spool_cli.client import batch
 
     return batch(args.url or default_url(), args.file, args.out, args.api_key)
+
+
+def cmd_jobs(args: argparse.Namespace) -> int:
+    from spool_cli.client import list_jobs
+
+    return list_jobs(args.url or default_url(), args.limit, args.api_key)
+
+
+def cmd_job(args: argparse.Namespace) -> int:
+    from spool_cli.client import follow, show_job
+
+    url = args.url or default_url()
+    return follow(url, args.id, args.api_key) if args.follow else show_job(url, args.id, args.api_key)
+
+
+def cmd_cancel(args: argparse.Namespace) -> int:
+    from spool_cli.client import cancel_jobs
+
+    return cancel_jobs(args.url or default_url(), args.ids, args.api_key)
 
 
 def cmd_tiny_model(args: argparse.Namespace) -> int:
@@ -90,7 +160,10 @@ def cmd_tiny_image_model(args: argparse.Namespace) -> int:
 
 def default_url() -> str:
     settings = get_settings()
-    return f"http://{settings.host}:{settings.port}"
+    host = (
+        "127.0.0.1" if settings.host in ("0.0.0.0", "::") else settings.host
+    )  # where a local API is reached
+    return f"http://{host}:{settings.port}"
 
 
 def _client_options(p: argparse.ArgumentParser) -> None:
@@ -98,85 +171,216 @@ def _client_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY' when the API has keys")
 
 
+def _command(
+    sub: Any, name: str, summary: str, details: str, settings: str, example: str
+) -> argparse.ArgumentParser:
+    """A subcommand whose --help says what it does, which settings it reads, and one example."""
+    return sub.add_parser(  # type: ignore[no-any-return]
+        name,
+        help=summary,
+        description="\n\n".join(
+            textwrap.fill(text, HELP_WIDTH)
+            for text in (f"{summary[0].upper()}{summary[1:]}. {details}", settings)
+        ),
+        epilog=f"example:\n  {example}",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+
+
 def parser() -> argparse.ArgumentParser:
     root = argparse.ArgumentParser(
-        prog="spool", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="spool",
+        description=__doc__,
+        epilog='example:\n  spool up    # then, in another terminal: spool generate "ROMEO:"',
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = root.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    p = sub.add_parser(
+    p = _command(
+        sub,
         "worker",
-        help="run a Celery worker that owns the engine (settings from SPOOL_*)",
-        description="--kind text (the default) runs text jobs and text parts on SPOOL_MODEL; "
-        "--kind media runs image parts on one diffusers pipeline (SPOOL_IMAGE_MODEL, "
-        "SPOOL_IMAGE_DEVICE, SPOOL_IMAGE_DTYPE), one image at a time.",
+        "run a Celery worker that owns the engine",
+        "It loads the model, beats a heartbeat into Redis (the API is ready once one is live) and "
+        "runs the queued jobs in one continuous batch. Run one per accelerator, under a supervisor "
+        "that restarts it (it exits 70 when an engine step stalls, 78 when its model does not load "
+        "or its name is held by a live worker, 2 on a Redis whose maxmemory-policy evicts keys). "
+        "--kind media runs image parts instead, on one diffusers pipeline (SPOOL_IMAGE_MODEL), "
+        "one image at a time, from the {prefix}.media queue.",
+        "Settings: SPOOL_REDIS_URL, SPOOL_REDIS_PREFIX, SPOOL_MODEL, SPOOL_DEVICE, SPOOL_DTYPE, the "
+        "engine's (SPOOL_MAX_BATCH_SIZE, SPOOL_MAX_MODEL_LEN, ...) and the liveness ones "
+        "(SPOOL_HEARTBEAT_S, SPOOL_LEASE_S, SPOOL_WORKER_NAME, ...); with --kind media "
+        "SPOOL_IMAGE_MODEL, SPOOL_IMAGE_DEVICE, SPOOL_IMAGE_DTYPE instead of the model and engine's.",
+        "SPOOL_MODEL=Qwen/Qwen2.5-0.5B-Instruct SPOOL_DEVICE=cuda spool worker",
     )
     p.add_argument(
         "--kind", choices=["text", "media"], default="text", help="the jobs it runs (default: text)"
     )
     p.set_defaults(func=cmd_worker)
 
-    p = sub.add_parser("api", help="run the HTTP API (uvicorn api.main:app)")
+    p = _command(
+        sub,
+        "api",
+        "run the HTTP API (uvicorn api.main:app)",
+        "Jobs, their event streams and the OpenAI-compatible routes; /docs has the reference. It "
+        "needs Redis, and a worker for /readyz to answer 200. It serves with limits before the app: "
+        "request heads up to SPOOL_MAX_HEADER_BYTES (else 431), a head within SPOOL_HEADER_TIMEOUT_S "
+        "and a body within SPOOL_BODY_TIMEOUT_S (else 408), at most SPOOL_MAX_CONNECTIONS "
+        "connections (else 503). Exits with status 2 on a Redis whose maxmemory-policy evicts keys.",
+        "Settings: SPOOL_HOST, SPOOL_PORT, SPOOL_REDIS_URL, SPOOL_REDIS_PREFIX, the request limits "
+        "(SPOOL_MAX_TOKENS_CAP, SPOOL_MAX_QUEUED_JOBS, SPOOL_MAX_BODY_BYTES, ...), SPOOL_API_KEYS "
+        "and SPOOL_SHUTDOWN_TIMEOUT_S.",
+        "spool api --host 0.0.0.0 --port 8000",
+    )
     p.add_argument("--host", help="interface to bind (default: SPOOL_HOST)")
     p.add_argument("--port", type=int, help="port to listen on (default: SPOOL_PORT)")
     p.set_defaults(func=cmd_api)
 
-    p = sub.add_parser(
+    p = _command(
+        sub,
         "up",
-        help="run a worker and the API together (laptop); finds or starts a Redis",
-        description="Uses SPOOL_REDIS_URL if set, else a Redis on localhost:6379, else starts "
-        "redis-server (no persistence) on a free port. Ctrl-C stops everything.",
+        "run a worker and the API together (laptop); finds or starts a Redis",
+        "Uses SPOOL_REDIS_URL if set, else a Redis on localhost:6379, else starts redis-server (no "
+        "persistence) on a free port. Ctrl-C or SIGTERM stops everything (status 0). If a child "
+        "exits (a worker whose model does not load, an API killed), spool up names it with its "
+        "exit status, stops the others and exits 1; it restarts nothing.",
+        "Settings: all of the worker's and the API's (spool worker --help, spool api --help).",
+        "SPOOL_PORT=8001 spool up",
     )
     p.set_defaults(func=cmd_up)
 
-    p = sub.add_parser(
+    p = _command(
+        sub,
         "generate",
-        help="submit a prompt and stream the tokens as they come",
-        description="A dropped connection, or a 502, 503 or 504 while reconnecting (a replica "
+        "submit a prompt and stream the tokens as they come",
+        "It ends with one line on stderr: the finish reason, the tokens, tokens per second and the "
+        "job's id. A dropped connection, or a 502, 503 or 504 while reconnecting (a replica "
         "restarting, Redis unreachable), resumes the stream after the last event shown, backing off "
-        "for up to about 45 s in all before giving up.",
+        "for up to about 45 s in all before giving up. Ctrl-C leaves the job running and prints how "
+        "to resume it (spool job ID --follow) or cancel it; a second Ctrl-C within 2 s cancels it. "
+        "The job is recorded for spool jobs.",
+        CLIENT_SETTINGS,
+        'echo "Speak, friend." | spool generate - --chat --system "You are terse." --max-tokens 40 --seed 7',
     )
-    p.add_argument("prompt")
+    p.add_argument("prompt", help="the prompt; - reads it from stdin")
     p.add_argument("--max-tokens", type=int, help="tokens to generate at most (default: the API's)")
     p.add_argument("--temperature", type=float, help="0 for greedy (default: 1.0)")
+    p.add_argument("--top-p", type=float, help="nucleus sampling: the smallest set of tokens this likely")
+    p.add_argument("--top-k", type=int, help="sample from the k likeliest tokens only")
+    p.add_argument("--seed", type=int, help="same seed, same tokens")
+    p.add_argument("--stop", action="append", help="end before this string (repeat for up to 4)")
+    p.add_argument(
+        "--chat", action="store_true", help="send the prompt as a user message (the chat template)"
+    )
+    p.add_argument("--system", help="a system message before the prompt (implies --chat)")
     _client_options(p)
     p.set_defaults(func=cmd_generate)
 
-    p = sub.add_parser(
+    p = _command(
+        sub,
         "batch",
-        help="submit one job per line of a JSONL file, wait, write the results as JSONL",
-        description="Each line is a job request object (prompt or messages, max_tokens, ...); an "
-        "optional 'custom_id' is echoed in its result. Results keep the input order. It polls the "
-        "jobs in that order every half second, none behind one still queued (the workers take them "
-        "in order); a dropped connection or a 502, 503 or 504 is retried at the next poll.",
+        "submit one job per line of a JSONL file, wait, write the results as JSONL",
+        "Each line is a job request object (prompt or messages, max_tokens, ...); an optional "
+        "'custom_id' is echoed in its result. Every line is checked first: a line that is not a "
+        "JSON object (its number is named) or a missing file submits nothing. Results keep the "
+        "input order. It polls the jobs in that order every half second, none behind one still "
+        "queued (the workers take them in order); a dropped connection or a 502, 503 or 504 is "
+        "retried at the next poll; a job the API no longer knows (expired) ends with status 'lost'. Ctrl-C writes the results so far (unfinished jobs with status "
+        "'submitted' and their ids) and leaves the jobs running; a second Ctrl-C within 2 s "
+        "cancels them. Each job is recorded for spool jobs.",
+        CLIENT_SETTINGS,
+        "spool batch prompts.jsonl --out results.jsonl",
     )
     p.add_argument("file", type=Path, help="input JSONL")
     p.add_argument("--out", type=Path, help="output JSONL (default: stdout)")
     _client_options(p)
     p.set_defaults(func=cmd_batch)
 
-    p = sub.add_parser("tiny-model", help="write a tiny random model + tokenizer (for tests and demos)")
-    p.add_argument("dir", type=Path)
-    p.add_argument("--arch", choices=["llama", "qwen2", "gpt2", "opt"], default="llama")
+    p = _command(
+        sub,
+        "jobs",
+        "list the jobs this machine's spool submitted to the API, newest first, with their status",
+        "The API has no listing of jobs, so this reads the ids that spool generate and spool batch "
+        "recorded in $XDG_STATE_HOME/spool/jobs.jsonl (default ~/.local/state/spool/jobs.jsonl), "
+        "for this --url, and asks the API for each one's status ('expired' once the API has "
+        "forgotten it, SPOOL_JOB_TTL_S after it ended).",
+        CLIENT_SETTINGS + " XDG_STATE_HOME: where the list of submitted jobs is kept.",
+        "spool jobs --limit 5",
+    )
+    p.add_argument("--limit", type=int, default=20, help="how many (default: 20)")
+    _client_options(p)
+    p.set_defaults(func=cmd_jobs)
+
+    p = _command(
+        sub,
+        "job",
+        "show one job (JSON: status, text, usage, ...), or follow its stream",
+        "With --follow it prints the job's text from the start and then as it comes, as spool "
+        "generate does: how to resume a generate that was interrupted.",
+        CLIENT_SETTINGS,
+        "spool job 3f0c9a1e2b7d4c5f8e6a0b1c2d3e4f5a --follow",
+    )
+    p.add_argument("id", help="the job's id")
+    p.add_argument("--follow", action="store_true", help="stream the job's text until it ends")
+    _client_options(p)
+    p.set_defaults(func=cmd_job)
+
+    p = _command(
+        sub,
+        "cancel",
+        "cancel jobs by id",
+        "A queued job ends at once, a running one at the worker's next step; a job that already "
+        "ended is said so (and is not an error).",
+        CLIENT_SETTINGS,
+        "spool cancel 3f0c9a1e2b7d4c5f8e6a0b1c2d3e4f5a",
+    )
+    p.add_argument("ids", nargs="+", metavar="ID", help="the jobs' ids")
+    _client_options(p)
+    p.set_defaults(func=cmd_cancel)
+
+    p = _command(
+        sub,
+        "tiny-model",
+        "write a tiny random model and its tokenizer to DIR, and print its path",
+        "About 1.5 MB, random weights: for tests and demos (SPOOL_MODEL=DIR), where "
+        "what it says does not matter but every code path (chat template, batching, resume) runs.",
+        "Settings: none.",
+        "spool tiny-model /tmp/tiny && SPOOL_MODEL=/tmp/tiny spool up",
+    )
+    p.add_argument("dir", type=Path, help="where to write it (created if missing)")
+    p.add_argument(
+        "--arch", choices=["llama", "qwen2", "gpt2", "opt"], default="llama", help="default: llama"
+    )
     p.set_defaults(func=cmd_tiny_model)
 
-    p = sub.add_parser(
+    p = _command(
+        sub,
         "tiny-image-model",
-        help="write a tiny random Stable Diffusion pipeline (for tests and demos; its images are noise)",
+        "write a tiny random Stable Diffusion pipeline to DIR, and print its path",
+        "UNet, VAE, CLIP text encoder and a CLIP tokenizer built locally, random weights, saved "
+        "with save_pretrained: its images are noise. For tests and demos (SPOOL_IMAGE_MODEL=DIR); "
+        "the media worker builds one into its cache when SPOOL_IMAGE_MODEL is unset.",
+        "Settings: none.",
+        "spool tiny-image-model /tmp/tiny-sd && SPOOL_IMAGE_MODEL=/tmp/tiny-sd spool worker --kind media",
     )
-    p.add_argument("dir", type=Path)
+    p.add_argument("dir", type=Path, help="where to write it (created if missing)")
     p.set_defaults(func=cmd_tiny_image_model)
     return root
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from spool_cli.client import BadBatch, Unreachable
+
     args = parser().parse_args(argv)
     try:
         return int(args.func(args))
-    except SettingsError as e:
+    except (SettingsError, UnsafeRedis) as e:
         print(f"spool: {e}", file=sys.stderr)
         return SETTINGS_EXIT
+    except (Unreachable, BadBatch) as e:
+        print(f"spool: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
+        print(file=sys.stderr)  # the shell's prompt on a line of its own
         return 130
 
 

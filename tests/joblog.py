@@ -6,7 +6,7 @@ from store_helpers import StoreForTests
 
 from common.schemas import DoneEvent, ErrorEvent, JobRequest, JobStatus, LogEntry, Usage
 from common.settings import Settings
-from common.store import Append, Final, token_entry
+from common.store import Append, Appended, Final, token_entry
 
 
 class LogWriter:
@@ -57,4 +57,4 @@ class LogWriter:
 
     def _append(self, job_id: str, entries: list[LogEntry], final: Final | None = None) -> None:
         append = Append(job_id, self._attempt[job_id], entries, 3, self._tokens[job_id], final)
-        assert self.store.append_batch([append]) == [True]
+        assert self.store.append_batch([append]) == [Appended.WRITTEN]

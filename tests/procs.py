@@ -1,7 +1,8 @@
-"""Real processes for the tests: ``spool worker`` and uvicorn as subprocesses on a real Redis.
+"""Real processes for the tests: ``spool worker`` and ``spool api`` as subprocesses on a real Redis.
 
-Each runs in its own process group with its output in a log file; ``running`` lists those
-still up, so a failing test's report can carry their logs (see conftest.py).
+They are started and stopped by the harness (spool_cli/procs.py): each in its own process group,
+its output in a log file. ``running`` lists those still up, so a failing test's report can carry
+their logs (see conftest.py).
 """
 
 from __future__ import annotations
@@ -9,11 +10,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -26,89 +25,73 @@ import pytest
 import redis
 
 from common.keys import Keys
+from spool_cli import procs as harness
+from spool_cli.procs import free_port, http_status
 
 REDIS_URL = os.environ.get("TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 ROOT = Path(__file__).resolve().parents[1]
 SPOOL = str(Path(sys.executable).with_name("spool"))  # the console script of this venv
 START_TIMEOUT_S = 120.0  # a worker loads torch and the model before its first heartbeat
-LOG_TAIL_CHARS = 6000
 
 running: list[Service] = []  # processes whose logs go into a failing test's report
 
 
 @dataclass
 class Service:
-    name: str
+    """A harness process as a test holds it: its prefix, its URL (an API), and ``running``."""
+
+    handle: harness.Proc
     prefix: str  # its SPOOL_REDIS_PREFIX
-    proc: subprocess.Popen[bytes]
-    log_path: Path
     url: str = ""
 
+    @property
+    def name(self) -> str:
+        return self.handle.name
+
+    @property
+    def proc(self) -> subprocess.Popen[bytes]:
+        return self.handle.popen
+
+    @property
+    def log_path(self) -> Path:
+        assert self.handle.log_path is not None
+        return self.handle.log_path
+
     def alive(self) -> bool:
-        return self.proc.poll() is None
+        return self.handle.alive()
 
     def log_tail(self) -> str:
-        return self.log_path.read_text(errors="replace")[-LOG_TAIL_CHARS:]
+        return self.handle.log_tail()
 
     def stop(self) -> None:
-        if self.alive():
-            # The process leads its own group: celery's pool children go with it.
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(5)
+        self.handle.stop()
         if self in running:
             running.remove(self)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def spool_env(prefix: str, **settings: object) -> dict[str, str]:
-    """This environment minus any SPOOL_* of the caller, plus the given settings."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SPOOL_")}
-    env.update(SPOOL_REDIS_URL=REDIS_URL, SPOOL_REDIS_PREFIX=prefix, PYTHONUNBUFFERED="1")
-    env.update({f"SPOOL_{k.upper()}": str(v) for k, v in settings.items()})
-    return env
+    """This environment minus any SPOOL_* of the caller, plus the test Redis and the settings."""
+    return harness.spool_env(REDIS_URL, prefix, **settings)
 
 
 def start(name: str, argv: list[str], env: dict[str, str], log_dir: Path) -> Service:
     """Start a process in its own group, output to ``log_dir/name.log``."""
-    log_path = log_dir / f"{name}.log"
-    with log_path.open("wb") as out:
-        proc = subprocess.Popen(
-            argv, env=env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-        )
-    service = Service(name, env["SPOOL_REDIS_PREFIX"], proc, log_path)
+    service = Service(
+        harness.start(name, argv, env=env, log_dir=log_dir, cwd=ROOT), env["SPOOL_REDIS_PREFIX"]
+    )
     running.append(service)
     return service
 
 
 def wait_until(check: Callable[[], bool], what: str, timeout: float, watch: tuple[Service, ...] = ()) -> None:
     """Poll ``check`` until it holds; fail early, with its log, if a watched process exits."""
-    deadline = time.monotonic() + timeout
-    while not check():
-        for s in watch:
-            if not s.alive():
-                pytest.fail(
-                    f"{s.name} exited with {s.proc.returncode} while waiting for {what}:\n{s.log_tail()}"
-                )
-        if time.monotonic() > deadline:
-            logs = "\n".join(f"--- {s.name}\n{s.log_tail()}" for s in watch)
-            pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}\n{logs}")
-        time.sleep(0.05)
-
-
-def http_status(url: str) -> int | None:
     try:
-        return httpx.get(url, timeout=2).status_code
-    except httpx.TransportError:
-        return None
+        harness.wait_until(check, what, timeout, [s.handle for s in watch])
+    except harness.HarnessError as e:
+        failure = str(e)  # (failed outside the except: the harness's traceback adds nothing)
+    else:
+        return
+    pytest.fail(failure)
 
 
 def start_api(
@@ -124,14 +107,33 @@ def start_api(
     return api
 
 
-def start_worker(prefix: str, model: Path, log_dir: Path, name: str = "w1", **settings: object) -> Service:
-    """``spool worker`` with a fast heartbeat; waits for its heartbeat key in Redis."""
-    env = spool_env(prefix, model=model, worker_name=f"{prefix}-{name}", heartbeat_s=0.5, **settings)
-    worker = start(f"worker-{prefix}-{name}", [SPOOL, "worker"], env, log_dir)
+def start_worker(
+    prefix: str, model: Path, log_dir: Path, name: str | None = "w1", **settings: object
+) -> Service:
+    """``spool worker`` named ``{prefix}-{name}`` (None: its default name), with a fast heartbeat;
+    waits for its own heartbeat in Redis (a killed worker's may still be there)."""
+    named = {} if name is None else {"worker_name": f"{prefix}-{name}"}
+    env = spool_env(prefix, model=model, heartbeat_s=0.5, **named, **settings)
+    worker = start(f"worker-{prefix}-{name or 'default'}", [SPOOL, "worker"], env, log_dir)
     r = redis.Redis.from_url(str(settings.get("redis_url", REDIS_URL)))
-    key = Keys(prefix).worker(f"{prefix}-{name}")
-    wait_until(lambda: bool(r.exists(key)), f"{worker.name} heartbeat", START_TIMEOUT_S, (worker,))
+    wait_until(
+        lambda: worker.proc.pid in heartbeat_pids(r, Keys(prefix)),
+        f"{worker.name} heartbeat",
+        START_TIMEOUT_S,
+        (worker,),
+    )
     return worker
+
+
+def heartbeats(r: redis.Redis, keys: Keys) -> list[dict[str, Any]]:
+    """The live heartbeats of the workers on this prefix."""
+    names = [n.decode() if isinstance(n, bytes) else str(n) for n in r.zrange(keys.workers(), 0, -1)]
+    return [json.loads(v) for v in r.mget([keys.worker(n) for n in names]) if v] if names else []
+
+
+def heartbeat_pids(r: redis.Redis, keys: Keys) -> dict[int, str]:
+    """pid -> name of the workers with a live heartbeat on this prefix."""
+    return {b["pid"]: b["name"] for b in heartbeats(r, keys) if b.get("pid")}
 
 
 @dataclass
@@ -204,3 +206,33 @@ def finished_job(client: httpx.Client, url: str, job_id: str, timeout: float = 6
 
     wait_until(final, f"job {job_id} to end", timeout)
     return job
+
+
+def start_spool_up(name: str, env: dict[str, str], log_dir: Path) -> Service:
+    """``spool up``, its output to ``log_dir/name.log``; ``spool_up_children`` reads its children."""
+    return start(name, [SPOOL, "up"], env, log_dir)
+
+
+def spool_up_children(up: Service) -> dict[str, int]:
+    """command -> pid of the ``spool worker`` and ``spool api`` children of ``spool up``."""
+    found: dict[str, int] = {}
+
+    def started() -> bool:
+        pids = Path(f"/proc/{up.proc.pid}/task/{up.proc.pid}/children").read_text().split()
+        for pid in pids:
+            with contextlib.suppress(FileNotFoundError):  # one that exited meanwhile
+                argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+                if b"spool_cli.main" in argv:
+                    found[argv[argv.index(b"spool_cli.main") + 1].decode()] = int(pid)
+        return {"worker", "api"} <= set(found)
+
+    wait_until(started, f"{up.name} to start its children", 60, (up,))
+    return found
+
+
+def pid_gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False

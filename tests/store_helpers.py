@@ -54,7 +54,7 @@ class StoreForTests(SyncJobStore):
         return record_from_hash(fields, "").job
 
     def get_record(self, job_id: str) -> JobRecord:
-        pipe = self.redis.pipeline(transaction=True)
+        pipe = self.redis.pipeline(transaction=False)  # see record_reads
         h, text, logged = record_reads(pipe, self.keys, job_id).execute()
         if not h:
             raise JobNotFound(job_id)

@@ -120,7 +120,8 @@ def test_readyz_lists_the_worker(cluster: Cluster, client: httpx.Client) -> None
     metrics = client.get(f"{cluster.url}/metrics").text
     assert "spool_workers 1.0" in metrics and "spool_jobs_submitted_total" in metrics
     assert f'spool_engine_slots{{worker="{worker["name"]}"}} 32.0' in metrics  # max_batch_size
-    assert f'spool_engine_generated_tokens{{worker="{worker["name"]}"}}' in metrics
+    assert f'spool_engine_generated_tokens_total{{worker="{worker["name"]}"}}' in metrics  # a counter
+    assert f'spool_engine_prefix_cache_hits_total{{worker="{worker["name"]}"}}' in metrics
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,5 @@
-"""Kombu's Redis transport, made to survive a Redis restart under Celery 5.7, and sending its
-commands through one client (``Channel.conn_or_acquire``).
+"""Kombu's Redis transport, made to survive a Redis restart, or a Redis refusing writes, under
+Celery 5.7, and sending its commands through one client (``Channel.conn_or_acquire``).
 
 Celery 5.7's worker, on losing its broker connection, first tears the connection's transport
 down and then closes its channel; closing a Redis channel restores the unacknowledged
@@ -14,15 +14,30 @@ under a lease (if the worker died, its lease lapses and another worker's sweep r
 still queued (the sweep sends it again once the Celery queue is empty); workers/reaper.py. The
 unacknowledged index in Redis stays as it is, so the broker's own visibility-timeout restore
 still works as a last resort.
+
+Redis refusing writes (out of memory, a read-only replica) ends the worker too: recording a
+delivery, acknowledging it and the visibility-timeout restore's lock are writes (in MULTI), and
+kombu raises their refusal out of the event loop ("Unrecoverable error"). Those are skipped
+instead, with a warning: an unrecorded delivery is covered by the sweep like an unrestored one,
+and an acknowledgement left undone leaves a record that the sweep drops once its job has ended
+(``Reaper.drop_ended_deliveries``), or that the visibility-timeout restore hands out again (the
+duplicate finds its job ended and is dropped).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import redis
 from kombu.transport import redis as kombu_redis
+from kombu.transport import virtual
+
+from common.redis_errors import WRITE_REFUSED
+
+log = logging.getLogger(__name__)
 
 
 class QoS(kombu_redis.QoS):
@@ -36,11 +51,36 @@ class QoS(kombu_redis.QoS):
     # broker ever restore it, its job is finished and the duplicate is dropped.
     def ack(self, delivery_tag: str) -> None:
         if not self._torn_down():
-            super().ack(delivery_tag)
+            try:
+                super().ack(delivery_tag)
+            except WRITE_REFUSED as e:
+                self._refused("acknowledging a message", e)
+                virtual.QoS.ack(self, delivery_tag)  # the in-memory part, which counts the prefetch
 
     def reject(self, delivery_tag: str, requeue: bool = False) -> None:
         if not self._torn_down():
-            super().reject(delivery_tag, requeue=requeue)
+            try:
+                super().reject(delivery_tag, requeue=requeue)
+            except WRITE_REFUSED as e:
+                self._refused("rejecting a message", e)
+                virtual.QoS.ack(self, delivery_tag)
+
+    def append(self, message: Any, delivery_tag: str) -> None:
+        try:
+            super().append(message, delivery_tag)
+        except WRITE_REFUSED as e:
+            self._refused("recording a delivery", e)
+            virtual.QoS.append(self, message, delivery_tag)
+
+    def restore_visible(self, *args: Any, **kwargs: Any) -> None:
+        try:
+            super().restore_visible(*args, **kwargs)
+        except WRITE_REFUSED as e:
+            self._refused("restoring unacknowledged messages", e)  # the next tick tries again
+
+    @staticmethod
+    def _refused(what: str, e: Exception) -> None:
+        log.warning("redis refused %s (%s); skipped", what, e)
 
 
 class Channel(kombu_redis.Channel):

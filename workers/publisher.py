@@ -7,16 +7,14 @@ import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
-
+from common.redis_errors import TRANSIENT, WRITE_REFUSED
 from common.schemas import DoneEvent, ErrorEvent, JobError, JobStatus, LogEntry, Usage
-from common.store import Append, Final, SyncJobStore, token_entry
+from common.store import Append, Appended, Final, SyncJobStore, token_entry
 from workers.engine import Delta, FinishReason
 
 log = logging.getLogger(__name__)
 
-RETRY_MAX_S = 2.0  # longest pause between two tries while Redis is unreachable
+RETRY_MAX_S = 2.0  # longest pause between two tries while Redis is unreachable or refuses writes
 
 
 @dataclass
@@ -81,6 +79,15 @@ def build_append(delta: Delta, cursor: JobCursor) -> Append | None:
     )
 
 
+@dataclass(frozen=True)
+class Sent:
+    """What became of a round trip's appends, by job."""
+
+    finished: set[str]  # their terminal events are written
+    lost: set[str]  # refused: another worker took the job over (fencing)
+    gaps: set[str]  # refused: the log does not end where this worker's next event starts
+
+
 class Publisher:
     def __init__(self, store: SyncJobStore, stop: threading.Event) -> None:
         self.store = store
@@ -91,26 +98,29 @@ class Publisher:
         """The writes for the deltas of jobs in ``cursors`` (advances the cursors)."""
         return [a for d in deltas if d.request_id in cursors if (a := build_append(d, cursors[d.request_id]))]
 
-    def send(self, appends: Sequence[Append]) -> tuple[set[str], set[str]]:
-        """Write ``appends`` in one round trip; returns (finished job ids, lost job ids).
+    def send(self, appends: Sequence[Append]) -> Sent:
+        """Write ``appends`` in one round trip, retrying until Redis takes them."""
+        replies = self._send(appends)
+        by_reply: dict[Appended, set[str]] = {r: set() for r in Appended}
+        for a, reply in zip(appends, replies, strict=True):
+            by_reply[reply].add(a.job_id)
+        lost, gaps = by_reply[Appended.FENCED], by_reply[Appended.GAP] - by_reply[Appended.FENCED]
+        ended = {a.job_id for a, r in zip(appends, replies, strict=True) if r is Appended.WRITTEN and a.final}
+        return Sent(ended - lost - gaps, lost, gaps)
 
-        A job is lost when an append of it was refused: another worker took it over (fencing).
-        """
-        accepted = self._send(appends)
-        lost = {a.job_id for a, ok in zip(appends, accepted, strict=True) if not ok}
-        finished = {a.job_id for a, ok in zip(appends, accepted, strict=True) if ok and a.final} - lost
-        return finished, lost
-
-    def _send(self, appends: Sequence[Append]) -> list[bool]:
+    def _send(self, appends: Sequence[Append]) -> list[Appended]:
         # The appends are idempotent (the store skips entries already in the log), so a try that
-        # failed halfway can be sent again as it is.
+        # failed halfway can be sent again as it is. NOTE: a write Redis refused (out of memory,
+        # a read-only replica) is retried like a lost connection, never skipped: the next step's
+        # append would find a gap in the log.
         pause = 0.05
         while True:
             try:
                 return self.store.append_batch(appends)
-            except (RedisConnectionError, RedisTimeoutError) as e:
+            except TRANSIENT as e:
                 if self.stop.is_set():
                     raise
-                log.warning("redis unreachable while publishing (%s); retrying in %.2fs", e, pause)
+                why = "refused the writes" if isinstance(e, WRITE_REFUSED) else "unreachable"
+                log.warning("redis %s while publishing (%s); retrying in %.2fs", why, e, pause)
                 self.stop.wait(pause)
                 pause = min(pause * 2, RETRY_MAX_S)

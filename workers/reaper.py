@@ -15,10 +15,19 @@ Celery's visibility timeout would also redeliver a dead worker's message, but on
 expires (minutes, and it must exceed the longest job); the sweep acts within a lease.
 ``claim_requeue`` (one Lua call) makes exactly one worker send each requeue, and duplicates are
 harmless anyway: a second message finds the job running or finished and is dropped.
+
+The messages a dead worker held stay in kombu's unacknowledged records (``{p}.unacked`` and its
+index) until the visibility timeout (an hour) restores them: each restored message finds its job
+ended (or expired), does nothing, and is acknowledged, which removes its record. Workers killed
+often would pile records up for that hour (117 after 7 kills), so once a lease the sweep drops the
+records of jobs that have ended or expired itself (``drop_ended_deliveries``); a record of a job
+still running or queued stays, for the restore as a last resort.
 """
 
 from __future__ import annotations
 
+import base64
+import json
 import logging
 import time
 from collections.abc import Callable, Collection
@@ -47,6 +56,7 @@ class Reaper:
         # worker's sweep leaves text jobs to text workers and the other way round.
         self.queue = queue
         self.settings = store.settings
+        self._deliveries_swept = 0.0  # monotonic time of the last drop_ended_deliveries
 
     def sweep(self, mine: Collection[str], others_too: bool) -> list[Requeued]:
         """Requeue what lost its worker; ``mine``: the jobs this process runs now.
@@ -66,7 +76,20 @@ class Reaper:
         if others_too and not self.queue:
             for job_id in self.store.stale_queued(now - self.settings.lease_s):
                 done += self._requeue(job_id, now, "message lost", "")
+            if time.monotonic() - self._deliveries_swept >= self.settings.lease_s:
+                self._deliveries_swept = time.monotonic()
+                self.drop_ended_deliveries()
         return done
+
+    def drop_ended_deliveries(self) -> int:
+        """Drop kombu's unacknowledged records whose job has ended or expired; returns how many."""
+        jobs = {tag: job_of_delivery(record) for tag, record in self.store.unacked_deliveries().items()}
+        ended = self.store.ended_or_gone(j for j in jobs.values() if j is not None)
+        tags = [tag for tag, job_id in jobs.items() if job_id in ended]
+        self.store.drop_deliveries(tags)
+        if tags:
+            log.info("dropped %d unacknowledged message record(s) of jobs that have ended", len(tags))
+        return len(tags)
 
     def _requeue(self, job_id: str, now: float, reason: str, worker: str) -> list[Requeued]:
         if not self.store.claim_requeue(job_id, now, self.settings.lease_s):
@@ -74,3 +97,14 @@ class Reaper:
         self.requeue(job_id)
         log.warning("requeued job %s (%s; it was on %r)", job_id, reason, worker)
         return [Requeued(job_id, reason, worker)]
+
+
+def job_of_delivery(record: str) -> str | None:
+    """The job id in one of kombu's unacknowledged records (JSON ``[message, exchange, routing
+    key]``; the message's body is Celery's ``[args, kwargs, embed]``, base64); None if none."""
+    try:
+        message = json.loads(record)[0]
+        args = json.loads(base64.b64decode(message["body"]))[0]
+        return str(args[0])
+    except (ValueError, KeyError, IndexError, TypeError):
+        return None

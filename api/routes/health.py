@@ -22,7 +22,9 @@ async def healthz() -> dict[str, str]:
 
 @router.get("/readyz")
 async def readyz(store: StoreDep) -> dict[str, Any]:
-    """Ready when Redis answers and at least one worker's heartbeat is fresh (its key has a TTL)."""
+    """Ready when Redis takes a write and at least one worker's heartbeat is fresh (its key has
+    a TTL). Redis out of memory answers reads and refuses writes: not ready (503)."""
+    await store.probe_write()  # Redis refusing it: the 503 envelope with Retry-After (api/errors.py)
     workers = await store.list_workers()
     if not workers:
         raise ApiError(503, "No worker is running (no live heartbeat in Redis)", code="no_worker")
@@ -33,5 +35,6 @@ async def readyz(store: StoreDep) -> dict[str, Any]:
 async def metrics(services: ServicesDep) -> Response:
     m = services.metrics
     m.queued_jobs.set(await services.store.queued_count())
+    m.set_queue_depths(await services.store.queue_depths())
     m.set_workers(await services.store.list_workers())
     return Response(generate_latest(m.registry), media_type=CONTENT_TYPE_LATEST)

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from fastapi import APIRouter, Path, Request, Response
+from fastapi import APIRouter, Path, Query, Request, Response
 from fastapi.sse import EventSourceResponse
 
+from api.auth import current_owner
 from api.deps import (
     CursorDep,
     IdempotencyKey,
@@ -24,10 +25,12 @@ from api.served import check_with_live_workers, served_models
 from api.services import Services
 from api.sse import event_stream, relay, to_sse_list
 from api.submission import streamed_submit, submit_job, wait_for_job
-from common.schemas import Job
+from common.schemas import Job, JobList, JobStatus
 from common.store import JobNotFound, StreamState
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
+
+READY_HEADER = "X-Spool-Ready"  # on a submit: "false" while no worker is live (the job waits in the queue)
 
 
 @router.post(
@@ -57,16 +60,31 @@ async def create_job(
     With an ``Idempotency-Key`` header the client used before (within ``SPOOL_JOB_TTL_S``), no
     job is created: the answer is about the job that key created, so a submit whose answer was
     lost can be sent again; the same key with another body is a 409."""
-    check_with_live_workers(await services.served.get(), body)
+    models = await services.served.get()
+    check_with_live_workers(models, body)
+    await services.context.check_live(body, models)
     job = await submit_job(services, body, idempotency_key)
-    location = f"/v1/jobs/{job.id}"
+    # A job is queued whether or not a worker is live (it waits for one); this says which.
+    headers = {"Location": f"/v1/jobs/{job.id}", READY_HEADER: "true" if models else "false"}
     if body.stream:
-        return streamed_submit(services, job.id, to_sse_list, not body.background, {"Location": location})
-    response.headers["Location"] = location
+        return streamed_submit(services, job.id, to_sse_list, not body.background, headers)
+    response.headers.update(headers)
     if body.background:
         return job
     response.status_code = 200
     return await wait_for_job(services, job.id, request)
+
+
+@router.get("")
+async def list_jobs(
+    store: StoreDep,
+    limit: Annotated[int, Query(ge=1, le=100)] = 20,
+    after: Annotated[str | None, Query(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")] = None,
+    status: JobStatus | None = None,
+) -> JobList:
+    """The jobs of the caller's API key (without keys: every job), newest first, without their
+    text. ``after``: the ``last_id`` of the page before; ``status``: only jobs in that state."""
+    return await store.list_jobs(current_owner(), limit, after, status)
 
 
 @router.get("/{job_id}")

@@ -91,6 +91,7 @@ async def _serve(body: OpenAIRequest, services: ServicesDep, http: Request) -> R
     request = body.to_job_request(services.settings)
     worker = resolve_model(await services.served.get(), body.model)
     check_servable(request, worker)
+    await services.context.check(request, worker)
     job = await submit_job(services, request)
     view = View.of(job.id, job.created_at, request, worker.model)
     headers = {JOB_ID_HEADER: job.id}

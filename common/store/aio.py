@@ -8,12 +8,14 @@ import redis.asyncio as aredis
 from redis.asyncio.client import NEVER_DECODE
 
 from common.keys import part_id
-from common.schemas import Job, JobRequest, JobStatus, LogEntry, WorkerHeartbeat
+from common.schemas import Job, JobList, JobRequest, JobStatus, JobSummary, LogEntry, WorkerHeartbeat
 from common.settings import Settings
-from common.store.clients import async_client
+from common.store.clients import WRITE_PROBE_TTL_MS, async_client
 from common.store.errors import JobNotFound
 from common.store.lua import CANCEL_LUA, CREATE_LUA, CREATE_PARTS_LUA
 from common.store.records import (
+    LIST_SCAN_MAX,
+    SUMMARY_FIELDS,
     JobRecord,
     MessageFor,
     StreamState,
@@ -29,6 +31,7 @@ from common.store.records import (
     part_reads,
     record_from_hash,
     record_reads,
+    summary_from_hash,
     with_parts,
     worker_keys,
 )
@@ -55,6 +58,10 @@ class AsyncJobStore(WatcherSets):
 
     async def ping(self) -> bool:
         return bool(await self.redis.ping())
+
+    async def probe_write(self) -> None:
+        """One small write, which raises while Redis refuses writes (common/redis_errors.py)."""
+        await self.redis.set(self.keys.write_probe(), "1", px=WRITE_PROBE_TTL_MS)
 
     async def create_job(
         self,
@@ -88,7 +95,7 @@ class AsyncJobStore(WatcherSets):
         return record_from_hash(fields, "").job
 
     async def get_record(self, job_id: str) -> JobRecord:
-        async with self.redis.pipeline(transaction=True) as pipe:
+        async with self.redis.pipeline(transaction=False) as pipe:  # see record_reads
             h, text, logged = await record_reads(pipe, self.keys, job_id).execute()
         if not h:
             raise JobNotFound(job_id)
@@ -110,7 +117,8 @@ class AsyncJobStore(WatcherSets):
         return None if owner is None else str(owner)
 
     async def stream_state(self, job_id: str) -> StreamState:
-        async with self.redis.pipeline(transaction=True) as pipe:
+        # No MULTI (see record_reads): a log read after the hash is at least as long as it says.
+        async with self.redis.pipeline(transaction=False) as pipe:
             pipe.hmget(self.keys.job(job_id), ["status", "request", "created_at", "model"])
             pipe.llen(self.keys.job_log(job_id))
             (status, request, created_at, model), length = await pipe.execute()
@@ -146,6 +154,60 @@ class AsyncJobStore(WatcherSets):
 
     async def queued_count(self) -> int:
         return int(await self.redis.zcard(self.keys.queued_jobs()))
+
+    async def list_jobs(
+        self, owner: str, limit: int, after: str | None = None, status: JobStatus | None = None
+    ) -> JobList:
+        """The owner's jobs newest first, from its index (``Keys.owner_jobs``), after job ``after``.
+
+        Reads at most LIST_SCAN_MAX index entries: with a filter that matches few of them, the page
+        may be short with ``has_more`` set and ``last_id`` the last entry read. Expired jobs are skipped.
+        """
+        index = self.keys.owner_jobs(owner)
+        start = 0
+        if after is not None:
+            rank = await self.redis.zrevrank(index, after)
+            if not isinstance(rank, int):  # not this owner's job (or expired)
+                raise JobNotFound(after)
+            start = rank + 1
+        found: list[JobSummary] = []
+        last_read: str | None = None
+        end = start + LIST_SCAN_MAX
+        while len(found) <= limit and start < end:
+            ids = [str(i) for i in await self.redis.zrevrange(index, start, min(start + 2 * limit, end) - 1)]
+            if not ids:
+                break
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for job_id in ids:
+                    pipe.hmget(self.keys.job(job_id), SUMMARY_FIELDS)
+                rows = await pipe.execute()
+            for job_id, row in zip(ids, rows, strict=True):
+                h = dict(zip(SUMMARY_FIELDS, row, strict=True))
+                if h["id"] is not None and (status is None or h["status"] == status.value):
+                    found.append(summary_from_hash(h))
+                    if len(found) > limit:
+                        break
+                last_read = job_id
+            start += len(ids)
+        has_more = len(found) > limit or (start >= end and last_read is not None)
+        data = found[:limit]
+        last_id = last_read if has_more and len(found) <= limit else (data[-1].id if data else None)
+        return JobList(data=data, first_id=data[0].id if data else None, last_id=last_id, has_more=has_more)
+
+    async def queue_depths(self) -> list[tuple[str, int]]:
+        """Messages waiting in each Celery queue ("llm", "media"), every priority's list counted."""
+        queues = {"llm": self.keys.queue_llm, "media": self.keys.queue_media}
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for queue in queues.values():
+                for name in self.keys.queue_lists(queue):
+                    pipe.llen(name)
+            lengths = await pipe.execute()
+        return [(q, lengths[2 * i] + lengths[2 * i + 1]) for i, q in enumerate(queues)]
+
+    async def get_tokenizer(self, digest: str) -> str | None:
+        """The tokenizer spec a heartbeat names (common/prompt_tokens.py), None if not stored."""
+        spec = await self.redis.get(self.keys.tokenizer(digest))
+        return None if spec is None else str(spec)  # (decode_responses: a str already)
 
     async def list_workers(self) -> list[WorkerHeartbeat]:
         names = [str(n) for n in await self.redis.zrange(self.keys.workers(), 0, -1)]

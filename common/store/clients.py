@@ -20,6 +20,7 @@ REDIS_TIMEOUTS = {"socket_timeout": 10.0, "socket_connect_timeout": 5.0}
 
 
 ASYNC_POOL_SIZE = 128  # Redis connections per API process
+WRITE_PROBE_TTL_MS = 10_000  # the /readyz write probe's key (AsyncJobStore.probe_write) expires
 ASYNC_POOL_WAIT_S = 10.0  # how long a command waits for one before it fails
 
 

@@ -4,12 +4,14 @@ Every status transition and every append is one script, so each is atomic withou
 retries, and each is safe to run twice (a retried call after a dropped connection is a no-op).
 """
 
-# KEYS: queued zset, job hash[, broker list][, idempotency key].
-# ARGV: max queued, job id, now, message ('' for none), idempotency TTL ('' for none), field, value, ...
+# KEYS: queued zset, job hash, owner's job index[, broker list][, idempotency key].
+# ARGV: max queued, job id, now, message ('' for none), idempotency TTL ('' for none),
+#       index max age (s), index max length, field, value, ...
 # With a message, it is pushed onto the broker list with the job: a job and its message exist
 # together or not at all. With an idempotency key that names a job already, nothing is created
 # and that job's id is returned (before the queue's limit: a retry of an accepted job is no new
-# load). Returns 1 (created), 0 (queue full) or that id.
+# load). The owner's index gets the job and loses the entries past its age or length, so it
+# never grows for good. Returns 1 (created), 0 (queue full) or that id.
 CREATE_LUA = """
 local idem = ARGV[5] ~= '' and KEYS[#KEYS]
 if idem then
@@ -17,9 +19,13 @@ if idem then
   if earlier then return earlier end
 end
 if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[1]) then return 0 end
-redis.call('HSET', KEYS[2], unpack(ARGV, 6))
+redis.call('HSET', KEYS[2], unpack(ARGV, 8))
 redis.call('ZADD', KEYS[1], ARGV[3], ARGV[2])
-if ARGV[4] ~= '' then redis.call('LPUSH', KEYS[3], ARGV[4]) end
+redis.call('ZADD', KEYS[3], ARGV[3], ARGV[2])
+redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', '(' .. (tonumber(ARGV[3]) - tonumber(ARGV[6])))
+redis.call('ZREMRANGEBYRANK', KEYS[3], 0, -tonumber(ARGV[7]) - 1)
+redis.call('EXPIRE', KEYS[3], ARGV[6])
+if ARGV[4] ~= '' then redis.call('LPUSH', KEYS[4], ARGV[4]) end
 if idem then redis.call('SET', idem, ARGV[2], 'EX', ARGV[5]) end
 return 1
 """
@@ -166,17 +172,19 @@ return status
 
 
 # KEYS: running zset, job hash, job hash, ... ARGV: lease deadline, job id, attempt, job id, attempt, ...
-# Renews the leases of the jobs a worker still holds (attempt unchanged); returns the ids it lost.
+# Renews the leases of the jobs a worker still holds (attempt unchanged); returns the ids it lost
+# (taken over, or expired). A job that ended at the worker's attempt is not lost: that worker
+# wrote its end (a renewal racing the job's last append must not read as a take-over).
 # With a deadline of 0 it lapses them instead (a restarted worker releasing its earlier run's jobs).
 # Fenced like the appends: a worker that was taken over must not keep the new holder's lease alive.
 RENEW_LUA = """
 local lost = {}
 for i = 2, #KEYS do
   local id, attempt = ARGV[2 * i - 2], ARGV[2 * i - 1]
-  if redis.call('HGET', KEYS[i], 'attempt') == attempt and redis.call('HGET', KEYS[i], 'status') == 'running' then
-    redis.call('ZADD', KEYS[1], 'XX', ARGV[1], id)
-  else
+  if redis.call('HGET', KEYS[i], 'attempt') ~= attempt then
     lost[#lost + 1] = id
+  elseif redis.call('HGET', KEYS[i], 'status') == 'running' then
+    redis.call('ZADD', KEYS[1], 'XX', ARGV[1], id)
   end
 end
 return lost
@@ -205,14 +213,15 @@ return 1
 """
 
 
-# KEYS: queued zset, job hash[, idempotency key].
+# KEYS: queued zset, job hash, owner's job index[, idempotency key].
 # ARGV: max queued, job id, now, idempotency TTL ('' for none), the job's fields (JSON object),
-#       its parts (JSON array of {id, key, fields, queued, list, message, push}).
+#       its parts (JSON array of {id, key, fields, queued, list, message, push}),
+#       index max age (s), index max length.
 # CREATE_LUA for a job with parts: the job and every part's hash, and the messages of the parts
 # that can start now (a part with prompt_from keeps its message until its text part succeeded).
 # Text parts are queued jobs (backpressure, the sweep's lost messages); the job itself never is.
 CREATE_PARTS_LUA = """
-local idem = ARGV[4] ~= '' and KEYS[3]
+local idem = ARGV[4] ~= '' and KEYS[4]
 if idem then
   local earlier = redis.call('GET', idem)
   if earlier then return earlier end
@@ -229,6 +238,10 @@ for _, p in ipairs(cjson.decode(ARGV[6])) do
   if p.queued then redis.call('ZADD', KEYS[1], ARGV[3], p.id) end
   if p.push then redis.call('LPUSH', p.list, p.message) end
 end
+redis.call('ZADD', KEYS[3], ARGV[3], ARGV[2])
+redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', '(' .. (tonumber(ARGV[3]) - tonumber(ARGV[7])))
+redis.call('ZREMRANGEBYRANK', KEYS[3], 0, -tonumber(ARGV[8]) - 1)
+redis.call('EXPIRE', KEYS[3], ARGV[7])
 if idem then redis.call('SET', idem, ARGV[2], 'EX', ARGV[4]) end
 return 1
 """

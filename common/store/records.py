@@ -7,7 +7,7 @@ import enum
 import json
 import secrets
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -23,6 +23,7 @@ from common.schemas import (
     JobError,
     JobRequest,
     JobStatus,
+    JobSummary,
     LogEntry,
     TokenEvent,
     Usage,
@@ -98,6 +99,18 @@ class Append:
     content: bytes = b""  # a part's artifact (an image's PNG), stored with its final append
 
 
+class Appended(str, enum.Enum):
+    """What became of one Append (APPEND_LUA's reply)."""
+
+    WRITTEN = "written"  # written now, or by an earlier try of the same append
+    FENCED = "fenced"  # another worker took the job over (its attempt moved on)
+    GAP = "gap"  # still this attempt's, but the log does not end just before the first entry
+
+    @classmethod
+    def of(cls, reply: int) -> Appended:
+        return {1: cls.WRITTEN, 2: cls.WRITTEN, 0: cls.FENCED}.get(reply, cls.GAP)
+
+
 ScriptCall = tuple[list[str], list[Any]]  # (KEYS, ARGV) of one Lua script call
 
 
@@ -145,7 +158,7 @@ def create_call(
     fields = new_job_fields(job_id, request, owner, now)
     message = message_for(job_id) if message_for else None
     flat = [x for kv in fields.items() for x in kv]
-    script_keys = [keys.queued_jobs(), keys.job(job_id)]
+    script_keys = [keys.queued_jobs(), keys.job(job_id), keys.owner_jobs(owner)]
     script_keys += [message.list_key] if message else []
     # An idempotency key is remembered as long as a finished job (its job outlives it).
     idem_ttl: int | str = ""
@@ -153,7 +166,17 @@ def create_call(
         script_keys.append(keys.idempotency(owner, idempotency_key))
         idem_ttl = settings.job_ttl_s
     payload = message.payload if message else ""
-    return fields, (script_keys, [settings.max_queued_jobs, job_id, repr(now), payload, idem_ttl, *flat])
+    index = [owner_index_age_s(settings), OWNER_INDEX_MAX]
+    return fields, (script_keys, [settings.max_queued_jobs, job_id, repr(now), payload, idem_ttl, *index, *flat])
+
+
+OWNER_INDEX_MAX = 10_000  # newest jobs an owner's index (GET /v1/jobs) keeps
+
+
+def owner_index_age_s(settings: Settings) -> int:
+    """How long an owner's index keeps a job: its TTL after it ends, and as long again for the
+    time it was queued and ran (a job whose hash expired meanwhile is skipped when listed)."""
+    return 2 * settings.job_ttl_s
 
 
 def create_parts_call(
@@ -202,12 +225,13 @@ def create_parts_call(
                 "message": message.payload if message else "",
             }
         )
-    script_keys = [keys.queued_jobs(), keys.job(job_id)]
+    script_keys = [keys.queued_jobs(), keys.job(job_id), keys.owner_jobs(owner)]
     idem_ttl: int | str = ""
     if idempotency_key is not None:
         script_keys.append(keys.idempotency(owner, idempotency_key))
         idem_ttl = settings.job_ttl_s
-    args = [settings.max_queued_jobs, job_id, repr(now), idem_ttl, json.dumps(fields), json.dumps(parts)]
+    index = [owner_index_age_s(settings), OWNER_INDEX_MAX]
+    args = [settings.max_queued_jobs, job_id, repr(now), idem_ttl, json.dumps(fields), json.dumps(parts), *index]
     return fields, (script_keys, args)
 
 
@@ -227,27 +251,44 @@ P = TypeVar("P", redis.client.Pipeline, aredis.client.Pipeline)
 
 
 def record_reads(pipe: P, keys: Keys, job_id: str) -> P:
-    """Queue the reads of a job's record: its hash, its text and its log's length."""
+    """Queue the reads of a job's record: its hash, its text and its log's length.
+
+    In this order, in a pipeline without MULTI: Redis out of memory refuses every command
+    queued in a MULTI, reads included, and reads must go on then. The order makes the reads
+    consistent enough: the script that ends a job writes its last text and its status at once,
+    so a hash read as ended is followed by its whole text (a running job's may be ahead of it).
+    """
     pipe.hgetall(keys.job(job_id))
     pipe.get(keys.job_text(job_id))
     pipe.llen(keys.job_log(job_id))
     return pipe
 
 
-def record_from_hash(h: dict[str, str], text: str) -> JobRecord:
+SUMMARY_FIELDS = (
+    "id", "status", "finish_reason", "prompt_tokens", "completion_tokens", "error",
+    "created_at", "started_at", "finished_at", "model",
+)  # fmt: skip
+LIST_SCAN_MAX = 1000  # index entries one GET /v1/jobs reads at most (a status filter skips some)
+
+
+def summary_from_hash(h: Mapping[str, str | None]) -> JobSummary:
     prompt_tokens, completion_tokens = int(h.get("prompt_tokens") or 0), int(h.get("completion_tokens") or 0)
-    job = Job(
-        id=h["id"],
+    error = h.get("error")
+    return JobSummary(
+        id=str(h["id"]),
         status=JobStatus(h["status"]),
-        text=text,
         finish_reason=h.get("finish_reason") or None,
         usage=Usage.of(prompt_tokens, completion_tokens),
-        error=JobError.model_validate_json(h["error"]) if h.get("error") else None,
-        created_at=float(h["created_at"]),
+        error=JobError.model_validate_json(error) if error else None,
+        created_at=float(str(h["created_at"])),
         started_at=_float_or_none(h.get("started_at")),
         finished_at=_float_or_none(h.get("finished_at")),
         model=h.get("model") or None,
     )
+
+
+def record_from_hash(h: dict[str, str], text: str) -> JobRecord:
+    job = Job(**dict(summary_from_hash(h)), text=text)
     request: JobRequest | ImagePart = (
         ImagePart.model_validate_json(h["request"])
         if h.get("type") == "image"

@@ -19,9 +19,11 @@ from common.store.lua import APPEND_LUA, PART_APPEND_LUA, PART_TAKE_LUA, RENEW_L
 from common.store.records import (
     WORKER_FORGET_S,
     Append,
+    Appended,
     ScriptCall,
     TakeResult,
     append_args,
+    heartbeats_from,
     parse_take,
     part_append_args,
     part_take_args,
@@ -68,8 +70,8 @@ class SyncJobStore:
         keys, args = take_args(self.keys, job_id, worker, model, now, lease_s)
         return parse_take(self._take(keys, args))
 
-    def append_batch(self, appends: Sequence[Append]) -> list[bool]:
-        """Write one engine step for many jobs in one round trip; False where the job is no longer ours."""
+    def append_batch(self, appends: Sequence[Append]) -> list[Appended]:
+        """Write one engine step for many jobs (or parts) in one round trip; what became of each."""
         now, ttl = time.time(), self.settings.job_ttl_s
         calls = [
             (self._part_append, part_append_args(self.keys, a, ttl, now))
@@ -77,8 +79,7 @@ class SyncJobStore:
             else (self._append, append_args(self.keys, a, ttl, now))
             for a in appends
         ]
-        replies = self._evalsha_all(calls)
-        return [r in (1, 2) for r in replies]
+        return [Appended.of(r) for r in self._evalsha_all(calls)]
 
     def part_text(self, job_id: str, index: int) -> str:
         """The text of a job's text part so far (its final text once it succeeded)."""
@@ -106,7 +107,8 @@ class SyncJobStore:
     def renew_leases(self, held: Mapping[str, int]) -> list[str]:
         """Extend the leases of the jobs this worker holds (job id -> attempt); returns those it lost.
 
-        A job is lost when another worker took it over (its attempt moved on) or it ended.
+        A job is lost when another worker took it over (its attempt moved on) or it expired; one
+        that ended at its attempt is not (this worker wrote its end, maybe just now).
         """
         return self._set_leases(held, time.time() + self.settings.lease_s)
 
@@ -122,8 +124,13 @@ class SyncJobStore:
         for job_id in ids:
             pipe.hmget(self.keys.job(job_id), ["worker", "attempt"])
         held = {j: int(a) for j, (w, a) in zip(ids, pipe.execute(), strict=True) if w == worker and a}
-        self._set_leases(held, 0.0)
+        self.lapse_leases(held)
         return list(held)
+
+    def lapse_leases(self, held: Mapping[str, int]) -> None:
+        """Lapse the leases of these jobs (job id -> attempt) where the attempt is still theirs,
+        so that the next sweep requeues them and a take-over resumes them from the log."""
+        self._set_leases(held, 0.0)
 
     def _set_leases(self, held: Mapping[str, int], deadline: float) -> list[str]:
         """Set the lease deadline of jobs still at these attempts and running; returns the others."""
@@ -175,6 +182,29 @@ class SyncJobStore:
             pipe.exists(self.keys.worker(name))
         return {n for n, alive in zip(names, pipe.execute(), strict=True) if alive}
 
+    def unacked_deliveries(self) -> dict[str, str]:
+        """kombu's records of the messages delivered and not acknowledged: delivery tag -> record."""
+        return dict(self.redis.hscan_iter(self.keys.broker_unacked["unacked_key"], count=500))
+
+    def ended_or_gone(self, job_ids: Iterable[str]) -> set[str]:
+        """Which of these jobs have ended (succeeded, failed, cancelled) or expired."""
+        ids = sorted(set(job_ids))
+        pipe = self.redis.pipeline(transaction=False)
+        for job_id in ids:
+            pipe.hget(self.keys.job(job_id), "status")
+        statuses = pipe.execute()
+        return {j for j, status in zip(ids, statuses, strict=True) if status not in ("queued", "running")}
+
+    def drop_deliveries(self, tags: Sequence[str]) -> None:
+        """Remove kombu's records of these deliveries, as its acknowledgement would."""
+        if not tags:
+            return
+        names = self.keys.broker_unacked
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.zrem(names["unacked_index_key"], *tags)
+        pipe.hdel(names["unacked_key"], *tags)
+        pipe.execute()
+
     def claim_requeue(self, job_id: str, now: float, min_gap_s: float) -> bool:
         """Atomically claim sending this job's message again; True for exactly one claimer per gap."""
         keys = [self.keys.job(job_id), self.keys.running_jobs(), self.keys.queued_jobs()]
@@ -225,6 +255,14 @@ class SyncJobStore:
         pipe.zadd(self.keys.workers(), {heartbeat.name: now})
         pipe.zremrangebyscore(self.keys.workers(), "-inf", now - WORKER_FORGET_S)
         pipe.execute()
+
+    def heartbeat(self, name: str) -> WorkerHeartbeat | None:
+        """The live heartbeat of the worker ``name``, if it has one."""
+        return next(iter(heartbeats_from([self.redis.get(self.keys.worker(name))])), None)
+
+    def put_tokenizer(self, digest: str, spec_json: str) -> None:
+        """Store a served model's tokenizer spec (once: a digest names one content)."""
+        self.redis.set(self.keys.tokenizer(digest), spec_json, nx=True)
 
     def remove_heartbeat(self, name: str) -> None:
         pipe = self.redis.pipeline(transaction=False)

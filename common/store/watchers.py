@@ -62,7 +62,7 @@ class WatcherSets:
     async def watched(self, job_id: str, now: float, grace_s: float) -> bool:
         """Whether anybody watches the job (see ``watching``); drops the members past counting."""
         key = self.keys.job_watchers(job_id)
-        async with self.redis.pipeline(transaction=True) as pipe:
+        async with self.redis.pipeline(transaction=False) as pipe:  # in order on one connection
             pipe.zremrangebyscore(key, "-inf", f"({now - grace_s!r}")
             pipe.zrange(key, 0, -1, withscores=True)
             _, members = await pipe.execute()

@@ -23,6 +23,7 @@ from common.schemas import (
 from common.settings import Settings
 from common.store import (
     Append,
+    Appended,
     AsyncJobStore,
     Conflict,
     Final,
@@ -135,10 +136,10 @@ def test_take_then_append_then_finish(store: StoreForTests, settings: Settings) 
     assert store.take_job(job.id, "w2", "tiny").status is TakeStatus.BUSY
 
     pubsub = subscribe(store, store.keys.job_events(job.id))
-    assert store.append_batch([run_job(store, ["he", "llo"], 1, job.id)]) == [True]
+    assert store.append_batch([run_job(store, ["he", "llo"], 1, job.id)]) == [Appended.WRITTEN]
     final = Final(JobStatus.SUCCEEDED, "stop")
     last = Append(job.id, 1, [token_entry(3, 2, "!", [9]), done(4)], 3, 3, final)
-    assert store.append_batch([last]) == [True]
+    assert store.append_batch([last]) == [Appended.WRITTEN]
     published = next_messages(pubsub, 4)
     pubsub.close()
     assert [LogEntry.decode(m).seq for m in published] == [1, 2, 3, 4]
@@ -160,7 +161,7 @@ def test_failed_job_stores_its_error(store: StoreForTests) -> None:
     attempt = store.take_job(job.id, "w1", "tiny").attempt
     err = ErrorEvent(message="too long", type="request_too_long")
     final = Final(JobStatus.FAILED, "error", JobError(message="too long", type="request_too_long"))
-    assert store.append_batch([Append(job.id, attempt, [LogEntry.error(1, err)], 0, 0, final)]) == [True]
+    assert store.append_batch([Append(job.id, attempt, [LogEntry.error(1, err)], 0, 0, final)]) == [Appended.WRITTEN]
     got = store.get_job(job.id)
     assert got.status is JobStatus.FAILED and got.error == JobError(
         message="too long", type="request_too_long"
@@ -171,12 +172,12 @@ def test_appends_are_fenced_and_idempotent(store: StoreForTests) -> None:
     job = store.create_job(JobRequest(prompt="hello"))
     store.take_job(job.id, "w1", "tiny")
     first = run_job(store, ["a", "b"], 1, job.id)
-    assert store.append_batch([first]) == [True]
-    assert store.append_batch([first]) == [True]  # a retry after a dropped connection: no duplicate
+    assert store.append_batch([first]) == [Appended.WRITTEN]
+    assert store.append_batch([first]) == [Appended.WRITTEN]  # a retry after a dropped connection: no duplicate
     assert store.redis.llen(store.keys.job_log(job.id)) == 2
     gap = run_job(store, ["z"], 1, job.id, first_seq=5)
     stale = run_job(store, ["x"], 0, job.id, first_seq=3)  # a worker that lost the job
-    assert store.append_batch([gap, stale]) == [False, False]
+    assert store.append_batch([gap, stale]) == [Appended.GAP, Appended.FENCED]
     assert store.get_job(job.id).text == "ab"
 
 
@@ -190,8 +191,8 @@ def test_lapsed_lease_is_taken_over_with_the_log(store: StoreForTests) -> None:
     assert taken.status is TakeStatus.TAKEN and taken.attempt == 2
     assert [e.data["text"] for e in taken.log] == ["a", "b"]
     assert taken.record is not None and taken.record.worker == "w2"
-    assert store.append_batch([run_job(store, ["c"], 1, job.id, first_seq=3)]) == [False]
-    assert store.append_batch([run_job(store, ["c"], 2, job.id, first_seq=3)]) == [True]
+    assert store.append_batch([run_job(store, ["c"], 1, job.id, first_seq=3)]) == [Appended.FENCED]
+    assert store.append_batch([run_job(store, ["c"], 2, job.id, first_seq=3)]) == [Appended.WRITTEN]
     assert store.get_job(job.id).text == "abc"
 
 
@@ -206,7 +207,7 @@ def test_text_of_a_job_an_older_worker_wrote(store: StoreForTests) -> None:
     store.redis.zadd(store.keys.running_jobs(), {job.id: time.time() - 1})
     assert store.take_job(job.id, "w2", "tiny").status is TakeStatus.TAKEN
     assert store.redis.get(store.keys.job_text(job.id)) == "aü"
-    assert store.append_batch([run_job(store, ["c"], 2, job.id, first_seq=4)]) == [True]
+    assert store.append_batch([run_job(store, ["c"], 2, job.id, first_seq=4)]) == [Appended.WRITTEN]
     assert store.get_job(job.id).text == "aüc"
 
 
@@ -343,7 +344,7 @@ def test_appends_survive_a_script_cache_flush(store: StoreForTests) -> None:
     real_sha = store._append.sha
     # What Redis answers after a restart: NOSCRIPT for the sha the store knows.
     store._append.sha = "0" * 40
-    assert store.append_batch([run_job(store, ["a"], 1, job.id)]) == [True]
+    assert store.append_batch([run_job(store, ["a"], 1, job.id)]) == [Appended.WRITTEN]
     assert store._append.sha == real_sha
     assert store.get_job(job.id).text == "a"
 
@@ -392,3 +393,12 @@ def test_async_store(store: StoreForTests, settings: Settings) -> None:
             await astore.close()
 
     asyncio.run(scenario())
+
+
+def test_a_job_that_ended_at_its_attempt_is_not_lost(store: SyncJobStore) -> None:
+    """A renewal racing the job's last append: the worker wrote the end, nobody took it over."""
+    job = store.create_job(JobRequest(prompt="hello"))
+    store.take_job(job.id, "w1", "tiny")
+    store.append_batch([Append(job.id, 1, [done(1)], 1, 0, Final(JobStatus.SUCCEEDED, "stop"))])
+    assert store.renew_leases({job.id: 1}) == []
+    assert store.redis.zscore(store.keys.running_jobs(), job.id) is None  # no lease renewed either

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from workers.engine.request import Request, RequestStatus
-from workers.engine.scheduler import Move, Scheduler
+from workers.engine.scheduler import Copy, Scheduler, Swap
 from workers.engine.types import EngineConfig, SamplingParams
 
 
@@ -47,11 +47,37 @@ def test_decoding_rows_and_contiguous_slots_after_removal() -> None:
     plan = s.schedule()
     assert plan.decodes == [a, b, c]
     # Removing the first request moves the last one into its slot, copying its cached tokens.
-    assert s.remove(a) == Move(src=2, dst=0, length=3)
+    assert s.remove(a) == [Copy(src=2, dst=0, stop=3)]
     assert [r.slot for r in s.running] == [0, 1] and s.running == [c, b]
-    assert s.remove(b) is None  # the last slot: nothing to move
+    assert s.remove(b) == []  # the last slot: nothing to move
 
 
 def test_a_step_budget_below_one_chunk_is_refused() -> None:
     with pytest.raises(ValueError, match=r"max_prefill_tokens_per_step \(256\) must be at least prefill_chunk_size"):
         EngineConfig(model="unused", prefill_chunk_size=512, max_prefill_tokens_per_step=256)
+
+
+def prompt_request(rid: str, tokens: list[int]) -> Request:
+    return Request(rid, tokens, SamplingParams(), _NoDetok())  # type: ignore[arg-type]
+
+
+def test_prefix_caching_keeps_a_finished_slot_for_the_next_request() -> None:
+    s = Scheduler(num_slots=2, prefill_chunk_size=64, max_prefill_tokens_per_step=128, prefix_caching=True)
+    a, b = prompt_request("a", list(range(100, 140))), prompt_request("b", list(range(200, 240)))
+    for r in (a, b):
+        s.add(r)
+    s.schedule()
+    for r in (a, b):
+        r.num_computed = 40
+        r.output_token_ids.append(7)
+    # "a" leaves slot 0: "b" swaps in, and a's 2 whole blocks (32 tokens) stay in slot 1.
+    assert s.remove(a) == [Swap(0, 1, 40)]
+    assert s.running == [b] and b.slot == 0
+    assert s.cached[1] is not None and s.cached[1].length == 32
+    again = prompt_request("a-again", list(range(100, 140)))
+    s.add(again)
+    plan = s.schedule()
+    # It takes slot 1 over as it is: no copy, its prefill starts after the cached blocks.
+    assert again.slot == 1 and plan.cache_ops == []
+    assert [(c.request, c.start) for c in plan.prefills] == [(again, 32)]
+    assert (s.prefix_cache_queries, s.prefix_cache_hits) == (3 * 40, 32)

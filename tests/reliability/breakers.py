@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
 import threading
 import time
 from dataclasses import dataclass, field
@@ -14,11 +12,12 @@ from typing import Any
 import httpx
 import pytest
 import redis
-from procs import Service, free_port, start_worker, wait_until
+from procs import Service, free_port, start_worker
 from sse_client import Event, iter_sse
 
 from common.keys import Keys
 from common.schemas import LogEntry
+from spool_cli import procs as harness
 
 # Short leases, so a test sees take-overs in seconds (the default lease is 20 s).
 SHORT_LEASES: dict[str, object] = {"lease_s": 3, "heartbeat_ttl_s": 3}
@@ -55,15 +54,14 @@ class Workers:
 
     def kill(self, name: str, sig: signal.Signals = signal.SIGKILL) -> None:
         """SIGKILL the whole process group: no shutdown code runs, as when a machine dies."""
-        proc = self.procs[name].proc
-        os.killpg(proc.pid, sig)
+        service = self.procs[name]
+        service.handle.signal(sig)
         if sig is signal.SIGKILL:
-            proc.wait(10)
+            service.proc.wait(10)
 
     def stop_all(self) -> None:
         for s in self.procs.values():
-            if s.alive():
-                os.killpg(s.proc.pid, signal.SIGCONT)  # a frozen one must wake up to stop
+            s.handle.signal(signal.SIGCONT)  # a frozen one must wake up to stop
             s.stop()
 
 
@@ -75,34 +73,21 @@ class RedisServer:
         self.port = free_port()
         self.extra = extra
         self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.proc: harness.Proc | None = None
         self.client = redis.Redis.from_url(self.url, decode_responses=True)
 
     def start(self) -> None:
-        argv = [
-            "redis-server",
-            "--port", str(self.port),
-            "--bind", "127.0.0.1",
-            "--dir", str(self.dir),
-            "--save", "",
-            "--appendonly", "yes",
-            *self.extra,
-        ]  # fmt: skip
-        with (self.dir / "redis.log").open("ab") as out:
-            self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        wait_until(self._up, "redis-server to answer", 30)
-
-    def _up(self) -> bool:
-        try:
-            return bool(self.client.ping())
-        except (redis.ConnectionError, redis.BusyLoadingError):
-            return False
+        # Redis appends to its own log file, so the log of every life is kept.
+        self.proc, _ = harness.start_redis(
+            "--appendonly", "yes", "--logfile", str(self.dir / "redis.log"), *self.extra,
+            port=self.port, data_dir=self.dir, timeout=30,
+        )  # fmt: skip
 
     def stop(self, sig: signal.Signals = signal.SIGTERM) -> None:
         """SIGTERM: a clean shutdown (the AOF is flushed); SIGKILL: a crash."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            self.proc.wait(30)
+        if self.proc is not None and self.proc.alive():
+            self.proc.signal(sig)
+            self.proc.popen.wait(30)
         self.client.connection_pool.disconnect()
 
     def close(self) -> None:

@@ -123,24 +123,20 @@ def test_flood_past_the_queue_limit(
 
 def test_request_limits(one_slot: tuple[Workers, Service], client: httpx.Client) -> None:
     _, api = one_slot
+    # Above the cap and past the model's context: the error names the smaller limit, the model's.
     err = envelope(client.post(f"{api.url}/v1/jobs", json={"prompt": "p", "max_tokens": 5000}), 400)
-    assert err["code"] == "limit_exceeded" and "5000" in err["message"] and "4096" in err["message"]
+    assert err["code"] == "context_length_exceeded" and "5000" in err["message"] and "512" in err["message"]
     big = b'{"prompt": "' + b"a" * (1 << 20) + b'"}'
     headers = {"content-type": "application/json"}
     assert envelope(client.post(f"{api.url}/v1/jobs", content=big, headers=headers), 413)["code"] == (
         "body_too_large"
     )
-    # Longer than the model can take: only the worker has the tokenizer, so the job fails with
-    # the numbers, in its status and as the stream's terminal event.
-    job = submit(client, api.url, "many words " * 400, max_tokens=16)
-    done = wait_job(client, api.url, job["id"])
-    assert done["status"] == "failed" and done["error"]["type"] == "request_too_long"
-    assert (
-        "exceeds max_model_len (512)" in done["error"]["message"]
-        and "max_tokens (16)" in done["error"]["message"]
-    )
-    [last] = read_events(client, f"{api.url}/v1/jobs/{job['id']}/events")
-    assert last.event == "error" and last.data["type"] == "request_too_long"
+    # Longer than the model can take: the API counts the prompt's tokens with the tokenizer the
+    # worker stored, and refuses it before a job exists (tests/test_context_length.py: every endpoint).
+    long = {"prompt": "many words " * 400, "max_tokens": 16}
+    err = envelope(client.post(f"{api.url}/v1/jobs", json=long), 400)
+    assert err["code"] == "context_length_exceeded"
+    assert "512" in err["message"] and "max_tokens 16" in err["message"]
 
 
 def test_timeout_ends_the_job_and_frees_its_slot(

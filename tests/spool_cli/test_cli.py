@@ -16,7 +16,17 @@ import httpx
 import pytest
 import redis
 from greedy import greedy
-from procs import SPOOL, free_port, spool_env, start_api, wait_until
+from procs import (
+    SPOOL,
+    free_port,
+    http_status,
+    pid_gone,
+    spool_env,
+    spool_up_children,
+    start_api,
+    start_spool_up,
+    wait_until,
+)
 
 from common.keys import Keys
 from spool_cli.client import sse_events
@@ -30,11 +40,6 @@ def spool(
     return subprocess.run(
         [SPOOL, *args], check=False, env=env, capture_output=True, text=True, timeout=timeout
     )
-
-
-def test_every_command_has_help() -> None:
-    for command in ("worker", "api", "up", "generate", "batch", "tiny-model"):
-        assert spool(command, "--help").returncode == 0
 
 
 @pytest.mark.parametrize(
@@ -251,25 +256,15 @@ def test_batch_polls_no_job_behind_a_queued_one(prefixes, log_dir: Path, tmp_pat
 def test_up_runs_worker_and_api_and_stops_on_ctrl_c(prefixes, tiny_model: Path, log_dir: Path) -> None:  # type: ignore[no-untyped-def]
     port = free_port()
     env = spool_env(prefixes.new(), model=tiny_model, port=port, heartbeat_s=0.5)
-    with (log_dir / "spool-up.log").open("wb") as log:
-        proc = subprocess.Popen(
-            [SPOOL, "up"], env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-        )
+    up = start_spool_up("spool-up", env, log_dir)
     try:
-
-        def ready() -> bool:
-            try:
-                return httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=2).status_code == 200
-            except httpx.TransportError:
-                return False
-
-        wait_until(ready, "spool up: /readyz", 120)
-        os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
-        assert proc.wait(60) == 0
+        children = spool_up_children(up)
+        ready = f"http://127.0.0.1:{port}/readyz"
+        wait_until(lambda: http_status(ready) == 200, "spool up: /readyz", 120, (up,))
+        os.kill(up.proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
+        assert up.proc.wait(60) == 0
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    # Nothing of the group is left: every child stops with it. (A wait, not an assert: once, in a
-    # full suite run, one process of the group was still there right after `spool up` returned.)
-    group = ["pgrep", "-g", str(proc.pid)]
-    wait_until(lambda: subprocess.run(group, check=False, capture_output=True).stdout == b"", "the group", 10)
+        up.stop()
+    # Nothing is left: each child leads a process group of its own, and spool up stops them all.
+    for name, pid in children.items():
+        wait_until(lambda pid=pid: pid_gone(pid), f"spool up's {name} to be gone", 10)

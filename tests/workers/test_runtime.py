@@ -12,7 +12,7 @@ import pytest
 from store_helpers import StoreForTests
 
 from common.schemas import ChatMessage, Job, JobRequest, JobStatus, LogEntry
-from common.store import Append, token_entry
+from common.store import Append, Appended, token_entry
 from workers.engine import Engine, SamplingParams
 from workers.runtime import EngineRuntime, Outcome, prompt_of
 
@@ -185,7 +185,7 @@ def test_takeover_resumes_from_the_stored_tokens(
     # A worker that wrote k tokens and died: its lease lapses.
     first = store.take_job(job.id, "dead-worker", "m")
     entries = [token_entry(1, 0, decode(ids[:k]), ids[:k])]
-    assert store.append_batch([Append(job.id, first.attempt, entries, 3, k)]) == [True]
+    assert store.append_batch([Append(job.id, first.attempt, entries, 3, k)]) == [Appended.WRITTEN]
     store.redis.zadd(store.keys.running_jobs(), {job.id: time.time() - 1})
     assert runtime.run_job(job.id) is Outcome.FINISHED
     got = store.get_job(job.id)
@@ -213,3 +213,19 @@ def test_a_job_taken_over_is_dropped(runtime: EngineRuntime, store: StoreForTest
 def test_heartbeat_names_the_model(runtime: EngineRuntime, store: StoreForTests) -> None:
     beat = poll(lambda: store.list_workers(), "a heartbeat")
     assert beat[0].model and "peak_batch_size" in beat[0].engine  # type: ignore[index]
+
+
+def test_a_gap_in_the_log_hands_the_job_back(runtime: EngineRuntime, store: StoreForTests) -> None:
+    """A gap (an entry of this worker's missing: a write that was skipped) is no take-over: the
+    attempt is still this worker's. It stops the job and lapses its lease at once, so the sweep
+    requeues it and a take-over resumes from what is stored (before: dropped as "taken over by
+    another worker", its lease left to lapse unrenewed)."""
+    job = store.create_job(JobRequest(prompt=LONG_PROMPT, max_tokens=400, temperature=0))
+    thread, outcomes = run_in_thread(runtime, job.id)
+    poll(lambda: len(store.read_log(job.id)) >= 3, "a few tokens")
+    store.redis.rpop(store.keys.job_log(job.id))
+    thread.join(30)
+    assert outcomes == [Outcome.LOST]
+    assert store.get_record(job.id).attempt == 1
+    lease = store.redis.zscore(store.keys.running_jobs(), job.id)
+    assert lease is not None and lease <= time.time()  # lapsed now, not a lease from now

@@ -48,6 +48,7 @@ class Engine:
             num_slots=self.num_slots,
             prefill_chunk_size=config.prefill_chunk_size,
             max_prefill_tokens_per_step=config.max_prefill_tokens_per_step,
+            prefix_caching=config.enable_prefix_caching,
         )
         self.sampler = Sampler(self.runner.device, seed)
         self.eos_token_ids = self._eos_token_ids()
@@ -66,12 +67,14 @@ class Engine:
         *,
         resume_token_ids: Sequence[int] = (),
         resume_text: str = "",
+        cache_salt: str = "",
     ) -> int:
         """Queue a request; returns its prompt length in tokens.
 
         ``resume_token_ids`` are tokens an earlier run already generated (and ``resume_text`` the
         text it already delivered): they are prefilled with the prompt, count towards
-        ``max_tokens`` and are not emitted again.
+        ``max_tokens`` and are not emitted again. With prefix caching, only requests with the
+        same ``cache_salt`` (the worker passes the job's owner) share cached prompt prefixes.
         """
         if request_id in self._requests:
             raise ValueError(f"request {request_id!r} already exists")
@@ -94,6 +97,7 @@ class Engine:
             params=params,
             detokenizer=detokenizer,
             output_token_ids=list(resume_token_ids),
+            cache_salt=cache_salt,
         )
         if params.seed is not None:
             generator = self.sampler.request_generator(params.seed)
@@ -111,14 +115,23 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, int | float]:
         return {
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
             "slots": self.num_slots,
             "max_model_len": self.max_model_len,
+            "kv_cache_usage": self.kv_cache_usage(),
             **vars(self._stats),
+            "prefix_cache_queries": self.scheduler.prefix_cache_queries,
+            "prefix_cache_hits": self.scheduler.prefix_cache_hits,
         }
+
+    def kv_cache_usage(self) -> float:
+        """Share of the KV cache's token positions that hold a running request's keys (0 to 1)."""
+        cache = self.runner.cache
+        held = sum(r.num_computed for r in self.scheduler.running)
+        return held / (cache.num_slots * cache.max_len)
 
     def step(self) -> list[Delta]:
         aborted, self._aborted = self._aborted, set()
@@ -129,6 +142,7 @@ class Engine:
         self._stats.steps += 1
         self._stats.peak_running = max(self._stats.peak_running, len(self.scheduler.running))
         try:
+            self.runner.cache.apply(plan.cache_ops)
             due, logits = self._run(plan)
         except Exception as e:  # NOTE: a failed forward fails its requests, not the engine.
             log.exception("engine step failed")
@@ -234,9 +248,8 @@ class Engine:
         error: str | None = None,
     ) -> Delta:
         """Retire a request now: free its slot (keeping slots contiguous) and build its last delta."""
-        move = self.scheduler.remove(request)
-        if move is not None:
-            self.runner.cache.move(move.src, move.dst, move.length)
+        # A failed forward may have left the slot half written: nothing of it is kept as a cache.
+        self.runner.cache.apply(self.scheduler.remove(request, keep_cache=reason is not FinishReason.ERROR))
         request.finish_reason = reason
         text += request.detokenizer.flush()
         del self._requests[request.request_id]

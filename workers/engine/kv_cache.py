@@ -5,7 +5,8 @@ Every running request owns one slot; the scheduler keeps the occupied slots cont
 (``0..n-1``), so the decode rows are read as the view ``[:n]`` and nothing is gathered,
 concatenated or re-stacked per step (only while a request in the middle of the slots is still
 being prefilled in chunks are the decoding rows gathered). When a request leaves, the request in
-the last slot is moved into the hole (one copy of that request's tokens, once).
+the last slot is moved into the hole (one copy of that request's tokens, once; with prefix
+caching a swap, so the leaver's tokens stay cached in the slot that becomes free).
 
 The object is passed to the model as its ``cache``: ``begin`` lays out the next packed forward
 (see ``attention.py``), then each attention layer calls ``update(key, value, layer_idx)``, which
@@ -22,6 +23,7 @@ import torch
 
 from workers.engine.attention import PackedBatch, PrefillSegment
 from workers.engine.device import to_device
+from workers.engine.scheduler import CacheOp, Copy
 
 
 @dataclass(frozen=True)
@@ -141,7 +143,13 @@ class SlotKVCache:
 
     # -- slot management ---------------------------------------------------------------------
 
-    def move(self, src: int, dst: int, length: int) -> None:
-        """Copy the first ``length`` positions of slot ``src`` into slot ``dst`` (all layers)."""
-        self.keys[:, dst, :, :length] = self.keys[:, src, :, :length]
-        self.values[:, dst, :, :length] = self.values[:, src, :, :length]
+    def apply(self, ops: Sequence[CacheOp]) -> None:
+        """Run the scheduler's slot copies in order: each is one copy over all layers."""
+        for op in ops:
+            if isinstance(op, Copy):
+                self.keys[:, op.dst, :, op.start : op.stop] = self.keys[:, op.src, :, op.start : op.stop]
+                self.values[:, op.dst, :, op.start : op.stop] = self.values[:, op.src, :, op.start : op.stop]
+            else:  # the right-hand side is gathered into a new tensor first, so the swap is safe
+                pair, swapped = [op.a, op.b], [op.b, op.a]
+                self.keys[:, pair, :, : op.length] = self.keys[:, swapped, :, : op.length]
+                self.values[:, pair, :, : op.length] = self.values[:, swapped, :, : op.length]

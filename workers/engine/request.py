@@ -30,6 +30,8 @@ class Request:
     slot: int | None = None
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
+    cache_salt: str = ""  # prefix caching: only requests with the same salt share cached blocks
+    block_hashes: list[bytes] = field(default_factory=list)  # see prefix_cache.block_hashes
 
     @property
     def num_tokens(self) -> int:

@@ -41,12 +41,15 @@ class Sampler:
         params: Sequence[SamplingParams],  # one per row
         generators: Sequence[torch.Generator | None],  # one per row; None: the engine's
     ) -> torch.Tensor:  # [n] token ids, on the device
-        greedy = [p.temperature == 0 for p in params]
+        greedy = [p.greedy for p in params]
         if all(greedy):
             return logits.argmax(dim=-1)
 
         logits = logits.float()
-        temperature = to_device([p.temperature or 1.0 for p in params], torch.float32, self.device)
+        # Greedy rows divide by 1 (their sample is replaced by the argmax below): every divisor is
+        # at least GREEDY_TEMPERATURE, so no scaled logit overflows or divides by zero.
+        divisors = [1.0 if p.greedy else p.temperature for p in params]
+        temperature = to_device(divisors, torch.float32, self.device)
         scaled = logits / temperature[:, None]
         if any(p.top_k is not None or p.top_p < 1 for p in params):
             scaled = self._truncate(scaled, params)
@@ -71,11 +74,13 @@ class Sampler:
         vocab = scaled.shape[1]
         top_k = to_device([min(p.top_k or vocab, vocab) for p in params], torch.long, self.device)
         top_p = to_device([p.top_p for p in params], torch.float32, self.device)
-        sorted_logits, order = scaled.sort(dim=-1, descending=True)  # [n, V]
+        # A stable sort puts the first of tied logits first, as argmax picks it: top_k=1 is greedy.
+        sorted_logits, order = scaled.sort(dim=-1, descending=True, stable=True)  # [n, V]
         ranks = torch.arange(vocab, device=self.device)[None, :]
         drop = ranks >= top_k[:, None]
         probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
-        # Drop a token when the mass before it already reaches top_p (the top token always stays).
-        drop |= (probs.cumsum(dim=-1) - probs) >= top_p[:, None]
+        # Drop a token when the mass before it already reaches top_p. The top token always stays:
+        # the mass before it is 0, and a top_p that is 0 in float32 (1e-300) would drop it too.
+        drop |= ((probs.cumsum(dim=-1) - probs) >= top_p[:, None]) & (ranks > 0)
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         return torch.empty_like(scaled).scatter_(1, order, sorted_logits)

@@ -5,6 +5,12 @@ admit waiting requests first come, first served into free slots; plan one prefil
 each request that still has prompt tokens to feed (within a per-step token budget, so a long
 prompt never stalls decode rows for more than one chunk); decode every request that has
 exactly one token to feed.
+
+With prefix caching the free slots ``n..`` keep what finished requests computed
+(``cached``), and the plan starts with the slot copies (``cache_ops``) that give a request the
+blocks some slot already holds: an admitted request takes over the free slot holding its longest
+cached prefix, a prefilling one copies blocks another slot holds by now, and one whose next block
+another request computes in this very step waits a step for it (see docs/internals.md).
 """
 
 from __future__ import annotations
@@ -12,6 +18,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from workers.engine import prefix_cache
+from workers.engine.prefix_cache import BLOCK_SIZE, CachedPrefix
 from workers.engine.request import Request, RequestStatus
 
 
@@ -28,16 +36,31 @@ class PrefillChunk:
 
 
 @dataclass(frozen=True)
-class Move:
-    """A request changed slots to keep the running slots contiguous: copy its cache."""
+class Copy:
+    """Copy positions ``[start, stop)`` of slot ``src`` into slot ``dst`` (all layers)."""
 
     src: int
     dst: int
+    stop: int
+    start: int = 0
+
+
+@dataclass(frozen=True)
+class Swap:
+    """Exchange the first ``length`` positions of slots ``a`` and ``b``."""
+
+    a: int
+    b: int
     length: int
+
+
+CacheOp = Copy | Swap
 
 
 @dataclass
 class SchedulerOutput:
+    # Run first, in order, before the forward: prefix hits and the slot moves they need.
+    cache_ops: list[CacheOp] = field(default_factory=list)
     prefills: list[PrefillChunk] = field(default_factory=list)
     decodes: list[Request] = field(default_factory=list)  # requests with one token to feed
 
@@ -47,12 +70,20 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, num_slots: int, prefill_chunk_size: int, max_prefill_tokens_per_step: int) -> None:
+    def __init__(
+        self, num_slots: int, prefill_chunk_size: int, max_prefill_tokens_per_step: int, prefix_caching: bool = False
+    ) -> None:
         self.num_slots = num_slots
         self.prefill_chunk_size = prefill_chunk_size
         self.max_prefill_tokens = max_prefill_tokens_per_step
+        self.prefix_caching = prefix_caching
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        # What each free slot (index >= len(running)) still holds; None: nothing worth keeping.
+        self.cached: list[CachedPrefix | None] = [None] * num_slots
+        self._clock = 0  # LRU order of the cached prefixes
+        self.prefix_cache_queries = 0  # tokens looked up at admission
+        self.prefix_cache_hits = 0  # of those, tokens found cached (not computed again)
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -64,34 +95,138 @@ class Scheduler:
         return len(self.running) < self.num_slots
 
     def schedule(self) -> SchedulerOutput:
-        while self.waiting and self.can_admit():
-            request = self.waiting.popleft()
-            request.slot = len(self.running)
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-
         out = SchedulerOutput()
+        while self.waiting and self.can_admit():
+            out.cache_ops += self._admit(self.waiting.popleft())
+
         budget = self.max_prefill_tokens
+        computing: set[bytes] = set()  # blocks this step's chunks compute
         for request in self.running:
+            if self.prefix_caching and not request.is_decoding:
+                out.cache_ops += self._copy_cached(request)
+                if not request.is_decoding and self._computed_by_another(request, computing):
+                    continue  # next step copies the block instead of computing it twice
             if request.is_decoding:
                 out.decodes.append(request)
             elif budget > 0:
                 length = min(request.num_uncomputed, self.prefill_chunk_size, budget)
                 out.prefills.append(PrefillChunk(request, request.num_computed, length))
                 budget -= length
+                if self.prefix_caching:
+                    end = (request.num_computed + length) // BLOCK_SIZE
+                    computing.update(prefix_cache.block_hashes(request, end)[request.num_computed // BLOCK_SIZE :])
         return out
 
-    def remove(self, request: Request) -> Move | None:
-        """Take a request out (finished or aborted). Returns the cache move that fills its slot."""
+    def remove(self, request: Request, keep_cache: bool = True) -> list[CacheOp]:
+        """Take a request out (finished or aborted). Returns the cache ops that fill its slot.
+
+        With prefix caching (and ``keep_cache``) the slot's contents stay as a cached prefix:
+        the request in the last slot fills the hole by swapping with it, so they land in the
+        first free slot instead of being overwritten.
+        """
         request.status = RequestStatus.FINISHED
         if request.slot is None:
             self.waiting.remove(request)
-            return None
+            return []
         hole, request.slot = request.slot, None
+        left = self._leave(request) if keep_cache else None
         last = self.running.pop()
-        if last is request:
+        free = len(self.running)  # the slot that becomes free
+        ops: list[CacheOp] = []
+        if last is not request:
+            self.running[hole] = last
+            src, last.slot = last.slot, hole
+            assert src == free
+            if left is None:
+                ops.append(Copy(src=src, dst=hole, stop=last.num_computed))
+            else:
+                ops.append(Swap(hole, src, max(last.num_computed, left.length)))
+        self.cached[free] = left
+        return ops
+
+    # -- prefix caching ------------------------------------------------------------------------
+
+    def _tick(self) -> int:
+        self._clock += 1
+        return self._clock
+
+    def _leave(self, request: Request) -> CachedPrefix | None:
+        if not self.prefix_caching:
             return None
-        self.running[hole] = last
-        src, last.slot = last.slot, hole
-        assert src is not None
-        return Move(src=src, dst=hole, length=last.num_computed)
+        blocks = prefix_cache.computed_blocks(request)
+        return CachedPrefix(list(blocks), self._tick()) if blocks else None
+
+    def _admit(self, request: Request) -> list[CacheOp]:
+        """Give the request slot ``len(running)``, with the longest cached prefix a free slot
+        holds (that slot's contents become the request's, swapped into place when needed)."""
+        slot = len(self.running)
+        request.slot = slot
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        if not self.prefix_caching:
+            return []
+        self.prefix_cache_queries += request.num_tokens
+        wanted = prefix_cache.known_blocks(request)
+        best, best_blocks = None, 0
+        for free in range(slot, self.num_slots):  # slot first: taking it over copies nothing
+            entry = self.cached[free]
+            n = prefix_cache.common_blocks(wanted, entry.blocks) if entry is not None else 0
+            if n > best_blocks:
+                best, best_blocks = free, n
+        ops: list[CacheOp] = []
+        if best is None:
+            # Nothing to take over: the least recently used free slot's prefix goes, and what
+            # this slot held moves there.
+            victim = min(range(slot, self.num_slots), key=self._lru_key)
+            moved = self.cached[slot]
+            if victim != slot and moved is not None:
+                ops.append(Copy(src=slot, dst=victim, stop=moved.length))
+            self.cached[victim] = moved
+        else:
+            hit = min(best_blocks * BLOCK_SIZE, request.num_tokens - 1)  # the last token gives logits
+            if best != slot:
+                moved = self.cached[slot]
+                ops.append(Swap(slot, best, max(hit, moved.length if moved else 0)))
+                self.cached[best] = moved
+            request.num_computed = hit
+            self.prefix_cache_hits += hit
+        self.cached[slot] = None
+        return ops
+
+    def _lru_key(self, slot: int) -> int:
+        entry = self.cached[slot]
+        return -1 if entry is None else entry.last_used  # an empty slot first
+
+    def _copy_cached(self, request: Request) -> list[CacheOp]:
+        """Copy the blocks past the request's computed ones that another slot holds (a running
+        request that has computed them by now, or a cached prefix)."""
+        start = request.num_computed
+        wanted = prefix_cache.known_blocks(request)
+        if start % BLOCK_SIZE or start // BLOCK_SIZE >= len(wanted):
+            return []
+        best, best_blocks = None, start // BLOCK_SIZE
+        for other in self.running:
+            if other is not request:
+                n = prefix_cache.common_blocks(wanted, prefix_cache.computed_blocks(other))
+                if n > best_blocks:
+                    best, best_blocks = other.running_slot, n
+        for free in range(len(self.running), self.num_slots):
+            entry = self.cached[free]
+            if entry is not None and (n := prefix_cache.common_blocks(wanted, entry.blocks)) > best_blocks:
+                best, best_blocks = free, n
+        if best is None:
+            return []
+        if (entry := self.cached[best]) is not None:
+            entry.last_used = self._tick()
+        stop = min(best_blocks * BLOCK_SIZE, request.num_tokens - 1)
+        request.num_computed = stop
+        self.prefix_cache_hits += stop - start
+        return [Copy(src=best, dst=request.running_slot, start=start, stop=stop)]
+
+    def _computed_by_another(self, request: Request, computing: set[bytes]) -> bool:
+        """Whether this step already computes the request's next block for another request."""
+        start = request.num_computed
+        if start % BLOCK_SIZE:
+            return False
+        wanted = prefix_cache.known_blocks(request)
+        return start // BLOCK_SIZE < len(wanted) and wanted[start // BLOCK_SIZE] in computing

@@ -13,10 +13,16 @@ class FinishReason(str, enum.Enum):
     ERROR = "error"  # the request failed inside the engine; see Delta.error
 
 
+# A temperature below this samples greedily. Dividing float32 logits by a smaller one overflows
+# them (1e-300 is 0 in float32) and softmax then gives NaN; the distribution it stands for is
+# already one-hot at every logit gap the model can produce (vLLM uses the same threshold).
+GREEDY_TEMPERATURE = 1e-5
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 16  # new tokens to generate at most
-    temperature: float = 1.0  # 0 means greedy
+    temperature: float = 1.0  # below GREEDY_TEMPERATURE (0 included) means greedy
     top_p: float = 1.0  # nucleus sampling mass, (0, 1]
     top_k: int | None = None  # keep the k most likely tokens; None keeps all
     seed: int | None = None  # same seed, same tokens, whatever else is in the batch
@@ -39,6 +45,10 @@ class SamplingParams:
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
 
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_TEMPERATURE
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -50,6 +60,9 @@ class EngineConfig:
     kv_cache_memory_bytes: int | None = None  # KV budget; fewer slots are allocated when it cannot hold them all
     prefill_chunk_size: int = 512  # prompt tokens one request prefills per step
     max_prefill_tokens_per_step: int = 2048  # prompt tokens all requests prefill per step
+    # Reuse the keys and values of prompt prefixes (in blocks of 16 tokens) that a running
+    # request's slot, or a finished one's not yet reused, already holds: see prefix_cache.py.
+    enable_prefix_caching: bool = True
     trust_remote_code: bool = False
 
     def __post_init__(self) -> None:

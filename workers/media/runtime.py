@@ -18,6 +18,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from redis.exceptions import RedisError
+
 from common.keys import split_part_id
 from common.schemas import ImagePart, JobError, JobStatus, LogEntry
 from common.settings import Settings
@@ -220,8 +222,16 @@ class MediaRuntime:
         return Outcome.FINISHED if ok else Outcome.LOST
 
     def _send(self, part: _Part, append: Append) -> bool:
-        _, lost = self._publisher.send([append])
-        return part.part_id not in lost
+        """Write ``append``; False when refused: another worker took the part over, or (a gap:
+        one of this worker's writes was lost) it is handed back, its lease lapsed for the sweep."""
+        sent = self._publisher.send([append])
+        if part.part_id in sent.gaps - sent.lost:
+            log.error("part %s: its events have a gap before this worker's next one; handing it back", part.part_id)
+            try:
+                self.store.lapse_leases({part.part_id: part.attempt})
+            except RedisError as e:  # its lease then lapses unrenewed
+                log.warning("could not lapse the lease of %s: %s", part.part_id, e)
+        return part.part_id not in sent.lost | sent.gaps
 
 
 def timeout_error(request: ImagePart) -> JobError:

@@ -1,0 +1,47 @@
+"""Redis settings Spool cannot run on, refused when a worker or an API process starts.
+
+An eviction policy (``maxmemory-policy`` other than ``noeviction``: ``allkeys-lru``,
+``volatile-lru``, ...) lets Redis delete keys when it fills: a running job's log, its hash, a
+worker's heartbeat (which has a TTL, so even the ``volatile-*`` policies take it), a queued
+Celery message. A stream would then go silent or resume from nothing, a job be lost without an
+error. With ``noeviction`` a full Redis refuses writes instead, which Spool survives: workers
+retry, the API answers 503 (common/redis_errors.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import redis
+import redis.asyncio as aredis
+
+SAFE_POLICY = "noeviction"
+
+
+class UnsafeRedis(RuntimeError):
+    """Raised at start when Redis is configured to lose data Spool needs."""
+
+
+def eviction_problem(memory_info: Mapping[str, Any]) -> str | None:
+    """What is wrong with Redis's eviction policy (from INFO memory), or None."""
+    policy = str(memory_info.get("maxmemory_policy", SAFE_POLICY))
+    if policy == SAFE_POLICY:
+        return None
+    return (
+        f"Redis evicts keys when it is full (maxmemory-policy {policy}): job logs, jobs and worker "
+        f"heartbeats would vanish under running jobs. Set maxmemory-policy {SAFE_POLICY} (redis.conf, "
+        f"or CONFIG SET maxmemory-policy {SAFE_POLICY}); a full Redis then refuses writes, which "
+        "Spool waits out (503s from the API meanwhile)"
+    )
+
+
+def check_redis(client: redis.Redis) -> None:
+    """Raise UnsafeRedis if Redis would evict keys. Needs only INFO (managed Redis may hide CONFIG)."""
+    if problem := eviction_problem(client.info("memory")):
+        raise UnsafeRedis(problem)
+
+
+async def check_redis_async(client: aredis.Redis) -> None:
+    if problem := eviction_problem(await client.info("memory")):
+        raise UnsafeRedis(problem)

@@ -1,0 +1,230 @@
+"""Child processes on free ports: start, wait until ready, stop. One harness for `spool up`,
+the tests and the benchmarks.
+
+Each child leads its own process group (a worker's threads and any children go with it), and
+its output goes to a log file, or to this process's own output when no log is given. Readiness
+is polled with a deadline; a stop is SIGTERM to the group, then SIGKILL after a grace.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import redis
+
+STOP_GRACE_S = 15.0  # how long a child gets to stop on SIGTERM before SIGKILL
+POLL_S = 0.05
+LOG_TAIL_CHARS = 6000
+
+
+class HarnessError(RuntimeError):
+    """A child exited, or a condition did not hold in time; the message carries the logs."""
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen[bytes]
+    log_path: Path | None  # None: the output is this process's own
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def log_tail(self, chars: int = LOG_TAIL_CHARS) -> str:
+        if self.log_path is None:
+            return ""
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except OSError:
+            return ""
+
+    def signal(self, sig: signal.Signals) -> None:
+        """``sig`` to the whole group (no-op once it is gone)."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.popen.pid, sig)
+
+    def stop(self, grace_s: float = STOP_GRACE_S) -> None:
+        stop_all([self], grace_s)
+
+    def exit_status(self) -> str:
+        """How it ended, for a person: "exited with status 1", "was killed by SIGKILL"."""
+        code = self.popen.returncode
+        if code is None:
+            return "is still running"
+        return f"exited with status {code}" if code >= 0 else f"was killed by {signal.Signals(-code).name}"
+
+
+def start(
+    name: str,
+    argv: Sequence[str],
+    *,
+    env: Mapping[str, str] | None = None,
+    log_dir: Path | None = None,
+    cwd: Path | None = None,
+    cpus: set[int] | None = None,
+) -> Proc:
+    """Start ``argv`` in a process group of its own; output to ``log_dir/name.log`` if given.
+    ``cpus``: the CPUs it may run on (the threads it starts inherit them)."""
+    log_path = None if log_dir is None else log_dir / f"{name}.log"
+    with open(log_path, "wb") if log_path else contextlib.nullcontext() as out:
+        popen = subprocess.Popen(
+            list(argv),
+            env=None if env is None else dict(env),
+            cwd=cwd,
+            stdout=out,
+            stderr=subprocess.STDOUT if out else None,
+            start_new_session=True,
+        )
+    if cpus is not None:
+        os.sched_setaffinity(popen.pid, cpus)  # it has just exec'd: one thread so far
+    return Proc(name, popen, log_path)
+
+
+def stop_all(procs: Iterable[Proc], grace_s: float = STOP_GRACE_S) -> None:
+    """SIGTERM every group at once, then SIGKILL what is left after ``grace_s``."""
+    procs = [p for p in procs if p.alive()]
+    for p in procs:
+        p.signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        try:
+            p.popen.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.signal(signal.SIGKILL)
+            p.popen.wait()
+
+
+def wait_any(procs: Sequence[Proc]) -> Proc:
+    """Block until one of ``procs`` exits and return it; ``procs`` must be all of this process's
+    children (the wait is for any child, and leaves it to its Popen to reap)."""
+    while True:
+        for p in procs:
+            if not p.alive():
+                return p
+        os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOWAIT)
+
+
+def wait_until(check: Callable[[], bool], what: str, timeout: float, watch: Iterable[Proc] = ()) -> None:
+    """Poll ``check`` until it holds; raise HarnessError, with the logs, when a watched process
+    exits first or ``timeout`` passes."""
+    watch = list(watch)
+    deadline = time.monotonic() + timeout
+    while not check():
+        for p in watch:
+            if not p.alive():
+                raise HarnessError(f"{p.name} {p.exit_status()} while waiting for {what}:\n{p.log_tail()}")
+        if time.monotonic() > deadline:
+            tails = "\n".join(f"--- {p.name}\n{p.log_tail()}" for p in watch)
+            raise HarnessError(f"timed out after {timeout:.0f}s waiting for {what}\n{tails}")
+        time.sleep(POLL_S)
+
+
+# -- what a readiness check asks ----------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def redis_answers(url: str) -> bool:
+    try:
+        with redis.Redis.from_url(url, socket_connect_timeout=0.5, socket_timeout=0.5) as r:
+            return bool(r.ping())
+    except (redis.RedisError, OSError):
+        return False
+
+
+def http_status(url: str) -> int | None:
+    try:
+        return httpx.get(url, timeout=2).status_code
+    except httpx.TransportError:
+        return None
+
+
+# -- Spool's own processes ------------------------------------------------------------------------
+
+
+def spool_argv() -> list[str]:
+    """The ``spool`` console script of this interpreter's environment."""
+    script = Path(sys.executable).with_name("spool")
+    return [str(script)] if script.exists() else [sys.executable, "-m", "spool_cli.main"]
+
+
+def spool_env(redis_url: str, prefix: str, /, **settings: object) -> dict[str, str]:
+    """This environment without the caller's SPOOL_* variables, plus the given settings."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPOOL_")}
+    env.update(SPOOL_REDIS_URL=redis_url, SPOOL_REDIS_PREFIX=prefix, PYTHONUNBUFFERED="1")
+    env.update({f"SPOOL_{k.upper()}": str(v) for k, v in settings.items()})
+    return env
+
+
+def start_redis(
+    *extra: str,
+    port: int | None = None,
+    data_dir: Path | None = None,
+    log_dir: Path | None = None,
+    cpus: set[int] | None = None,
+    timeout: float = 10.0,
+) -> tuple[Proc, str]:
+    """A private redis-server on a free port (or ``port``), without persistence unless ``extra``
+    asks for it; returns once it answers a PING: (proc, url)."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise HarnessError("redis-server is not on PATH")
+    port = port or free_port()
+    argv = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+    if data_dir is not None:
+        argv += ["--dir", str(data_dir)]
+    proc = start("redis", [*argv, *extra], log_dir=log_dir, cpus=cpus)
+    url = f"redis://127.0.0.1:{port}/0"
+    try:
+        wait_until(lambda: redis_answers(url), "redis-server to answer", timeout, [proc])
+    except HarnessError:
+        stop_all([proc])
+        raise
+    return proc, url
+
+
+def start_api(
+    name: str,
+    env: Mapping[str, str],
+    *,
+    log_dir: Path | None = None,
+    timeout: float = 60.0,
+    tree: Path | None = None,
+    cpus: set[int] | None = None,
+) -> tuple[Proc, str]:
+    """The API on a free port; returns once /healthz answers 200: (proc, url).
+
+    ``tree``: run ``python -m uvicorn api.main:app`` from that checkout (its directory comes
+    first on the module path) instead of ``spool api``."""
+    port = free_port()
+    where = ["--host", "127.0.0.1", "--port", str(port)]
+    argv = (
+        [sys.executable, "-m", "uvicorn", "api.main:app", *where] if tree else [*spool_argv(), "api", *where]
+    )
+    proc = start(name, argv, env=env, log_dir=log_dir, cwd=tree, cpus=cpus)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until(lambda: http_status(url + "/healthz") == 200, f"{name} /healthz", timeout, [proc])
+    except HarnessError:
+        stop_all([proc])
+        raise
+    return proc, url

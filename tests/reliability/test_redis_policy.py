@@ -1,0 +1,63 @@
+"""A Redis that evicts keys when it fills is refused at start, by the worker and by the API.
+
+With ``allkeys-lru`` or ``volatile-lru`` a full Redis deletes keys: a running job's log, a
+worker's heartbeat (it has a TTL). A stream would go silent, a job vanish without an error. So a
+worker or an API started on such a Redis exits at once, naming ``maxmemory-policy``.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import pytest
+from breakers import RedisServer
+from procs import SPOOL, free_port, spool_env
+
+from common.redis_policy import UnsafeRedis, check_redis, eviction_problem
+
+START_S = 60.0  # a refused start exits long before this; a start that is not refused runs on
+
+
+@pytest.fixture(scope="module")
+def lru_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    server = RedisServer(tmp_path_factory.mktemp("redis-lru"), "--appendonly", "no")
+    server.start()
+    yield server
+    server.close()
+
+
+def run(argv: list[str], redis_url: str) -> subprocess.CompletedProcess[str]:
+    env = spool_env("test-policy", redis_url=redis_url)
+    try:
+        return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=START_S)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{argv[1]} started on a Redis that evicts keys")
+
+
+@pytest.mark.parametrize("policy", ["allkeys-lru", "volatile-lru"])
+@pytest.mark.parametrize("command", ["worker", "api"])
+def test_a_redis_that_evicts_keys_is_refused_at_start(lru_redis: RedisServer, policy: str, command: str) -> None:
+    lru_redis.client.config_set("maxmemory-policy", policy)
+    argv = [SPOOL, command] + (["--port", str(free_port())] if command == "api" else [])
+    done = run(argv, lru_redis.url)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert f"maxmemory-policy {policy}" in done.stderr and "noeviction" in done.stderr
+
+
+def test_the_apps_own_start_refuses_it_too(lru_redis: RedisServer) -> None:
+    """A bare ``uvicorn api.main:app`` (no `spool api`) fails its start the same way."""
+    lru_redis.client.config_set("maxmemory-policy", "allkeys-lru")
+    argv = [sys.executable, "-m", "uvicorn", "api.main:app", "--port", str(free_port())]
+    done = run(argv, lru_redis.url)
+    assert done.returncode != 0 and "maxmemory-policy allkeys-lru" in done.stderr
+
+
+def test_noeviction_is_accepted(lru_redis: RedisServer) -> None:
+    lru_redis.client.config_set("maxmemory-policy", "noeviction")
+    check_redis(lru_redis.client)
+    assert eviction_problem({"maxmemory_policy": "volatile-ttl"}) is not None
+    with pytest.raises(UnsafeRedis, match="allkeys-random"):
+        lru_redis.client.config_set("maxmemory-policy", "allkeys-random")
+        check_redis(lru_redis.client)

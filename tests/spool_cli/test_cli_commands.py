@@ -1,0 +1,247 @@
+"""The `spool` client commands as a user drives them: Ctrl-C (SIGINT), stdin, a wrong --url, a
+bad batch file, the job commands, and every command's --help."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+from pathlib import Path
+
+import httpx
+import pytest
+from greedy import greedy
+from procs import SPOOL, Service, free_port, wait_until
+
+from common.keys import Keys
+
+LONG_PROMPT = "the quick brown fox"  # greedy on the tiny model runs to max_tokens (no EOS)
+COMMANDS = ("worker", "api", "up", "generate", "batch", "jobs", "job", "cancel", "tiny-model")
+JOB_ID = re.compile(r"job ([0-9a-f]{32})")
+
+
+@pytest.fixture
+def env(tmp_path: Path) -> dict[str, str]:
+    """This environment with a history file of the test's own."""
+    return {**os.environ, "XDG_STATE_HOME": str(tmp_path / "state"), "PYTHONUNBUFFERED": "1"}
+
+
+def spool(*args: str, env: dict[str, str], stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [SPOOL, *args], check=False, env=env, input=stdin, capture_output=True, text=True, timeout=120
+    )
+
+
+def popen(*args: str, env: dict[str, str]) -> subprocess.Popen[bytes]:
+    return subprocess.Popen([SPOOL, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def job_status(url: str, job_id: str) -> str:
+    return str(httpx.get(f"{url}/v1/jobs/{job_id}", timeout=10).json()["status"])
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_command_says_what_it_does_which_settings_and_an_example(
+    command: str, env: dict[str, str]
+) -> None:
+    result = spool(command, "--help", env=env)
+    assert result.returncode == 0
+    description = result.stdout.split("\n\n")[1]
+    assert len(description) > 60, result.stdout  # more than a usage line
+    assert "Settings:" in result.stdout
+    example = result.stdout.split("example:\n", 1)[1].strip()
+    assert example.split()[0] == "spool" or "spool " in example
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("generate", "hello"),
+        ("batch", "{file}"),
+        ("jobs",),
+        ("job", "0123456789abcdef0123456789abcdef"),
+        ("cancel", "0123456789abcdef0123456789abcdef"),
+    ],
+)
+def test_a_wrong_url_fails_at_once_with_one_line_naming_it(
+    args: tuple[str, ...], env: dict[str, str], tmp_path: Path
+) -> None:
+    (tmp_path / "in.jsonl").write_text('{"prompt": "x"}\n')
+    (tmp_path / "state" / "spool").mkdir(parents=True)
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    (tmp_path / "state" / "spool" / "jobs.jsonl").write_text(
+        json.dumps({"id": "0" * 32, "url": url, "at": 0, "what": "x", "via": "generate"}) + "\n"
+    )
+    argv = [a.replace("{file}", str(tmp_path / "in.jsonl")) for a in args]
+    result = spool(*argv, "--url", url, env=env)  # (it took 45 s of 21 retries before)
+    assert result.returncode == 1
+    assert result.stderr.splitlines() == [
+        f"spool: cannot reach the API at {url} ([Errno 111] Connection refused); is it running? (scripts/serve.sh)"
+    ]
+
+
+def test_generate_reads_the_prompt_from_stdin_and_ends_with_one_summary_line(  # type: ignore[no-untyped-def]
+    cluster, tiny_model: Path, env: dict[str, str]
+) -> None:
+    result = spool(
+        "generate",
+        "-",
+        "--max-tokens",
+        "9",
+        "--temperature",
+        "0",
+        "--url",
+        cluster.url,
+        env=env,
+        stdin="hello",
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == greedy(tiny_model, "hello", 9).text + "\n"
+    [line] = result.stderr.splitlines()
+    assert re.fullmatch(
+        r"spool: succeeded \(finish reason length\), 9 tokens in \d+\.\d s \(\d+\.\d tok/s\), job [0-9a-f]{32}",
+        line,
+    ), line
+
+
+def test_generate_sends_the_sampling_options_and_chat_messages(  # type: ignore[no-untyped-def]
+    cluster, prefixes, env: dict[str, str]
+) -> None:
+    argv = [
+        "generate",
+        "Speak.",
+        "--system",
+        "Be terse.",
+        "--max-tokens",
+        "5",
+        "--seed",
+        "7",
+        "--top-p",
+        "0.9",
+    ]
+    argv += ["--top-k", "20", "--stop", "zz", "--stop", "yy", "--url", cluster.url]
+    result = spool(*argv, env=env)
+    assert result.returncode == 0, result.stderr
+    [job_id] = JOB_ID.findall(result.stderr)
+    request = json.loads(prefixes.client.hget(Keys(cluster.prefix).job(job_id), "request"))
+    assert request["messages"] == [
+        {"role": "system", "content": "Be terse."},
+        {"role": "user", "content": "Speak."},
+    ]
+    assert (request["seed"], request["top_p"], request["top_k"], request["stop"]) == (
+        7,
+        0.9,
+        20,
+        ["zz", "yy"],
+    )
+    chat = spool("generate", "Speak.", "--chat", "--max-tokens", "3", "--url", cluster.url, env=env)
+    [chat_id] = JOB_ID.findall(chat.stderr)
+    request = json.loads(prefixes.client.hget(Keys(cluster.prefix).job(chat_id), "request"))
+    assert request["messages"] == [{"role": "user", "content": "Speak."}] and request["prompt"] is None
+
+
+def test_ctrl_c_leaves_the_job_running_and_says_how_to_resume_and_cancel_it(  # type: ignore[no-untyped-def]
+    cluster, tiny_model: Path, env: dict[str, str]
+) -> None:
+    proc = popen(
+        "generate", LONG_PROMPT, "--max-tokens", "400", "--temperature", "0", "--url", cluster.url, env=env
+    )
+    assert proc.stdout is not None
+    os.read(proc.stdout.fileno(), 1)  # a token is on the terminal: the stream is open
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130
+    [job_id] = set(JOB_ID.findall(err.decode()))
+    assert f"spool job {job_id} --follow" in err.decode() and f"spool cancel {job_id}" in err.decode()
+    resumed = spool("job", job_id, "--follow", "--url", cluster.url, env=env)  # the job ran on
+    assert resumed.returncode == 0, resumed.stderr
+    assert resumed.stdout == greedy(tiny_model, LONG_PROMPT, 400).text + "\n"
+    assert job_status(cluster.url, job_id) == "succeeded"
+
+
+def test_a_second_ctrl_c_cancels_the_job(bare_api: Service, env: dict[str, str]) -> None:
+    """No worker on the bare API's prefix: the job stays queued until the second Ctrl-C."""
+    proc = popen("generate", "wait for me", "--url", bare_api.url, env=env)
+    assert proc.stderr is not None
+    first = proc.stderr.readline().decode()  # "no worker is running: job ... waits in the queue"
+    [job_id] = JOB_ID.findall(first)
+    proc.send_signal(signal.SIGINT)
+    assert "interrupted" in proc.stderr.readline().decode()
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130
+    assert f"job {job_id}: cancel requested" in err.decode()
+    assert job_status(bare_api.url, job_id) == "cancelled"
+
+
+def test_jobs_lists_what_was_submitted_and_job_and_cancel_act_on_one(  # type: ignore[no-untyped-def]
+    cluster, bare_api: Service, env: dict[str, str]
+) -> None:
+    done = spool("generate", "listed", "--max-tokens", "3", "--url", cluster.url, env=env)
+    [done_id] = JOB_ID.findall(done.stderr)
+    listing = spool("jobs", "--url", cluster.url, env=env)
+    assert listing.returncode == 0, listing.stderr
+    [row] = [line for line in listing.stdout.splitlines() if done_id in line]
+    assert row.split()[1:3] == ["succeeded", "3"] and '"listed"' in row
+    shown = spool("job", done_id, "--url", cluster.url, env=env)
+    assert json.loads(shown.stdout)["id"] == done_id
+    queued = httpx.post(f"{bare_api.url}/v1/jobs", json={"prompt": "x"}).json()["id"]
+    cancelled = spool("cancel", queued, done_id, "--url", bare_api.url, env=env)
+    assert job_status(bare_api.url, queued) == "cancelled"
+    assert cancelled.returncode == 1 and "No job with id" in cancelled.stderr  # done_id: another prefix
+
+
+def test_batch_with_a_bad_line_names_it_and_submits_nothing(
+    bare_api: Service, env: dict[str, str], tmp_path: Path, prefixes
+) -> None:  # type: ignore[no-untyped-def]
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"prompt": "fine"}\n\n{"prompt": "broken"\n[1, 2]\n')
+    queued = Keys(bare_api.prefix).queued_jobs()
+    before = prefixes.client.zcard(queued)
+    result = spool("batch", str(src), "--url", bare_api.url, env=env)
+    assert result.returncode == 1 and result.stdout == ""
+    assert result.stderr.startswith(f"spool: {src} line 3: not JSON") and "nothing submitted" in result.stderr
+    assert prefixes.client.zcard(queued) == before
+    missing = spool("batch", str(tmp_path / "nope.jsonl"), "--url", bare_api.url, env=env)
+    assert (missing.returncode, missing.stderr) == (1, f"spool: no such file: {tmp_path / 'nope.jsonl'}\n")
+
+
+def test_ctrl_c_in_batch_writes_the_submitted_ids(
+    bare_api: Service, env: dict[str, str], tmp_path: Path, prefixes
+) -> None:  # type: ignore[no-untyped-def]
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("".join(json.dumps({"prompt": f"b{i}", "custom_id": f"c{i}"}) + "\n" for i in range(3)))
+    queued = Keys(bare_api.prefix).queued_jobs()
+    before = prefixes.client.zcard(queued)
+    proc = popen("batch", str(src), "--out", str(out), "--url", bare_api.url, env=env)
+    wait_until(lambda: prefixes.client.zcard(queued) == before + 3, "the batch submitted", 30)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130
+    results = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["custom_id"], r["status"]) for r in results] == [(f"c{i}", "submitted") for i in range(3)]
+    for r in results:
+        assert r["job_id"] in err.decode() and job_status(bare_api.url, r["job_id"]) == "queued"
+    listing = spool("jobs", "--url", bare_api.url, env=env)
+    assert all(r["job_id"] in listing.stdout for r in results)
+    spool("cancel", *(r["job_id"] for r in results), "--url", bare_api.url, env=env)
+
+
+def test_batch_reports_a_job_the_api_forgot_instead_of_a_traceback(  # type: ignore[no-untyped-def]
+    bare_api: Service, env: dict[str, str], tmp_path: Path, prefixes
+) -> None:
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text(json.dumps({"prompt": "forgotten"}) + "\n")
+    keys, r = Keys(bare_api.prefix), prefixes.client
+    before = set(r.zrange(keys.queued_jobs(), 0, -1))
+    proc = popen("batch", str(src), "--out", str(out), "--url", bare_api.url, env=env)
+    wait_until(lambda: len(set(r.zrange(keys.queued_jobs(), 0, -1)) - before) == 1, "the batch submitted", 30)
+    [job_id] = {j.decode() for j in set(r.zrange(keys.queued_jobs(), 0, -1)) - before}
+    r.delete(keys.job(job_id))  # as if it expired: the API answers 404
+    r.zrem(keys.queued_jobs(), job_id)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 1 and b"Traceback" not in err
+    [result] = [json.loads(line) for line in out.read_text().splitlines()]
+    assert result["status"] == "lost" and "No job with id" in result["error"]["message"]

@@ -1,0 +1,104 @@
+"""scripts/serve.sh from a fresh copy of the tree: one line per stage, the URL once /readyz is 200.
+
+By default the copy reuses this test run's venv (``VENV``: bootstrap.sh then installs nothing),
+so the test takes seconds. ``TEST_FRESH_INSTALL=1`` also runs it as a new user does, creating
+the copy's own .venv and installing into it (146 s on a shared 2-core machine).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import httpx
+import pytest
+from procs import ROOT, free_port, spool_env, wait_until
+
+
+def copy_of_the_tree(dest: Path) -> Path:
+    """The files a clone of this checkout would have (tracked, and new ones not ignored)."""
+    if shutil.which("git") is None or not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    listed = subprocess.run(
+        ["git", "ls-files", "-z", "-co", "--exclude-standard"], cwd=ROOT, check=True, capture_output=True
+    ).stdout.decode()
+    for name in filter(None, listed.split("\0")):
+        if (ROOT / name).is_file():
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, dest / name)
+    return dest
+
+
+FRESH = pytest.mark.skipif(
+    os.environ.get("TEST_FRESH_INSTALL") != "1", reason="TEST_FRESH_INSTALL=1: minutes"
+)
+
+
+@pytest.mark.parametrize(
+    "fresh", [False, pytest.param(True, marks=FRESH)], ids=["reused-venv", "fresh-install"]
+)
+def test_serve_reaches_ready_and_prints_the_url_only_then(prefixes, tmp_path: Path, fresh: bool) -> None:  # type: ignore[no-untyped-def]
+    tree = copy_of_the_tree(tmp_path / "spool")
+    port = free_port()
+    env = spool_env(prefixes.new(), port=port, heartbeat_s=0.5)
+    if not fresh:
+        env["VENV"] = sys.prefix
+    proc = subprocess.Popen(
+        ["bash", "scripts/serve.sh"],
+        cwd=tree,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    lines: list[str] = []
+    readyz_when_printed: list[int] = []
+
+    def read() -> None:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            if line.startswith("spool: "):
+                lines.append(line.strip())
+                if "ready at" in line:
+                    readyz_when_printed.append(httpx.get(f"{url}/readyz", timeout=5).status_code)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        wait_until(
+            lambda: bool(readyz_when_printed) or proc.poll() is not None,
+            "serve.sh: ready",
+            600 if fresh else 120,
+        )
+        assert proc.poll() is None, "\n".join(lines)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+    reader.join(10)
+    stages = [line for line in lines if not line.startswith("spool: started redis-server")]
+    setup = ["creating the venv", "installing torch", "installing Spool"] if fresh else ["using the venv at"]
+    for stage, expected in zip(stages, setup, strict=False):
+        assert stage.startswith(f"spool: {expected}"), lines
+    assert "loading the embedded default model" in stages[len(setup)], lines
+    ready = [line for line in stages if "ready at" in line]
+    assert ready == [f'spool: ready at {url} (docs: {url}/docs); try: scripts/spool generate "ROMEO:"'], lines
+    assert readyz_when_printed == [200]
+    wrapper = subprocess.run(
+        [str(tree / "scripts" / "spool"), "jobs", "--help"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert wrapper.returncode == 0 and "spool jobs" in wrapper.stdout  # the README's scripts/spool works
