@@ -12,7 +12,7 @@ from store_helpers import StoreForTests
 from common.keys import part_id
 from common.schemas import DoneEvent, ErrorEvent, Job, JobRequest, JobStatus, LogEntry, Usage
 from common.settings import Settings
-from common.store import Append, AsyncJobStore, Final, QueueMessage, TakeStatus, token_entry
+from common.store import Append, Appended, AsyncJobStore, Final, QueueMessage, TakeStatus, token_entry
 
 T = TypeVar("T")
 
@@ -55,15 +55,15 @@ def end_text(store: StoreForTests, pid: str, attempt: int, first: int, status: J
         terminal = LogEntry.error(first + 1, ErrorEvent(message="boom", type="engine_error"))
         final = Final(status, "error")
     entries = [token_entry(first, first - 1, "tok", [7]), terminal]
-    [ok] = store.append_batch([Append(pid, attempt, entries, 2, 1, final)])
-    return ok
+    [sent] = store.append_batch([Append(pid, attempt, entries, 2, 1, final)])
+    return sent is Appended.WRITTEN
 
 
 def end_image(store: StoreForTests, pid: str, attempt: int, seq: int, status: JobStatus) -> bool:
     data = {"part": int(pid.rsplit(":", 1)[1]), "status": status.value}
     entry = LogEntry.part_status(seq, data)
-    [ok] = store.append_batch([Append(pid, attempt, [entry], 0, 0, Final(status, None), b"\x89PNG")])
-    return ok
+    [sent] = store.append_batch([Append(pid, attempt, [entry], 0, 0, Final(status, None), b"\x89PNG")])
+    return sent is Appended.WRITTEN
 
 
 def test_messages_go_to_each_kind_and_a_dependent_waits(store: StoreForTests, settings: Settings) -> None:
@@ -94,7 +94,7 @@ def test_one_log_consecutive_ids_and_the_job_status_from_its_parts(
     i = store.take_job(image, "m1", "sd")
     assert get(settings, job.id).status is JobStatus.RUNNING
     progress = LogEntry.progress(1, 1, 1, 2)
-    assert store.append_batch([Append(image, i.attempt, [progress], 0, 0)]) == [True]
+    assert store.append_batch([Append(image, i.attempt, [progress], 0, 0)]) == [Appended.WRITTEN]
     assert end_text(store, text, t.attempt, 1, JobStatus.SUCCEEDED)
     assert end_image(store, image, i.attempt, 2, JobStatus.FAILED)
     log = store.read_log(job.id)
@@ -126,15 +126,17 @@ def test_a_part_is_fenced_by_its_own_attempt_and_appends_are_idempotent(
     pid = part_id(job.id, 0)
     first = store.take_job(pid, "m1", "sd")
     step = Append(pid, first.attempt, [LogEntry.progress(1, 0, 1, 2)], 0, 0)
-    assert store.append_batch([step]) == [True]
-    assert store.append_batch([step]) == [True]  # a retry of an append applied: no duplicate
+    assert store.append_batch([step]) == [Appended.WRITTEN]
+    assert store.append_batch([step]) == [Appended.WRITTEN]  # a retry of an append applied: no duplicate
     # Its worker died: the lease lapses and another takes the part over (a new attempt).
     store.redis.zadd(settings.keys.running_jobs(), {pid: time.time() - 1})
     second = store.take_job(pid, "m2", "sd")
     assert second.status is TakeStatus.TAKEN and second.attempt == first.attempt + 1
     assert [e.seq for e in second.log] == [1]  # the part's own events, numbered as it counts them
     # The stale worker can no longer write; the new one goes on after the part's own count.
-    assert store.append_batch([Append(pid, first.attempt, [LogEntry.progress(2, 0, 2, 2)], 0, 0)]) == [False]
+    assert store.append_batch([Append(pid, first.attempt, [LogEntry.progress(2, 0, 2, 2)], 0, 0)]) == [
+        Appended.FENCED
+    ]
     assert end_image(store, pid, second.attempt, 2, JobStatus.SUCCEEDED)
     log = store.read_log(job.id)
     assert [e.seq for e in log] == [1, 2, 3, 4, 5]
