@@ -226,7 +226,9 @@ class MediaRuntime:
         one of this worker's writes was lost) it is handed back, its lease lapsed for the sweep."""
         sent = self._publisher.send([append])
         if part.part_id in sent.gaps - sent.lost:
-            log.error("part %s: its events have a gap before this worker's next one; handing it back", part.part_id)
+            log.error(
+                "part %s: its events have a gap before this worker's next one; handing it back", part.part_id
+            )
             try:
                 self.store.lapse_leases({part.part_id: part.attempt})
             except RedisError as e:  # its lease then lapses unrenewed

@@ -7,6 +7,7 @@ before the first message is consumed) and stops with it.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from celery import Task, signals
@@ -15,11 +16,16 @@ from redis.exceptions import RedisError
 from common.keys import MEDIA_TASK, REQUEUE_PRIORITY
 from common.process import freeze_startup_objects
 from common.settings import get_settings
+from common.store import SyncJobStore
 from workers.celery_app import make_app
+from workers.identity import claim_name, default_worker_name
 from workers.media.runtime import MediaRuntime
 from workers.runtime import Outcome
 
+log = logging.getLogger(__name__)
+
 RETRY_MARGIN_S = 0.5  # past this worker's lease deadline (as workers/tasks.py)
+EXIT_CANNOT_SERVE = 78  # as workers/tasks.py: its pipeline does not load, or its name is held
 
 _settings = get_settings()
 app = make_app(_settings, include=(), queue=_settings.keys.queue_media, concurrency=1)
@@ -32,12 +38,33 @@ def requeue(part_id: str) -> None:
     app.send_task(MEDIA_TASK, args=[part_id], queue=_settings.keys.queue_media, priority=REQUEUE_PRIORITY)
 
 
+def claim(name: str) -> None:
+    """Refuse a name another live worker holds (NameHeld); with Redis unreachable, go on unchecked."""
+    store = SyncJobStore.from_settings(_settings)
+    try:
+        claim_name(store, name)
+    except RedisError as e:
+        log.warning("could not check that no live worker holds the name %r: %s", name, e)
+    finally:
+        store.close()
+
+
 @signals.worker_init.connect
 def start_runtime(sender: Any, **_: Any) -> None:
     global _runtime
     if sender.app is not app:
         return
-    _runtime = MediaRuntime.from_settings(_settings, _settings.worker_name or sender.hostname, requeue)
+    # As a text worker's (workers/tasks.py): SystemExit ends a worker that cannot serve before it
+    # takes any part (Celery logs what else a worker_init handler raises and consumes anyway).
+    try:
+        name = _settings.worker_name or default_worker_name()
+        claim(name)
+        _runtime = MediaRuntime.from_settings(_settings, name, requeue)
+    except Exception as e:
+        log.critical(
+            "the media worker could not start; exiting with status %d", EXIT_CANNOT_SERVE, exc_info=True
+        )
+        raise SystemExit(EXIT_CANNOT_SERVE) from e
     freeze_startup_objects()
 
 
