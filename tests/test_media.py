@@ -309,3 +309,14 @@ def test_sigkill_mid_image_another_media_worker_takes_over(client: httpx.Client,
     )
     assert finished_job(client, media.url, clean)["status"] == "succeeded"
     assert content(client, media, clean, 0) == content(client, media, job_id, 0)
+
+
+def test_a_media_worker_whose_pipeline_does_not_load_exits_78(prefixes: Prefixes, log_dir: Path) -> None:
+    env = spool_env(prefixes.new(), image_model="/nonexistent/pipeline", worker_name="bad-media")
+    worker = start("media-bad-pipeline", [SPOOL, "worker", "--kind", "media"], env, log_dir)
+    try:
+        wait_until(lambda: not worker.alive(), "the media worker to exit", 120)
+        assert worker.proc.returncode == 78
+        assert "/nonexistent/pipeline" in worker.log_tail()
+    finally:
+        worker.stop()
