@@ -165,7 +165,7 @@ class ImagePart(BaseModel):
     prompt_from: int | None = Field(None, ge=0)  # an earlier text part whose final text is the prompt
     size: str = "256x256"  # WxH, each a multiple of 8 (the VAE's scale)
     steps: int = Field(20, ge=1)
-    seed: int | None = Field(None, ge=0, lt=2**63)  # none: the worker draws one and reports it
+    seed: int | None = Field(None, ge=0, lt=2**63)  # none: one drawn from the part's id, and reported
     guidance_scale: float | None = Field(None, ge=0, le=50)  # none: the pipeline's default
     negative_prompt: str | None = Field(None, max_length=4000)
     timeout_s: float | None = Field(None, gt=0)  # counted from job creation; past it the part fails

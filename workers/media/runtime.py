@@ -11,8 +11,8 @@ the next step (workers/media/pipeline.py), so the worker is free for the next pa
 
 from __future__ import annotations
 
+import hashlib
 import logging
-import secrets
 import threading
 import time
 from dataclasses import dataclass
@@ -148,7 +148,7 @@ class MediaRuntime:
         if part.aborted:
             return self._end(part, JobStatus.CANCELLED, {})
         prompt = request.prompt if request.prompt is not None else self._prompt_from(job_id, request)
-        seed = request.seed if request.seed is not None else secrets.randbelow(2**63)
+        seed = request.seed if request.seed is not None else default_seed(part.part_id)
         spec = ImageSpec(
             prompt,
             request.width,
@@ -234,6 +234,12 @@ class MediaRuntime:
             except RedisError as e:  # its lease then lapses unrenewed
                 log.warning("could not lapse the lease of %s: %s", part.part_id, e)
         return part.part_id not in sent.lost | sent.gaps
+
+
+def default_seed(part_id: str) -> int:
+    """A part's seed when it gives none: from its id (random, 128 bits), so every part differs
+    and a part taken over after a crash makes the image the first attempt would have."""
+    return int(hashlib.sha256(part_id.encode()).hexdigest()[:15], 16)
 
 
 def timeout_error(request: ImagePart) -> JobError:
