@@ -30,6 +30,19 @@ async def media_models(store: AsyncJobStore) -> set[str]:
     return {w.model for w in await store.list_workers() if w.kind == "media"}
 
 
+async def check_media_workers(store: AsyncJobStore, request: JobRequest) -> None:
+    """A request that waits for image parts (``background: false``, or a stream) needs a live
+    media worker: without one it would wait for good (a background job is queued, as any job)."""
+    has_images = any(p.type == "image" for p in request.parts or ())
+    if has_images and (not request.background or request.stream) and not await media_models(store):
+        raise ApiError(
+            503,
+            "No media worker is running (no live heartbeat of `spool worker --kind media`); retry later",
+            code="no_worker",
+            headers={"Retry-After": str(NO_WORKER_RETRY_S)},
+        )
+
+
 class ServedModels:
     """``served_models`` for the submit paths, read from Redis at most once per ``ttl_s`` per API
     process while a worker is live: a burst of submissions reads the heartbeats once, not once

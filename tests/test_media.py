@@ -24,6 +24,7 @@ from PIL import Image
 from procs import (
     REDIS_URL,
     SPOOL,
+    Cluster,
     Prefixes,
     Service,
     finished_job,
@@ -320,3 +321,19 @@ def test_a_media_worker_whose_pipeline_does_not_load_exits_78(prefixes: Prefixes
         assert "/nonexistent/pipeline" in worker.log_tail()
     finally:
         worker.stop()
+
+
+def test_without_a_media_worker_a_request_that_waits_for_images_is_a_503(
+    client: httpx.Client, cluster: Cluster
+) -> None:
+    image = {"type": "image", "prompt": "x", "size": "32x32", "steps": 2}
+    for body in ({"parts": [image], "background": False}, {"parts": [image], "stream": True}):
+        r = client.post(f"{cluster.url}/v1/jobs", json=body)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "no_worker", r.text
+        assert "Retry-After" in r.headers
+    r = client.post(f"{cluster.url}/v1/images/generations", json={"prompt": "x", "size": "32x32"})
+    assert r.status_code == 503, r.text
+    # A background job is queued, as any job while no worker of its kind runs.
+    queued = client.post(f"{cluster.url}/v1/jobs", json={"parts": [image]})
+    assert queued.status_code == 202 and queued.json()["parts"][0]["status"] == "queued"
+    assert client.post(f"{cluster.url}/v1/jobs/{queued.json()['id']}/cancel").json()["status"] == "cancelled"

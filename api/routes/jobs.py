@@ -21,7 +21,7 @@ from api.deps import (
 )
 from api.errors import ApiError
 from api.openai_compat.chunks import View
-from api.served import check_with_live_workers, served_models
+from api.served import check_media_workers, check_with_live_workers, served_models
 from api.services import Services
 from api.sse import event_stream, relay, to_sse_list
 from api.submission import streamed_submit, submit_job, wait_for_job
@@ -63,6 +63,7 @@ async def create_job(
     models = await services.served.get()
     check_with_live_workers(models, body)
     await services.context.check_live(body, models)
+    await check_media_workers(services.store, body)
     job = await submit_job(services, body, idempotency_key)
     # A job is queued whether or not a worker is live (it waits for one); this says which.
     headers = {"Location": f"/v1/jobs/{job.id}", READY_HEADER: "true" if models else "false"}

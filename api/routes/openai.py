@@ -18,7 +18,7 @@ from api.errors import ApiError
 from api.openai_compat.chunks import View
 from api.openai_compat.images import ImageGenerationRequest, failure, image_data
 from api.openai_compat.requests import ChatCompletionRequest, CompletionRequest, OpenAIRequest
-from api.served import check_servable, media_models, resolve_model, served_models
+from api.served import check_media_workers, check_servable, media_models, resolve_model, served_models
 from api.submission import streamed_submit, submit_job, wait_for_job
 from common.schemas import JobStatus, WorkerHeartbeat
 
@@ -42,9 +42,10 @@ async def images_generations(body: ImageGenerationRequest, services: ServicesDep
     """Images from a prompt, as OpenAI's Images API: one job with ``n`` image parts, answered once
     they are done (``b64_json``, or ``url``: the parts' content on this API, until the job expires)."""
     request = body.to_job_request(services.settings)
+    await check_media_workers(services.store, request)  # it waits for the images
     if body.model is not None:
         models = await media_models(services.store)
-        if models and body.model not in models:
+        if body.model not in models:
             raise ApiError(
                 404,
                 f"The image model {body.model!r} does not exist; "
