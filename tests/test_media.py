@@ -258,6 +258,8 @@ def test_images_generate_with_the_openai_client(media: Media) -> None:
     assert httpx.get(by_url.data[1].url or "").content != png
     with pytest.raises(openai.BadRequestError, match="style"):
         client.images.generate(prompt="x", size="32x32", style="vivid")
+    with pytest.raises(openai.BadRequestError, match="limit of 8"):
+        client.images.generate(prompt="x", size="32x32", n=10**7)
 
 
 @pytest.mark.parametrize(

@@ -15,7 +15,7 @@ from pydantic import Field, ValidationError
 
 from api.errors import ApiError, body_errors
 from api.openai_compat.requests import _Open, _refuse_extras
-from common.schemas import Job, JobRequest, JobStatus
+from common.schemas import LIMIT_EXCEEDED, Job, JobRequest, JobStatus
 from common.settings import Settings
 
 # OpenAI's parameters whose value here asks for what Spool does anyway.
@@ -37,12 +37,19 @@ class ImageGenerationRequest(_Open):
     def to_job_request(self, settings: Settings) -> JobRequest:
         extra = {k: v for k, v in (self.model_extra or {}).items() if v not in _NEUTRAL_IMAGE.get(k, ())}
         _refuse_extras(extra)
+        if (n := self.n or 1) > (cap := settings.max_parts):  # checked before n parts are built
+            raise ApiError(
+                400,
+                f"n is {n}, above this server's limit of {cap} images per request (SPOOL_MAX_PARTS)",
+                param="n",
+                code=LIMIT_EXCEEDED,
+            )
         part: dict[str, Any] = {"type": "image", "prompt": self.prompt}
         for name in ("size", "steps", "seed", "guidance_scale", "negative_prompt"):
             if (value := getattr(self, name)) is not None:
                 part[name] = value
         # Each image of n its own seed (one seed given: seed, seed + 1, ...), so they differ.
-        parts = [{**part, "seed": part["seed"] + i} if "seed" in part else part for i in range(self.n or 1)]
+        parts = [{**part, "seed": part["seed"] + i} if "seed" in part else part for i in range(n)]
         fields = {"parts": parts, "background": False, "user": self.user}
         try:
             return JobRequest.accept({k: v for k, v in fields.items() if v is not None}, settings)
