@@ -121,6 +121,7 @@ def job_result(line: int, custom_id: str, endpoint: str, record: JobRecord, mode
         body = job.model_dump(mode="json")
         kind = "completed" if job.status is JobStatus.SUCCEEDED else "failed"
         return LineResult(line, kind, response_line(job.id, custom_id, 200, body), job.id)
+    assert isinstance(record.request, JobRequest)  # a line is a text job, never an image part
     view = View.of(job.id, job.created_at, record.request, job.model or model)
     try:
         return LineResult(line, "completed", response_line(job.id, custom_id, 200, view.completion(job)), job.id)

@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from jinja2 import TemplateError
 
 from api.errors import ApiError
+from api.served import text_requests
 from common.prompt_tokens import PromptCounter, TokenizerSpec
 from common.schemas import JobRequest, WorkerHeartbeat
 from common.store import AsyncJobStore
@@ -70,7 +71,8 @@ class ContextCheck:
         """``check`` against the served model, when a live worker says what it is (a job queued
         while none is has its length checked by the worker that takes it)."""
         if models:
-            await self.check(request, models[min(models)])
+            for text in text_requests(request):  # a job with parts: each of its text parts
+                await self.check(text, models[min(models)])
 
     async def _count(self, counter: PromptCounter, request: JobRequest) -> int | None:
         size = len(request.prompt or "") + sum(len(m.content) for m in request.messages or ())

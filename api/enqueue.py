@@ -24,7 +24,7 @@ from kombu.serialization import dumps as serialize
 from kombu.utils.json import dumps as json_dumps
 from kombu.utils.uuid import uuid
 
-from common.keys import GENERATE_TASK, JOB_PRIORITY, Keys
+from common.keys import GENERATE_TASK, JOB_PRIORITY, MEDIA_TASK, Keys
 from common.settings import Settings
 from common.store import QueueMessage
 
@@ -35,22 +35,27 @@ class Enqueuer:
     def __init__(self, settings: Settings) -> None:
         # A bare app that never connects: it only builds messages.
         self._amqp = Celery("spool-api", set_as_current=False).amqp
-        self._queue = settings.keys.queue_llm
+        self._keys = settings.keys
 
     def generate(self, job_id: str, priority: int = JOB_PRIORITY) -> QueueMessage:
         """The message of the ``generate`` task for ``job_id``, as ``send_task`` would send it
         (at ``priority``: a batch's lines go at BATCH_PRIORITY, behind interactive jobs)."""
+        return self._message(GENERATE_TASK, self._keys.queue_llm, job_id, priority)
+
+    def media(self, part_id: str) -> QueueMessage:
+        """The message of the media workers' task for an image part (``common.keys.part_id``)."""
+        return self._message(MEDIA_TASK, self._keys.queue_media, part_id, JOB_PRIORITY)
+
+    def _message(self, task: str, queue: str, job_id: str, priority: int) -> QueueMessage:
         task_id = uuid()
         # ignore_result None: the task's own setting decides, as with send_task.
-        headers, properties, body, _ = self._amqp.as_task_v2(
-            task_id, GENERATE_TASK, args=[job_id], ignore_result=None
-        )
+        headers, properties, body, _ = self._amqp.as_task_v2(task_id, task, args=[job_id], ignore_result=None)
         content_type, content_encoding, data = serialize(body, serializer="json")
         raw = data.encode(content_encoding) if isinstance(data, str) else data
         properties.update(
             delivery_mode=PERSISTENT,
             # Celery sends to a direct queue through the default exchange, named by routing key.
-            delivery_info={"exchange": "", "routing_key": self._queue},
+            delivery_info={"exchange": "", "routing_key": queue},
             priority=priority,
             body_encoding="base64",
             delivery_tag=uuid(),
@@ -62,4 +67,4 @@ class Enqueuer:
             "headers": headers,
             "properties": properties,
         }
-        return QueueMessage(Keys.broker_list(self._queue, priority), json_dumps(envelope))
+        return QueueMessage(Keys.broker_list(queue, priority), json_dumps(envelope))

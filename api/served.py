@@ -20,8 +20,27 @@ NO_WORKER_RETRY_S = 2
 
 
 async def served_models(store: AsyncJobStore) -> dict[str, WorkerHeartbeat]:
-    """One heartbeat per served model name, from the workers that are alive now."""
-    return {w.model: w for w in sorted(await store.list_workers(), key=lambda w: w.name)}
+    """One heartbeat per served (text) model name, from the workers that are alive now."""
+    workers = sorted(await store.list_workers(), key=lambda w: w.name)
+    return {w.model: w for w in workers if w.kind == "text"}
+
+
+async def media_models(store: AsyncJobStore) -> set[str]:
+    """The image pipelines the live media workers serve."""
+    return {w.model for w in await store.list_workers() if w.kind == "media"}
+
+
+async def check_media_workers(store: AsyncJobStore, request: JobRequest) -> None:
+    """A request that waits for image parts (``background: false``, or a stream) needs a live
+    media worker: without one it would wait for good (a background job is queued, as any job)."""
+    has_images = any(p.type == "image" for p in request.parts or ())
+    if has_images and (not request.background or request.stream) and not await media_models(store):
+        raise ApiError(
+            503,
+            "No media worker is running (no live heartbeat of `spool worker --kind media`); retry later",
+            code="no_worker",
+            headers={"Retry-After": str(NO_WORKER_RETRY_S)},
+        )
 
 
 class ServedModels:
@@ -80,7 +99,15 @@ def check_with_live_workers(models: Mapping[str, WorkerHeartbeat], request: JobR
     worker then refuses what its model cannot take, and the job fails with the reason.
     """
     if models:
-        check_servable(request, models[min(models)])
+        for text in text_requests(request):
+            check_servable(text, models[min(models)])
+
+
+def text_requests(request: JobRequest) -> list[JobRequest]:
+    """What the text model runs of a request: itself, or its text parts."""
+    if request.parts is None:
+        return [request]
+    return [r for k in range(len(request.parts)) if isinstance(r := request.part_request(k), JobRequest)]
 
 
 def check_servable(request: JobRequest, worker: WorkerHeartbeat) -> None:

@@ -80,8 +80,9 @@ def to_sse_list(entry: LogEntry) -> list[ServerSentEvent]:
 def to_sse(entry: LogEntry) -> ServerSentEvent:
     data = entry.data
     if entry.type == "token":
-        # token_ids stay internal; the HTTP contract streams text.
-        data = {"index": data["index"], "text": data["text"]}
+        # token_ids stay internal; the HTTP contract streams text (and a part's index).
+        shown = {"index": data["index"], "text": data["text"]}
+        data = shown if "part" not in data else {"part": data["part"], **shown}
     return ServerSentEvent(id=str(entry.seq), event=entry.type, data=data)
 
 

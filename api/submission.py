@@ -31,7 +31,7 @@ async def submit_job(services: Services, body: JobRequest, idempotency_key: str 
     metrics = services.metrics
     try:
         job = await services.store.create_job(
-            body, current_owner(), services.enqueuer.generate, idempotency_key
+            body, current_owner(), services.enqueuer.generate, idempotency_key, services.enqueuer.media
         )
     except QueueFull as e:  # counted with the other refusals (api/metrics.py)
         raise ApiError(429, str(e), code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)}) from None

@@ -10,6 +10,8 @@ import hashlib
 from dataclasses import dataclass
 
 GENERATE_TASK = "spool.generate"  # the Celery task a job's message names; the API sends it by name
+MEDIA_TASK = "spool.media"  # the media workers' task: one image part, by its part id
+PART_SEP = ":part:"  # a part's id is "{job id}:part:{index}" (not a valid job id in a URL)
 
 # Celery message priorities. On Redis, kombu keeps one list per priority step, "{queue}" for 0
 # and "{queue}\x06\x16{step}" for the others, and a worker pops the lowest step first. A job's
@@ -63,6 +65,10 @@ class Keys:
         owner (hashed: the key is the client's text)."""
         digest = hashlib.sha256(f"{owner}\0{key}".encode()).hexdigest()
         return f"{self.prefix}:idem:{digest}"
+
+    def part_content(self, part_id: str) -> str:
+        """String with a TTL: a finished image part's bytes (PNG)."""
+        return f"{self.prefix}:job:{part_id}:content"
 
     def job_id_from_channel(self, channel: str) -> str:
         return channel[len(self.prefix) + len(":job:") : -len(":events")]
@@ -181,3 +187,14 @@ class Keys:
     def queue_media(self) -> str:
         """Celery queue for non-text parts."""
         return f"{self.prefix}.media"
+
+
+def part_id(job_id: str, index: int) -> str:
+    """The id a part runs under: its hash is ``Keys.job(part_id)``; its events go to the job's log."""
+    return f"{job_id}{PART_SEP}{index}"
+
+
+def split_part_id(part_id: str) -> tuple[str, int] | None:
+    """(job id, index) of a part's id; None for a job's own id."""
+    job_id, sep, index = part_id.rpartition(PART_SEP)
+    return (job_id, int(index)) if sep else None

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import enum
 import math
-from typing import Annotated, Any, Literal
+import re
+from typing import Annotated, Any, Literal, Self
 
 import jsonschema
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
@@ -32,6 +33,7 @@ _RANGES: dict[str, tuple[float, float]] = {
     "logprobs": (0, MAX_LOGPROBS),
     "min_tokens": (0, math.inf),
 }
+INVALID_PART = "invalid_part"  # validation error type of a job's parts that do not fit together (400)
 
 
 class JobStatus(str, enum.Enum):
@@ -135,8 +137,8 @@ class ResponseFormat(BaseModel):
         return self.json_schema.schema_ if self.json_schema is not None else None
 
 
-class JobRequest(BaseModel):
-    """A validated generation request, stored as JSON in the job hash's ``request`` field."""
+class TextParams(BaseModel):
+    """What a text generation takes: a text job's request, or a text part of a job."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -150,10 +152,6 @@ class JobRequest(BaseModel):
     stop: str | list[Annotated[str, Field(min_length=1)]] | None = None
     seed: int | None = Field(None, ge=-(2**63), lt=2**64)  # what a torch.Generator can take
     timeout_s: float | None = Field(None, gt=0)  # counted from job creation; past it the job fails
-    background: bool = True  # the API answers at once; False: it waits for the result
-    stream: bool = False  # POST /v1/jobs answers with the job's event stream instead of the job
-    user: str | None = Field(None, max_length=256)  # the end user, as the OpenAI API's `user`; stored only
-    stream_include_usage: bool = False  # OpenAI stream format: end with a usage chunk (stream_options)
     # Logits processing (the engine's SamplingParams; docs/openai.md). Neutral by default.
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
@@ -195,7 +193,7 @@ class JobRequest(BaseModel):
                 )
         return v
 
-    @field_validator("prompt", "stop", "user")
+    @field_validator("prompt", "stop")
     @classmethod
     def _text(cls, v: Any) -> Any:
         return _encodable(v)
@@ -227,21 +225,24 @@ class JobRequest(BaseModel):
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings")
         return v
 
+    def _needs_prompt(self) -> bool:
+        return True
+
     @model_validator(mode="after")
-    def _prompt_or_messages(self) -> JobRequest:
-        if (self.prompt is None) == (self.messages is None):
+    def _prompt_or_messages(self) -> Self:
+        if self._needs_prompt() and (self.prompt is None) == (self.messages is None):
             raise ValueError("give exactly one of prompt or messages")
         return self
 
     @model_validator(mode="after")
-    def _server_default(self, info: ValidationInfo) -> JobRequest:
+    def _server_default(self, info: ValidationInfo) -> Self:
         settings = _server_settings(info)
         if settings is not None and "max_tokens" not in self.model_fields_set:
             self.max_tokens = settings.default_max_tokens
         return self
 
     @model_validator(mode="after")
-    def _min_tokens(self) -> JobRequest:
+    def _min_tokens(self) -> Self:
         if self.min_tokens > self.max_tokens:
             raise PydanticCustomError(
                 OUT_OF_RANGE,
@@ -250,16 +251,179 @@ class JobRequest(BaseModel):
             )
         return self
 
-    @classmethod
-    def accept(cls, data: Any, settings: Settings) -> JobRequest:
-        """Validate a client's request with the server's default max_tokens and limits."""
-        return cls.model_validate(data, context={SERVER_SETTINGS: settings})
-
     @property
     def stop_list(self) -> list[str]:
         if self.stop is None:
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+class TextPart(TextParams):
+    """A text part of a job: it joins the continuous batch as a text job does."""
+
+    type: Literal["text"]
+
+
+_SIZE = re.compile(r"^([1-9][0-9]{0,5})x([1-9][0-9]{0,5})$")
+
+
+class ImagePart(BaseModel):
+    """An image part of a job, run by a media worker's diffusers pipeline."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["image"]
+    prompt: str | None = Field(None, min_length=1, max_length=4000)
+    prompt_from: int | None = Field(None, ge=0)  # an earlier text part whose final text is the prompt
+    size: str = "256x256"  # WxH, each a multiple of 8 (the VAE's scale)
+    steps: int = Field(20, ge=1)
+    seed: int | None = Field(None, ge=0, lt=2**63)  # none: one drawn from the part's id, and reported
+    guidance_scale: float | None = Field(None, ge=0, le=50)  # none: the pipeline's default
+    negative_prompt: str | None = Field(None, max_length=4000)
+    timeout_s: float | None = Field(None, gt=0)  # counted from job creation; past it the part fails
+
+    @field_validator("prompt", "negative_prompt")
+    @classmethod
+    def _text(cls, v: Any) -> Any:
+        return _encodable(v)
+
+    @field_validator("guidance_scale", "timeout_s")
+    @classmethod
+    def _finite_floats(cls, v: float | None) -> float | None:
+        return _finite(v)
+
+    @field_validator("size")
+    @classmethod
+    def _size(cls, v: str, info: ValidationInfo) -> str:
+        m = _SIZE.match(v)
+        if not m:
+            raise PydanticCustomError(
+                INVALID_PART, "size must be WIDTHxHEIGHT, e.g. 256x256; got {v!r}", {"v": v}
+            )
+        w, h = int(m[1]), int(m[2])
+        if w % 8 or h % 8:
+            raise PydanticCustomError(
+                INVALID_PART, "size {v} is not a multiple of 8 in both dimensions", {"v": v}
+            )
+        settings = _server_settings(info)
+        if settings is not None and w * h > (cap := settings.max_image_pixels):
+            raise PydanticCustomError(
+                LIMIT_EXCEEDED,
+                "size {v} is {px} pixels, above this server's limit of {cap} (SPOOL_MAX_IMAGE_PIXELS)",
+                {"v": v, "px": w * h, "cap": cap},
+            )
+        return v
+
+    @field_validator("steps")
+    @classmethod
+    def _steps(cls, v: int, info: ValidationInfo) -> int:
+        settings = _server_settings(info)
+        if settings is not None and v > (cap := settings.max_image_steps):
+            raise PydanticCustomError(
+                LIMIT_EXCEEDED,
+                "steps is {v}, above this server's limit of {cap} (SPOOL_MAX_IMAGE_STEPS)",
+                {"v": v, "cap": cap},
+            )
+        return v
+
+    @model_validator(mode="after")
+    def _one_prompt(self) -> ImagePart:
+        if (self.prompt is None) == (self.prompt_from is None):
+            raise PydanticCustomError(INVALID_PART, "an image part takes exactly one of prompt or prompt_from")
+        return self
+
+    @property
+    def width(self) -> int:
+        return int(self.size.split("x")[0])
+
+    @property
+    def height(self) -> int:
+        return int(self.size.split("x")[1])
+
+
+Part = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+# Top-level text parameters a job with parts must give inside its text parts instead.
+_TEXT_ONLY = frozenset(TextParams.model_fields) - {"timeout_s"}
+
+
+class JobRequest(TextParams):
+    """A validated job request, stored as JSON in the job hash's ``request`` field: one text
+    generation (``prompt`` or ``messages``), or ``parts``."""
+
+    background: bool = True  # the API answers at once; False: it waits for the result
+    stream: bool = False  # POST /v1/jobs answers with the job's event stream instead of the job
+    user: str | None = Field(None, max_length=256)  # the end user, as the OpenAI API's `user`; stored only
+    stream_include_usage: bool = False  # OpenAI stream format: end with a usage chunk (stream_options)
+    # A multimodal job: its parts in order; each has its own status (common/store/records.py).
+    parts: list[Part] | None = Field(None, min_length=1)
+
+    @field_validator("user")
+    @classmethod
+    def _user(cls, v: Any) -> Any:
+        return _encodable(v)
+
+    def _needs_prompt(self) -> bool:
+        return self.parts is None
+
+    @field_validator("parts")
+    @classmethod
+    def _parts_limit(cls, v: list[Any] | None, info: ValidationInfo) -> list[Any] | None:
+        settings = _server_settings(info)
+        if v is not None and settings is not None and len(v) > (cap := settings.max_parts):
+            raise PydanticCustomError(
+                LIMIT_EXCEEDED,
+                "the job has {n} parts, above this server's limit of {cap} (SPOOL_MAX_PARTS)",
+                {"n": len(v), "cap": cap},
+            )
+        return v
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_in_parts(cls, data: Any, info: ValidationInfo) -> Any:
+        # A client's request only: a stored one holds every field (the text ones unused).
+        client = _server_settings(info) is not None and isinstance(data, dict) and data.get("parts")
+        given = sorted(_TEXT_ONLY & set(data)) if client else []
+        if given:
+            raise PydanticCustomError(
+                INVALID_PART, "with parts, give {names} inside a text part", {"names": ", ".join(given)}
+            )
+        return data
+
+    @model_validator(mode="after")
+    def _parts(self) -> JobRequest:
+        if self.parts is None:
+            return self
+        for i, part in enumerate(self.parts):
+            if isinstance(part, ImagePart) and part.prompt_from is not None:
+                j = part.prompt_from
+                if j >= i:
+                    raise PydanticCustomError(
+                        INVALID_PART,
+                        "part {i}: prompt_from {j} must name an earlier part",
+                        {"i": i, "j": j},
+                    )
+                if not isinstance(self.parts[j], TextPart):
+                    raise PydanticCustomError(
+                        INVALID_PART, "part {i}: prompt_from {j} names an image part, not a text part",
+                        {"i": i, "j": j},
+                    )
+        return self
+
+    def part_request(self, index: int) -> JobRequest | ImagePart:
+        """The request a part runs with: a text part as a background text job (the job's own
+        watchers count for it), with the job's timeout_s unless it has its own."""
+        assert self.parts is not None
+        part = self.parts[index]
+        timeout = part.timeout_s if part.timeout_s is not None else self.timeout_s
+        if isinstance(part, ImagePart):
+            return part.model_copy(update={"timeout_s": timeout})
+        fields = part.model_dump(exclude={"type"}, exclude_unset=True)
+        return JobRequest.model_validate({**fields, "max_tokens": part.max_tokens, "timeout_s": timeout})
+
+    @classmethod
+    def accept(cls, data: Any, settings: Settings) -> JobRequest:
+        """Validate a client's request with the server's default max_tokens and limits."""
+        return cls.model_validate(data, context={SERVER_SETTINGS: settings})
 
 
 class Usage(BaseModel):
@@ -305,7 +469,7 @@ class ErrorEvent(BaseModel):
     type: str  # engine_error | request_too_long | timeout | ...
 
 
-EventType = Literal["token", "done", "error"]
+EventType = Literal["token", "done", "error", "part", "progress"]
 
 
 class LogEntry(BaseModel):
@@ -317,7 +481,7 @@ class LogEntry(BaseModel):
 
     @property
     def terminal(self) -> bool:
-        return self.type != "token"
+        return self.type in ("done", "error")
 
     def encode(self) -> str:
         return self.model_dump_json()
@@ -337,6 +501,15 @@ class LogEntry(BaseModel):
     @classmethod
     def error(cls, seq: int, event: ErrorEvent) -> LogEntry:
         return cls(seq=seq, type="error", data=event.model_dump(mode="json"))
+
+    @classmethod
+    def progress(cls, seq: int, part: int, step: int, steps: int) -> LogEntry:
+        return cls(seq=seq, type="progress", data={"part": part, "step": step, "steps": steps})
+
+    @classmethod
+    def part_status(cls, seq: int, data: dict[str, Any]) -> LogEntry:
+        """A part's status change; ``data`` has ``part`` and ``status`` (and, at its end, its result)."""
+        return cls(seq=seq, type="part", data=data)
 
 
 class JobError(BaseModel):
@@ -380,6 +553,7 @@ class WorkerHeartbeat(BaseModel):
     ts: float  # unix seconds of the last beat
     engine: dict[str, Any]  # engine.stats(): running, waiting, peak_batch_size, ...
     model: str
+    kind: Literal["text", "media"] = "text"  # the jobs it runs: text (the {p}.llm queue) or image parts
     chat_template: bool | None = None  # the tokenizer has one (messages can be rendered); None: not said
     max_model_len: int | None = None  # prompt + generated tokens per request
     tokenizer: str | None = None  # digest of its tokenizer spec in Redis (Keys.tokenizer); None: none stored

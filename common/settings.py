@@ -42,12 +42,20 @@ class Settings(BaseSettings):
     max_prefill_tokens_per_step: int = Field(2048, ge=16)
     enable_prefix_caching: bool = True  # reuse cached prompt prefixes, per owner (the engine's EngineConfig)
 
+    # Media worker (image parts): one diffusers pipeline, loaded with DiffusionPipeline.from_pretrained
+    image_model: str = ""  # hub id or directory; empty: a tiny random pipeline built on first use
+    image_device: str = "cpu"
+    image_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+
     # Jobs (API)
     max_queued_jobs: int = Field(1000, ge=1)
     max_tokens_cap: int = Field(4096, ge=1)  # largest max_tokens a request may ask for
     default_max_tokens: int = Field(DEFAULT_MAX_TOKENS, ge=1)
     job_ttl_s: int = Field(24 * 3600, ge=1)  # finished jobs expire after this
     max_body_bytes: int = Field(1 << 20, ge=1024)
+    max_parts: int = Field(8, ge=1)  # parts per job
+    max_image_pixels: int = Field(1024 * 1024, ge=64)  # width x height of an image part
+    max_image_steps: int = Field(100, ge=1)  # denoising steps of an image part
     detach_grace_s: float = Field(30.0, ge=0)
     sse_ping_s: float = Field(15.0, gt=0)
     api_keys: str = ""  # comma-separated; empty disables authentication (blank entries are refused)
@@ -90,7 +98,7 @@ class Settings(BaseSettings):
     max_connections: int = Field(2048, ge=1)  # open connections (SSE streams too): else 503
     served_model_name: str = ""  # name in /v1/models; empty: derived from model
 
-    @field_validator("device")
+    @field_validator("device", "image_device")
     @classmethod
     def _device(cls, v: str) -> str:
         if v != "cpu" and v != "mps" and not (v == "cuda" or v.startswith("cuda:")):

@@ -42,17 +42,23 @@ def check_redis_at_start(url: str) -> None:
         client.close()
 
 
-def cmd_worker(_: argparse.Namespace) -> int:
+def cmd_worker(args: argparse.Namespace) -> int:
     check_redis_at_start(get_settings().redis_url)  # before torch loads: seconds sooner
-    from workers.celery_app import app, worker_concurrency  # loads torch: only here
-
     settings = get_settings()
+    if args.kind == "media":
+        from workers.media.tasks import app  # loads torch and diffusers: only here
+
+        concurrency, queue = 1, settings.keys.queue_media
+    else:
+        from workers.celery_app import app, worker_concurrency  # loads torch: only here
+
+        concurrency, queue = worker_concurrency(settings), settings.keys.queue_llm
     app.worker_main(
         [
             "worker",
             "--pool=threads",
-            f"--concurrency={worker_concurrency(settings)}",
-            f"--queues={settings.keys.queue_llm}",
+            f"--concurrency={concurrency}",
+            f"--queues={queue}",
             "--loglevel=INFO",
             # Liveness is Spool's own heartbeat key; Celery's chatter only slows the start.
             "--without-gossip",
@@ -155,6 +161,13 @@ def cmd_tiny_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_tiny_image_model(args: argparse.Namespace) -> int:
+    from workers.media.tiny import build_tiny_image_model
+
+    print(build_tiny_image_model(args.dir))
+    return 0
+
+
 def default_url() -> str:
     settings = get_settings()
     host = (
@@ -207,11 +220,17 @@ def parser() -> argparse.ArgumentParser:
         "It loads the model, beats a heartbeat into Redis (the API is ready once one is live) and "
         "runs the queued jobs in one continuous batch. Run one per accelerator, under a supervisor "
         "that restarts it (it exits 70 when an engine step stalls, 78 when its model does not load "
-        "or its name is held by a live worker, 2 on a Redis whose maxmemory-policy evicts keys).",
+        "or its name is held by a live worker, 2 on a Redis whose maxmemory-policy evicts keys). "
+        "--kind media runs image parts instead, on one diffusers pipeline (SPOOL_IMAGE_MODEL), "
+        "one image at a time, from the {prefix}.media queue.",
         "Settings: SPOOL_REDIS_URL, SPOOL_REDIS_PREFIX, SPOOL_MODEL, SPOOL_DEVICE, SPOOL_DTYPE, the "
         "engine's (SPOOL_MAX_BATCH_SIZE, SPOOL_MAX_MODEL_LEN, ...) and the liveness ones "
-        "(SPOOL_HEARTBEAT_S, SPOOL_LEASE_S, SPOOL_WORKER_NAME, ...).",
+        "(SPOOL_HEARTBEAT_S, SPOOL_LEASE_S, SPOOL_WORKER_NAME, ...); with --kind media "
+        "SPOOL_IMAGE_MODEL, SPOOL_IMAGE_DEVICE, SPOOL_IMAGE_DTYPE instead of the model and engine's.",
         "SPOOL_MODEL=Qwen/Qwen2.5-0.5B-Instruct SPOOL_DEVICE=cuda spool worker",
+    )
+    p.add_argument(
+        "--kind", choices=["text", "media"], default="text", help="the jobs it runs (default: text)"
     )
     p.set_defaults(func=cmd_worker)
 
@@ -364,6 +383,19 @@ def parser() -> argparse.ArgumentParser:
         "--arch", choices=["llama", "qwen2", "gpt2", "opt"], default="llama", help="default: llama"
     )
     p.set_defaults(func=cmd_tiny_model)
+
+    p = _command(
+        sub,
+        "tiny-image-model",
+        "write a tiny random Stable Diffusion pipeline to DIR, and print its path",
+        "UNet, VAE, CLIP text encoder and a CLIP tokenizer built locally, random weights, saved "
+        "with save_pretrained: its images are noise. For tests and demos (SPOOL_IMAGE_MODEL=DIR); "
+        "the media worker builds one into its cache when SPOOL_IMAGE_MODEL is unset.",
+        "Settings: none.",
+        "spool tiny-image-model /tmp/tiny-sd && SPOOL_IMAGE_MODEL=/tmp/tiny-sd spool worker --kind media",
+    )
+    p.add_argument("dir", type=Path, help="where to write it (created if missing)")
+    p.set_defaults(func=cmd_tiny_image_model)
     return root
 
 

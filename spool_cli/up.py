@@ -1,4 +1,5 @@
-"""``spool up``: a worker and the API as child processes, on a Redis found or started here.
+"""``spool up``: a text worker, a media worker and the API as child processes, on a Redis found
+or started here.
 
 It runs until Ctrl-C or SIGTERM (the children are stopped; status 0) or until a child exits:
 that one is named with its exit status, the others are stopped, and ``spool up`` exits 1. It
@@ -52,6 +53,10 @@ def up() -> int:
     status = 0
     try:
         children.append(harness.start("worker", [*spool, "worker"], env=env))
+        # Its own name: a SPOOL_WORKER_NAME given for the pair would make them one heartbeat.
+        named = env.get("SPOOL_WORKER_NAME")
+        media_env = {**env, "SPOOL_WORKER_NAME": f"{named}-media"} if named else env
+        children.append(harness.start("media worker", [*spool, "worker", "--kind", "media"], env=media_env))
         children.append(harness.start("api", [*spool, "api"], env=env))
         say(", ".join(f"{p.name} (pid {p.pid})" for p in children) + " started")
         died = harness.wait_any(children if redis_server is None else [*children, redis_server])

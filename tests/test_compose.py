@@ -42,10 +42,11 @@ def test_commands_are_spool_subcommands(services: dict[str, dict[str, Any]]) -> 
     spool_commands = {
         name: s["command"] for name, s in services.items() if s.get("command", [""])[0] == "spool"
     }
-    assert set(spool_commands) == {"api", "worker"}
+    assert set(spool_commands) == {"api", "worker", "media-worker"}
     for name, command in spool_commands.items():
         args = parser().parse_args(command[1:])  # exits (fails the test) on an unknown command or option
-        assert args.command == name
+        assert args.command == name.removeprefix("media-")
+    assert parser().parse_args(spool_commands["media-worker"][1:]).kind == "media"
     assert parser().parse_args(spool_commands["api"][1:]).host == "0.0.0.0"  # reachable from outside
 
 

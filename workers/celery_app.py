@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from celery import Celery
 
-from common.keys import GENERATE_TASK
+from common.keys import GENERATE_TASK, MEDIA_TASK
 from common.settings import Settings, get_settings
 from workers.broker import TRANSPORT
 
@@ -20,8 +20,16 @@ def worker_concurrency(settings: Settings) -> int:
     return settings.max_batch_size + SPARE_TASK_THREADS
 
 
-def make_app(settings: Settings) -> Celery:
-    app = Celery("spool", broker=settings.redis_url, include=["workers.tasks"])
+def make_app(
+    settings: Settings,
+    include: tuple[str, ...] = ("workers.tasks",),
+    queue: str | None = None,
+    concurrency: int | None = None,
+) -> Celery:
+    """The workers' Celery app: text workers' by default; a media worker's names its own task
+    module, queue (``{p}.media``) and concurrency (workers/media/tasks.py)."""
+    queue = queue or settings.keys.queue_llm
+    app = Celery("spool", broker=settings.redis_url, include=list(include))
     app.conf.update(
         task_ignore_result=True,
         # A job's message is acknowledged when its task returns, and given back if the worker
@@ -29,18 +37,21 @@ def make_app(settings: Settings) -> Celery:
         task_acks_late=True,
         task_reject_on_worker_lost=True,
         worker_prefetch_multiplier=1,
-        task_default_queue=settings.keys.queue_llm,
+        task_default_queue=queue,
         # Celery's defaults ("celery", "celeryev") would be shared by every prefix on the Redis.
         control_exchange=settings.keys.control_exchange,
         event_exchange=settings.keys.event_exchange,
-        task_routes={GENERATE_TASK: {"queue": settings.keys.queue_llm}},
+        task_routes={
+            GENERATE_TASK: {"queue": settings.keys.queue_llm},
+            MEDIA_TASK: {"queue": settings.keys.queue_media},
+        },
         broker_transport_options={"visibility_timeout": VISIBILITY_TIMEOUT_S, **settings.keys.broker_unacked},
         # Redis, without the restore that kills the worker when Redis restarts (workers/broker.py).
         broker_transport=TRANSPORT,
         broker_connection_retry_on_startup=True,
         # NOTE: CUDA is not fork-safe and the engine must be one per process: threads, no fork.
         worker_pool="threads",
-        worker_concurrency=worker_concurrency(settings),
+        worker_concurrency=concurrency or worker_concurrency(settings),
         worker_cancel_long_running_tasks_on_connection_loss=False,
     )
     return app

@@ -71,14 +71,16 @@ class Liveness:
         executor: Executor,
         stop: threading.Event,
         requeue: Requeue | None = None,
+        queue: str = "",
     ) -> None:
         self.store = store
         self.settings = settings
         self.name = name  # the heartbeat's key and the job hashes' `worker`
         self.executor = executor
         self.stop = stop  # set when the worker stops
-        # requeue sends a job's message again (the Celery app's send_task); None: no sweep.
-        self._reaper = Reaper(store, name, requeue) if requeue is not None else None
+        # requeue sends a job's message again (the Celery app's send_task); None: no sweep. queue:
+        # the Celery queue of the jobs it sweeps for ("": text jobs; workers/reaper.py).
+        self._reaper = Reaper(store, name, requeue, queue) if requeue is not None else None
         self._connected_since: float | None = None  # start of the current run of successful beats
         self._threads = [
             NamedThread(target=self._listen_cancels, name="spool-cancels", daemon=True),

@@ -48,10 +48,13 @@ class Requeued:
 
 
 class Reaper:
-    def __init__(self, store: SyncJobStore, name: str, requeue: Requeue) -> None:
+    def __init__(self, store: SyncJobStore, name: str, requeue: Requeue, queue: str = "") -> None:
         self.store = store
         self.name = name  # this worker's name, as in the job hashes' `worker`
         self.requeue = requeue
+        # The jobs it requeues: those of its own Celery queue ("": text jobs, {p}.llm); a media
+        # worker's sweep leaves text jobs to text workers and the other way round.
+        self.queue = queue
         self.settings = store.settings
         self._deliveries_swept = 0.0  # monotonic time of the last drop_ended_deliveries
 
@@ -64,12 +67,13 @@ class Reaper:
         """
         now = time.time()
         done: list[Requeued] = []
-        lapsed = [(j, w) for j, w in self.store.lapsed_leases(now) if j not in mine]
+        lapsed = [(j, w) for j, w, q in self.store.lapsed_leases(now) if j not in mine and q == self.queue]
         alive = self.store.live_workers(w for _, w in lapsed if w != self.name) if others_too else set()
         for job_id, worker in lapsed:
             if worker == self.name or (others_too and worker not in alive):
                 done += self._requeue(job_id, now, "lease lapsed", worker)
-        if others_too:
+        # NOTE: only text jobs are in {p}:queued (a media part's lost message is not sent again).
+        if others_too and not self.queue:
             for job_id in self.store.stale_queued(now - self.settings.lease_s):
                 done += self._requeue(job_id, now, "message lost", "")
             if time.monotonic() - self._deliveries_swept >= self.settings.lease_s:

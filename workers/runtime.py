@@ -143,6 +143,7 @@ def new_job(taken: TakeResult) -> _Job:
         prompt_tokens=record.job.usage.prompt_tokens,
         completion_tokens=len(resume_ids),
     )
+    assert isinstance(record.request, JobRequest)  # an image part's hash holds an ImagePart
     timeout = record.request.timeout_s
     return _Job(
         cursor=cursor,

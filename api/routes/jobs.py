@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from fastapi import APIRouter, Query, Request, Response
+from fastapi import APIRouter, Path, Query, Request, Response
 from fastapi.sse import EventSourceResponse
 
 from api.auth import current_owner
@@ -19,13 +19,14 @@ from api.deps import (
     StoreDep,
     StreamStateDep,
 )
+from api.errors import ApiError
 from api.openai_compat.chunks import View
-from api.served import check_with_live_workers, served_models
+from api.served import check_media_workers, check_with_live_workers, served_models
 from api.services import Services
 from api.sse import event_stream, relay, to_sse_list
 from api.submission import streamed_submit, submit_job, wait_for_job
 from common.schemas import Job, JobList, JobStatus
-from common.store import StreamState
+from common.store import JobNotFound, StreamState
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 
@@ -62,6 +63,7 @@ async def create_job(
     models = await services.served.get()
     check_with_live_workers(models, body)
     await services.context.check_live(body, models)
+    await check_media_workers(services.store, body)
     job = await submit_job(services, body, idempotency_key)
     # A job is queued whether or not a worker is live (it waits for one); this says which.
     headers = {"Location": f"/v1/jobs/{job.id}", READY_HEADER: "true" if models else "false"}
@@ -99,6 +101,28 @@ async def cancel_job(job_id: JobId, services: ServicesDep) -> Job:
     """
     services.metrics.jobs_cancelled.inc()
     return await services.store.request_cancel(job_id)
+
+
+@router.get(
+    "/{job_id}/parts/{index}/content",
+    response_class=Response,
+    responses={200: {"content": {"image/png": {}}, "description": "The image part's PNG"}},
+)
+async def part_content(
+    job_id: JobId, index: Annotated[int, Path(ge=0, le=1 << 16)], store: StoreDep
+) -> Response:
+    """An image part's bytes, from any replica, until the job expires (404 before the part succeeded)."""
+    data = await store.part_content(job_id, index)
+    if data is None:
+        if await store.owner(job_id) is None:
+            raise JobNotFound(job_id)
+        raise ApiError(
+            404,
+            f"Part {index} of job {job_id!r} has no content: not an image part, not succeeded, or expired",
+            param="index",
+            code="content_not_found",
+        )
+    return Response(data, media_type="image/png")
 
 
 # NOTE: no response_class=EventSourceResponse here: with it FastAPI expects a yield endpoint.

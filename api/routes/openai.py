@@ -1,4 +1,5 @@
-"""The OpenAI API on the job queue: /v1/completions, /v1/chat/completions and /v1/models.
+"""The OpenAI API on the job queue: /v1/completions, /v1/chat/completions, /v1/images/generations
+and /v1/models.
 
 Each request becomes a job like any other (batched, stored, resumable); the response carries its
 id in ``X-Spool-Job-Id``, and ``/v1/jobs/{id}/events?format=openai`` resumes its stream.
@@ -15,10 +16,11 @@ from fastapi.responses import JSONResponse, Response
 from api.deps import ServicesDep, StoreDep
 from api.errors import ApiError
 from api.openai_compat.chunks import View
+from api.openai_compat.images import ImageGenerationRequest, failure, image_data
 from api.openai_compat.requests import ChatCompletionRequest, CompletionRequest, OpenAIRequest
-from api.served import check_servable, resolve_model, served_models
+from api.served import check_media_workers, check_servable, media_models, resolve_model, served_models
 from api.submission import streamed_submit, submit_job, wait_for_job
-from common.schemas import WorkerHeartbeat
+from common.schemas import JobStatus, WorkerHeartbeat
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 
@@ -33,6 +35,35 @@ async def completions(body: CompletionRequest, services: ServicesDep, http: Requ
 @router.post("/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, services: ServicesDep, http: Request) -> Response:
     return await _serve(body, services, http)
+
+
+@router.post("/images/generations")
+async def images_generations(body: ImageGenerationRequest, services: ServicesDep, http: Request) -> Response:
+    """Images from a prompt, as OpenAI's Images API: one job with ``n`` image parts, answered once
+    they are done (``b64_json``, or ``url``: the parts' content on this API, until the job expires)."""
+    request = body.to_job_request(services.settings)
+    await check_media_workers(services.store, request)  # it waits for the images
+    if body.model is not None:
+        models = await media_models(services.store)
+        if body.model not in models:
+            raise ApiError(
+                404,
+                f"The image model {body.model!r} does not exist; "
+                f"this server serves {', '.join(map(repr, models))}",
+                param="model",
+                code="model_not_found",
+            )
+    job = await submit_job(services, request)
+    headers = {JOB_ID_HEADER: job.id}
+    job = await wait_for_job(services, job.id, http)
+    if job.status is not JobStatus.SUCCEEDED:
+        err = failure(job)
+        err.headers.update(headers)
+        raise err
+    b64 = body.response_format == "b64_json"
+    contents = [await services.store.part_content(job.id, p["index"]) for p in job.parts] if b64 else []
+    data = image_data(job, str(http.base_url), contents, b64)
+    return JSONResponse({"created": int(job.created_at), "data": data}, headers=headers)
 
 
 @router.get("/models")

@@ -5,12 +5,14 @@ from __future__ import annotations
 import time
 
 import redis.asyncio as aredis
+from redis.asyncio.client import NEVER_DECODE
 
+from common.keys import part_id
 from common.schemas import Job, JobList, JobRequest, JobStatus, JobSummary, LogEntry, WorkerHeartbeat
 from common.settings import Settings
 from common.store.clients import WRITE_PROBE_TTL_MS, async_client
 from common.store.errors import JobNotFound
-from common.store.lua import CANCEL_LUA, CREATE_LUA
+from common.store.lua import CANCEL_LUA, CREATE_LUA, CREATE_PARTS_LUA
 from common.store.records import (
     LIST_SCAN_MAX,
     SUMMARY_FIELDS,
@@ -22,12 +24,15 @@ from common.store.records import (
     check_created,
     check_replay,
     create_call,
+    create_parts_call,
     decode_log,
     heartbeats_from,
     job_text,
+    part_reads,
     record_from_hash,
     record_reads,
     summary_from_hash,
+    with_parts,
     worker_keys,
 )
 from common.store.watchers import WatcherSets
@@ -42,6 +47,7 @@ class AsyncJobStore(WatcherSets):
         self.redis = client
         self._create = client.register_script(CREATE_LUA)
         self._cancel = client.register_script(CANCEL_LUA)
+        self._create_parts = client.register_script(CREATE_PARTS_LUA)
 
     @classmethod
     def from_settings(cls, settings: Settings) -> AsyncJobStore:
@@ -63,6 +69,7 @@ class AsyncJobStore(WatcherSets):
         owner: str = "",
         message_for: MessageFor | None = None,
         idempotency_key: str | None = None,
+        media_message_for: MessageFor | None = None,
     ) -> Job:
         """Store a queued job, and with ``message_for`` its broker message in the same script.
 
@@ -70,12 +77,21 @@ class AsyncJobStore(WatcherSets):
         is created: the earlier one is returned, or IdempotencyConflict raised when it was made
         for another request. Raises QueueFull when SPOOL_MAX_QUEUED_JOBS jobs are queued.
         """
-        fields, (keys, args) = create_call(
-            self.keys, self.settings, request, owner, message_for, idempotency_key
-        )
-        earlier = check_created(await self._create(keys, args), self.settings.max_queued_jobs)
+        if request.parts is not None:  # media_message_for: the message of an image part
+            fields, (keys, args) = create_parts_call(
+                self.keys, self.settings, request, owner, message_for, media_message_for, idempotency_key
+            )
+            script = self._create_parts
+        else:
+            fields, (keys, args) = create_call(
+                self.keys, self.settings, request, owner, message_for, idempotency_key
+            )
+            script = self._create
+        earlier = check_created(await script(keys, args), self.settings.max_queued_jobs)
         if earlier is not None:
             return check_replay(await self.get_record(earlier), request)
+        if request.parts is not None:
+            return (await self.get_record(fields["id"])).job
         return record_from_hash(fields, "").job
 
     async def get_record(self, job_id: str) -> JobRecord:
@@ -83,9 +99,14 @@ class AsyncJobStore(WatcherSets):
             h, text, logged = await record_reads(pipe, self.keys, job_id).execute()
         if not h:
             raise JobNotFound(job_id)
-        if text is None and logged:  # cancelled while queued, or written by a worker of an older version
+        if text is None and logged and "parts" not in h:  # cancelled while queued, or an older worker's
             text = job_text(await self.read_log(job_id))
-        return record_from_hash(h, text or "")
+        record = record_from_hash(h, text or "")
+        if "parts" in h:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                replies = await part_reads(pipe, self.keys, job_id, int(h["parts"])).execute()
+            record = with_parts(record, replies[::2], replies[1::2])
+        return record
 
     async def get_job(self, job_id: str) -> Job:
         return (await self.get_record(job_id)).job
@@ -115,6 +136,12 @@ class AsyncJobStore(WatcherSets):
     async def read_log(self, job_id: str, after: int = 0) -> list[LogEntry]:
         """The events with seq > after (entry i holds seq i + 1)."""
         return decode_log(await self.redis.lrange(self.keys.job_log(job_id), after, -1))
+
+    async def part_content(self, job_id: str, index: int) -> bytes | None:
+        """A finished image part's bytes (PNG); None until it succeeded, and after it expired."""
+        key = self.keys.part_content(part_id(job_id, index))
+        raw = await self.redis.execute_command("GET", key, **{NEVER_DECODE: True})
+        return bytes(raw) if raw is not None else None
 
     async def request_cancel(self, job_id: str) -> Job:
         """Cancel a job: at once if queued, at the worker's next step if running.

@@ -36,6 +36,7 @@ return 1
 TAKE_LUA = """
 local status = redis.call('HGET', KEYS[1], 'status')
 if not status then return {'missing'} end
+if redis.call('HEXISTS', KEYS[1], 'parts') == 1 then return {'finished', status} end
 if status == 'running' then
   local lease = redis.call('ZSCORE', KEYS[4], ARGV[1])
   if lease and tonumber(lease) > tonumber(ARGV[4]) then return {'busy', lease} end
@@ -88,11 +89,68 @@ end
 return 1
 """
 
-# KEYS: job hash, log, job channel, queued zset, cancel channel.
+# Shared by the scripts of jobs with parts. A part's hash is ``Keys.job(part id)``; the job's hash
+# holds ``part_keys``: per part [hash, text, content] (names from common/keys.py). A part's
+# ``summary`` is the data of the event that ended it; the job's ``done`` lists them all.
+PARTS_LIB = """
+local function part_event(log, chan, data, kind)
+  local seq = redis.call('LLEN', log) + 1
+  local entry = '{"seq":' .. seq .. ',"type":"' .. (kind or 'part') .. '","data":' .. data .. '}'
+  redis.call('RPUSH', log, entry)
+  redis.call('PUBLISH', chan, entry)
+end
+-- Once every part has ended: the job's status from theirs, its done event, and the expiries.
+local function finish_job(job, log, chan, text, now, ttl)
+  local pk = cjson.decode(redis.call('HGET', job, 'part_keys'))
+  local summaries, ok, bad = {}, 0, 0
+  for i, k in ipairs(pk) do
+    local st, sm = unpack(redis.call('HMGET', k[1], 'status', 'summary'))
+    if st == 'succeeded' then ok = ok + 1
+    elseif st == 'failed' or st == 'cancelled' then bad = bad + 1
+    else return false end
+    summaries[i] = sm
+  end
+  local status = 'partial'
+  if redis.call('HGET', job, 'cancel_requested') == '1' then status = 'cancelled'
+  elseif bad == 0 then status = 'succeeded'
+  elseif ok == 0 then status = 'failed' end
+  local done = '{"status":"' .. status .. '","parts":[' .. table.concat(summaries, ',') .. ']}'
+  part_event(log, chan, done, 'done')
+  redis.call('HSET', job, 'status', status, 'finished_at', now)
+  for _, key in ipairs({job, log, text}) do redis.call('EXPIRE', key, ttl) end
+  for _, k in ipairs(pk) do
+    for _, key in ipairs(k) do redis.call('EXPIRE', key, ttl) end
+  end
+  return true
+end
+"""
+
+# KEYS: job hash, log, job channel, queued zset, cancel channel, running zset, text.
 # ARGV: job id, now, ttl, the done entry (seq 1: a queued job's log is empty).
-CANCEL_LUA = """
+# A job with parts: each queued part is cancelled at once (its part event), each running one is
+# told (as a running job is); the job ends once its last part has.
+CANCEL_LUA = PARTS_LIB + """
 local status = redis.call('HGET', KEYS[1], 'status')
 if not status then return 'missing' end
+if redis.call('HEXISTS', KEYS[1], 'parts') == 1 then
+  if status ~= 'queued' and status ~= 'running' then return status end
+  redis.call('HSET', KEYS[1], 'cancel_requested', '1')
+  for i, k in ipairs(cjson.decode(redis.call('HGET', KEYS[1], 'part_keys'))) do
+    local st, id = unpack(redis.call('HMGET', k[1], 'status', 'id'))
+    if st == 'queued' then
+      local summary = '{"part":' .. (i - 1) .. ',"status":"cancelled"}'
+      redis.call('HSET', k[1], 'status', 'cancelled', 'finish_reason', 'cancelled', 'finished_at', ARGV[2],
+                 'cancel_requested', '1', 'summary', summary)
+      redis.call('ZREM', KEYS[4], id)
+      part_event(KEYS[2], KEYS[3], summary)
+    elseif st == 'running' then
+      redis.call('HSET', k[1], 'cancel_requested', '1')
+      redis.call('PUBLISH', KEYS[5], id)
+    end
+  end
+  if finish_job(KEYS[1], KEYS[2], KEYS[3], KEYS[7], ARGV[2], ARGV[3]) then return 'cancelled' end
+  return 'requested'
+end
 if status == 'queued' then
   if redis.call('LLEN', KEYS[2]) ~= 0 then return redis.error_reply('queued job with a non-empty log') end
   redis.call('HSET', KEYS[1], 'status', 'cancelled', 'finish_reason', 'cancelled', 'finished_at', ARGV[2],
@@ -313,5 +371,120 @@ local since = math.max(tonumber(redis.call('HGET', KEYS[1], 'created_at') or '0'
 if since > tonumber(ARGV[1]) - tonumber(ARGV[2]) then return 0 end
 redis.call('HSET', KEYS[1], 'requeued_at', ARGV[1])
 redis.call('LPUSH', KEYS[2], ARGV[3])
+return 1
+"""
+
+
+# KEYS: queued zset, job hash, owner's job index[, idempotency key].
+# ARGV: max queued, job id, now, idempotency TTL ('' for none), the job's fields (JSON object),
+#       its parts (JSON array of {id, key, fields, queued, list, message, push}),
+#       index max age (s), index max length.
+# CREATE_LUA for a job with parts: the job and every part's hash, and the messages of the parts
+# that can start now (a part with prompt_from keeps its message until its text part succeeded).
+# Text parts are queued jobs (backpressure, the sweep's lost messages); the job itself never is.
+CREATE_PARTS_LUA = """
+local idem = ARGV[4] ~= '' and KEYS[4]
+if idem then
+  local earlier = redis.call('GET', idem)
+  if earlier then return earlier end
+end
+if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[1]) then return 0 end
+local function hset(key, fields)
+  local flat = {}
+  for k, v in pairs(fields) do flat[#flat + 1] = k; flat[#flat + 1] = v end
+  redis.call('HSET', key, unpack(flat))
+end
+hset(KEYS[2], cjson.decode(ARGV[5]))
+for _, p in ipairs(cjson.decode(ARGV[6])) do
+  hset(p.key, p.fields)
+  if p.queued then redis.call('ZADD', KEYS[1], ARGV[3], p.id) end
+  if p.push then redis.call('LPUSH', p.list, p.message) end
+end
+redis.call('ZADD', KEYS[3], ARGV[3], ARGV[2])
+redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', '(' .. (tonumber(ARGV[3]) - tonumber(ARGV[7])))
+redis.call('ZREMRANGEBYRANK', KEYS[3], 0, -tonumber(ARGV[8]) - 1)
+redis.call('EXPIRE', KEYS[3], ARGV[7])
+if idem then redis.call('SET', idem, ARGV[2], 'EX', ARGV[4]) end
+return 1
+"""
+
+# KEYS: part hash, job log, queued zset, running zset, job hash, job channel.
+# ARGV: part id, worker, model, now, lease deadline, part index.
+# TAKE_LUA for a part: the same lease rule; the job runs from its first part's start; a part
+# event says who runs it (attempt). Returns the job's log: the worker keeps the part's own events.
+PART_TAKE_LUA = PARTS_LIB + """
+local status = redis.call('HGET', KEYS[1], 'status')
+if not status then return {'missing'} end
+if status == 'running' then
+  local lease = redis.call('ZSCORE', KEYS[4], ARGV[1])
+  if lease and tonumber(lease) > tonumber(ARGV[4]) then return {'busy', lease} end
+elseif status ~= 'queued' then
+  return {'finished', status}
+end
+local attempt = redis.call('HINCRBY', KEYS[1], 'attempt', 1)
+redis.call('HSET', KEYS[1], 'status', 'running', 'worker', ARGV[2], 'model', ARGV[3])
+if status == 'queued' then redis.call('HSET', KEYS[1], 'started_at', ARGV[4]) end
+redis.call('ZREM', KEYS[3], ARGV[1])
+redis.call('ZADD', KEYS[4], ARGV[5], ARGV[1])
+if redis.call('HGET', KEYS[5], 'status') == 'queued' then
+  redis.call('HSET', KEYS[5], 'status', 'running', 'started_at', ARGV[4])
+end
+part_event(KEYS[2], KEYS[6], '{"part":' .. ARGV[6] .. ',"status":"running","attempt":' .. attempt .. '}')
+return {'taken', tostring(attempt), redis.call('HGETALL', KEYS[1]), redis.call('LRANGE', KEYS[2], 0, -1)}
+"""
+
+# KEYS: part hash, job log, job channel, running zset, part text, job hash, job text, part content.
+# ARGV: attempt, first seq (the part's own count of events), prompt tokens, completion tokens,
+#       final status ('' if not final), finish reason, finished_at, error JSON, ttl, part id,
+#       the entries' text, the summary (JSON: the last entry's data, when final), content ('' for
+#       none), part index, entry, entry, ...
+# APPEND_LUA for a part: fenced by the part's attempt and idempotent by its own event count
+# (``logged``); each entry gets the job log's next seq. The part's last append stores its
+# summary and content, starts or fails the parts that take their prompt from it, and ends the
+# job when no part is left.
+PART_APPEND_LUA = PARTS_LIB + """
+if redis.call('HGET', KEYS[1], 'attempt') ~= ARGV[1] then return 0 end
+local n = #ARGV - 14
+local logged = tonumber(redis.call('HGET', KEYS[1], 'logged') or '0')
+local first = tonumber(ARGV[2])
+if logged >= first - 1 + n and n > 0 then return 2 end
+if logged ~= first - 1 then return -1 end
+for i = 15, #ARGV do
+  local seq = redis.call('LLEN', KEYS[2]) + 1
+  local entry = (string.gsub(ARGV[i], '^{"seq":%d+,', '{"seq":' .. seq .. ',', 1))
+  redis.call('RPUSH', KEYS[2], entry)
+  redis.call('PUBLISH', KEYS[3], entry)
+end
+redis.call('HSET', KEYS[1], 'logged', logged + n, 'prompt_tokens', ARGV[3], 'completion_tokens', ARGV[4])
+if ARGV[11] ~= '' then
+  redis.call('APPEND', KEYS[5], ARGV[11])
+  redis.call('APPEND', KEYS[7], ARGV[11])
+end
+if ARGV[5] == '' then return 1 end
+redis.call('HSET', KEYS[1], 'status', ARGV[5], 'finish_reason', ARGV[6], 'finished_at', ARGV[7],
+           'error', ARGV[8], 'summary', ARGV[12])
+redis.call('ZREM', KEYS[4], ARGV[10])
+if ARGV[13] ~= '' then redis.call('SET', KEYS[8], ARGV[13], 'EX', ARGV[9]) end
+local deps = redis.call('HGET', KEYS[1], 'dependents')
+if deps then
+  local pk = cjson.decode(redis.call('HGET', KEYS[6], 'part_keys'))
+  for _, d in ipairs(cjson.decode(deps)) do
+    local key = pk[d + 1][1]
+    if redis.call('HGET', key, 'status') == 'queued' then
+      if ARGV[5] == 'succeeded' then
+        local list, message = unpack(redis.call('HMGET', key, 'list_key', 'message'))
+        redis.call('LPUSH', list, message)
+      else
+        local err = '{"message":"part ' .. ARGV[14] .. ', which this part takes its prompt from, ' ..
+                    ARGV[5] .. '","type":"dependency_failed"}'
+        local summary = '{"part":' .. d .. ',"status":"failed","error":' .. err .. '}'
+        redis.call('HSET', key, 'status', 'failed', 'finish_reason', 'error', 'finished_at', ARGV[7],
+                   'error', err, 'summary', summary)
+        part_event(KEYS[2], KEYS[3], summary)
+      end
+    end
+  end
+end
+finish_job(KEYS[6], KEYS[2], KEYS[3], KEYS[7], ARGV[7], ARGV[9])
 return 1
 """

@@ -4,6 +4,7 @@ arguments of each Lua script call (common/store/lua.py) and the parsers of the r
 from __future__ import annotations
 
 import enum
+import json
 import secrets
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -12,10 +13,12 @@ from typing import Any, TypeVar
 
 import redis
 import redis.asyncio as aredis
+from pydantic_core import to_json
 
-from common.keys import Keys
+from common.keys import Keys, part_id, split_part_id
 from common.schemas import (
     DoneEvent,
+    ImagePart,
     Job,
     JobError,
     JobRequest,
@@ -36,7 +39,7 @@ class JobRecord:
     """Everything stored about a job: the API view plus what only the server needs."""
 
     job: Job
-    request: JobRequest
+    request: JobRequest | ImagePart  # an image part's hash holds an ImagePart
     owner: str  # API key hash; empty without keys
     attempt: int
     worker: str
@@ -95,6 +98,7 @@ class Append:
     prompt_tokens: int
     completion_tokens: int
     final: Final | None = None
+    content: bytes = b""  # a part's artifact (an image's PNG), stored with its final append
 
 
 class Appended(str, enum.Enum):
@@ -177,6 +181,62 @@ def owner_index_age_s(settings: Settings) -> int:
     return 2 * settings.job_ttl_s
 
 
+def create_parts_call(
+    keys: Keys,
+    settings: Settings,
+    request: JobRequest,
+    owner: str,
+    message_for: MessageFor | None,
+    media_message_for: MessageFor | None,
+    idempotency_key: str | None,
+) -> tuple[dict[str, str], ScriptCall]:
+    """A new job with parts: its fields, and the call of CREATE_PARTS_LUA that stores it with its
+    parts (each a hash of its own, run as a job by its kind of worker) and their messages."""
+    assert request.parts is not None
+    now, job_id = time.time(), new_job_id()
+    fields = new_job_fields(job_id, request, owner, now)
+    ids = [part_id(job_id, k) for k in range(len(request.parts))]
+    fields["parts"] = str(len(ids))
+    fields["part_keys"] = json.dumps(
+        [[keys.job(i), keys.job_text(i), keys.part_content(i)] for i in ids]
+    )
+    dependents: dict[int, list[int]] = {}
+    for k, part in enumerate(request.parts):
+        if isinstance(part, ImagePart) and part.prompt_from is not None:
+            dependents.setdefault(part.prompt_from, []).append(k)
+    parts = []
+    for k, (pid, part) in enumerate(zip(ids, request.parts, strict=True)):
+        text = part.type == "text"
+        pf = new_job_fields(pid, request.part_request(k), owner, now)  # type: ignore[arg-type]
+        pf.update(type=part.type, index=str(k), parent=job_id, logged="0")
+        if k in dependents:
+            pf["dependents"] = json.dumps(dependents[k])
+        build = message_for if text else media_message_for
+        message = build(pid) if build else None
+        waits = isinstance(part, ImagePart) and part.prompt_from is not None
+        if message is not None:
+            pf.update(list_key=message.list_key, message=message.payload)
+        parts.append(
+            {
+                "id": pid,
+                "key": keys.job(pid),
+                "fields": pf,
+                "queued": text,
+                "push": message is not None and not waits,
+                "list": message.list_key if message else "",
+                "message": message.payload if message else "",
+            }
+        )
+    script_keys = [keys.queued_jobs(), keys.job(job_id), keys.owner_jobs(owner)]
+    idem_ttl: int | str = ""
+    if idempotency_key is not None:
+        script_keys.append(keys.idempotency(owner, idempotency_key))
+        idem_ttl = settings.job_ttl_s
+    index = [owner_index_age_s(settings), OWNER_INDEX_MAX]
+    args = [settings.max_queued_jobs, job_id, repr(now), idem_ttl, json.dumps(fields), json.dumps(parts), *index]
+    return fields, (script_keys, args)
+
+
 def _float_or_none(v: str | None) -> float | None:
     return float(v) if v else None
 
@@ -231,15 +291,60 @@ def summary_from_hash(h: Mapping[str, str | None]) -> JobSummary:
 
 def record_from_hash(h: dict[str, str], text: str) -> JobRecord:
     job = Job(**dict(summary_from_hash(h)), text=text)
+    request: JobRequest | ImagePart = (
+        ImagePart.model_validate_json(h["request"])
+        if h.get("type") == "image"
+        else JobRequest.model_validate_json(h["request"])
+    )
     return JobRecord(
         job=job,
-        request=JobRequest.model_validate_json(h["request"]),
+        request=request,
         owner=h.get("owner", ""),
         attempt=int(h.get("attempt") or 0),
         worker=h.get("worker", ""),
         cancel_requested=h.get("cancel_requested") == "1",
         batch=h.get("batch", ""),
     )
+
+
+def part_reads(pipe: P, keys: Keys, job_id: str, n: int) -> P:
+    """Queue the reads of a job's parts: each one's hash and text."""
+    for k in range(n):
+        pipe.hgetall(keys.job(part_id(job_id, k)))
+        pipe.get(keys.job_text(part_id(job_id, k)))
+    return pipe
+
+
+IMAGE_RESULT = ("url", "content_type", "width", "height", "seed")  # an image part's summary fields shown
+
+
+def part_view(h: dict[str, str], text: str | None) -> dict[str, Any]:
+    """A part as ``Job.parts`` shows it (docs/internals.md, "Parts")."""
+    view: dict[str, Any] = {
+        "index": int(h["index"]),
+        "type": h["type"],
+        "status": h["status"],
+        "error": json.loads(h["error"]) if h.get("error") else None,
+        "attempt": int(h.get("attempt") or 0),
+        "started_at": _float_or_none(h.get("started_at")),
+        "finished_at": _float_or_none(h.get("finished_at")),
+    }
+    if h["type"] == "text":
+        usage = Usage.of(int(h.get("prompt_tokens") or 0), int(h.get("completion_tokens") or 0))
+        view.update(text=text or "", finish_reason=h.get("finish_reason") or None, usage=usage.model_dump())
+    else:
+        summary = json.loads(h["summary"]) if h.get("summary") else {}
+        view.update({k: summary[k] for k in IMAGE_RESULT if k in summary})
+    return view
+
+
+def with_parts(record: JobRecord, hashes: Sequence[dict[str, str]], texts: Sequence[str | None]) -> JobRecord:
+    """A job's record with its parts' views, and its usage their sum."""
+    parts = [part_view(h, t) for h, t in zip(hashes, texts, strict=True) if h]
+    usages = [p["usage"] for p in parts if "usage" in p]
+    usage = Usage.of(sum(u["prompt_tokens"] for u in usages), sum(u["completion_tokens"] for u in usages))
+    job = record.job.model_copy(update={"parts": parts, "usage": usage})
+    return JobRecord(job, record.request, record.owner, record.attempt, record.worker, record.cancel_requested)
 
 
 def take_args(keys: Keys, job_id: str, worker: str, model: str, now: float, lease_s: float) -> ScriptCall:
@@ -255,12 +360,38 @@ def take_args(keys: Keys, job_id: str, worker: str, model: str, now: float, leas
     )
 
 
-def parse_take(reply: list[Any]) -> TakeResult:
+def part_take_args(keys: Keys, pid: str, worker: str, model: str, now: float, lease_s: float) -> ScriptCall:
+    split = split_part_id(pid)
+    assert split is not None
+    job_id, index = split
+    return (
+        [
+            keys.job(pid),
+            keys.job_log(job_id),
+            keys.queued_jobs(),
+            keys.running_jobs(),
+            keys.job(job_id),
+            keys.job_events(job_id),
+        ],
+        [pid, worker, model, repr(now), repr(now + lease_s), index],
+    )
+
+
+def own_events(log: Iterable[LogEntry], index: int) -> list[LogEntry]:
+    """A part's own events (tokens, progress) in the job's log, numbered as the part counts them:
+    what its worker resumes from, as a text job's worker does from its log."""
+    mine = [e for e in log if e.type in ("token", "progress") and e.data.get("part") == index]
+    return [e.model_copy(update={"seq": n}) for n, e in enumerate(mine, 1)]
+
+
+def parse_take(reply: list[Any], part_index: int | None = None) -> TakeResult:
     status = TakeStatus(reply[0])
     if status is not TakeStatus.TAKEN:
         return TakeResult(status)
     flat = reply[2]
     log = decode_log(reply[3])
+    if part_index is not None:
+        log = own_events(log, part_index)
     return TakeResult(
         status, attempt=int(reply[1]), record=record_from_hash(_pairs(flat), job_text(log)), log=log
     )
@@ -268,6 +399,64 @@ def parse_take(reply: list[Any]) -> TakeResult:
 
 def _pairs(flat: list[str]) -> dict[str, str]:
     return dict(zip(flat[::2], flat[1::2], strict=True))
+
+
+def as_part_entry(entry: LogEntry, index: int) -> LogEntry:
+    """A text worker's entry for a text part: tokens carry the part; the terminal event becomes
+    the part's end (the job's own done comes once every part has ended)."""
+    data = entry.data
+    if entry.type == "token":
+        return entry.model_copy(update={"data": {"part": index, **data}})
+    if entry.type == "done":
+        end = {
+            "part": index,
+            "status": data["status"],
+            "finish_reason": data["finish_reason"],
+            "usage": data["usage"],
+        }
+        return LogEntry.part_status(entry.seq, end)
+    if entry.type == "error":
+        error = {"message": data["message"], "type": data["type"]}
+        return LogEntry.part_status(entry.seq, {"part": index, "status": "failed", "error": error})
+    return entry
+
+
+def part_append_args(keys: Keys, a: Append, ttl_s: int, now: float) -> ScriptCall:
+    split = split_part_id(a.job_id)
+    assert split is not None
+    job_id, index = split
+    final = a.final
+    entries = [as_part_entry(e, index) for e in a.entries]
+    summary = to_json(entries[-1].data).decode() if final and entries else ""
+    return (
+        [
+            keys.job(a.job_id),
+            keys.job_log(job_id),
+            keys.job_events(job_id),
+            keys.running_jobs(),
+            keys.job_text(a.job_id),
+            keys.job(job_id),
+            keys.job_text(job_id),
+            keys.part_content(a.job_id),
+        ],
+        [
+            str(a.attempt),
+            entries[0].seq if entries else 0,
+            a.prompt_tokens,
+            a.completion_tokens,
+            final.status.value if final else "",
+            (final.finish_reason or "") if final else "",
+            repr(now),
+            final.error.model_dump_json() if final and final.error else "",
+            ttl_s,
+            a.job_id,
+            job_text(entries),
+            summary,
+            a.content,
+            index,
+            *(e.encode() for e in entries),
+        ],
+    )
 
 
 def append_args(keys: Keys, a: Append, ttl_s: int, now: float) -> ScriptCall:
@@ -313,6 +502,8 @@ def cancel_args(keys: Keys, job_id: str, ttl_s: int, now: float) -> ScriptCall:
             keys.job_events(job_id),
             keys.queued_jobs(),
             keys.cancelled(),
+            keys.running_jobs(),
+            keys.job_text(job_id),
         ],
         [job_id, repr(now), ttl_s, cancelled_done_entry().encode()],
     )

@@ -11,10 +11,11 @@ from typing import Any, Self
 import redis
 from redis.exceptions import NoScriptError, RedisError
 
+from common.keys import part_id, split_part_id
 from common.schemas import WorkerHeartbeat
 from common.settings import Settings
 from common.store.clients import sync_client
-from common.store.lua import APPEND_LUA, RENEW_LUA, REQUEUE_LUA, TAKE_LUA
+from common.store.lua import APPEND_LUA, PART_APPEND_LUA, PART_TAKE_LUA, RENEW_LUA, REQUEUE_LUA, TAKE_LUA
 from common.store.records import (
     WORKER_FORGET_S,
     Append,
@@ -24,6 +25,8 @@ from common.store.records import (
     append_args,
     heartbeats_from,
     parse_take,
+    part_append_args,
+    part_take_args,
     take_args,
 )
 from common.store.watchers import watching
@@ -46,6 +49,8 @@ class SyncJobStore:
         self.redis = client
         self._take = client.register_script(TAKE_LUA)
         self._append = client.register_script(APPEND_LUA)
+        self._part_take = client.register_script(PART_TAKE_LUA)
+        self._part_append = client.register_script(PART_APPEND_LUA)
         self._renew = client.register_script(RENEW_LUA)
         self._requeue = client.register_script(REQUEUE_LUA)
 
@@ -57,29 +62,42 @@ class SyncJobStore:
         self.redis.close()
 
     def take_job(self, job_id: str, worker: str, model: str) -> TakeResult:
-        now = time.time()
-        keys, args = take_args(self.keys, job_id, worker, model, now, self.settings.lease_s)
+        """Take a job, or a part of one (its id from ``common.keys.part_id``), to run it."""
+        now, lease_s = time.time(), self.settings.lease_s
+        if (split := split_part_id(job_id)) is not None:
+            keys, args = part_take_args(self.keys, job_id, worker, model, now, lease_s)
+            return parse_take(self._part_take(keys, args), split[1])
+        keys, args = take_args(self.keys, job_id, worker, model, now, lease_s)
         return parse_take(self._take(keys, args))
 
     def append_batch(self, appends: Sequence[Append]) -> list[Appended]:
-        """Write one engine step for many jobs in one round trip; what became of each append."""
-        now = time.time()
-        calls = [append_args(self.keys, a, self.settings.job_ttl_s, now) for a in appends]
+        """Write one engine step for many jobs (or parts) in one round trip; what became of each."""
+        now, ttl = time.time(), self.settings.job_ttl_s
+        calls = [
+            (self._part_append, part_append_args(self.keys, a, ttl, now))
+            if split_part_id(a.job_id)
+            else (self._append, append_args(self.keys, a, ttl, now))
+            for a in appends
+        ]
         return [Appended.of(r) for r in self._evalsha_all(calls)]
 
-    def _evalsha_all(self, calls: list[ScriptCall]) -> list[Any]:
+    def part_text(self, job_id: str, index: int) -> str:
+        """The text of a job's text part so far (its final text once it succeeded)."""
+        return str(self.redis.get(self.keys.job_text(part_id(job_id, index))) or "")
+
+    def _evalsha_all(self, calls: list[tuple[Any, ScriptCall]]) -> list[Any]:
         # NOTE: Script objects in a pipeline cost an extra SCRIPT EXISTS round trip per execute;
         # EVALSHA directly, and load the script only when Redis answers NOSCRIPT (after a restart).
-        script = self._append
         pipe = self.redis.pipeline(transaction=False)
-        for keys, args in calls:
+        for script, (keys, args) in calls:
             pipe.evalsha(script.sha, len(keys), *keys, *args)
         replies = pipe.execute(raise_on_error=False)
         if any(isinstance(r, NoScriptError) for r in replies):
-            script.sha = self.redis.script_load(script.script)
+            for script in {id(s): s for s, _ in calls}.values():
+                script.sha = self.redis.script_load(script.script)
             replies = [
                 script(keys, args) if isinstance(r, NoScriptError) else r
-                for r, (keys, args) in zip(replies, calls, strict=True)
+                for r, (script, (keys, args)) in zip(replies, calls, strict=True)
             ]
         for r in replies:
             if isinstance(r, Exception):
@@ -124,8 +142,9 @@ class SyncJobStore:
             args += [job_id, str(attempt)]
         return list(self._renew(keys, args))
 
-    def lapsed_leases(self, now: float, limit: int = 100) -> list[tuple[str, str]]:
-        """(job id, worker) of running jobs whose lease lapsed: their worker stopped renewing it."""
+    def lapsed_leases(self, now: float, limit: int = 100) -> list[tuple[str, str, str]]:
+        """(job id, worker, queue) of running jobs whose lease lapsed: their worker stopped renewing
+        it. The queue is the Celery queue of a part's kind; empty for a text job (``{p}.llm``)."""
         ids = [
             str(j)
             for j in self.redis.zrangebyscore(self.keys.running_jobs(), "-inf", now, start=0, num=limit)
@@ -134,8 +153,9 @@ class SyncJobStore:
             return []
         pipe = self.redis.pipeline(transaction=False)
         for job_id in ids:
-            pipe.hget(self.keys.job(job_id), "worker")
-        return [(j, w or "") for j, w in zip(ids, pipe.execute(), strict=True)]
+            pipe.hmget(self.keys.job(job_id), ["worker", "type"])
+        kinds = {"image": self.keys.queue_media}
+        return [(j, w or "", kinds.get(t or "", "")) for j, (w, t) in zip(ids, pipe.execute(), strict=True)]
 
     def stale_queued(self, queued_before: float, limit: int = 100) -> list[str]:
         """Jobs queued since before ``queued_before`` although the Celery queue is empty.

@@ -247,7 +247,7 @@ def test_requeue_claim_is_once_per_gap(store: StoreForTests) -> None:
     assert not store.claim_requeue(job.id, now, 10)  # its lease is live
     assert store.lapsed_leases(now) == []
     store.redis.zadd(store.keys.running_jobs(), {job.id: now - 1})
-    assert store.lapsed_leases(now) == [(job.id, "w1")]
+    assert store.lapsed_leases(now) == [(job.id, "w1", "")]
     assert store.live_workers(["w1"]) == set()
     assert [store.claim_requeue(job.id, now, 10) for _ in range(3)] == [True, False, False]
     assert store.claim_requeue(job.id, now + 11, 10)  # the requeue got lost: claim again

@@ -76,6 +76,11 @@ def test_nasty_bodies_get_a_clear_4xx(
     assert r.status_code == 200 and r.json()["status"] == "succeeded"
 
 
+def no_media_worker(resp: Any) -> bool:
+    """The 503 of a request that waits for image parts while no media worker is live."""
+    return resp.status_code == 503 and is_envelope(resp) and "media worker" in resp.json()["error"]["message"]
+
+
 def test_schemathesis_fuzz_finds_no_5xx(
     fuzz_api: Service, client: httpx.Client, figures: dict[str, Any]
 ) -> None:
@@ -99,7 +104,9 @@ def test_schemathesis_fuzz_finds_no_5xx(
                 nonlocal requests
                 resp = case.call(base_url=fuzz_api.url, timeout=60)
                 requests += 1
-                if resp.status_code >= 500:
+                if no_media_worker(resp):
+                    pass  # the cluster runs no media worker: a request that waits for images is told so
+                elif resp.status_code >= 500:
                     server_errors.append(f"{resp.status_code} {case.as_curl_command()} -> {resp.text[:300]}")
                 elif resp.status_code >= 400 and not is_envelope(resp):
                     not_envelope.append(f"{resp.status_code} {case.as_curl_command()} -> {resp.text[:300]}")

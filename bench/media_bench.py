@@ -1,0 +1,169 @@
+#!/usr/bin/env python
+"""Spool media benchmark: image parts through API + Redis + a media worker, against the pipeline.
+
+One run, on a private ``redis-server`` and processes this script starts and stops:
+
+images  ``--images`` images (``--size``, ``--steps``, one seed each) made by the tiny random
+        Stable Diffusion pipeline (``spool tiny-image-model``) called directly in this process
+        (``ImagePipeline.generate``, one image after another), and through the stack: one
+        ``spool worker --kind media`` and one API, every image a job of one image part, all
+        POSTed at once, done when the last job ended. The two alternate for ``--rounds`` rounds;
+        the medians of images/s are reported, and their ratio (target >= 0.9).
+ttft    Time to first token of a text part (``--text-jobs`` jobs, one at a time, on a text worker
+        running the tiny model), in a text-only job and in a job with a text part and an image
+        part (target: at most +10%), from the POST to the first ``token`` event of the stream.
+
+Both pipelines run one torch thread (the media worker's ``OMP_NUM_THREADS=1``, this process's
+``torch.set_num_threads(1)``): on a small shared CPU more threads only contend.
+
+    .venv/bin/python bench/media_bench.py                 # a short run (about a minute on 2 cores)
+    .venv/bin/python bench/media_bench.py --images 16 --rounds 3 --json /tmp/media.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+import httpx
+import redis
+import torch
+from measure import loadavg, log
+
+from common.keys import Keys
+from spool_cli import procs as harness
+from spool_cli.procs import spool_argv, spool_env, wait_until
+from workers.engine.tiny import build_tiny_model
+from workers.media.pipeline import ImagePipeline, ImageSpec
+from workers.media.tiny import build_tiny_image_model
+
+PREFIX = "bench-media"
+
+
+def direct_images_per_s(pipe: ImagePipeline, n: int, size: int, steps: int) -> float:
+    t0 = time.perf_counter()
+    for seed in range(n):
+        pipe.generate(ImageSpec("a lighthouse at dusk", size, size, steps, seed), lambda s, t: True)
+    return n / (time.perf_counter() - t0)
+
+
+async def stack_images_per_s(url: str, n: int, size: int, steps: int) -> float:
+    part = {"type": "image", "prompt": "a lighthouse at dusk", "size": f"{size}x{size}", "steps": steps}
+    async with httpx.AsyncClient(base_url=url, timeout=120) as c:
+        t0 = time.perf_counter()
+        posts = [c.post("/v1/jobs", json={"parts": [{**part, "seed": s}]}) for s in range(n)]
+        ids = [r.json()["id"] for r in await asyncio.gather(*posts)]
+        for job_id in ids:  # done when the last one ended (they end in order: one worker)
+            while (await c.get(f"/v1/jobs/{job_id}")).json()["status"] in ("queued", "running"):
+                await asyncio.sleep(0.02)
+        elapsed = time.perf_counter() - t0
+        for job_id in ids:
+            assert (await c.get(f"/v1/jobs/{job_id}")).json()["status"] == "succeeded"
+    return n / elapsed
+
+
+def first_token_s(client: httpx.Client, body: dict[str, Any]) -> float:
+    t0 = time.perf_counter()
+    with client.stream("POST", "/v1/jobs", json={**body, "stream": True}) as r:
+        for line in r.iter_lines():
+            if line == "event: token":
+                return time.perf_counter() - t0
+    raise RuntimeError("the stream ended without a token")
+
+
+def ttft(url: str, jobs: int, size: int, steps: int) -> dict[str, float]:
+    text = {"type": "text", "prompt": "Once upon a time", "max_tokens": 16, "temperature": 0}
+    image = {"type": "image", "prompt": "a lighthouse", "size": f"{size}x{size}", "steps": steps}
+    runs: dict[str, list[float]] = {"text": [], "text+image": []}
+    with httpx.Client(base_url=url, timeout=120) as c:
+        for i in range(jobs):  # alternated, so a slow moment of a shared machine hits both
+            runs["text"].append(first_token_s(c, {"parts": [text]}))
+            runs["text+image"].append(first_token_s(c, {"parts": [text, {**image, "seed": i}]}))
+
+        # Let the last image parts finish before anything else is measured.
+        def idle() -> bool:
+            workers = c.get("/readyz").json()["workers"]
+            return not any(w["engine"].get("running") for w in workers if w.get("kind") == "media")
+
+        wait_until(idle, "the media worker idle", 120)
+    return {k: statistics.median(v) for k, v in runs.items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--images", type=int, default=8)
+    ap.add_argument("--size", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--text-jobs", type=int, default=10)
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    work = Path(tempfile.mkdtemp(prefix="spool-media-bench-"))
+    image_model = build_tiny_image_model(work / "tiny-sd")
+    text_model = build_tiny_model(work / "tiny-llama", "llama")
+    procs: list[harness.Proc] = []
+    try:
+        redis_proc, redis_url = harness.start_redis(data_dir=work, log_dir=work)
+        procs.append(redis_proc)
+        r = redis.Redis.from_url(redis_url)
+        keys = Keys(PREFIX)
+        common = {"heartbeat_s": 0.5, "max_image_steps": 1000}
+        text_env = spool_env(redis_url, PREFIX, model=text_model, worker_name="text", **common)
+        media_env = spool_env(redis_url, PREFIX, image_model=image_model, worker_name="media", **common)
+        media_env["OMP_NUM_THREADS"] = "1"
+        procs.append(harness.start("text", [*spool_argv(), "worker"], env=text_env, log_dir=work))
+        media = [*spool_argv(), "worker", "--kind", "media"]
+        procs.append(harness.start("media", media, env=media_env, log_dir=work))
+        for name in ("text", "media"):
+            wait_until(lambda n=name: bool(r.exists(keys.worker(n))), f"{name} heartbeat", 180, procs)
+        api, url = harness.start_api("api", spool_env(redis_url, PREFIX, **common), log_dir=work)
+        procs.append(api)
+        log(f"load average before: {loadavg()}")
+        pipe = ImagePipeline(str(image_model))
+        direct_images_per_s(pipe, 1, args.size, args.steps)  # warm-up
+        asyncio.run(stack_images_per_s(url, 1, args.size, args.steps))
+        direct, stack = [], []
+        for _ in range(args.rounds):
+            direct.append(direct_images_per_s(pipe, args.images, args.size, args.steps))
+            stack.append(asyncio.run(stack_images_per_s(url, args.images, args.size, args.steps)))
+        first = ttft(url, args.text_jobs, args.size, args.steps)
+        log(f"load average after: {loadavg()}")
+    finally:
+        harness.stop_all(reversed(procs))
+    result = {
+        "images": args.images,
+        "size": args.size,
+        "steps": args.steps,
+        "rounds": args.rounds,
+        "direct_images_per_s": statistics.median(direct),
+        "stack_images_per_s": statistics.median(stack),
+        "stack_over_direct": statistics.median(stack) / statistics.median(direct),
+        "ttft_text_only_ms": first["text"] * 1000,
+        "ttft_text_with_image_ms": first["text+image"] * 1000,
+        "ttft_added_pct": (first["text+image"] / first["text"] - 1) * 100,
+    }
+    print(
+        f"images  {args.images} x {args.size}x{args.size}, {args.steps} steps, {args.rounds} rounds\n"
+        f"        direct {result['direct_images_per_s']:.2f} img/s   stack {result['stack_images_per_s']:.2f} img/s"
+        f"   stack/direct {result['stack_over_direct']:.2f} (target >= 0.9)\n"
+        f"ttft    text-only {result['ttft_text_only_ms']:.1f} ms   with an image part "
+        f"{result['ttft_text_with_image_ms']:.1f} ms   ({result['ttft_added_pct']:+.0f}%; target <= +10%)"
+    )
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

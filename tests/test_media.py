@@ -1,0 +1,341 @@
+"""Jobs with text and image parts through the whole stack: real Redis, a real text worker and
+real media workers (``spool worker --kind media`` on the tiny random pipeline), real uvicorn.
+
+Images are tiny (32x32 to 64x64, a few steps) so the suite stays fast on a small CPU.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import os
+import random
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import redis
+from greedy import greedy
+from PIL import Image
+from procs import (
+    REDIS_URL,
+    SPOOL,
+    Cluster,
+    Prefixes,
+    Service,
+    finished_job,
+    spool_env,
+    start,
+    start_api,
+    start_worker,
+    wait_until,
+)
+from sse_client import Event, check_full_stream, read_events
+
+from common.keys import Keys
+
+# A kill is noticed within a lease: short ones, so the takeover test waits seconds, not minutes.
+LIVENESS = {"heartbeat_s": 0.5, "heartbeat_ttl_s": 2, "lease_s": 2}
+
+
+@pytest.fixture(scope="session")
+def tiny_image_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from workers.media.tiny import build_tiny_image_model
+
+    return build_tiny_image_model(tmp_path_factory.mktemp("tiny-sd"))
+
+
+class Media:
+    """A text worker, media workers and an API on a prefix of their own."""
+
+    def __init__(self, prefix: str, model: Path, log_dir: Path) -> None:
+        self.prefix, self.model, self.log_dir = prefix, model, log_dir
+        self.keys = Keys(prefix)
+        self.workers: list[Service] = []
+        self.api: Service | None = None
+
+    @property
+    def url(self) -> str:
+        assert self.api is not None
+        return self.api.url
+
+    def start_media_worker(self, name: str) -> Service:
+        env = spool_env(self.prefix, image_model=self.model, worker_name=f"{self.prefix}-{name}", **LIVENESS)
+        env["OMP_NUM_THREADS"] = "1"  # two cores shared: one thread per pipeline runs fastest
+        worker = start(f"media-{self.prefix}-{name}", [SPOOL, "worker", "--kind", "media"], env, self.log_dir)
+        r = redis.Redis.from_url(REDIS_URL)
+        key = self.keys.worker(f"{self.prefix}-{name}")
+        wait_until(lambda: bool(r.exists(key)), f"{worker.name} heartbeat", 120, (worker,))
+        self.workers.append(worker)
+        return worker
+
+
+@pytest.fixture(scope="module")
+def media(prefixes: Prefixes, tiny_model: Path, tiny_image_model: Path, log_dir: Path) -> Iterator[Media]:
+    m = Media(prefixes.new(), tiny_image_model, log_dir)
+    lease = {k: v for k, v in LIVENESS.items() if k != "heartbeat_s"}  # start_worker sets it
+    text = start_worker(m.prefix, tiny_model, log_dir, max_batch_size=8, **lease)
+    m.start_media_worker("m1")
+    m.api = start_api(m.prefix, log_dir, sse_ping_s=1, max_image_steps=60)
+    yield m
+    m.api.stop()
+    for w in m.workers:
+        w.stop()
+    text.stop()
+
+
+def submit(client: httpx.Client, media: Media, parts: list[dict[str, Any]]) -> str:
+    r = client.post(f"{media.url}/v1/jobs", json={"parts": parts})
+    assert r.status_code == 202, r.text
+    return str(r.json()["id"])
+
+
+def events_of(client: httpx.Client, media: Media, job_id: str, **kw: Any) -> list[Event]:
+    return read_events(client, f"{media.url}/v1/jobs/{job_id}/events", **kw)
+
+
+def content(client: httpx.Client, media: Media, job_id: str, k: int) -> bytes:
+    r = client.get(f"{media.url}/v1/jobs/{job_id}/parts/{k}/content")
+    assert r.status_code == 200, r.text
+    assert r.headers["content-type"] == "image/png"
+    return r.content
+
+
+def png_size(data: bytes) -> tuple[int, int]:
+    image = Image.open(io.BytesIO(data))
+    assert image.format == "PNG"
+    return image.size
+
+
+def test_text_and_image_both_succeed(client: httpx.Client, media: Media, tiny_model: Path) -> None:
+    image = {"type": "image", "prompt": "a lighthouse at dusk", "size": "64x32", "steps": 3, "seed": 3}
+    text = {"type": "text", "prompt": "Once upon a time", "max_tokens": 8, "temperature": 0}
+    job_id = submit(client, media, [text, image])
+    events = events_of(client, media, job_id)
+    streamed = check_full_stream(events)
+    job = finished_job(client, media.url, job_id)
+    assert job["status"] == "succeeded"
+    t, i = job["parts"]
+    assert (t["status"], i["status"]) == ("succeeded", "succeeded")
+    assert t["text"] == streamed == greedy(tiny_model, "Once upon a time", 8).text
+    assert job["text"] == t["text"]
+    png = content(client, media, job_id, 1)
+    assert png_size(png) == (64, 32) == (i["width"], i["height"])
+    assert i["seed"] == 3 and i["url"] == f"/v1/jobs/{job_id}/parts/1/content"
+    # Every step's progress, each part's events tagged, the done event with each part's summary.
+    assert [e.data["step"] for e in events if e.event == "progress"] == [1, 2, 3]
+    assert all(e.data["part"] == 0 for e in events if e.event == "token")
+    done = events[-1]
+    assert done.event == "done" and done.data["status"] == "succeeded"
+    assert [p["status"] for p in done.data["parts"]] == ["succeeded", "succeeded"]
+    assert done.data["parts"][1]["width"] == 64
+    # The same seed, the same bytes; another seed, another image.
+    again = submit(client, media, [image])
+    assert finished_job(client, media.url, again)["status"] == "succeeded"
+    assert content(client, media, again, 0) == png
+    other = submit(client, media, [{**image, "seed": 4}])
+    assert finished_job(client, media.url, other)["status"] == "succeeded"
+    assert content(client, media, other, 0) != png
+    # The text part has no content; an unknown job's content is the 404 of an unknown job.
+    assert client.get(f"{media.url}/v1/jobs/{job_id}/parts/0/content").status_code == 404
+    unknown = client.get(f"{media.url}/v1/jobs/{'0' * 32}/parts/0/content")
+    assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "job_not_found"
+
+
+def test_partial_when_the_image_times_out(client: httpx.Client, media: Media) -> None:
+    parts = [
+        {"type": "text", "prompt": "Hello", "max_tokens": 4, "temperature": 0},
+        {"type": "image", "prompt": "slow", "size": "64x64", "steps": 60, "timeout_s": 0.5},
+    ]
+    job_id = submit(client, media, parts)
+    events = events_of(client, media, job_id)
+    check_full_stream(events)
+    job = finished_job(client, media.url, job_id)
+    assert job["status"] == "partial"
+    assert job["parts"][0]["status"] == "succeeded" and job["parts"][0]["error"] is None
+    assert job["parts"][1]["status"] == "failed"
+    assert job["parts"][1]["error"]["type"] == "timeout"
+    assert events[-1].data["status"] == "partial"
+    assert client.get(f"{media.url}/v1/jobs/{job_id}/parts/1/content").status_code == 404
+
+
+def test_prompt_from_takes_the_text_parts_final_text(client: httpx.Client, media: Media) -> None:
+    text = {"type": "text", "prompt": "The sea", "max_tokens": 6, "temperature": 0}
+    job_id = submit(
+        client, media, [text, {"type": "image", "prompt_from": 0, "size": "32x32", "steps": 2, "seed": 7}]
+    )
+    events = events_of(client, media, job_id)
+    job = finished_job(client, media.url, job_id)
+    assert job["status"] == "succeeded", job
+    # The image part started only after the text part ended.
+    ends = [
+        e.id for e in events if e.event == "part" and e.data == {**e.data, "part": 0, "status": "succeeded"}
+    ]
+    starts = [
+        e.id
+        for e in events
+        if e.event == "part" and e.data.get("part") == 1 and e.data["status"] == "running"
+    ]
+    assert ends and starts and ends[0] < starts[0]
+    # Its image is the one that prompt gives directly.
+    final_text = job["parts"][0]["text"]
+    assert final_text
+    direct = submit(
+        client, media, [{"type": "image", "prompt": final_text, "size": "32x32", "steps": 2, "seed": 7}]
+    )
+    assert finished_job(client, media.url, direct)["status"] == "succeeded"
+    assert content(client, media, direct, 0) == content(client, media, job_id, 1)
+
+
+def test_a_failed_text_part_fails_its_dependent_part(client: httpx.Client, media: Media) -> None:
+    parts = [
+        {"type": "text", "prompt": "Hi", "max_tokens": 4, "timeout_s": 0.001},  # out of time when taken
+        {"type": "image", "prompt_from": 0, "size": "32x32", "steps": 2},
+    ]
+    job_id = submit(client, media, parts)
+    check_full_stream(events_of(client, media, job_id))
+    job = finished_job(client, media.url, job_id)
+    assert job["status"] == "failed"
+    assert job["parts"][0]["error"]["type"] == "timeout"
+    assert job["parts"][1]["status"] == "failed"
+    assert job["parts"][1]["error"]["type"] == "dependency_failed"
+
+
+def test_cancel_mid_image_frees_the_media_worker(client: httpx.Client, media: Media) -> None:
+    job_id = submit(client, media, [{"type": "image", "prompt": "long", "size": "64x64", "steps": 60}])
+    url = f"{media.url}/v1/jobs/{job_id}/events"
+    seen = read_events(client, url, stop_after=3)  # running, steps 1 and 2
+    assert [e.event for e in seen] == ["part", "progress", "progress"]
+    assert client.post(f"{media.url}/v1/jobs/{job_id}/cancel").status_code == 200
+    rest = read_events(client, url, last_event_id=seen[-1].id)
+    events = seen + rest
+    check_full_stream(events)
+    assert events[-1].event == "done" and events[-1].data["status"] == "cancelled"
+    assert events[-2].data == {"part": 0, "status": "cancelled"}
+    steps = [e.data["step"] for e in events if e.event == "progress"]
+    assert steps[-1] < 60  # stopped, not run to the end
+    # Free at once: the next image runs now.
+    nxt = submit(client, media, [{"type": "image", "prompt": "next", "size": "32x32", "steps": 2}])
+    assert finished_job(client, media.url, nxt, timeout=30)["status"] == "succeeded"
+
+
+def test_resume_at_random_drops_equals_the_full_stream(client: httpx.Client, media: Media) -> None:
+    rng = random.Random(16)
+    parts = [
+        {"type": "text", "prompt": "Once", "max_tokens": 12, "temperature": 0},
+        {"type": "image", "prompt": "a boat", "size": "32x32", "steps": 6, "seed": 1},
+    ]
+    job_id = submit(client, media, parts)
+    url = f"{media.url}/v1/jobs/{job_id}/events"
+    got: list[Event] = []
+    while not (got and got[-1].terminal):
+        last = got[-1].id if got else None
+        got += read_events(client, url, last_event_id=last, stop_after=rng.randint(1, 4))
+    full = read_events(client, url)
+    assert got == full
+    check_full_stream(full)
+    assert {"token", "progress", "part", "done"} <= {e.event for e in full}
+
+
+def test_images_generate_with_the_openai_client(media: Media) -> None:
+    client = openai.OpenAI(base_url=f"{media.url}/v1", api_key="unused", max_retries=0)
+    b64 = client.images.generate(
+        prompt="a red kite", size="32x32", response_format="b64_json", extra_body={"steps": 2, "seed": 5}
+    )
+    assert b64.data is not None and len(b64.data) == 1
+    png = base64.b64decode(b64.data[0].b64_json or "")
+    assert png_size(png) == (32, 32)
+    by_url = client.images.generate(
+        prompt="a red kite", size="32x32", response_format="url", n=2, extra_body={"steps": 2, "seed": 5}
+    )
+    assert by_url.data is not None and len(by_url.data) == 2
+    first = httpx.get(by_url.data[0].url or "")
+    assert first.status_code == 200 and first.content == png  # seed 5 again; the second image seed 6
+    assert httpx.get(by_url.data[1].url or "").content != png
+    with pytest.raises(openai.BadRequestError, match="style"):
+        client.images.generate(prompt="x", size="32x32", style="vivid")
+    with pytest.raises(openai.BadRequestError, match="limit of 8"):
+        client.images.generate(prompt="x", size="32x32", n=10**7)
+
+
+@pytest.mark.parametrize(
+    ("parts", "says"),
+    [
+        ([{"type": "video", "prompt": "x"}], "video"),
+        ([{"type": "image", "prompt": "x", "size": "30x32"}], "multiple of 8"),
+        ([{"type": "image", "prompt": "x", "size": "2048x2048"}], "4194304 pixels"),
+        ([{"type": "image", "prompt": "x", "steps": 500}], "limit of 60"),
+        ([{"type": "image", "prompt_from": 1}, {"type": "text", "prompt": "x"}], "earlier part"),
+        ([{"type": "image", "prompt": "x"}, {"type": "image", "prompt_from": 0}], "names an image part"),
+        ([{"type": "image", "prompt": "x"}] * 9, "limit of 8"),
+        ([{"type": "image"}], "exactly one of prompt or prompt_from"),
+    ],
+)
+def test_bad_parts_are_400s_with_the_reason(
+    client: httpx.Client, media: Media, parts: list[dict[str, Any]], says: str
+) -> None:
+    r = client.post(f"{media.url}/v1/jobs", json={"parts": parts})
+    assert r.status_code == 400, r.text
+    assert says in r.json()["error"]["message"]
+
+
+def test_sigkill_mid_image_another_media_worker_takes_over(client: httpx.Client, media: Media) -> None:
+    r = redis.Redis.from_url(REDIS_URL, decode_responses=True)
+    media.start_media_worker("m2")
+    job_id = submit(
+        client, media, [{"type": "image", "prompt": "takeover", "size": "64x64", "steps": 24, "seed": 9}]
+    )
+    url = f"{media.url}/v1/jobs/{job_id}/events"
+    seen = read_events(client, url, stop_after=4)  # running, steps 1 to 3
+    part_hash = media.keys.job(f"{job_id}:part:0")
+    victim_name = r.hget(part_hash, "worker")
+    [victim] = [w for w in media.workers if w.name == f"media-{victim_name}"]
+    os.killpg(victim.proc.pid, signal.SIGKILL)
+    victim.proc.wait(10)
+    media.workers.remove(victim)
+    events = seen + read_events(client, url, last_event_id=seen[-1].id)
+    check_full_stream(events)  # ids 1..n: no gap, no duplicate
+    job = finished_job(client, media.url, job_id)
+    assert job["status"] == "succeeded" and job["parts"][0]["attempt"] == 2
+    running = [e for e in events if e.event == "part" and e.data["status"] == "running"]
+    assert [e.data["attempt"] for e in running] == [1, 2]
+    after = [e.data["step"] for e in events if e.event == "progress" and e.id > running[1].id]
+    assert after == list(range(1, 25))  # the new attempt ran from step 0
+    assert r.hget(part_hash, "worker") != victim_name
+    # The same image as one never interrupted.
+    clean = submit(
+        client, media, [{"type": "image", "prompt": "takeover", "size": "64x64", "steps": 24, "seed": 9}]
+    )
+    assert finished_job(client, media.url, clean)["status"] == "succeeded"
+    assert content(client, media, clean, 0) == content(client, media, job_id, 0)
+
+
+def test_a_media_worker_whose_pipeline_does_not_load_exits_78(prefixes: Prefixes, log_dir: Path) -> None:
+    env = spool_env(prefixes.new(), image_model="/nonexistent/pipeline", worker_name="bad-media")
+    worker = start("media-bad-pipeline", [SPOOL, "worker", "--kind", "media"], env, log_dir)
+    try:
+        wait_until(lambda: not worker.alive(), "the media worker to exit", 120)
+        assert worker.proc.returncode == 78
+        assert "/nonexistent/pipeline" in worker.log_tail()
+    finally:
+        worker.stop()
+
+
+def test_without_a_media_worker_a_request_that_waits_for_images_is_a_503(
+    client: httpx.Client, cluster: Cluster
+) -> None:
+    image = {"type": "image", "prompt": "x", "size": "32x32", "steps": 2}
+    for body in ({"parts": [image], "background": False}, {"parts": [image], "stream": True}):
+        r = client.post(f"{cluster.url}/v1/jobs", json=body)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "no_worker", r.text
+        assert "Retry-After" in r.headers
+    r = client.post(f"{cluster.url}/v1/images/generations", json={"prompt": "x", "size": "32x32"})
+    assert r.status_code == 503, r.text
+    # A background job is queued, as any job while no worker of its kind runs.
+    queued = client.post(f"{cluster.url}/v1/jobs", json={"parts": [image]})
+    assert queued.status_code == 202 and queued.json()["parts"][0]["status"] == "queued"
+    assert client.post(f"{cluster.url}/v1/jobs/{queued.json()['id']}/cancel").json()["status"] == "cancelled"

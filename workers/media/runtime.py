@@ -1,0 +1,246 @@
+"""The media worker's runtime: one image part at a time, through the job store, with the
+liveness of every worker (workers/liveness.py: heartbeat, leases fenced by attempt, cancels,
+the sweep that requeues a dead worker's parts).
+
+A Celery task thread calls ``run_part``: take the part (a new attempt), run the pipeline from
+step 0, append a ``progress`` event after every step (one round trip each, fenced: a worker
+that was taken over stops at its next step), and end the part with one append that carries its
+``part`` event, its PNG and its status. A cancel or the part's timeout stops the pipeline at
+the next step (workers/media/pipeline.py), so the worker is free for the next part at once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from redis.exceptions import RedisError
+
+from common.keys import split_part_id
+from common.schemas import ImagePart, JobError, JobStatus, LogEntry
+from common.settings import Settings
+from common.store import Append, Final, SyncJobStore, TakeStatus
+from workers.liveness import HeldJob, Liveness
+from workers.media.pipeline import Image, ImagePipeline, ImageSpec
+from workers.media.tiny import default_image_model_path
+from workers.publisher import Publisher
+from workers.reaper import Requeue
+from workers.runtime import Outcome
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Part:
+    """The part this worker runs."""
+
+    part_id: str
+    index: int
+    attempt: int
+    created_at: float
+    deadline: float | None  # created_at + timeout_s
+    next_seq: int  # the part's own count of events + 1 (earlier attempts' included)
+    aborted: bool = False  # a cancel, or its lease lost: stop at the next step
+    timed_out: bool = False
+    lost: bool = False  # an append was refused: another worker runs it now
+
+    def seq(self) -> int:
+        seq, self.next_seq = self.next_seq, self.next_seq + 1
+        return seq
+
+
+def content_url(job_id: str, index: int) -> str:
+    return f"/v1/jobs/{job_id}/parts/{index}/content"
+
+
+class MediaRuntime:
+    def __init__(
+        self,
+        pipeline: ImagePipeline,
+        store: SyncJobStore,
+        settings: Settings,
+        name: str,
+        model: str,
+        requeue: Requeue | None = None,
+    ) -> None:
+        self.pipeline = pipeline
+        self.store = store
+        self.name = name  # heartbeat key and the part hash's `worker`
+        self.model = model
+        self._stop = threading.Event()
+        self._lock = threading.Lock()  # guards _part: the task thread sets it, liveness reads it
+        self._part: _Part | None = None
+        self._images = 0
+        self._publisher = Publisher(store, self._stop)
+        queue = settings.keys.queue_media
+        self.liveness = Liveness(store, settings, name, self, self._stop, requeue, queue)
+
+    @classmethod
+    def from_settings(cls, settings: Settings, name: str, requeue: Requeue | None = None) -> MediaRuntime:
+        """Load the pipeline (the tiny one by default), beat once and start liveness."""
+        model = settings.image_model or str(default_image_model_path())
+        pipeline = ImagePipeline(model, settings.image_device, settings.image_dtype)
+        store = SyncJobStore.from_settings(settings)
+        runtime = cls(pipeline, store, settings, name, settings.image_model or "spool-tiny-image", requeue)
+        runtime.liveness.start()
+        return runtime
+
+    def close(self) -> None:
+        self._stop.set()  # a part running stops at its next step, released (its lease lapses)
+        self.liveness.join(timeout=10)
+        self.store.close()
+
+    # -- the executor of workers/liveness.py ------------------------------------------------------
+
+    def held(self) -> dict[str, HeldJob]:
+        with self._lock:
+            p = self._part
+            return {p.part_id: HeldJob(p.attempt, p.created_at, False)} if p else {}
+
+    def abort(self, job_id: str) -> None:
+        with self._lock:
+            if self._part is not None and self._part.part_id == job_id:
+                self._part.aborted = True
+
+    def heartbeat_fields(self) -> dict[str, Any]:
+        with self._lock:
+            running = int(self._part is not None)
+        return {"engine": {"running": running, "images": self._images}, "model": self.model, "kind": "media"}
+
+    # -- task threads ----------------------------------------------------------------------------
+
+    def run_part(self, part_id: str) -> Outcome:
+        """Take the part, run it, and return once its end is written (or it was lost)."""
+        if self._stop.is_set():
+            return Outcome.SHUTDOWN
+        taken = self.store.take_job(part_id, self.name, self.model)
+        if taken.status is TakeStatus.BUSY:
+            return Outcome.BUSY
+        if taken.status is not TakeStatus.TAKEN or taken.record is None:
+            return Outcome.SKIPPED
+        split = split_part_id(part_id)
+        assert split is not None and isinstance(taken.record.request, ImagePart)
+        request, created = taken.record.request, taken.record.job.created_at
+        part = _Part(
+            part_id,
+            split[1],
+            taken.attempt,
+            created,
+            created + request.timeout_s if request.timeout_s else None,
+            len(taken.log) + 1,
+            aborted=taken.record.cancel_requested,
+        )
+        with self._lock:
+            self._part = part
+        try:
+            return self._run(part, split[0], request)
+        finally:
+            with self._lock:
+                self._part = None
+
+    def _run(self, part: _Part, job_id: str, request: ImagePart) -> Outcome:
+        if not part.aborted and not self._in_time(part):
+            return self._fail(part, timeout_error(request))
+        if part.aborted:
+            return self._end(part, JobStatus.CANCELLED, {})
+        prompt = request.prompt if request.prompt is not None else self._prompt_from(job_id, request)
+        seed = request.seed if request.seed is not None else default_seed(part.part_id)
+        spec = ImageSpec(
+            prompt,
+            request.width,
+            request.height,
+            request.steps,
+            seed,
+            request.guidance_scale,
+            request.negative_prompt,
+        )
+        try:
+            image = self.pipeline.generate(spec, lambda step, steps: self._progress(part, step, steps))
+        except Exception as e:
+            log.exception("the pipeline failed on part %s", part.part_id)
+            return self._fail(part, JobError(message=f"the image pipeline failed: {e}", type="engine_error"))
+        if part.lost:
+            return Outcome.LOST
+        if image is None and not part.timed_out and not part.aborted:
+            return Outcome.SHUTDOWN  # stopped by the worker's stop: another worker runs it again
+        if image is None:
+            if part.timed_out:
+                return self._fail(part, timeout_error(request))
+            return self._end(part, JobStatus.CANCELLED, {})
+        self._images += 1
+        return self._succeed(part, job_id, seed, image)
+
+    def _prompt_from(self, job_id: str, request: ImagePart) -> str:
+        assert request.prompt_from is not None
+        # Its message was sent once the text part succeeded (PART_APPEND_LUA): the text is final.
+        return self.store.part_text(job_id, request.prompt_from)
+
+    def _in_time(self, part: _Part) -> bool:
+        return part.deadline is None or time.time() < part.deadline
+
+    def _progress(self, part: _Part, step: int, steps: int) -> bool:
+        """After each denoising step: its event, or stop (cancelled, timed out, taken over)."""
+        if part.aborted or self._stop.is_set():
+            return False
+        if not self._in_time(part):
+            part.timed_out = True
+            return False
+        entry = LogEntry.progress(part.seq(), part.index, step, steps)
+        if not self._send(part, Append(part.part_id, part.attempt, [entry], 0, 0)):
+            part.lost = True
+            return False
+        return True
+
+    def _succeed(self, part: _Part, job_id: str, seed: int, image: Image) -> Outcome:
+        result = {
+            "url": content_url(job_id, part.index),
+            "content_type": "image/png",
+            "width": image.width,
+            "height": image.height,
+            "seed": seed,
+        }
+        return self._end(part, JobStatus.SUCCEEDED, result, image.png)
+
+    def _fail(self, part: _Part, error: JobError) -> Outcome:
+        return self._end(part, JobStatus.FAILED, {"error": error.model_dump()}, error=error)
+
+    def _end(
+        self,
+        part: _Part,
+        status: JobStatus,
+        result: dict[str, Any],
+        png: bytes = b"",
+        error: JobError | None = None,
+    ) -> Outcome:
+        entry = LogEntry.part_status(part.seq(), {"part": part.index, "status": status.value, **result})
+        final = Final(status, None, error)
+        ok = self._send(part, Append(part.part_id, part.attempt, [entry], 0, 0, final, png))
+        return Outcome.FINISHED if ok else Outcome.LOST
+
+    def _send(self, part: _Part, append: Append) -> bool:
+        """Write ``append``; False when refused: another worker took the part over, or (a gap:
+        one of this worker's writes was lost) it is handed back, its lease lapsed for the sweep."""
+        sent = self._publisher.send([append])
+        if part.part_id in sent.gaps - sent.lost:
+            log.error(
+                "part %s: its events have a gap before this worker's next one; handing it back", part.part_id
+            )
+            try:
+                self.store.lapse_leases({part.part_id: part.attempt})
+            except RedisError as e:  # its lease then lapses unrenewed
+                log.warning("could not lapse the lease of %s: %s", part.part_id, e)
+        return part.part_id not in sent.lost | sent.gaps
+
+
+def default_seed(part_id: str) -> int:
+    """A part's seed when it gives none: from its id (random, 128 bits), so every part differs
+    and a part taken over after a crash makes the image the first attempt would have."""
+    return int(hashlib.sha256(part_id.encode()).hexdigest()[:15], 16)
+
+
+def timeout_error(request: ImagePart) -> JobError:
+    return JobError(message=f"the image part ran past its timeout_s ({request.timeout_s}s)", type="timeout")
