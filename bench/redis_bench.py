@@ -34,10 +34,10 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:  # this tree's store, whatever is installed
     sys.path.insert(0, str(REPO_ROOT))
 
-from common.schemas import DoneEvent, JobRequest, JobStatus, LogEntry, Usage  # noqa: E402
-from common.settings import Settings  # noqa: E402
-from common.store import Append, Appended, AsyncJobStore, Final, SyncJobStore, token_entry  # noqa: E402
-from spool_cli import procs as harness  # noqa: E402
+from common.schemas import DoneEvent, JobRequest, JobStatus, LogEntry, Usage
+from common.settings import Settings
+from common.store import Append, Appended, AsyncJobStore, Final, SyncJobStore, token_entry
+from spool_cli import procs as harness
 
 PREFIX = "redisbench"
 
@@ -49,7 +49,9 @@ def settings_for(url: str) -> Settings:
 async def create_jobs(settings: Settings, n: int) -> list[str]:
     store = AsyncJobStore.from_settings(settings)
     try:
-        return [(await store.create_job(JobRequest(prompt="bench", max_tokens=10**4), "")).id for _ in range(n)]
+        return [
+            (await store.create_job(JobRequest(prompt="bench", max_tokens=10**4), "")).id for _ in range(n)
+        ]
     finally:
         await store.close()
 
@@ -67,7 +69,11 @@ def step_appends(jobs: dict[str, int], step: int, last: bool) -> list[Append]:
         final = None
         if last:
             usage = Usage.of(16, step)
-            entries.append(LogEntry.done(step + 1, DoneEvent(status=JobStatus.SUCCEEDED, finish_reason="length", usage=usage)))
+            entries.append(
+                LogEntry.done(
+                    step + 1, DoneEvent(status=JobStatus.SUCCEEDED, finish_reason="length", usage=usage)
+                )
+            )
             final = Final(JobStatus.SUCCEEDED, "length")
         appends.append(Append(job_id, attempt, entries, 16, step, final))
     return appends

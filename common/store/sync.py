@@ -9,19 +9,18 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Self
 
 import redis
-from redis.exceptions import NoScriptError, RedisError
+from redis.exceptions import RedisError
 
 from common.schemas import WorkerHeartbeat
 from common.settings import Settings
 from common.store.clients import sync_client
-from common.store.lua import APPEND_LUA, RENEW_LUA, REQUEUE_LUA, TAKE_LUA
+from common.store.lua import APPEND_STEP_LUA, RENEW_LUA, REQUEUE_LUA, TAKE_LUA
 from common.store.records import (
     WORKER_FORGET_S,
     Append,
     Appended,
-    ScriptCall,
     TakeResult,
-    append_args,
+    append_step_args,
     heartbeats_from,
     parse_take,
     take_args,
@@ -45,7 +44,7 @@ class SyncJobStore:
         self.keys = settings.keys
         self.redis = client
         self._take = client.register_script(TAKE_LUA)
-        self._append = client.register_script(APPEND_LUA)
+        self._append = client.register_script(APPEND_STEP_LUA)
         self._renew = client.register_script(RENEW_LUA)
         self._requeue = client.register_script(REQUEUE_LUA)
 
@@ -62,29 +61,13 @@ class SyncJobStore:
         return parse_take(self._take(keys, args))
 
     def append_batch(self, appends: Sequence[Append]) -> list[Appended]:
-        """Write one engine step for many jobs in one round trip; what became of each append."""
-        now = time.time()
-        calls = [append_args(self.keys, a, self.settings.job_ttl_s, now) for a in appends]
-        return [Appended.of(r) for r in self._evalsha_all(calls)]
-
-    def _evalsha_all(self, calls: list[ScriptCall]) -> list[Any]:
-        # NOTE: Script objects in a pipeline cost an extra SCRIPT EXISTS round trip per execute;
-        # EVALSHA directly, and load the script only when Redis answers NOSCRIPT (after a restart).
-        script = self._append
-        pipe = self.redis.pipeline(transaction=False)
-        for keys, args in calls:
-            pipe.evalsha(script.sha, len(keys), *keys, *args)
-        replies = pipe.execute(raise_on_error=False)
-        if any(isinstance(r, NoScriptError) for r in replies):
-            script.sha = self.redis.script_load(script.script)
-            replies = [
-                script(keys, args) if isinstance(r, NoScriptError) else r
-                for r, (keys, args) in zip(replies, calls, strict=True)
-            ]
-        for r in replies:
-            if isinstance(r, Exception):
-                raise r
-        return replies
+        """Write one engine step for many jobs in one script call (fenced per job inside it);
+        what became of each append."""
+        if not appends:
+            return []
+        keys, args = append_step_args(self.keys, appends, self.settings.job_ttl_s, time.time())
+        # Script's call is EVALSHA, loading the script only when Redis answers NOSCRIPT (a restart).
+        return [Appended.of(r) for r in self._append(keys, args)]
 
     def renew_leases(self, held: Mapping[str, int]) -> list[str]:
         """Extend the leases of the jobs this worker holds (job id -> attempt); returns those it lost.
