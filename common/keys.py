@@ -61,9 +61,6 @@ class Keys:
         digest = hashlib.sha256(f"{owner}\0{key}".encode()).hexdigest()
         return f"{self.prefix}:idem:{digest}"
 
-    def job_id_from_channel(self, channel: str) -> str:
-        return channel[len(self.prefix) + len(":job:") : -len(":events")]
-
     def tokenizer(self, digest: str) -> str:
         """String: what the API needs to count a model's prompt tokens (common/prompt_tokens.py),
         by the digest a worker's heartbeat names (a model's tokenizer may change under its name)."""
