@@ -207,6 +207,11 @@ class Stack:
         harness.stop_all([self.idle_api, *self.apis, self.worker])
 
 
+def worker_threads(args: argparse.Namespace) -> dict[str, str]:
+    n = args.worker_torch_threads
+    return {} if n is None else {"SPOOL_TORCH_THREADS": str(n)}
+
+
 def start_stack(
     args: argparse.Namespace,
     place: Placement,
@@ -232,9 +237,8 @@ def start_stack(
         **engine_settings(w),
     )
     argv = [*harness.spool_argv(), "worker"]
-    worker = harness.start(
-        "worker", argv, env={**env, **place.worker_env()}, log_dir=log_dir, cwd=REPO_ROOT, cpus=place.engine
-    )
+    worker_env = {**env, **place.worker_env(), **worker_threads(args)}
+    worker = harness.start("worker", argv, env=worker_env, log_dir=log_dir, cwd=REPO_ROOT, cpus=place.engine)
     procs.append(worker)
     # The clients' replicas (round-robin, as behind a load balancer), and one that no client uses:
     # what it spends is what each replica pays for the others' streams (scale-out).
@@ -628,6 +632,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         metavar="K",
         help="run the engine (alone, and the worker) on the first K CPUs with K torch threads, and the "
         "API, Redis and the clients on the others (default: all share every CPU)",
+    )
+    p.add_argument(
+        "--worker-torch-threads",
+        type=int,
+        metavar="N",
+        help="the worker's SPOOL_TORCH_THREADS (spool up's default: the CPUs minus one); default: "
+        "torch's own, or K with --engine-cpus",
     )
     p.add_argument(
         "--api-replicas",
