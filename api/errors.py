@@ -17,7 +17,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
 from common.redis_errors import UNREACHABLE, WRITE_REFUSED
-from common.schemas import LIMIT_EXCEEDED
+from common.schemas import INVALID_SCHEMA, LIMIT_EXCEEDED, OUT_OF_RANGE
 from common.store import Conflict, JobNotFound
 
 # OpenAI-style error types, so clients written against that API branch on familiar names.
@@ -116,8 +116,10 @@ async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
             ApiError(400, f"Body is not valid JSON: {first['ctx']['error']}", code="invalid_json")
         )
     message = "; ".join(f"{_location(e['loc']) or 'body'}: {e['msg']}" for e in errors)
-    # Valid in form but above a limit of this server (e.g. SPOOL_MAX_TOKENS_CAP): 400, with the numbers.
-    status = 400 if first["type"] == LIMIT_EXCEEDED else 422
+    # Valid in form but above a limit of this server (e.g. SPOOL_MAX_TOKENS_CAP), or a sampling
+    # extra (penalties, logit_bias, logprobs) outside its range, or a response_format schema that
+    # is not one, as OpenAI answers them: 400, with the numbers or what is wrong.
+    status = 400 if first["type"] in (LIMIT_EXCEEDED, OUT_OF_RANGE, INVALID_SCHEMA) else 422
     return _respond(ApiError(status, message, param=_location(first["loc"]), code=str(first["type"])))
 
 

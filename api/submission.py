@@ -9,7 +9,7 @@ foreground job nobody else watches is cancelled after ``SPOOL_DETACH_GRACE_S`` (
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, Mapping
+from collections.abc import AsyncGenerator, Mapping, Sequence
 
 from fastapi import Request
 from fastapi.sse import EventSourceResponse
@@ -41,7 +41,7 @@ async def submit_job(services: Services, body: JobRequest, idempotency_key: str 
     return job
 
 
-async def cancel_until_done(tasks: list[asyncio.Future[None]]) -> None:
+async def cancel_until_done(tasks: Sequence[asyncio.Future[None]]) -> None:
     """Cancel the tasks, again and again until each has ended.
 
     NOTE: one cancel is not enough. A cancel that lands while a task is inside redis-py (seen in

@@ -19,6 +19,11 @@ prefix   prefix caching on and off. Shared prefix: 64 requests, one 1,024-token 
          ended, its prompt the whole conversation so far): total time. transformers'
          ContinuousBatchingManager with block sharing on, for the shared prefix. uniform and
          mixed also run the engine with caching off (what caching costs where nothing is shared).
+structured  the mixed workload with a quarter of the requests under a JSON schema (an array of
+         integers: it never has to end) against the same workload unconstrained: tok/s of all,
+         and of the unconstrained requests alone; the per-step cost of filling and applying the
+         masks at batch 16 and 64 (Masks.apply alone); the time to first token of a request with
+         a schema never seen (compiled first) against one whose schema is cached.
 
 Every method is warmed up once (on a small slice of its workload) before it is timed. Targets
 are printed next to the figures, never asserted. See docs/benchmarks.md.
@@ -67,13 +72,14 @@ from workload import (
 
 from workers.engine import Engine, SamplingParams
 
-SECTIONS = ("uniform", "mixed", "decode", "prefix")
+SECTIONS = ("uniform", "mixed", "decode", "prefix", "structured")
 TARGET_ENGINE_VS_CEILING = 0.85  # engine tok/s >= 0.85 x ceiling tok/s
 TARGET_CACHING_COST = 0.97  # no sharing: engine tok/s with prefix caching >= 0.97 x without
 TARGET_SHARED_SPEEDUP = 3.0  # shared prefix: tok/s with caching >= 3 x without
 TARGET_SHARED_TTFT = 0.3  # shared prefix: p50 time to first token with caching <= 0.3 x without
 TARGET_TURNS_SPEEDUP = 2.0  # multi-turn: total time without caching >= 2 x with
 TARGET_DECODE_GROWTH = 1.3  # cached decode ms/token at ctx 1024 <= 1.3 x at ctx 64
+TARGET_SCHEMA_COST = 1.10  # mixed, a quarter under a JSON schema: seconds per token <= 1.1 x unconstrained
 
 # transformers' type hints for model methods (generate, generate_batch, ...) confuse mypy.
 HFModel = Any
@@ -824,6 +830,132 @@ def run_prefix(plan: Plan, args: argparse.Namespace, model_dir: Path, hf: HFMode
     }
 
 
+# -- structured outputs -------------------------------------------------------------------------
+
+STRUCTURED_SCHEMA = {"type": "array", "items": {"type": "integer"}}
+
+
+def constrained_run(engine: Engine, requests: Sequence[tuple[list[int], int, Any, bool]]) -> dict[str, Any]:
+    """Run (prompt, max_tokens, grammar or None, plain) requests at once: the tokens of all, and
+    of the ``plain`` ones (the three quarters never constrained) until the last of them ends."""
+    kinds = {}
+    for i, (prompt, max_tokens, grammar, plain_one) in enumerate(requests):
+        rid = f"s{time.monotonic_ns()}-{i}"
+        engine.add_request(rid, prompt, greedy_params(max_tokens), json_grammar=grammar)
+        kinds[rid] = plain_one
+    tokens = plain = 0
+    plain_done = None
+    started = time.perf_counter()
+    while engine.has_unfinished():
+        for d in engine.step():
+            tokens += len(d.token_ids)
+            plain += len(d.token_ids) * kinds[d.request_id]
+            if d.finished:
+                del kinds[d.request_id]
+                if plain_done is None and not any(kinds.values()):
+                    plain_done = time.perf_counter() - started
+    _SYNC()
+    seconds = time.perf_counter() - started
+    return {"tokens": tokens, "plain_tokens": plain, "seconds": seconds, "plain_seconds": plain_done or seconds}
+
+
+def mask_step_ms(engine: Engine, batch: int, steps: int) -> float:
+    """Masks.apply (fill on the CPU, one copy, apply) for ``batch`` constrained rows, ms per step."""
+    from workers.engine import grammar
+    from workers.engine.detokenizer import IncrementalDetokenizer
+    from workers.engine.grammar import Masks
+    from workers.engine.request import Request
+
+    compiled = engine.grammars.json(STRUCTURED_SCHEMA)
+    rows = [
+        Request(str(i), [5], greedy_params(1), IncrementalDetokenizer(engine.tokenizer), matcher=grammar.matcher(compiled))
+        for i in range(batch)
+    ]
+    for r in rows:
+        assert r.matcher is not None and r.matcher.accept_string("[1")  # inside the array: many tokens allowed
+    masks = Masks(batch, engine.runner.vocab_size, engine.runner.device)
+    logits = torch.randn(batch, engine.runner.vocab_size, device=engine.runner.device)
+    masks.apply(logits.clone(), rows)  # warm
+    _SYNC()
+    started = time.perf_counter()
+    for _ in range(steps):
+        masks.apply(logits.clone(), rows)
+    _SYNC()
+    clone_started = time.perf_counter()
+    for _ in range(steps):
+        logits.clone()
+    _SYNC()
+    clone = time.perf_counter() - clone_started
+    return (clone_started - started - clone) / steps * 1e3
+
+
+def first_token_s(engine: Engine, prompt: list[int], schema: dict[str, Any]) -> float:
+    """Compile (or find) the schema's grammar, then run until the request's first token."""
+    started = time.perf_counter()
+    rid = f"ttft-{time.monotonic_ns()}"
+    engine.add_request(rid, prompt, greedy_params(2), json_grammar=engine.grammars.json(schema))
+    first = None
+    while engine.has_unfinished():
+        for d in engine.step():
+            if first is None and d.token_ids:
+                first = time.perf_counter() - started
+    assert first is not None
+    return first
+
+
+def run_structured(plan: Plan, args: argparse.Namespace, model_dir: Path, hf: HFModel) -> dict[str, Any]:
+    rng = random.Random(args.seed + 4)
+    vocab = plan.model.vocab_size
+    prompts = random_prompts(rng, plan.mixed_requests, plan.mixed_prompt_len, vocab)
+    max_tokens = [rng.randint(*plan.mixed_max_tokens) for _ in prompts]
+    max_model_len = args.max_model_len or plan.decode_max_model_len
+    log(f"structured: loading the engine (max_batch_size={plan.mixed_batch})")
+    engine = spool_engine(model_dir, args, plan.mixed_batch, max_model_len)
+    schema = engine.grammars.json(STRUCTURED_SCHEMA)
+    warm = [(p, plan.warmup_tokens, schema, False) for p in unseen_like(rng, prompts[: plan.warmup_requests], vocab)]
+    constrained_run(engine, warm)
+    out: dict[str, Any] = {}
+    for name, every in (("unconstrained", 0), ("quarter_schema", 4)):
+        # The same lengths, other tokens: the second run finds nothing of the first's cached.
+        timed = prompts if not every else unseen_like(rng, prompts, vocab)
+        requests = [
+            (p, m, schema if every and i % 4 == 0 else None, i % 4 != 0)
+            for i, (p, m) in enumerate(zip(timed, max_tokens, strict=True))
+        ]
+        log(f"structured: {name}: timed run")
+        cpu = time.process_time()
+        r = constrained_run(engine, requests)
+        r["cpu_s"] = time.process_time() - cpu
+        r["tok_s"] = r["tokens"] / r["seconds"]
+        r["plain_tok_s"] = r["plain_tokens"] / r["plain_seconds"]
+        out[name] = r
+        log(f"structured: {name}: {r['tok_s']:.1f} tok/s, unconstrained requests {r['plain_tok_s']:.1f} tok/s")
+    steps = 20 if args.quick else 100
+    out["mask_ms_per_step"] = {str(b): mask_step_ms(engine, b, steps) for b in (16, 64)}
+    prompt = prompts[0][:32]
+    new = [first_token_s(engine, prompt, {**STRUCTURED_SCHEMA, "title": f"new-{i}-{time.monotonic_ns()}"}) for i in range(3)]
+    cached = [first_token_s(engine, prompt, STRUCTURED_SCHEMA) for _ in range(3)]
+    out["ttft_s"] = {"new_schema_p50": statistics.median(new), "cached_schema_p50": statistics.median(cached)}
+    return out
+
+
+def print_structured(sec: dict[str, Any]) -> None:
+    plain, quarter = sec["unconstrained"], sec["quarter_schema"]
+    cost = (quarter["seconds"] / quarter["tokens"]) / (plain["seconds"] / plain["tokens"])
+    print("\n== structured outputs (mixed workload, a quarter under a JSON schema) ==")
+    print(f"  unconstrained      {plain['tok_s']:8.1f} tok/s   ({plain['tokens']} tokens, {plain['seconds']:.2f} s)")
+    print(f"  quarter schema     {quarter['tok_s']:8.1f} tok/s   ({quarter['tokens']} tokens, {quarter['seconds']:.2f} s)")
+    print(f"  seconds per token, schema/unconstrained: {cost:.3f}  (target <= {TARGET_SCHEMA_COST})")
+    print(
+        f"  the three quarters never constrained: {quarter['plain_tok_s']:.1f} tok/s beside the schema ones, "
+        f"{plain['plain_tok_s']:.1f} in the unconstrained run"
+    )
+    masks = sec["mask_ms_per_step"]
+    print(f"  masks per step: batch 16 {masks['16']:.3f} ms, batch 64 {masks['64']:.3f} ms")
+    ttft = sec["ttft_s"]
+    print(f"  TTFT p50: new schema {ttft['new_schema_p50'] * 1e3:.1f} ms, cached {ttft['cached_schema_p50'] * 1e3:.1f} ms")
+
+
 # -- report -------------------------------------------------------------------------------------
 
 
@@ -887,6 +1019,8 @@ def print_report(report: dict[str, Any]) -> None:
 
     if "prefix" in report:
         print_prefix(report["prefix"])
+    if "structured" in report:
+        print_structured(report["structured"])
 
     print()
     print("== summary")
@@ -964,7 +1098,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--only",
         action="append",
         choices=SECTIONS,
-        metavar="{uniform,mixed,decode,prefix}",
+        metavar="{uniform,mixed,decode,prefix,structured}",
         help="run only this section (repeat for several); default: all",
     )
     p.add_argument("--json", type=Path, metavar="PATH", help="also write the figures as JSON to PATH")
@@ -989,6 +1123,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prefix-requests", type=int, help="prefix section: shared-prefix requests; None: 64 (8 with --quick)")
     p.add_argument("--prefix-len", type=int, help="prefix section: the shared prefix's tokens; None: 1024 (64 with --quick)")
     p.add_argument("--conversations", type=int, help="prefix section: multi-turn conversations; None: 16 (4 with --quick)")
+    p.add_argument("--mixed-requests", type=int, help="mixed and structured sections: requests; None: 64 (12 with --quick)")
     return p.parse_args(argv)
 
 
@@ -998,7 +1133,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if args.threads:
         torch.set_num_threads(args.threads)
     plan = QUICK if args.quick else FULL
-    smaller = {"prefix_requests": args.prefix_requests, "prefix_len": args.prefix_len, "conversations": args.conversations}
+    smaller = {
+        "prefix_requests": args.prefix_requests,
+        "prefix_len": args.prefix_len,
+        "conversations": args.conversations,
+        "mixed_requests": args.mixed_requests,
+    }
     plan = dataclasses.replace(plan, **{k: v for k, v in smaller.items() if v is not None})
     if torch.device(args.device).type == "cuda":
         global _SYNC
@@ -1044,9 +1184,16 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 "shared: caching on/off tok/s >=": TARGET_SHARED_SPEEDUP,
                 "shared: caching on/off TTFT p50 <=": TARGET_SHARED_TTFT,
                 "multi-turn: caching off/on seconds >=": TARGET_TURNS_SPEEDUP,
+                "structured: s/token quarter schema / unconstrained <=": TARGET_SCHEMA_COST,
             },
         }
-        runners = {"uniform": run_uniform, "mixed": run_mixed, "decode": run_decode, "prefix": run_prefix}
+        runners = {
+            "uniform": run_uniform,
+            "mixed": run_mixed,
+            "decode": run_decode,
+            "prefix": run_prefix,
+            "structured": run_structured,
+        }
         for s in sections:
             report[s] = runners[s](plan, args, model_dir, hf)
 

@@ -15,6 +15,7 @@ import sys
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parent.parent

@@ -10,6 +10,7 @@ import enum
 import math
 from typing import Annotated, Any, Literal
 
+import jsonschema
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
@@ -21,6 +22,16 @@ MAX_STOP_STRINGS = 4
 # back from the store, already judged by the API that accepted it; a tool's own) neither applies.
 SERVER_SETTINGS = "settings"
 LIMIT_EXCEEDED = "limit_exceeded"  # validation error type of a value above a configured limit (400)
+OUT_OF_RANGE = "out_of_range"  # validation error type of a sampling extra outside its range (400, as OpenAI)
+MAX_LOGIT_BIAS = 300  # token ids one request may bias
+MAX_LOGPROBS = 20  # top logprobs per token (chat's top_logprobs limit)
+# The sampling extras' (lowest, highest) values, both included.
+_RANGES: dict[str, tuple[float, float]] = {
+    "frequency_penalty": (-2, 2),
+    "presence_penalty": (-2, 2),
+    "logprobs": (0, MAX_LOGPROBS),
+    "min_tokens": (0, math.inf),
+}
 
 
 class JobStatus(str, enum.Enum):
@@ -73,6 +84,57 @@ def _finite(v: float | None) -> float | None:
     return v
 
 
+INVALID_SCHEMA = "invalid_json_schema"  # validation error type of a response_format schema that is not one (400)
+
+
+class JsonSchemaFormat(BaseModel):
+    """OpenAI's ``response_format.json_schema``."""
+
+    name: str = Field("response", max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None  # the output always follows the schema: constrained decoding is strict
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, serialize_by_alias=True)
+
+    @field_validator("schema_")
+    @classmethod
+    def _is_a_schema(cls, v: dict[str, Any]) -> dict[str, Any]:
+        # NOTE: jsonschema, not the grammar compiler: the API imports no torch. What is a valid
+        # schema the compiler still cannot use fails the job with invalid_request (a 400 too).
+        try:
+            jsonschema.validators.validator_for(v).check_schema(v)
+        except jsonschema.SchemaError as e:
+            where = "/".join(map(str, e.absolute_path)) or "the root"
+            raise PydanticCustomError(INVALID_SCHEMA, "not a valid JSON schema at {where}: {error}", {"where": where, "error": e.message}) from None
+        return v
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's ``response_format``: ``text`` (no constraint), ``json_object`` (any JSON object)
+    or ``json_schema`` (JSON that validates against ``json_schema.schema``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise PydanticCustomError(INVALID_SCHEMA, "json_schema is required with type json_schema, and only then")
+        return self
+
+    @property
+    def constrained(self) -> bool:
+        return self.type != "text"
+
+    @property
+    def schema_or_none(self) -> dict[str, Any] | None:
+        """The schema the output follows; None with json_object (any object)."""
+        return self.json_schema.schema_ if self.json_schema is not None else None
+
+
 class JobRequest(BaseModel):
     """A validated generation request, stored as JSON in the job hash's ``request`` field."""
 
@@ -92,6 +154,46 @@ class JobRequest(BaseModel):
     stream: bool = False  # POST /v1/jobs answers with the job's event stream instead of the job
     user: str | None = Field(None, max_length=256)  # the end user, as the OpenAI API's `user`; stored only
     stream_include_usage: bool = False  # OpenAI stream format: end with a usage chunk (stream_options)
+    # Logits processing (the engine's SamplingParams; docs/openai.md). Neutral by default.
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # > 0; 1 changes nothing
+    min_tokens: int = 0  # at most max_tokens
+    logit_bias: dict[int, float] | None = None  # token id -> -100..100, added to its logit
+    logprobs: int | None = None  # each token's logprob and the top this many (0..20); None: none
+    response_format: ResponseFormat | None = None  # structured outputs (workers/engine/grammar.py)
+
+    @field_validator("frequency_penalty", "presence_penalty", "logprobs", "min_tokens")
+    @classmethod
+    def _in_range(cls, v: float | None, info: ValidationInfo) -> float | None:
+        low, high = _RANGES[str(info.field_name)]
+        if v is not None and not low <= v <= high:
+            bounds = f"at least {low}" if high == math.inf else f"between {low} and {high}"
+            raise PydanticCustomError(OUT_OF_RANGE, "{name} is {value}; it must be " + bounds, {"name": info.field_name, "value": v})
+        return v
+
+    @field_validator("repetition_penalty")
+    @classmethod
+    def _repetition_penalty(cls, v: float) -> float:
+        if not (math.isfinite(v) and v > 0):
+            raise PydanticCustomError(OUT_OF_RANGE, "repetition_penalty is {value}; it must be above 0", {"value": v})
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, v: dict[int, float] | None) -> dict[int, float] | None:
+        if v is None:
+            return v
+        if len(v) > MAX_LOGIT_BIAS:
+            raise PydanticCustomError(OUT_OF_RANGE, "logit_bias has {n} entries; at most {max}", {"n": len(v), "max": MAX_LOGIT_BIAS})
+        for token, bias in v.items():
+            if token < 0 or not -100 <= bias <= 100:
+                raise PydanticCustomError(
+                    OUT_OF_RANGE,
+                    "logit_bias maps token ids (>= 0) to values between -100 and 100; got {token}: {bias}",
+                    {"token": token, "bias": bias},
+                )
+        return v
 
     @field_validator("prompt", "stop", "user")
     @classmethod
@@ -138,6 +240,16 @@ class JobRequest(BaseModel):
             self.max_tokens = settings.default_max_tokens
         return self
 
+    @model_validator(mode="after")
+    def _min_tokens(self) -> JobRequest:
+        if self.min_tokens > self.max_tokens:
+            raise PydanticCustomError(
+                OUT_OF_RANGE,
+                "min_tokens is {value}; it must be at most max_tokens ({max_tokens})",
+                {"value": self.min_tokens, "max_tokens": self.max_tokens},
+            )
+        return self
+
     @classmethod
     def accept(cls, data: Any, settings: Settings) -> JobRequest:
         """Validate a client's request with the server's default max_tokens and limits."""
@@ -164,10 +276,21 @@ class Usage(BaseModel):
         )
 
 
+class TopLogprob(BaseModel):
+    token: str  # the token alone, decoded
+    token_id: int
+    logprob: float
+
+
+class TokenLogprob(TopLogprob):
+    top: list[TopLogprob]  # the most likely tokens at its position, most likely first
+
+
 class TokenEvent(BaseModel):
     index: int  # counts token events of the job from 0
     text: str
     token_ids: list[int]
+    logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asked (absent else)
 
 
 class DoneEvent(BaseModel):
@@ -205,7 +328,7 @@ class LogEntry(BaseModel):
 
     @classmethod
     def token(cls, seq: int, event: TokenEvent) -> LogEntry:
-        return cls(seq=seq, type="token", data=event.model_dump(mode="json"))
+        return cls(seq=seq, type="token", data=event.model_dump(mode="json", exclude_none=True))
 
     @classmethod
     def done(cls, seq: int, event: DoneEvent) -> LogEntry:

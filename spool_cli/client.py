@@ -4,8 +4,8 @@
 Connections: an API that was never reached (connection refused, no such host) fails the command
 at once with one line naming the URL; one that answered before and then went away (a replica
 restarting, a dropped connection) is retried with back-off. Ctrl-C never loses a job: the
-commands print the ids of the jobs they submitted and how to resume or cancel them, and every
-job the API named is recorded locally (spool_cli/history.py) for ``spool jobs``.
+commands print the ids of the jobs they submitted and how to resume or cancel them (and ``spool
+jobs`` lists them, from the API's ``GET /v1/jobs``).
 """
 
 from __future__ import annotations
@@ -21,13 +21,12 @@ from typing import Any, Self
 
 import httpx
 
-from spool_cli import history
-
 TERMINAL = {"succeeded", "failed", "cancelled", "partial"}
 MAX_RECONNECTS = 20  # consecutive failed tries to reach the event stream before giving up
 RETRY_STATUSES = {502, 503, 504}  # a replica restarting, Redis unreachable: try again
 POLL_S = 0.5  # between two rounds of status checks in `spool batch`
 TIMEOUT = httpx.Timeout(30.0, read=120.0)  # the API pings idle streams every SPOOL_SSE_PING_S
+PAGE_MAX = 100  # the most jobs one GET /v1/jobs answers with (its `limit`)
 SECOND_CTRL_C_S = 2.0  # a second Ctrl-C within this long of the first cancels the job
 INTERRUPTED = 130  # the shell's status for a command ended by SIGINT
 NEVER_CONNECTED = (httpx.ConnectError, httpx.ConnectTimeout)
@@ -173,7 +172,7 @@ def _stream(api: Api, state: Follow, body: dict[str, Any] | None) -> int:
                     _say(f"{_error(stream)}; resuming after event {state.last}")
                 else:
                     if state.job_id is None:
-                        _submitted(api, state, body or {}, stream)
+                        _submitted(state, stream)
                     for event_id, event, data in sse_events(stream.iter_lines()):
                         if not event_id:  # the stream's own end (Redis unreachable), not the job's
                             _end_line(state)
@@ -201,9 +200,8 @@ def _open(api: Api, state: Follow, body: dict[str, Any] | None, key: dict[str, s
     return api.http.stream("GET", f"/v1/jobs/{state.job_id}/events", headers={"Last-Event-ID": state.last})
 
 
-def _submitted(api: Api, state: Follow, body: dict[str, Any], stream: httpx.Response) -> None:
+def _submitted(state: Follow, stream: httpx.Response) -> None:
     state.job_id = stream.headers["location"].rsplit("/", 1)[-1]
-    history.record(state.job_id, api.url, history.describe(body), "generate")
     if stream.headers.get(READY_HEADER) == "false":
         _say(f"no worker is running: job {state.job_id} waits in the queue until one starts")
 
@@ -309,21 +307,61 @@ def _cancel(api: Api, job_ids: list[str]) -> int:
     return code
 
 
-def list_jobs(url: str, limit: int, api_key: str | None) -> int:
-    entries = history.recent(url.rstrip("/"), limit)
-    if not entries:
-        _say(f"no jobs recorded for {url} in {history.path()} (spool generate and spool batch record theirs)")
-        return 0
+def list_jobs(url: str, limit: int, status: str | None, api_key: str | None) -> int:
+    """The newest ``limit`` jobs of the API key (without keys: every job), whichever client
+    submitted them, as a table; ``status``: only jobs in that state."""
     with Api(url, api_key) as api:
-        print(f"{'JOB':32}  {'STATUS':9}  {'TOKENS':>6}  {'SUBMITTED':19}  {'VIA':8}  PROMPT")
-        for entry in entries:
-            job, _ = _get_job(api, entry["id"])
-            status = job["status"] if job else "expired"  # 404: unknown now, its TTL ran out
-            tokens = str(job["usage"]["completion_tokens"]) if job else "-"
-            when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(entry["at"]))
-            what = json.dumps(entry["what"], ensure_ascii=False)
-            print(f"{entry['id']:32}  {status:9}  {tokens:>6}  {when:19}  {entry['via']:8}  {what}")
+        jobs, error = _listed(api, limit, status)
+    if jobs:
+        print(f"{'JOB':32}  {'STATUS':9}  {'TOKENS':>6}  {'CREATED':19}  MODEL")
+        for job in jobs:
+            when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(job["created_at"]))
+            tokens = job["usage"]["completion_tokens"]
+            print(f"{job['id']:32}  {job['status']:9}  {tokens:>6}  {when:19}  {job['model'] or '-'}")
+    if error is not None:
+        _say(error)
+        return 1
+    if not jobs:
+        _say(f"no {status} jobs" if status else "no jobs")
     return 0
+
+
+def _listed(api: Api, limit: int, status: str | None) -> tuple[list[dict[str, Any]], str | None]:
+    """(up to ``limit`` jobs, newest first; None or the error that ended the listing early):
+    page after page, each from the last one's ``last_id``. A page may be short and still have
+    more (the API reads a bounded part of the index per page), so ``has_more`` decides."""
+    jobs: list[dict[str, Any]] = []
+    params: dict[str, Any] = {"status": status} if status else {}
+    while len(jobs) < limit:
+        params["limit"] = min(limit - len(jobs), PAGE_MAX)
+        page, error = _page(api, params)
+        if page is None:
+            return jobs, error
+        jobs += page["data"]
+        if not page["has_more"]:
+            break
+        params["after"] = page["last_id"]
+    return jobs, None
+
+
+def _page(api: Api, params: dict[str, Any]) -> tuple[dict[str, Any] | None, str | None]:
+    """(one page of GET /v1/jobs, None) or (None, the error); a lost connection or a 502, 503 or
+    504 is tried again with back-off, up to ``MAX_RECONNECTS`` times."""
+    failures = 0
+    while True:
+        try:
+            resp = api.http.get("/v1/jobs", params=params)
+        except httpx.TransportError as e:
+            api.lost(e)
+            error = f"connection lost ({e})"
+        else:
+            if resp.status_code not in RETRY_STATUSES:
+                return (None, _error(resp)) if resp.is_error else (resp.json(), None)
+            error = _error(resp)
+        failures += 1
+        if failures > MAX_RECONNECTS:
+            return None, error
+        _back_off(failures)
 
 
 # -- batch ---------------------------------------------------------------------------------------
@@ -409,9 +447,6 @@ def _run_batch(api: Api, rows: list[dict[str, Any]], results: list[dict[str, Any
         result: dict[str, Any] = {"custom_id": custom_id, "job_id": job_id}
         if error:
             result.update(status="rejected", error={"message": error, "type": "rejected"})
-        else:
-            assert job_id is not None
-            history.record(job_id, api.url, history.describe(row), "batch")
         results.append(result)
     pending = {r["job_id"]: r for r in results if "status" not in r}
     while pending:

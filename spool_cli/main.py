@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from common.redis_policy import UnsafeRedis
+from common.schemas import JobStatus
 from common.settings import SettingsError, get_settings
 
 SETTINGS_EXIT = 2
@@ -122,7 +123,7 @@ def cmd_batch(args: argparse.Namespace) -> int:
 def cmd_jobs(args: argparse.Namespace) -> int:
     from spool_cli.client import list_jobs
 
-    return list_jobs(args.url or default_url(), args.limit, args.api_key)
+    return list_jobs(args.url or default_url(), args.limit, args.status, args.api_key)
 
 
 def cmd_job(args: argparse.Namespace) -> int:
@@ -151,6 +152,13 @@ def default_url() -> str:
         "127.0.0.1" if settings.host in ("0.0.0.0", "::") else settings.host
     )  # where a local API is reached
     return f"http://{host}:{settings.port}"
+
+
+def _positive(text: str) -> int:
+    number = int(text)
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"{text} is not a positive number")
+    return number
 
 
 def _client_options(p: argparse.ArgumentParser) -> None:
@@ -238,8 +246,7 @@ def parser() -> argparse.ArgumentParser:
         "job's id. A dropped connection, or a 502, 503 or 504 while reconnecting (a replica "
         "restarting, Redis unreachable), resumes the stream after the last event shown, backing off "
         "for up to about 45 s in all before giving up. Ctrl-C leaves the job running and prints how "
-        "to resume it (spool job ID --follow) or cancel it; a second Ctrl-C within 2 s cancels it. "
-        "The job is recorded for spool jobs.",
+        "to resume it (spool job ID --follow) or cancel it; a second Ctrl-C within 2 s cancels it.",
         CLIENT_SETTINGS,
         'echo "Speak, friend." | spool generate - --chat --system "You are terse." --max-tokens 40 --seed 7',
     )
@@ -268,7 +275,7 @@ def parser() -> argparse.ArgumentParser:
         "queued (the workers take them in order); a dropped connection or a 502, 503 or 504 is "
         "retried at the next poll; a job the API no longer knows (expired) ends with status 'lost'. Ctrl-C writes the results so far (unfinished jobs with status "
         "'submitted' and their ids) and leaves the jobs running; a second Ctrl-C within 2 s "
-        "cancels them. Each job is recorded for spool jobs.",
+        "cancels them. spool jobs lists them too.",
         CLIENT_SETTINGS,
         "spool batch prompts.jsonl --out results.jsonl",
     )
@@ -280,15 +287,17 @@ def parser() -> argparse.ArgumentParser:
     p = _command(
         sub,
         "jobs",
-        "list the jobs this machine's spool submitted to the API, newest first, with their status",
-        "The API has no listing of jobs, so this reads the ids that spool generate and spool batch "
-        "recorded in $XDG_STATE_HOME/spool/jobs.jsonl (default ~/.local/state/spool/jobs.jsonl), "
-        "for this --url, and asks the API for each one's status ('expired' once the API has "
-        "forgotten it, SPOOL_JOB_TTL_S after it ended).",
-        CLIENT_SETTINGS + " XDG_STATE_HOME: where the list of submitted jobs is kept.",
-        "spool jobs --limit 5",
+        "list the API key's jobs, newest first, with their status, tokens, creation time and model",
+        "Asks the API (GET /v1/jobs) for the jobs of --api-key (without keys on the API: every "
+        "job), whichever client submitted them, page after page until --limit are shown (a dropped "
+        "connection or a 502, 503 or 504 asks for the page again, with back-off). A job "
+        "is listed until the API forgets it, SPOOL_JOB_TTL_S after it ended; the model shows once "
+        "a worker took the job.",
+        CLIENT_SETTINGS,
+        "spool jobs --limit 5 --status running",
     )
-    p.add_argument("--limit", type=int, default=20, help="how many (default: 20)")
+    p.add_argument("--limit", type=_positive, default=20, help="how many at most (default: 20)")
+    p.add_argument("--status", choices=[s.value for s in JobStatus], help="only the jobs in this state")
     _client_options(p)
     p.set_defaults(func=cmd_jobs)
 

@@ -8,9 +8,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from common.redis_errors import TRANSIENT, WRITE_REFUSED
-from common.schemas import DoneEvent, ErrorEvent, JobError, JobStatus, LogEntry, Usage
+from common.schemas import DoneEvent, ErrorEvent, JobError, JobStatus, LogEntry, TokenLogprob, TopLogprob, Usage
 from common.store import Append, Appended, Final, SyncJobStore, token_entry
 from workers.engine import Delta, FinishReason
+from workers.engine.types import Logprob, TokenLogprobs
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +57,14 @@ def _terminal_entry(seq: int, final: Final, usage: Usage) -> LogEntry:
     return LogEntry.done(seq, DoneEvent(status=final.status, finish_reason=final.finish_reason, usage=usage))
 
 
+def _top(lp: Logprob) -> TopLogprob:
+    return TopLogprob(token=lp.token, token_id=lp.token_id, logprob=lp.logprob)
+
+
+def _token_logprob(lp: TokenLogprobs) -> TokenLogprob:
+    return TokenLogprob(**_top(lp.chosen).model_dump(), top=[_top(t) for t in lp.top])
+
+
 def build_append(delta: Delta, cursor: JobCursor) -> Append | None:
     """The writes for one delta; advances the cursor. None when the delta carries nothing."""
     cursor.prompt_tokens = delta.num_prompt_tokens or cursor.prompt_tokens
@@ -64,7 +73,8 @@ def build_append(delta: Delta, cursor: JobCursor) -> Append | None:
     if delta.token_ids or delta.text:
         # NOTE: a token event may carry ids and no text yet (held back for a stop string or an
         # unfinished UTF-8 sequence): the ids must be in the log for a resumed attempt.
-        entries.append(token_entry(cursor.next(), cursor.next_index, delta.text, delta.token_ids))
+        logprobs = None if delta.logprobs is None else [_token_logprob(lp) for lp in delta.logprobs]
+        entries.append(token_entry(cursor.next(), cursor.next_index, delta.text, delta.token_ids, logprobs))
         cursor.next_index += 1
     final = None
     if delta.finished:

@@ -32,6 +32,7 @@ from common.schemas import JobError, JobRequest
 from common.settings import Settings
 from common.store import Append, SyncJobStore, TakeResult, TakeStatus
 from workers.engine import Delta, Engine, EngineConfig, FinishReason, RequestTooLongError, SamplingParams
+from workers.engine.grammar import GrammarError
 from workers.engine.tiny import default_model_path
 from workers.identity import this_process
 from workers.liveness import HeldJob, Liveness
@@ -92,6 +93,8 @@ class _Job:
     outcome: Outcome = Outcome.SHUTDOWN
     in_engine: bool = False
     abort_requested: bool = False
+    json_grammar: Any = None  # the response_format's compiled grammar (compiled on the task thread)
+    grammar_error: str | None = None  # why the response_format could not be compiled
 
 
 def sampling_params(r: JobRequest) -> SamplingParams:
@@ -102,6 +105,12 @@ def sampling_params(r: JobRequest) -> SamplingParams:
         top_k=r.top_k,
         seed=r.seed,
         stop=tuple(r.stop_list),
+        frequency_penalty=r.frequency_penalty,
+        presence_penalty=r.presence_penalty,
+        repetition_penalty=r.repetition_penalty,
+        min_tokens=r.min_tokens,
+        logit_bias=tuple((r.logit_bias or {}).items()),
+        logprobs=r.logprobs,
     )
 
 
@@ -252,12 +261,24 @@ class EngineRuntime:
             return Outcome.SKIPPED
         job = new_job(taken)
         with self._lock:
-            self._jobs[job_id] = job
+            self._jobs[job_id] = job  # held from now on: its lease is renewed while it compiles
+        self._compile(job)
         if taken.record is not None and taken.record.cancel_requested:
             self._inbox.put(_Abort(job_id, None))  # cancelled while an earlier attempt ran it
         self._inbox.put(_Add(job_id))
         job.done.wait()
         return job.outcome
+
+    def _compile(self, job: _Job) -> None:
+        """The job's grammar, compiled here on its task thread (or found in the cache) so that a
+        new schema never stalls the engine thread's running batch."""
+        fmt = job.request.response_format
+        if fmt is None or not fmt.constrained:
+            return
+        try:
+            job.json_grammar = self.engine.grammars.json(fmt.schema_or_none)
+        except GrammarError as e:
+            job.grammar_error = str(e)
 
     def abort(self, job_id: str, error: JobError | None = None) -> None:
         """Thread-safe: end a job this worker runs (no-op for other jobs)."""
@@ -351,6 +372,10 @@ class EngineRuntime:
             job.cursor.error = timeout_error(job)
             self._pending.append(end_delta(job, FinishReason.ERROR))
             return
+        if job.grammar_error is not None:
+            job.cursor.error = JobError(message=f"response_format: {job.grammar_error}", type="invalid_request")
+            self._pending.append(end_delta(job, FinishReason.ERROR))
+            return
         if len(job.resume_token_ids) >= job.request.max_tokens:  # an earlier attempt generated them all
             self._pending.append(end_delta(job, FinishReason.LENGTH))
             return
@@ -362,6 +387,7 @@ class EngineRuntime:
                 resume_token_ids=job.resume_token_ids,
                 resume_text=job.resume_text,
                 cache_salt=job.owner,
+                json_grammar=job.json_grammar,
             )
         except ValueError as e:
             kind = "request_too_long" if isinstance(e, RequestTooLongError) else "invalid_request"

@@ -8,14 +8,16 @@ request asked for it (``stream_options.include_usage``) and ``data: [DONE]``.
 
 from __future__ import annotations
 
+import itertools
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from fastapi.sse import ServerSentEvent
 
 from api.errors import ApiError, error_body
-from common.schemas import Job, JobError, JobRequest, LogEntry, Usage
+from common.schemas import Job, JobError, JobRequest, LogEntry, TokenLogprob, TopLogprob, Usage
 
 DONE = ServerSentEvent(raw_data="[DONE]")
 
@@ -41,6 +43,7 @@ class View:
     created: int  # the job's creation, unix seconds
     model: str  # the served model's name
     include_usage: bool  # the stream ends with a usage chunk
+    logprobs: bool  # the request asked for logprobs: choices carry them
 
     @classmethod
     def of(cls, job_id: str, created_at: float, request: JobRequest, model: str) -> View:
@@ -51,6 +54,7 @@ class View:
             created=int(created_at),
             model=model,
             include_usage=request.stream_include_usage,
+            logprobs=request.logprobs is not None,
         )
 
     @property
@@ -62,8 +66,9 @@ class View:
 
     # -- non-streamed -----------------------------------------------------------------------------
 
-    def completion(self, job: Job) -> dict[str, Any]:
-        """The response body of a finished job; raises the job's failure as an ApiError."""
+    def completion(self, job: Job, log: Sequence[LogEntry] = ()) -> dict[str, Any]:
+        """The response body of a finished job (``log``: its entries, for the logprobs); raises
+        the job's failure as an ApiError."""
         if job.error is not None:
             raise failure(job.error, self.prompt_param)
         if self.chat:
@@ -73,7 +78,7 @@ class View:
         return {
             **self._head("chat.completion" if self.chat else "text_completion"),
             "system_fingerprint": None,
-            "choices": [{"index": 0, **choice, "logprobs": None, "finish_reason": job.finish_reason}],
+            "choices": [{"index": 0, **choice, "logprobs": self._logprobs(log), "finish_reason": job.finish_reason}],
             "usage": job.usage.model_dump(),
         }
 
@@ -84,7 +89,8 @@ class View:
         sid = str(entry.seq)
         if entry.type == "token":
             # The first token entry opens the assistant's turn, as OpenAI's first chunk does.
-            return [self._chunk(sid, entry.data["text"], None, first=entry.data["index"] == 0)]
+            chunk = self._chunk(sid, entry.data["text"], None, first=entry.data["index"] == 0, logprobs=[entry])
+            return [chunk]
         if entry.type == "error":
             err = failure(JobError.model_validate(entry.data), self.prompt_param)
             return [_event(sid, error_body(err.status, err.message, err.param, err.code)), DONE]
@@ -101,7 +107,9 @@ class View:
             "system_fingerprint": None,
         }
 
-    def _chunk(self, sid: str, text: str, finish_reason: str | None, first: bool) -> ServerSentEvent:
+    def _chunk(
+        self, sid: str, text: str, finish_reason: str | None, first: bool, logprobs: Sequence[LogEntry] = ()
+    ) -> ServerSentEvent:
         if self.chat:
             delta: dict[str, str] = {"role": "assistant"} if first else {}
             if text or finish_reason is None:
@@ -111,11 +119,30 @@ class View:
             choice = {"text": text}
         body = {
             **self._chunk_head(),
-            "choices": [{"index": 0, **choice, "logprobs": None, "finish_reason": finish_reason}],
+            "choices": [{"index": 0, **choice, "logprobs": self._logprobs(logprobs), "finish_reason": finish_reason}],
         }
         if self.include_usage:
             body["usage"] = None  # only the last chunk carries it
         return _event(sid, body)
+
+    def _logprobs(self, entries: Sequence[LogEntry]) -> dict[str, Any] | None:
+        """OpenAI's logprobs object for the tokens of ``entries`` (None unless asked for)."""
+        if not self.logprobs:
+            return None
+        tokens = [TokenLogprob.model_validate(t) for e in entries if e.type == "token" for t in e.data.get("logprobs", ())]
+        if self.chat:
+            return {"content": [{**_chat_logprob(t), "top_logprobs": [_chat_logprob(x) for x in t.top]} for t in tokens], "refusal": None}
+        offsets = list(itertools.accumulate((len(t.token) for t in tokens), initial=0))[:-1]
+        return {
+            "tokens": [t.token for t in tokens],
+            "token_logprobs": [t.logprob for t in tokens],
+            "top_logprobs": [{x.token: x.logprob for x in t.top} for t in tokens],
+            "text_offset": offsets,
+        }
+
+
+def _chat_logprob(t: TopLogprob) -> dict[str, Any]:
+    return {"token": t.token, "logprob": t.logprob, "bytes": list(t.token.encode())}
 
 
 def _event(sid: str, body: dict[str, Any]) -> ServerSentEvent:

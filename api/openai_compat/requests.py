@@ -12,15 +12,11 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from api.errors import ApiError, body_errors
-from common.schemas import JobRequest
+from common.schemas import MAX_LOGPROBS, JobRequest
 from common.settings import Settings
 
 # Values of unsupported parameters that change nothing, so a client sending them is served.
 _NEUTRAL: dict[str, object] = {
-    "frequency_penalty": 0,
-    "presence_penalty": 0,
-    "logit_bias": {},
-    "logprobs": False,
     "echo": False,
     "best_of": 1,
     "tools": [],
@@ -28,6 +24,7 @@ _NEUTRAL: dict[str, object] = {
     "store": False,
     "metadata": {},
 }
+COMPLETION_MAX_LOGPROBS = 5  # OpenAI's limit for /v1/completions' logprobs
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
 
@@ -86,8 +83,18 @@ class OpenAIRequest(_Open):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     background: bool = False  # a stream that runs to the end even when its client goes away
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    repetition_penalty: float | None = None  # vLLM's extra (transformers'), as min_tokens
+    min_tokens: int | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as a string, JSON's keys) -> bias
+    response_format: dict[str, Any] | None = None  # validated as JobRequest's ResponseFormat
 
     def prompt_fields(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def logprobs_field(self) -> int | None:
+        """How many top logprobs per token the job returns; None: no logprobs."""
         raise NotImplementedError
 
     def max_tokens_field(self) -> tuple[str, int | None]:
@@ -114,6 +121,14 @@ class OpenAIRequest(_Open):
             _refuse_extras(self.stream_options.model_extra, "stream_options.")
             include_usage = bool(self.stream_options.include_usage)
         tokens_name, max_tokens = self.max_tokens_field()
+        if self.min_tokens is not None and self.min_tokens > (limit := max_tokens or settings.default_max_tokens):
+            # JobRequest checks it too, as a whole-body error: here it gets its param.
+            raise ApiError(
+                400,
+                f"min_tokens is {self.min_tokens}; it must be at most {tokens_name} ({limit})",
+                param="min_tokens",
+                code="out_of_range",
+            )
         fields: dict[str, Any] = {
             **self.prompt_fields(),
             "max_tokens": max_tokens,
@@ -125,6 +140,13 @@ class OpenAIRequest(_Open):
             "user": self.user,
             "background": self.background,
             "stream_include_usage": include_usage,
+            "frequency_penalty": self.frequency_penalty,
+            "presence_penalty": self.presence_penalty,
+            "repetition_penalty": self.repetition_penalty,
+            "min_tokens": self.min_tokens,
+            "logit_bias": _logit_bias(self.logit_bias),
+            "logprobs": self.logprobs_field(),
+            "response_format": self.response_format,
         }
         try:
             return JobRequest.accept({k: v for k, v in fields.items() if v is not None}, settings)
@@ -132,8 +154,27 @@ class OpenAIRequest(_Open):
             raise body_errors(e, {"max_tokens": tokens_name}) from None
 
 
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    if bias is None:
+        return None
+    for key in bias:
+        if not key.isdigit():
+            raise ApiError(400, f"logit_bias keys must be token ids; got {key!r}", param="logit_bias")
+    return {int(k): v for k, v in bias.items()}
+
+
+def _at_most(name: str, value: int | None, limit: int) -> int | None:
+    if value is not None and not 0 <= value <= limit:
+        raise ApiError(400, f"{name} is {value}; it must be between 0 and {limit}", param=name, code="out_of_range")
+    return value
+
+
 class CompletionRequest(OpenAIRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = None  # top logprobs per token, 0 to 5 (OpenAI's legacy completions)
+
+    def logprobs_field(self) -> int | None:
+        return _at_most("logprobs", self.logprobs, COMPLETION_MAX_LOGPROBS)
 
     def prompt_fields(self) -> dict[str, Any]:
         prompt = self.prompt
@@ -153,6 +194,16 @@ class CompletionRequest(OpenAIRequest):
 class ChatCompletionRequest(OpenAIRequest):
     messages: list[Message]
     max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None  # 0 to 20, with logprobs: true
+
+    def logprobs_field(self) -> int | None:
+        top = _at_most("top_logprobs", self.top_logprobs, MAX_LOGPROBS)
+        if not self.logprobs:
+            if top is not None:
+                raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+            return None
+        return top or 0
 
     def max_tokens_field(self) -> tuple[str, int | None]:
         if self.max_completion_tokens is not None:

@@ -68,7 +68,9 @@ async def _serve(body: OpenAIRequest, services: ServicesDep, http: Request) -> R
     if body.stream:
         return streamed_submit(services, job.id, view.render, not request.background, headers)
     try:
-        return JSONResponse(view.completion(await wait_for_job(services, job.id, http)), headers=headers)
+        done = await wait_for_job(services, job.id, http)
+        log = await services.store.read_log(job.id) if view.logprobs else []
+        return JSONResponse(view.completion(done, log), headers=headers)
     except ApiError as e:
         e.headers.update(headers)
         raise

@@ -23,6 +23,7 @@ from common.schemas import (
     JobSummary,
     LogEntry,
     TokenEvent,
+    TokenLogprob,
     Usage,
     WorkerHeartbeat,
 )
@@ -355,5 +356,7 @@ def heartbeats_from(values: Iterable[str | bytes | None]) -> list[WorkerHeartbea
     return [WorkerHeartbeat.model_validate_json(v) for v in values if v]
 
 
-def token_entry(seq: int, index: int, text: str, token_ids: Sequence[int]) -> LogEntry:
-    return LogEntry.token(seq, TokenEvent(index=index, text=text, token_ids=list(token_ids)))
+def token_entry(
+    seq: int, index: int, text: str, token_ids: Sequence[int], logprobs: list[TokenLogprob] | None = None
+) -> LogEntry:
+    return LogEntry.token(seq, TokenEvent(index=index, text=text, token_ids=list(token_ids), logprobs=logprobs))

@@ -425,7 +425,7 @@ def test_async_store(store: StoreForTests, settings: Settings) -> None:
     asyncio.run(scenario())
 
 
-def test_a_job_that_ended_at_its_attempt_is_not_lost(store: SyncJobStore) -> None:
+def test_a_job_that_ended_at_its_attempt_is_not_lost(store: StoreForTests) -> None:
     """A renewal racing the job's last append: the worker wrote the end, nobody took it over."""
     job = store.create_job(JobRequest(prompt="hello"))
     store.take_job(job.id, "w1", "tiny")

@@ -8,14 +8,16 @@ import os
 import re
 import signal
 import subprocess
+import time
 from pathlib import Path
 
 import httpx
 import pytest
 from greedy import greedy
-from procs import SPOOL, Service, free_port, wait_until
+from procs import SPOOL, Service, free_port, start_api, wait_until
 
 from common.keys import Keys
+from spool_cli.client import PAGE_MAX
 
 LONG_PROMPT = "the quick brown fox"  # greedy on the tiny model runs to max_tokens (no EOS)
 COMMANDS = ("worker", "api", "up", "generate", "batch", "jobs", "job", "cancel", "tiny-model")
@@ -23,9 +25,9 @@ JOB_ID = re.compile(r"job ([0-9a-f]{32})")
 
 
 @pytest.fixture
-def env(tmp_path: Path) -> dict[str, str]:
-    """This environment with a history file of the test's own."""
-    return {**os.environ, "XDG_STATE_HOME": str(tmp_path / "state"), "PYTHONUNBUFFERED": "1"}
+def env() -> dict[str, str]:
+    """This environment, unbuffered: a test reads the lines as they come."""
+    return {**os.environ, "PYTHONUNBUFFERED": "1"}
 
 
 def spool(*args: str, env: dict[str, str], stdin: str | None = None) -> subprocess.CompletedProcess[str]:
@@ -69,11 +71,7 @@ def test_a_wrong_url_fails_at_once_with_one_line_naming_it(
     args: tuple[str, ...], env: dict[str, str], tmp_path: Path
 ) -> None:
     (tmp_path / "in.jsonl").write_text('{"prompt": "x"}\n')
-    (tmp_path / "state" / "spool").mkdir(parents=True)
     url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
-    (tmp_path / "state" / "spool" / "jobs.jsonl").write_text(
-        json.dumps({"id": "0" * 32, "url": url, "at": 0, "what": "x", "via": "generate"}) + "\n"
-    )
     argv = [a.replace("{file}", str(tmp_path / "in.jsonl")) for a in args]
     result = spool(*argv, "--url", url, env=env)  # (it took 45 s of 21 retries before)
     assert result.returncode == 1
@@ -176,21 +174,65 @@ def test_a_second_ctrl_c_cancels_the_job(bare_api: Service, env: dict[str, str])
     assert job_status(bare_api.url, job_id) == "cancelled"
 
 
-def test_jobs_lists_what_was_submitted_and_job_and_cancel_act_on_one(  # type: ignore[no-untyped-def]
+def listed(result: subprocess.CompletedProcess[str]) -> dict[str, str]:
+    """`spool jobs`'s rows by job id, in its order (newest first)."""
+    assert result.returncode == 0, result.stderr
+    if not result.stdout:  # no jobs: no table, a line on stderr
+        assert result.stderr.startswith("spool: no ") and result.stderr.endswith("jobs\n"), result.stderr
+        return {}
+    header, *rows = result.stdout.splitlines()
+    assert header.split() == ["JOB", "STATUS", "TOKENS", "CREATED", "MODEL"]
+    return {row.split()[0]: row for row in rows}
+
+
+def test_jobs_lists_any_clients_jobs_and_job_and_cancel_act_on_one(  # type: ignore[no-untyped-def]
     cluster, bare_api: Service, env: dict[str, str]
 ) -> None:
     done = spool("generate", "listed", "--max-tokens", "3", "--url", cluster.url, env=env)
     [done_id] = JOB_ID.findall(done.stderr)
-    listing = spool("jobs", "--url", cluster.url, env=env)
-    assert listing.returncode == 0, listing.stderr
-    [row] = [line for line in listing.stdout.splitlines() if done_id in line]
-    assert row.split()[1:3] == ["succeeded", "3"] and '"listed"' in row
+    body = {"prompt": "not by spool", "max_tokens": 2, "background": False}  # answers once it ended
+    posted = httpx.post(f"{cluster.url}/v1/jobs", json=body, timeout=60).json()
+    rows = listed(spool("jobs", "--url", cluster.url, env=env))
+    assert list(rows).index(posted["id"]) < list(rows).index(done_id)  # newest first
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(posted["created_at"]))
+    assert rows[posted["id"]].split()[1:5] == ["succeeded", "2", *when.split()]
+    assert rows[posted["id"]].endswith(posted["model"]) and rows[done_id].split()[1:3] == ["succeeded", "3"]
+    assert list(listed(spool("jobs", "--limit", "1", "--url", cluster.url, env=env))) == [posted["id"]]
+
     shown = spool("job", done_id, "--url", cluster.url, env=env)
     assert json.loads(shown.stdout)["id"] == done_id
     queued = httpx.post(f"{bare_api.url}/v1/jobs", json={"prompt": "x"}).json()["id"]
+    waiting = listed(spool("jobs", "--status", "queued", "--url", bare_api.url, env=env))
+    assert waiting[queued].split()[-1] == "-"  # no worker took it: no model yet
     cancelled = spool("cancel", queued, done_id, "--url", bare_api.url, env=env)
     assert job_status(bare_api.url, queued) == "cancelled"
     assert cancelled.returncode == 1 and "No job with id" in cancelled.stderr  # done_id: another prefix
+    assert queued in listed(spool("jobs", "--status", "cancelled", "--url", bare_api.url, env=env))
+    assert queued not in listed(spool("jobs", "--status", "queued", "--url", bare_api.url, env=env))
+
+
+def test_jobs_pages_past_one_answer_and_lists_only_the_keys_own(  # type: ignore[no-untyped-def]
+    prefixes, log_dir: Path, env: dict[str, str]
+) -> None:
+    """More jobs than one GET /v1/jobs answers with, under SPOOL_API_KEYS (no worker: they stay queued)."""
+    api = start_api(prefixes.new(), log_dir, ready=False, api_keys="key-one,key-two")
+    try:
+        with httpx.Client(base_url=api.url, timeout=30) as http:
+
+            def submit(key: str) -> str:
+                r = http.post("/v1/jobs", json={"prompt": "p"}, headers={"Authorization": f"Bearer {key}"})
+                return str(r.json()["id"])
+
+            mine = [submit("key-one") for _ in range(PAGE_MAX + 5)]
+            submit("key-two")
+        every = spool("jobs", "--limit", "1000", "--api-key", "key-one", "--url", api.url, env=env)
+        assert list(listed(every)) == mine[::-1]  # two pages, none of key-two's
+        cut = spool("jobs", "--limit", str(PAGE_MAX + 2), "--api-key", "key-one", "--url", api.url, env=env)
+        assert list(listed(cut)) == mine[::-1][: PAGE_MAX + 2]
+        refused = spool("jobs", "--url", api.url, env=env)
+        assert refused.returncode == 1 and "invalid API key" in refused.stderr
+    finally:
+        api.stop()
 
 
 def test_batch_with_a_bad_line_names_it_and_submits_nothing(

@@ -35,11 +35,12 @@ class IncrementalDetokenizer:
             raise ValueError("emitted_text is not a prefix of the text of the resumed tokens")
         self._emitted = len(emitted_text)
 
-    def add(self, token_ids: Iterable[int]) -> str:
-        """Decode new tokens; return the text that is now safe to emit."""
+    def add(self, token_ids: Iterable[int], match_stop: bool = True) -> str:
+        """Decode new tokens; return the text that is now safe to emit. Without ``match_stop``
+        (before the request's min_tokens) a stop string in the new text does not stop it."""
         start = max(len(self.text) - self._holdback, 0)
         self._step(token_ids)
-        if self._stop:
+        if self._stop and match_stop:
             self._match_stop(start)
         if self.stopped:
             return self._take(len(self.text))

@@ -13,13 +13,25 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import xgrammar
 
+from workers.engine import grammar
 from workers.engine.detokenizer import IncrementalDetokenizer
+from workers.engine.grammar import Grammars, Masks
 from workers.engine.model_runner import ModelRunner
+from workers.engine.processors import LogitsProcessors
 from workers.engine.request import Request
 from workers.engine.sampler import Sampler
 from workers.engine.scheduler import Scheduler, SchedulerOutput
-from workers.engine.types import CompletionOutput, Delta, EngineConfig, FinishReason, SamplingParams
+from workers.engine.types import (
+    CompletionOutput,
+    Delta,
+    EngineConfig,
+    FinishReason,
+    Logprob,
+    SamplingParams,
+    TokenLogprobs,
+)
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +64,10 @@ class Engine:
         )
         self.sampler = Sampler(self.runner.device, seed)
         self.eos_token_ids = self._eos_token_ids()
+        self.processors = LogitsProcessors(self.num_slots, self.runner.vocab_size, self.runner.device, self.eos_token_ids)
+        self._token_texts: dict[int, str] = {}  # logprobs' token strings, decoded once each
+        self.grammars = Grammars(self.tokenizer, self.runner.vocab_size)  # any thread may compile
+        self.masks = Masks(self.num_slots, self.runner.vocab_size, self.runner.device)
         self._requests: dict[str, Request] = {}
         self._generators: dict[str, torch.Generator] = {}
         self._aborted: set[str] = set()
@@ -68,6 +84,7 @@ class Engine:
         resume_token_ids: Sequence[int] = (),
         resume_text: str = "",
         cache_salt: str = "",
+        json_grammar: xgrammar.CompiledGrammar | None = None,
     ) -> int:
         """Queue a request; returns its prompt length in tokens.
 
@@ -75,6 +92,8 @@ class Engine:
         text it already delivered): they are prefilled with the prompt, count towards
         ``max_tokens`` and are not emitted again. With prefix caching, only requests with the
         same ``cache_salt`` (the worker passes the job's owner) share cached prompt prefixes.
+        ``json_grammar`` (from ``self.grammars.json``, compiled on any thread) constrains the
+        output; the resumed tokens are replayed through its matcher first.
         """
         if request_id in self._requests:
             raise ValueError(f"request {request_id!r} already exists")
@@ -87,6 +106,8 @@ class Engine:
                 f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} tokens "
                 f"exceeds max_model_len ({self.max_model_len})"
             )
+        if any(not 0 <= t < self.runner.vocab_size for t, _ in params.logit_bias):
+            raise ValueError(f"logit_bias token ids must be in [0, {self.runner.vocab_size})")
         if len(resume_token_ids) >= params.max_tokens:
             raise ValueError(f"{len(resume_token_ids)} resumed tokens leave nothing of max_tokens {params.max_tokens}")
         detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop)
@@ -98,6 +119,7 @@ class Engine:
             detokenizer=detokenizer,
             output_token_ids=list(resume_token_ids),
             cache_salt=cache_salt,
+            matcher=None if json_grammar is None else grammar.matcher(json_grammar, resume_token_ids),
         )
         if params.seed is not None:
             generator = self.sampler.request_generator(params.seed)
@@ -149,12 +171,7 @@ class Engine:
             failed = [c.request for c in plan.prefills] + plan.decodes
             return deltas + [self._finish(r, FinishReason.ERROR, error=f"{type(e).__name__}: {e}") for r in failed]
         if logits is not None:  # some request is due a token
-            token_ids = self.sampler.sample(
-                logits,
-                [r.params for r in due],
-                [self._generators.get(r.request_id) for r in due],
-            ).tolist()  # the step's one device-to-host transfer
-            deltas += self._postprocess(due, token_ids)
+            deltas += self._postprocess(due, *self._sample(due, logits))
         return deltas
 
     def generate(
@@ -172,6 +189,7 @@ class Engine:
                 out = outputs[d.request_id]
                 out.token_ids += d.token_ids
                 out.text += d.text
+                out.logprobs += d.logprobs or ()
                 if d.finished:
                     out.finish_reason, out.error = d.finish_reason, d.error
         return list(outputs.values())
@@ -215,22 +233,64 @@ class Engine:
         self._stats.peak_batch_size = max(self._stats.peak_batch_size, len(due))
         return due, (logits if due else None)
 
-    def _postprocess(self, due: list[Request], token_ids: list[int]) -> list[Delta]:
+    def _sample(self, due: list[Request], logits: torch.Tensor) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """Each due request's next token (and logprobs where asked), with the step's one
+        device-to-host transfer."""
+        params = [r.params for r in due]
+        logits = self.masks.apply(self.processors.apply(logits, due), due)
+        sampled = self.sampler.sample(logits, params, [self._generators.get(r.request_id) for r in due])
+        self.processors.update(due, sampled)
+        asking = [i for i, p in enumerate(params) if p.logprobs is not None]
+        if not asking:
+            return sampled.tolist(), [None] * len(due)
+        k = max(params[i].logprobs or 0 for i in asking)
+        rows = self.sampler.logprobs(logits, params, sampled, asking, k)
+        # One transfer for both: the ids (exact in float64) and the asking rows' logprobs.
+        host = torch.cat([sampled.double(), rows.flatten()]).tolist()
+        token_ids = [int(t) for t in host[: len(due)]]
+        logprobs: list[TokenLogprobs | None] = [None] * len(due)
+        width = 2 + 2 * k
+        for j, i in enumerate(asking):
+            row = host[len(due) + j * width : len(due) + (j + 1) * width]
+            top = zip(row[2 : 2 + k], row[2 + k :], strict=True)
+            logprobs[i] = TokenLogprobs(
+                self._logprob(row[0], row[1]), tuple(self._logprob(t, v) for t, v in list(top)[: params[i].logprobs])
+            )
+        return token_ids, logprobs
+
+    def _logprob(self, token_id: float, logprob: float) -> Logprob:
+        tid = int(token_id)
+        text = self._token_texts.get(tid)
+        if text is None:
+            text = self._token_texts[tid] = str(self.tokenizer.decode([tid]))
+        # A token a mask or min_tokens ruled out has -inf: JSON has no such number (vLLM's floor).
+        return Logprob(tid, text, max(logprob, -9999.0))
+
+    def _postprocess(
+        self, due: list[Request], token_ids: list[int], logprobs: list[TokenLogprobs | None]
+    ) -> list[Delta]:
         deltas = []
         self._stats.generated_tokens += len(due)
-        for request, token_id in zip(due, token_ids, strict=True):
+        for request, token_id, lp in zip(due, token_ids, logprobs, strict=True):
             request.output_token_ids.append(token_id)
-            text = request.detokenizer.add([token_id])
+            if request.matcher is not None and not request.matcher.accept_token(token_id):
+                deltas.append(self._finish(request, FinishReason.ERROR, error="the sampled token broke the grammar"))
+                continue
+            # Before min_tokens a stop string does not count (EOS and stop ids cannot be sampled).
+            text = request.detokenizer.add([token_id], match_stop=request.num_generated > request.params.min_tokens)
             reason = self._stop_reason(request, token_id)
+            chosen = None if lp is None else (lp,)
             if reason is None:
-                deltas.append(self._delta(request, (token_id,), text))
+                deltas.append(self._delta(request, (token_id,), text, logprobs=chosen))
             else:
-                deltas.append(self._finish(request, reason, token_ids=(token_id,), text=text))
+                deltas.append(self._finish(request, reason, token_ids=(token_id,), text=text, logprobs=chosen))
         return deltas
 
     def _stop_reason(self, request: Request, token_id: int) -> FinishReason | None:
         params = request.params
         if request.detokenizer.stopped or token_id in params.stop_token_ids:
+            return FinishReason.STOP
+        if request.matcher is not None and request.matcher.is_terminated():
             return FinishReason.STOP
         if token_id in self.eos_token_ids and not params.ignore_eos:
             return FinishReason.STOP
@@ -246,6 +306,7 @@ class Engine:
         token_ids: tuple[int, ...] = (),
         text: str = "",
         error: str | None = None,
+        logprobs: tuple[TokenLogprobs, ...] | None = None,
     ) -> Delta:
         """Retire a request now: free its slot (keeping slots contiguous) and build its last delta."""
         # A failed forward may have left the slot half written: nothing of it is kept as a cache.
@@ -254,8 +315,9 @@ class Engine:
         text += request.detokenizer.flush()
         del self._requests[request.request_id]
         self._generators.pop(request.request_id, None)
+        self.processors.release(request.request_id)
         self._aborted.discard(request.request_id)  # it may have finished on its own meanwhile
-        return self._delta(request, token_ids, text, reason, error)
+        return self._delta(request, token_ids, text, reason, error, logprobs)
 
     def _delta(
         self,
@@ -264,6 +326,7 @@ class Engine:
         text: str,
         reason: FinishReason | None = None,
         error: str | None = None,
+        logprobs: tuple[TokenLogprobs, ...] | None = None,
     ) -> Delta:
         return Delta(
             request_id=request.request_id,
@@ -273,5 +336,6 @@ class Engine:
             num_prompt_tokens=len(request.prompt_token_ids),
             num_generated_tokens=request.num_generated,
             error=error,
+            logprobs=logprobs,
         )
 

@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING
 from workers.engine.types import FinishReason, SamplingParams
 
 if TYPE_CHECKING:
+    import xgrammar
+
     from workers.engine.detokenizer import IncrementalDetokenizer
 
 
@@ -32,6 +34,7 @@ class Request:
     finish_reason: FinishReason | None = None
     cache_salt: str = ""  # prefix caching: only requests with the same salt share cached blocks
     block_hashes: list[bytes] = field(default_factory=list)  # see prefix_cache.block_hashes
+    matcher: xgrammar.GrammarMatcher | None = None  # structured outputs: the grammar it follows (grammar.py)
 
     @property
     def num_tokens(self) -> int:

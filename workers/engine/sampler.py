@@ -70,6 +70,26 @@ class Sampler:
             sampled = torch.where(is_greedy, logits.argmax(dim=-1), sampled)
         return sampled
 
+    @torch.inference_mode()
+    def logprobs(
+        self,
+        logits: torch.Tensor,  # [n, V]: what sample() was given
+        params: Sequence[SamplingParams],
+        sampled: torch.Tensor,  # [n]: what sample() returned
+        rows: Sequence[int],  # the rows that asked for logprobs
+        k: int,  # top logprobs per row (the most any of them asked for)
+    ) -> torch.Tensor:  # [len(rows), 2 + 2k] float64: chosen id, its logprob, k top ids, k top logprobs
+        """The log-probabilities of the distribution each row was sampled from: its processed
+        logits (penalties, logit_bias, grammar masks) at its temperature, before top-k and top-p;
+        a greedy row's at temperature 1 (its one-hot distribution would tell nothing)."""
+        index = to_device(list(rows), torch.long, self.device)
+        divisors = to_device([1.0 if params[i].greedy else params[i].temperature for i in rows], torch.float32, self.device)
+        lp = torch.log_softmax(logits[index].float() / divisors[:, None], dim=-1)
+        chosen = sampled[index]
+        top_values, top_ids = lp.topk(k, dim=-1)  # k == 0 gives [n, 0]
+        parts = [chosen[:, None], lp.gather(1, chosen[:, None]), top_ids, top_values]
+        return torch.cat([p.double() for p in parts], dim=1)
+
     def _truncate(self, scaled: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
         vocab = scaled.shape[1]
         top_k = to_device([min(p.top_k or vocab, vocab) for p in params], torch.long, self.device)

@@ -29,6 +29,13 @@ class SamplingParams:
     stop: tuple[str, ...] = ()  # stop strings; the match is not part of the output
     stop_token_ids: tuple[int, ...] = ()  # extra token ids that end the request (kept out of the text)
     ignore_eos: bool = False  # keep going past EOS (benchmarks)
+    # Logits processing, per request (workers/engine/processors.py). Neutral values cost nothing.
+    frequency_penalty: float = 0.0  # OpenAI's: minus this times each generated token's count so far
+    presence_penalty: float = 0.0  # OpenAI's: minus this for each token generated at least once
+    repetition_penalty: float = 1.0  # transformers' (CTRL): divides (or multiplies) prompt and generated tokens' logits
+    min_tokens: int = 0  # EOS, stop token ids and stop strings count only once this many are generated
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit) pairs
+    logprobs: int | None = None  # also return the sampled token's logprob and the top this many; None: none
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -39,15 +46,27 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k is not None and self.top_k < 1:
             raise ValueError(f"top_k must be at least 1 or None, got {self.top_k}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
+        if self.logprobs is not None and self.logprobs < 0:
+            raise ValueError(f"logprobs must be >= 0 or None, got {self.logprobs}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must not be empty")
         # Accept lists from callers, keep the dataclass hashable.
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "logit_bias", tuple((int(t), float(b)) for t, b in dict(self.logit_bias).items()))
 
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
+
+    @property
+    def penalized(self) -> bool:
+        """Whether the request's penalties need its token counts (state kept per request)."""
+        return bool(self.frequency_penalty or self.presence_penalty or self.repetition_penalty != 1)
 
 
 @dataclass(frozen=True)
@@ -74,6 +93,21 @@ class EngineConfig:
 
 
 @dataclass(frozen=True)
+class Logprob:
+    token_id: int
+    token: str  # the token alone, decoded
+    logprob: float
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """One generated token's logprob and the most likely tokens at its position."""
+
+    chosen: Logprob
+    top: tuple[Logprob, ...]  # most likely first; SamplingParams.logprobs of them
+
+
+@dataclass(frozen=True)
 class Delta:
     """What one step produced for one request. Concatenating a request's deltas gives its output."""
 
@@ -84,6 +118,7 @@ class Delta:
     num_prompt_tokens: int = 0  # prompt length in tokens
     num_generated_tokens: int = 0  # generated so far, this delta included
     error: str | None = None  # set when finish_reason is ERROR
+    logprobs: tuple[TokenLogprobs, ...] | None = None  # one per token id, when the request asked for them
 
     @property
     def finished(self) -> bool:
@@ -100,3 +135,4 @@ class CompletionOutput:
     text: str = ""
     finish_reason: FinishReason | None = None
     error: str | None = None
+    logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per token, when asked for

@@ -1,0 +1,173 @@
+"""Issue 20 through the official openai client against the real stack: penalties, logit_bias,
+min_tokens and logprobs (streamed, not streamed, and in a resumed stream), and their 400s."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Literal
+
+import httpx
+import openai
+import pytest
+from greedy import greedy
+from openai.types.chat import ChatCompletionMessageParam
+from openai_stream import read_stream
+from procs import Cluster
+from pydantic import BaseModel, Field
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+PROMPT = "the quick brown fox"
+MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "In the beginning"}]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model: Path) -> PreTrainedTokenizerBase:
+    return AutoTokenizer.from_pretrained(tiny_model)
+
+
+@pytest.fixture(scope="module")
+def oai(cluster: Cluster) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="unused", max_retries=0) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def model(oai: openai.OpenAI) -> str:
+    [served] = oai.models.list().data
+    return served.id
+
+
+def test_logit_bias_forces_a_token_and_logprobs_show_it(oai: openai.OpenAI, model: str, tokenizer: PreTrainedTokenizerBase) -> None:
+    token = tokenizer.encode(" fox", add_special_tokens=False)[0]
+    got = oai.completions.create(
+        model=model, prompt=PROMPT, max_tokens=4, temperature=0, logit_bias={str(token): 100}, logprobs=2
+    )
+    [choice] = got.choices
+    lp = choice.logprobs
+    assert lp is not None and lp.tokens == [tokenizer.decode([token])] * 4
+    assert lp.token_logprobs is not None and all(-1e-3 < v <= 0 for v in lp.token_logprobs)  # +100: certain
+    assert lp.top_logprobs is not None and all(len(t) == 2 for t in lp.top_logprobs)
+    assert lp.text_offset == [i * len(lp.tokens[0]) for i in range(4)]
+
+
+def test_chat_logprobs_streamed_and_not(oai: openai.OpenAI, model: str, tiny_model: Path, tokenizer: PreTrainedTokenizerBase) -> None:
+    kwargs: dict[str, Any] = {"model": model, "messages": MESSAGES, "max_tokens": 8, "temperature": 0}
+    whole = oai.chat.completions.create(**kwargs, logprobs=True, top_logprobs=3)
+    [choice] = whole.choices
+    assert choice.logprobs is not None and choice.logprobs.content is not None
+    content = choice.logprobs.content
+    assert whole.usage is not None and len(content) == whole.usage.completion_tokens
+    for t in content:
+        assert len(t.top_logprobs) == 3 and t.top_logprobs[0].token == t.token  # greedy: the top-1
+        assert t.bytes == list(t.token.encode()) and t.logprob <= 0
+        assert [x.logprob for x in t.top_logprobs] == sorted((x.logprob for x in t.top_logprobs), reverse=True)
+    chat = [{"role": "user", "content": "In the beginning"}]
+    ids = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=False)
+    want = greedy(tiny_model, tuple(ids), 8).token_ids
+    assert [t.token for t in content] == [tokenizer.decode([i]) for i in want][: len(content)]
+
+    streamed = list(oai.chat.completions.create(**kwargs, logprobs=True, top_logprobs=3, stream=True))
+    tokens = [t for c in streamed if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content or ()]
+    assert [t.token for t in tokens] == [t.token for t in content]
+    assert all(math.isclose(a.logprob, b.logprob, abs_tol=1e-5) for a, b in zip(tokens, content, strict=True))
+
+    plain = oai.chat.completions.create(**kwargs)
+    assert plain.choices[0].logprobs is None
+    assert plain.choices[0].message.content == choice.message.content  # asking changes no token
+
+
+def test_a_resumed_stream_carries_the_logprobs(cluster: Cluster, client: httpx.Client) -> None:
+    body = {"messages": MESSAGES, "max_tokens": 10, "temperature": 0, "stream": True, "logprobs": True, "top_logprobs": 2}
+    first = read_stream(client, "POST", f"{cluster.url}/v1/chat/completions", body=body, stop_after=2)
+    rest = read_stream(client, "GET", f"{cluster.url}/v1/jobs/{first.job_id}/events?format=openai", last_event_id=2)
+    tokens = [c.json()["choices"][0]["logprobs"]["content"] for c in rest.chunks if not c.done and c.json()["choices"]]
+    carried = [t for ts in tokens for t in ts]
+    assert len(carried) == 8 and all(len(t["top_logprobs"]) == 2 for t in carried)
+
+
+def test_penalties_and_min_tokens_are_served(oai: openai.OpenAI, model: str, tokenizer: PreTrainedTokenizerBase) -> None:
+    plain = oai.completions.create(model=model, prompt=PROMPT, max_tokens=6, temperature=0)
+    penalized = oai.completions.create(
+        model=model,
+        prompt=PROMPT,
+        max_tokens=6,
+        temperature=0,
+        frequency_penalty=2,
+        presence_penalty=-1,
+        extra_body={"repetition_penalty": 1.2, "min_tokens": 6},
+    )
+    assert penalized.usage is not None and penalized.usage.completion_tokens == 6
+    assert plain.usage is not None  # both served; the engine tests check the values
+
+
+@pytest.mark.parametrize(
+    "kwargs, param, limit",
+    [
+        ({"frequency_penalty": 2.5}, "frequency_penalty", "between -2 and 2"),
+        ({"presence_penalty": -3}, "presence_penalty", "between -2 and 2"),
+        ({"extra_body": {"repetition_penalty": 0}}, "repetition_penalty", "above 0"),
+        ({"extra_body": {"min_tokens": 9}}, "min_tokens", "at most max_tokens (4)"),
+        ({"logit_bias": {"5": 101}}, "logit_bias", "between -100 and 100"),
+        ({"logit_bias": {"five": 1}}, "logit_bias", "token ids"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "between 0 and 20"),
+        ({"top_logprobs": 2}, "top_logprobs", "logprobs: true"),
+    ],
+)
+def test_chat_values_out_of_range_are_400s_naming_the_limit(
+    oai: openai.OpenAI, model: str, kwargs: dict[str, Any], param: str, limit: str
+) -> None:
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.chat.completions.create(model=model, messages=MESSAGES, max_tokens=4, **kwargs)
+    assert param in e.value.message and limit in e.value.message
+    assert isinstance(e.value.body, dict) and e.value.body["param"] == param
+
+
+def test_completions_logprobs_above_5_is_a_400(oai: openai.OpenAI, model: str) -> None:
+    with pytest.raises(openai.BadRequestError, match="between 0 and 5") as e:
+        oai.completions.create(model=model, prompt=PROMPT, max_tokens=4, logprobs=6)
+    assert isinstance(e.value.body, dict) and e.value.body["param"] == "logprobs"
+
+
+class Pet(BaseModel):
+    # Bounded fields: a random tiny model ends each one within max_tokens.
+    kind: Literal["cat", "dog", "fish"]
+    age: int = Field(ge=0, le=30)
+    name: str = Field(pattern="^[a-z]{1,8}$")
+    toys: list[Literal["ball", "rope"]] = Field(max_length=2)
+
+
+def test_parse_with_a_pydantic_model(oai: openai.OpenAI, model: str) -> None:
+    for temperature in (0.0, 1.0):
+        got = oai.chat.completions.parse(
+            model=model, messages=MESSAGES, max_tokens=120, temperature=temperature, seed=5, response_format=Pet
+        )
+        [choice] = got.choices
+        assert choice.finish_reason == "stop"
+        assert isinstance(choice.message.parsed, Pet), choice.message.content
+
+
+def test_json_object_on_completions_and_jobs(oai: openai.OpenAI, model: str, cluster: Cluster, client: httpx.Client) -> None:
+    schema = Pet.model_json_schema()
+    fmt = {"type": "json_schema", "json_schema": {"name": "pet", "schema": schema}}
+    got = oai.completions.create(model=model, prompt=PROMPT, max_tokens=120, temperature=0, extra_body={"response_format": fmt})
+    Pet.model_validate_json(got.choices[0].text)
+    job = client.post(
+        f"{cluster.url}/v1/jobs", json={"prompt": PROMPT, "max_tokens": 120, "temperature": 0, "response_format": fmt, "background": False}
+    ).json()
+    assert job["status"] == "succeeded" and job["text"] == got.choices[0].text
+
+
+def test_an_invalid_schema_is_a_400_saying_what_is_wrong(oai: openai.OpenAI, model: str) -> None:
+    fmt: Any = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": {"a": {"type": "integer2"}}}}}
+    with pytest.raises(openai.BadRequestError, match="properties/a/type") as e:
+        oai.chat.completions.create(model=model, messages=MESSAGES, max_tokens=4, response_format=fmt)
+    assert isinstance(e.value.body, dict) and e.value.body["param"] == "response_format.json_schema.schema"
+    with pytest.raises(openai.BadRequestError, match="json_schema is required"):
+        oai.chat.completions.create(model=model, messages=MESSAGES, max_tokens=4, response_format={"type": "json_schema"})  # type: ignore[typeddict-item]
+    # A valid schema the grammar compiler cannot use: the worker says so, the job fails, a 400.
+    fmt["json_schema"]["schema"] = {"$ref": "#/$defs/missing"}
+    with pytest.raises(openai.BadRequestError, match="response_format: the JSON schema cannot be used: .*missing") as e:
+        oai.chat.completions.create(model=model, messages=MESSAGES, max_tokens=4, response_format=fmt)
+    assert e.value.code == "invalid_request"

@@ -1,0 +1,100 @@
+"""Structured outputs: JSON grammars (xgrammar) and the token masks they give each step.
+
+``Grammars.json`` compiles a JSON schema for the engine's tokenizer once (then serves it from
+its cache) and may run on any thread: the worker compiles in the job's task thread, before the
+request reaches the engine, so a new schema never stalls the running batch. Each constrained
+request holds a ``GrammarMatcher`` of its own, fed the tokens it generates (and, on a takeover,
+the ones it resumes with). Each step ``Masks.apply`` fills the constrained rows' allowed-token
+bitmasks on the CPU, sends them to the device in one copy and applies them to those rows'
+logits before sampling; a batch with no constrained row skips it all.
+
+Why xgrammar (vLLM's default) rather than llguidance: a wheel for this Python and platform with
+no build step, masks written straight into a torch bitmask tensor with its own in-place apply
+kernels for CPU and CUDA, and a compiler that caches compiled grammars and is thread-safe, which
+is what compiling off the engine thread needs.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import xgrammar as xgr
+
+from workers.engine.request import Request
+
+# OpenAI's json_object: any JSON object.
+ANY_OBJECT = '{"type": "object"}'
+
+
+class GrammarError(ValueError):
+    """A schema the grammar compiler cannot turn into a grammar; the message says why."""
+
+
+class Grammars:
+    """Compiled JSON grammars for one tokenizer, cached by schema. Thread-safe."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+        self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
+        self._compiler = xgr.GrammarCompiler(self.info, max_threads=2, cache_enabled=False)
+        self._cache: dict[str, xgr.CompiledGrammar] = {}
+        self._lock = threading.Lock()
+        self.compiled = 0  # schemas compiled (cache misses)
+        self.hits = 0
+
+    def json(self, schema: str | dict[str, Any] | None) -> xgr.CompiledGrammar:
+        """The grammar of JSON that validates against ``schema`` (None: any object)."""
+        key = ANY_OBJECT if schema is None else schema if isinstance(schema, str) else json.dumps(schema)
+        with self._lock:
+            if (hit := self._cache.get(key)) is not None:
+                self.hits += 1
+                return hit
+        try:
+            # Compact JSON (no free whitespace): a model cannot spend its tokens on blank space.
+            grammar = self._compiler.compile_json_schema(key, any_whitespace=False)
+        except RuntimeError as e:  # xgrammar's C++ errors: "...: Unsupported type "integer2""
+            raise GrammarError(f"the JSON schema cannot be used: {str(e).split(': ', 1)[-1].strip()}") from None
+        with self._lock:
+            self.compiled += 1
+            return self._cache.setdefault(key, grammar)
+
+
+def matcher(grammar: xgr.CompiledGrammar, resumed: Sequence[int] = ()) -> xgr.GrammarMatcher:
+    """A matcher for one request, past the tokens an earlier attempt generated."""
+    m = xgr.GrammarMatcher(grammar)
+    for token_id in resumed:
+        if not m.accept_token(token_id):
+            raise GrammarError("the resumed tokens do not follow the request's grammar")
+    return m
+
+
+class Masks:
+    """The step's bitmasks for the constrained rows: a CPU buffer filled per row, one copy."""
+
+    def __init__(self, rows: int, vocab_size: int, device: torch.device) -> None:
+        self.vocab_size = vocab_size
+        self.device = device
+        self._host = xgr.allocate_token_bitmask(rows, vocab_size)  # [rows, ceil(V / 32)] int32
+        if device.type == "cuda":
+            self._host = self._host.pin_memory()
+        self._filler = xgr.BatchGrammarMatcher(max_threads="auto")
+
+    @torch.inference_mode()
+    def apply(self, logits: torch.Tensor, due: Sequence[Request]) -> torch.Tensor:
+        rows = [i for i, r in enumerate(due) if r.matcher is not None]
+        if not rows:
+            return logits
+        # Row i of the mask for batch row i (what the kernel reads), filled on xgrammar's threads.
+        matchers = [m for i in rows if (m := due[i].matcher) is not None]
+        self._filler.batch_fill_next_token_bitmask(matchers, self._host, indices=rows)
+        # The next step fills the buffer again only after this step's transfer to the host, which
+        # waits for this copy: a non-blocking copy from the pinned buffer is safe.
+        mask = self._host[: rows[-1] + 1].to(self.device, non_blocking=True)
+        logits = logits.float()
+        # -inf where a row's bit is 0; the rows not in `rows` (unconstrained) are not touched.
+        xgr.apply_token_bitmask_inplace(logits, mask, vocab_size=self.vocab_size, indices=rows)
+        return logits
