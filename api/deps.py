@@ -8,11 +8,12 @@ from typing import Annotated, Any
 from fastapi import Body, Depends, Header, Path, Query, Request
 from pydantic import PlainValidator, ValidationError
 
+from api.auth import current_owner
 from api.errors import ApiError, body_errors
 from api.hub import Inbox
 from api.services import Services
 from common.schemas import Job, JobRequest
-from common.store import AsyncJobStore, StreamState
+from common.store import AsyncBatchStore, AsyncJobStore, StreamState
 
 
 # NOTE: async, like every dependency here: FastAPI runs a plain `def` dependency in its thread
@@ -116,3 +117,11 @@ async def _inbox(state: StreamStateDep, services: ServicesDep) -> AsyncIterator[
 
 
 InboxDep = Annotated[Inbox, Depends(_inbox)]
+
+
+async def owned_file(store: AsyncBatchStore, file_id: str) -> dict[str, str]:
+    """A file's stored object; 404 for an unknown id or another API key's file (api/routes/files.py)."""
+    h = await store.get_file(file_id)
+    if h is None or h.get("owner", "") != current_owner():
+        raise ApiError(404, f"No file with id {file_id!r} (unknown, or expired)", param="file_id", code="file_not_found")
+    return h

@@ -36,10 +36,10 @@ class Enqueuer:
         # A bare app that never connects: it only builds messages.
         self._amqp = Celery("spool-api", set_as_current=False).amqp
         self._queue = settings.keys.queue_llm
-        self._list = Keys.broker_list(self._queue, JOB_PRIORITY)
 
-    def generate(self, job_id: str) -> QueueMessage:
-        """The message of the ``generate`` task for ``job_id``, as ``send_task`` would send it."""
+    def generate(self, job_id: str, priority: int = JOB_PRIORITY) -> QueueMessage:
+        """The message of the ``generate`` task for ``job_id``, as ``send_task`` would send it
+        (at ``priority``: a batch's lines go at BATCH_PRIORITY, behind interactive jobs)."""
         task_id = uuid()
         # ignore_result None: the task's own setting decides, as with send_task.
         headers, properties, body, _ = self._amqp.as_task_v2(
@@ -51,7 +51,7 @@ class Enqueuer:
             delivery_mode=PERSISTENT,
             # Celery sends to a direct queue through the default exchange, named by routing key.
             delivery_info={"exchange": "", "routing_key": self._queue},
-            priority=JOB_PRIORITY,
+            priority=priority,
             body_encoding="base64",
             delivery_tag=uuid(),
         )
@@ -62,4 +62,4 @@ class Enqueuer:
             "headers": headers,
             "properties": properties,
         }
-        return QueueMessage(self._list, json_dumps(envelope))
+        return QueueMessage(Keys.broker_list(self._queue, priority), json_dumps(envelope))

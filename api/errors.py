@@ -104,23 +104,27 @@ def _location(loc: Sequence[int | str]) -> str | None:
     return ".".join(parts) or None
 
 
-async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
-    assert isinstance(exc, RequestValidationError)
+def validation_error(exc: RequestValidationError) -> ApiError:
+    """How a request's validation errors answer (also a batch line's: api/batch_lines.py)."""
     errors = exc.errors()
     first = errors[0]
-    if first["type"] == LIMIT_EXCEEDED and (context := await _past_the_context(request, first)):
-        return _respond(context)
     if first["type"] == "json_invalid":
         # Not JSON at all: a malformed request (400) rather than a schema violation (422).
-        return _respond(
-            ApiError(400, f"Body is not valid JSON: {first['ctx']['error']}", code="invalid_json")
-        )
+        return ApiError(400, f"Body is not valid JSON: {first['ctx']['error']}", code="invalid_json")
     message = "; ".join(f"{_location(e['loc']) or 'body'}: {e['msg']}" for e in errors)
     # Valid in form but above a limit of this server (e.g. SPOOL_MAX_TOKENS_CAP), or a sampling
     # extra (penalties, logit_bias, logprobs) outside its range, or a response_format schema that
     # is not one, as OpenAI answers them: 400, with the numbers or what is wrong.
     status = 400 if first["type"] in (LIMIT_EXCEEDED, OUT_OF_RANGE, INVALID_SCHEMA) else 422
-    return _respond(ApiError(status, message, param=_location(first["loc"]), code=str(first["type"])))
+    return ApiError(status, message, param=_location(first["loc"]), code=str(first["type"]))
+
+
+async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestValidationError)
+    first = exc.errors()[0]
+    if first["type"] == LIMIT_EXCEEDED and (context := await _past_the_context(request, first)):
+        return _respond(context)
+    return _respond(validation_error(exc))
 
 
 async def _past_the_context(request: Request, error: Mapping[str, Any]) -> ApiError | None:

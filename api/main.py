@@ -10,7 +10,7 @@ from api.auth import AuthMiddleware
 from api.errors import install_error_handlers
 from api.limits import BodyLimitMiddleware
 from api.metrics import RequestMetricsMiddleware
-from api.routes import console, health, jobs, openai
+from api.routes import batches, console, files, health, jobs, openai
 from api.services import lifespan
 from common.settings import Settings, get_settings
 
@@ -31,7 +31,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     app.state.settings = settings
     install_error_handlers(app)
-    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+    # An upload has its own limit, counted as it streams in (api/uploads.py).
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes, exempt=("/v1/files",))
     app.add_middleware(AuthMiddleware, keys=settings.api_key_set)  # 401 before the body is read
     if settings.cors_origin_list:  # outside the keys' check: a preflight carries no Authorization
         app.add_middleware(
@@ -46,6 +47,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(health.router)
     app.include_router(openai.router)
     app.include_router(console.router)
+    app.include_router(files.router)
+    app.include_router(batches.router)
     return app
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import os
 from collections.abc import AsyncIterator
@@ -10,6 +12,7 @@ from dataclasses import dataclass
 
 from fastapi import FastAPI
 
+from api.batch_feeder import BatchFeeder
 from api.context import ContextCheck
 from api.enqueue import Enqueuer
 from api.hub import Hub, Inbox
@@ -20,7 +23,7 @@ from common.process import freeze_startup_objects
 from common.redis_errors import UNREACHABLE
 from common.redis_policy import check_redis_async
 from common.settings import Settings
-from common.store import AsyncJobStore
+from common.store import AsyncBatchStore, AsyncJobStore
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +38,7 @@ class Services:
     watchers: Watchers  # streams per job across API processes; cancels abandoned foreground jobs
     served: ServedModels  # what the live workers serve, for the submit paths' checks
     context: ContextCheck  # refuses what cannot fit the served model's context, before a job exists
+    batches: AsyncBatchStore  # files and batches (on the store's Redis client)
 
     @asynccontextmanager
     async def follow(self, job_id: str, watch: bool) -> AsyncIterator[Inbox]:
@@ -63,13 +67,18 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     await hub.start()
     watchers = Watchers(store, settings.detach_grace_s)
     await watchers.start()
-    app.state.services = Services(
-        settings, store, hub, enqueuer, Metrics(hub), watchers, ServedModels(store), ContextCheck(store)
-    )
+    served, context = ServedModels(store), ContextCheck(store)
+    batches = AsyncBatchStore(store.redis, settings)
+    app.state.services = Services(settings, store, hub, enqueuer, Metrics(hub), watchers, served, context, batches)
+    # Every API process runs a feeder; one at a time feeds (api/batch_feeder.py).
+    feeder = asyncio.create_task(BatchFeeder(settings, store, batches, enqueuer, served, context).run())
     freeze_startup_objects()
     try:
         yield
     finally:
+        feeder.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await feeder
         await watchers.stop()
         await hub.stop()
         await store.close()

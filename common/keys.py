@@ -16,8 +16,11 @@ GENERATE_TASK = "spool.generate"  # the Celery task a job's message names; the A
 # first message goes at JOB_PRIORITY; a requeue (workers/reaper.py: its worker died mid-job, or its
 # message was lost) at REQUEUE_PRIORITY, so a stream cut off by a crash resumes before the jobs
 # queued behind it start.
+# A batch's lines (api/batch_feeder.py) go at BATCH_PRIORITY, so an interactive request queued
+# after them is still taken first.
 REQUEUE_PRIORITY = 0
 JOB_PRIORITY = 3
+BATCH_PRIORITY = 6
 _KOMBU_PRIORITY_SEP = "\x06\x16"
 
 WATCHER_GHOST = "left:"  # prefix of the member a watcher leaves behind in Keys.job_watchers
@@ -95,6 +98,46 @@ class Keys:
     def cancelled(self) -> str:
         """Pub/sub channel: ids of jobs cancelled by a client, for the worker that runs them."""
         return f"{self.prefix}:cancel"
+
+    def file(self, file_id: str) -> str:
+        """Hash: a file's object (bytes, filename, purpose, created_at, lines, owner)."""
+        return f"{self.prefix}:file:{file_id}"
+
+    def file_lines(self, file_id: str) -> str:
+        """List: the file's content, one element per line (each with its newline)."""
+        return f"{self.prefix}:file:{file_id}:lines"
+
+    def file_upload(self, file_id: str) -> str:
+        """List: the lines of an upload still arriving; renamed to ``file_lines`` when it ends."""
+        return f"{self.prefix}:file:{file_id}:upload"
+
+    def files(self) -> str:
+        """Sorted set of file ids (score: created_at), for listing."""
+        return f"{self.prefix}:files"
+
+    def batch(self, batch_id: str) -> str:
+        """Hash: a batch's state (status, timestamps, counts, next line to feed, files)."""
+        return f"{self.prefix}:batch:{batch_id}"
+
+    def batch_window(self, batch_id: str) -> str:
+        """Hash: the batch's lines queued or running now, job id -> JSON [line index, custom_id]."""
+        return f"{self.prefix}:batch:{batch_id}:window"
+
+    def batch_results(self, batch_id: str) -> str:
+        """Hash: line index -> the line's result (JSON of its output or error line), set once."""
+        return f"{self.prefix}:batch:{batch_id}:results"
+
+    def batches(self) -> str:
+        """Sorted set of batch ids (score: created_at), for listing."""
+        return f"{self.prefix}:batches"
+
+    def active_batches(self) -> str:
+        """Set of the batches not yet ended: what the feeder works on."""
+        return f"{self.prefix}:batches:active"
+
+    def batch_feeder(self) -> str:
+        """String with a TTL: the API process that feeds the batches now (api/batch_feeder.py)."""
+        return f"{self.prefix}:batches:feeder"
 
     @property
     def queue_llm(self) -> str:

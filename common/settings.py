@@ -58,6 +58,15 @@ class Settings(BaseSettings):
     # "*" for any. Empty: none (the console at /console is same-origin and needs none).
     cors_origins: str = ""
 
+    # Files and batches (API)
+    max_file_bytes: int = Field(200_000_000, ge=1)  # an uploaded file's size at most
+    batch_max_lines: int = Field(50_000, ge=1)  # lines of a batch input file at most
+    file_ttl_s: int = Field(30 * 24 * 3600, ge=1)  # files (and ended batches) expire after this
+    # Lines of one batch queued or running at once (api/batch_feeder.py): enough to fill the
+    # workers' batch slots between two feeds, few enough that a batch is never a flood of messages.
+    batch_window: int = Field(256, ge=1)
+    batch_feed_s: float = Field(0.2, gt=0)  # how often the feeder looks at the running batches
+
     # Workers (liveness)
     # A killed worker's jobs are taken over about max(lease_s, heartbeat_ttl_s) + heartbeat_s
     # after its last beat: another worker's sweep finds the lapsed lease (workers/reaper.py).

@@ -1,5 +1,5 @@
-"""``spool generate``, ``batch``, ``jobs``, ``job`` and ``cancel``: HTTP clients of a running API
-(httpx, no torch).
+"""``spool generate``, ``jobs``, ``job`` and ``cancel``: HTTP clients of a running API (httpx, no
+torch); the batch file's reading for ``spool batch`` (spool_cli/batches.py).
 
 Connections: an API that was never reached (connection refused, no such host) fails the command
 at once with one line naming the URL; one that answered before and then went away (a replica
@@ -21,10 +21,8 @@ from typing import Any, Self
 
 import httpx
 
-TERMINAL = {"succeeded", "failed", "cancelled", "partial"}
 MAX_RECONNECTS = 20  # consecutive failed tries to reach the event stream before giving up
 RETRY_STATUSES = {502, 503, 504}  # a replica restarting, Redis unreachable: try again
-POLL_S = 0.5  # between two rounds of status checks in `spool batch`
 TIMEOUT = httpx.Timeout(30.0, read=120.0)  # the API pings idle streams every SPOOL_SSE_PING_S
 PAGE_MAX = 100  # the most jobs one GET /v1/jobs answers with (its `limit`)
 SECOND_CTRL_C_S = 2.0  # a second Ctrl-C within this long of the first cancels the job
@@ -391,104 +389,3 @@ def read_batch(file: Path) -> list[dict[str, Any]]:
             raise BadBatch(f"{file} line {number}: not a JSON object (a job request); nothing submitted")
         rows.append(row)
     return rows
-
-
-def _submit(api: Api, body: dict[str, Any]) -> tuple[str | None, str | None]:
-    """(job id, None) or (None, error message); waits out a full queue (429 + Retry-After) and
-    submits again after a lost connection (with the same Idempotency-Key: one job at most)."""
-    key, failures = _idempotency(), 0
-    while True:
-        try:
-            resp = api.http.post("/v1/jobs", json=body, headers=key)
-        except httpx.TransportError as e:
-            api.lost(e)
-            failures += 1
-            if failures > MAX_RECONNECTS:
-                return None, f"could not submit ({e})"
-            _back_off(failures)
-            continue
-        if resp.status_code != 429:
-            return (None, _error(resp)) if resp.is_error else (resp.json()["id"], None)
-        time.sleep(float(resp.headers.get("Retry-After", "1")))
-
-
-def _poll(api: Api, job_id: str) -> dict[str, Any] | None:
-    """The job, or None while the API cannot answer (a replica restarting, Redis unreachable).
-    A refusal (the job expired, another API key) ends the job's wait as status "lost"."""
-    try:
-        resp = api.http.get(f"/v1/jobs/{job_id}")
-    except httpx.TransportError:
-        return None
-    if resp.status_code in RETRY_STATUSES:
-        return None
-    if resp.is_error:
-        return {"status": "lost", "error": {"message": _error(resp), "type": "lost"}}
-    job: dict[str, Any] = resp.json()
-    return job
-
-
-def batch(url: str, file: Path, out: Path | None, api_key: str | None) -> int:
-    rows = read_batch(file)
-    results: list[dict[str, Any]] = []
-    with Api(url, api_key) as api:
-        try:
-            _run_batch(api, rows, results)
-        except KeyboardInterrupt:
-            _write_results(results, out)
-            return _batch_interrupted(api, results, out)
-    _write_results(results, out)
-    return 0 if all(r["status"] == "succeeded" for r in results) else 1
-
-
-def _run_batch(api: Api, rows: list[dict[str, Any]], results: list[dict[str, Any]]) -> None:
-    for row in rows:
-        custom_id = row.pop("custom_id", None)
-        job_id, error = _submit(api, {**row, "stream": False})  # polled, never streamed
-        result: dict[str, Any] = {"custom_id": custom_id, "job_id": job_id}
-        if error:
-            result.update(status="rejected", error={"message": error, "type": "rejected"})
-        results.append(result)
-    pending = {r["job_id"]: r for r in results if "status" not in r}
-    while pending:
-        for job_id in list(pending):  # in submission order
-            if (job := _poll(api, job_id)) is None:
-                break  # try again next round
-            if job["status"] == "queued":
-                # The workers take jobs in the order they were queued: the jobs after this
-                # one wait too. (Polling them all each round costs the API a request per
-                # queued job every POLL_S: a 1,000-line batch would keep it busy.)
-                break
-            if job["status"] in TERMINAL | {"lost"}:
-                pending.pop(job_id).update(
-                    {k: job.get(k) for k in ("status", "text", "finish_reason", "usage", "error")}
-                )
-        if pending:
-            time.sleep(POLL_S)
-
-
-def _write_results(results: list[dict[str, Any]], out: Path | None) -> None:
-    """The results in input order; a job still unfinished (after Ctrl-C) has status "submitted"."""
-    text = "".join(json.dumps({"status": "submitted", **r}) + "\n" for r in results)
-    if out is None:
-        sys.stdout.write(text)
-        sys.stdout.flush()
-    else:
-        out.write_text(text)
-
-
-def _batch_interrupted(api: Api, results: list[dict[str, Any]], out: Path | None) -> int:
-    running = [r["job_id"] for r in results if "status" not in r]
-    where = out or "stdout"
-    if not running:
-        _say(f"interrupted; nothing left running (results so far: {where})")
-        return INTERRUPTED
-    try:
-        _say(
-            f'interrupted; {len(running)} submitted job(s) run on, their ids in {where} (status "submitted") '
-            f"and in `spool jobs`. Each result: spool job ID; cancel them all: press Ctrl-C again within "
-            f"{SECOND_CTRL_C_S:g} s, or spool cancel {' '.join(running)}"
-        )
-        time.sleep(SECOND_CTRL_C_S)
-    except KeyboardInterrupt:
-        _cancel(api, running)
-    return INTERRUPTED

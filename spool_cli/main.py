@@ -115,9 +115,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_batch(args: argparse.Namespace) -> int:
-    from spool_cli.client import batch
+    from spool_cli.batches import run
 
-    return batch(args.url or default_url(), args.file, args.out, args.api_key)
+    if (args.file is None) == (args.resume is None):
+        print("spool batch: give a FILE or --resume BATCH_ID", file=sys.stderr)
+        return SETTINGS_EXIT
+    return run(args.url or default_url(), args.file, args.resume, args.out, args.errors, args.api_key)
+
+
+def cmd_batches(args: argparse.Namespace) -> int:
+    from spool_cli.batches import list_batches
+
+    return list_batches(args.url or default_url(), args.limit, args.api_key)
 
 
 def cmd_jobs(args: argparse.Namespace) -> int:
@@ -267,22 +276,36 @@ def parser() -> argparse.ArgumentParser:
     p = _command(
         sub,
         "batch",
-        "submit one job per line of a JSONL file, wait, write the results as JSONL",
-        "Each line is a job request object (prompt or messages, max_tokens, ...); an optional "
-        "'custom_id' is echoed in its result. Every line is checked first: a line that is not a "
-        "JSON object (its number is named) or a missing file submits nothing. Results keep the "
-        "input order. It polls the jobs in that order every half second, none behind one still "
-        "queued (the workers take them in order); a dropped connection or a 502, 503 or 504 is "
-        "retried at the next poll; a job the API no longer knows (expired) ends with status 'lost'. Ctrl-C writes the results so far (unfinished jobs with status "
-        "'submitted' and their ids) and leaves the jobs running; a second Ctrl-C within 2 s "
-        "cancels them. spool jobs lists them too.",
+        "run a JSONL file as one batch of the Batches API and write its output and error files",
+        "Each line is an OpenAI batch line ({custom_id, method, url, body}) or a bare job request "
+        "(prompt or messages, max_tokens, ...; an optional 'custom_id', else line-N), run as a "
+        "/v1/jobs line. The file is uploaded and runs on the server, below interactive requests; a "
+        "progress line shows the completed and failed lines, the rate and the time left. The output "
+        "and error files (one line per custom_id, in input order) are written once the batch ended. "
+        "Ctrl-C stops this command, not the batch: --resume BATCH_ID picks it up. Exit status 0 "
+        "when every line succeeded, else 1.",
         CLIENT_SETTINGS,
-        "spool batch prompts.jsonl --out results.jsonl",
+        "spool batch prompts.jsonl    # writes prompts.output.jsonl and prompts.errors.jsonl",
     )
-    p.add_argument("file", type=Path, help="input JSONL")
-    p.add_argument("--out", type=Path, help="output JSONL (default: stdout)")
+    p.add_argument("file", type=Path, nargs="?", help="input JSONL")
+    p.add_argument("--resume", metavar="BATCH_ID", help="follow a batch submitted before, instead of a FILE")
+    p.add_argument("--out", type=Path, help="output lines (default: FILE's name with .output.jsonl)")
+    p.add_argument("--errors", type=Path, help="error lines (default: FILE's name with .errors.jsonl)")
     _client_options(p)
     p.set_defaults(func=cmd_batch)
+
+    p = _command(
+        sub,
+        "batches",
+        "list the batches of the Batches API, newest first",
+        "One line each: id, status, completed and failed lines out of the total, when it was created, "
+        "its endpoint.",
+        CLIENT_SETTINGS,
+        "spool batches --limit 5",
+    )
+    p.add_argument("--limit", type=int, default=20, help="how many (default: 20)")
+    _client_options(p)
+    p.set_defaults(func=cmd_batches)
 
     p = _command(
         sub,

@@ -9,10 +9,12 @@ The only code of Spool that writes Redis (Celery's broker and kombu write their 
 - ``lua``: the scripts (every status transition and every append is one);
 - ``watchers``: who watches a foreground job (the API writes, a worker reads);
 - ``clients``: the Redis clients' retries, timeouts and pool;
-- ``sync`` and ``aio``: the two stores.
+- ``sync`` and ``aio``: the two stores;
+- ``batches``: the API's files and batches.
 """
 
 from common.store.aio import AsyncJobStore
+from common.store.batches import AsyncBatchStore, LineJob, LineResult
 from common.store.errors import Conflict, IdempotencyConflict, JobNotFound, QueueFull, StoreError
 from common.store.records import (
     JOB_ID_BYTES,
@@ -54,12 +56,15 @@ __all__ = [
     "WORKER_FORGET_S",
     "Append",
     "Appended",
+    "AsyncBatchStore",
     "AsyncJobStore",
     "Conflict",
     "Final",
     "IdempotencyConflict",
     "JobNotFound",
     "JobRecord",
+    "LineJob",
+    "LineResult",
     "MessageFor",
     "QueueFull",
     "QueueMessage",

@@ -179,3 +179,165 @@ if last > tonumber(ARGV[2]) - tonumber(ARGV[3]) then return 0 end
 redis.call('HSET', KEYS[1], 'requeued_at', ARGV[2])
 return 1
 """
+
+
+# -- files and batches (common/store/batches.py) ----------------------------------------------------
+
+# KEYS: upload list, lines list, file hash, files zset. ARGV: ttl, created_at, file id, field, value, ...
+# An upload's lines arrive in a list of their own and become the file here, with its object, at
+# once: a file is listed only whole. Writing the same file again (a batch's results assembled
+# twice) replaces it.
+COMMIT_FILE_LUA = """
+redis.call('DEL', KEYS[2])
+if redis.call('EXISTS', KEYS[1]) == 1 then
+  redis.call('RENAME', KEYS[1], KEYS[2])
+  redis.call('EXPIRE', KEYS[2], ARGV[1])
+end
+redis.call('DEL', KEYS[3])
+redis.call('HSET', KEYS[3], unpack(ARGV, 4))
+redis.call('EXPIRE', KEYS[3], ARGV[1])
+redis.call('ZADD', KEYS[4], ARGV[2], ARGV[3])
+return 1
+"""
+
+# KEYS: feeder key. ARGV: this process's token, lease (ms).
+# One API process feeds the batches at a time; another takes over once its lease lapsed.
+CLAIM_FEEDER_LUA = """
+local holder = redis.call('GET', KEYS[1])
+if holder and holder ~= ARGV[1] then return 0 end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+return 1
+"""
+
+# KEYS: batch hash, active set. ARGV: batch id, 'ok' | 'failed', now, line count, total, errors JSON.
+# The end of a batch's validation: in_progress with its counts, or failed with the lines' errors.
+# A batch cancelled while it was validated stays cancelling (with its counts, if valid).
+VALIDATED_LUA = """
+local status = redis.call('HGET', KEYS[1], 'status')
+if status ~= 'validating' and status ~= 'cancelling' then return status or 'missing' end
+if redis.call('HGET', KEYS[1], 'line_count') then return status end
+if ARGV[2] == 'failed' then
+  redis.call('HSET', KEYS[1], 'status', 'failed', 'failed_at', ARGV[3], 'errors', ARGV[6])
+  redis.call('SREM', KEYS[2], ARGV[1])
+  return 'failed'
+end
+redis.call('HSET', KEYS[1], 'line_count', ARGV[4], 'total', ARGV[5], 'next_line', '0')
+if status == 'validating' then
+  redis.call('HSET', KEYS[1], 'status', 'in_progress', 'in_progress_at', ARGV[3])
+  return 'in_progress'
+end
+return status
+"""
+
+# KEYS: batch hash, window hash, results hash, broker list, owner's job index, job hash, job hash, ...
+# ARGV: next line expected, next line after, jobs, rejected lines, now, index max age (s), index
+#       max length, then per job: job id, window value, message, field count n, n fields and values;
+#       then per rejected line: line index, result JSON.
+# Feeds a batch's next lines: each becomes a job with its message (a job and its message exist
+# together or not at all, as in CREATE_LUA), in the window and in its owner's index (GET /v1/jobs,
+# trimmed as CREATE_LUA trims it); a line refused as the endpoint would refuse it gets its result
+# at once. Only from the expected line on, so two feeders never feed a line twice.
+FEED_LUA = """
+if redis.call('HGET', KEYS[1], 'status') ~= 'in_progress' or redis.call('HGET', KEYS[1], 'ending') then
+  return -1
+end
+if redis.call('HGET', KEYS[1], 'next_line') ~= ARGV[1] then return 0 end
+local i, k = 8, 6
+for _ = 1, tonumber(ARGV[3]) do
+  local n = tonumber(ARGV[i + 3])
+  redis.call('HSET', KEYS[k], unpack(ARGV, i + 4, i + 3 + n))
+  redis.call('LPUSH', KEYS[4], ARGV[i + 2])
+  redis.call('HSET', KEYS[2], ARGV[i], ARGV[i + 1])
+  redis.call('ZADD', KEYS[5], ARGV[5], ARGV[i])
+  i, k = i + 4 + n, k + 1
+end
+if tonumber(ARGV[3]) > 0 then
+  redis.call('ZREMRANGEBYSCORE', KEYS[5], '-inf', '(' .. (tonumber(ARGV[5]) - tonumber(ARGV[6])))
+  redis.call('ZREMRANGEBYRANK', KEYS[5], 0, -tonumber(ARGV[7]) - 1)
+  redis.call('EXPIRE', KEYS[5], ARGV[6])
+end
+local failed = 0
+for _ = 1, tonumber(ARGV[4]) do
+  failed = failed + redis.call('HSETNX', KEYS[3], ARGV[i], ARGV[i + 1])
+  i = i + 2
+end
+redis.call('HINCRBY', KEYS[1], 'failed', failed)
+redis.call('HSET', KEYS[1], 'next_line', ARGV[2])
+return 1
+"""
+
+# KEYS: batch hash, window hash, results hash. ARGV: per line: job id ('' for none), line index,
+# 'completed' | 'failed', result JSON.
+# A line's result is set once (HSETNX) and counted once, and its job leaves the window with it:
+# exactly one result per line, whoever records it how often.
+RECORD_LUA = """
+local counts = {completed = 0, failed = 0}
+for i = 1, #ARGV, 4 do
+  counts[ARGV[i + 2]] = counts[ARGV[i + 2]] + redis.call('HSETNX', KEYS[3], ARGV[i + 1], ARGV[i + 3])
+  if ARGV[i] ~= '' then redis.call('HDEL', KEYS[2], ARGV[i]) end
+end
+redis.call('HINCRBY', KEYS[1], 'completed', counts.completed)
+redis.call('HINCRBY', KEYS[1], 'failed', counts.failed)
+return 1
+"""
+
+# KEYS: batch hash. ARGV: now, 'cancelled' | 'expired'.
+# A cancel (cancelling at once) or the end of the window (the batch stays in_progress until its
+# files are written): nothing more is fed, the lines in the window are cancelled. Returns the
+# status the batch had.
+END_LUA = """
+local status = redis.call('HGET', KEYS[1], 'status')
+if not status then return 'missing' end
+if (status ~= 'validating' and status ~= 'in_progress') or redis.call('HGET', KEYS[1], 'ending') then
+  return status
+end
+redis.call('HSET', KEYS[1], 'ending', ARGV[2])
+if ARGV[2] == 'cancelled' then
+  redis.call('HSET', KEYS[1], 'status', 'cancelling', 'cancelling_at', ARGV[1])
+else
+  redis.call('HSET', KEYS[1], 'expired_at', ARGV[1])
+end
+return status
+"""
+
+# KEYS: batch hash. ARGV: now. Every line has its result: in_progress -> finalizing.
+FINALIZING_LUA = """
+if redis.call('HGET', KEYS[1], 'status') ~= 'in_progress' or redis.call('HGET', KEYS[1], 'ending') then
+  return 0
+end
+redis.call('HSET', KEYS[1], 'status', 'finalizing', 'finalizing_at', ARGV[1])
+return 1
+"""
+
+# KEYS: batch hash, active set, window hash, results hash.
+# ARGV: batch id, now, ttl, output file id, error file id, completed, failed.
+# The batch's files are written: completed (or cancelled, expired, as it was ending). Once: a
+# second assembly finds it ended and changes nothing.
+FINISH_LUA = """
+local status = redis.call('HGET', KEYS[1], 'status')
+if status ~= 'finalizing' and status ~= 'cancelling' and status ~= 'in_progress' then
+  return status or 'missing'
+end
+local ending = redis.call('HGET', KEYS[1], 'ending')
+local final = ending or 'completed'
+redis.call('HSET', KEYS[1], 'status', final, 'output_file_id', ARGV[4], 'error_file_id', ARGV[5],
+           'completed', ARGV[6], 'failed', ARGV[7])
+if final ~= 'expired' then redis.call('HSET', KEYS[1], final .. '_at', ARGV[2]) end
+redis.call('SREM', KEYS[2], ARGV[1])
+for i = 1, 4 do if i ~= 2 then redis.call('EXPIRE', KEYS[i], ARGV[3]) end end
+return final
+"""
+
+# KEYS: job hash, broker list. ARGV: now, min gap (s), message.
+# A batch line still queued although the batch's queue list is empty lost its message (a worker
+# died between popping it and taking the job, or Redis lost the last writes): push it again, once
+# per gap since it was fed or last resent. A duplicate finds the job running and is dropped.
+RESEND_LUA = """
+if redis.call('HGET', KEYS[1], 'status') ~= 'queued' then return 0 end
+local since = math.max(tonumber(redis.call('HGET', KEYS[1], 'created_at') or '0'),
+                       tonumber(redis.call('HGET', KEYS[1], 'requeued_at') or '0'))
+if since > tonumber(ARGV[1]) - tonumber(ARGV[2]) then return 0 end
+redis.call('HSET', KEYS[1], 'requeued_at', ARGV[1])
+redis.call('LPUSH', KEYS[2], ARGV[3])
+return 1
+"""

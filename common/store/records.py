@@ -41,6 +41,7 @@ class JobRecord:
     attempt: int
     worker: str
     cancel_requested: bool
+    batch: str = ""  # the batch whose line it is (api/batch_feeder.py); empty for any other job
 
 
 @dataclass(frozen=True)
@@ -237,6 +238,7 @@ def record_from_hash(h: dict[str, str], text: str) -> JobRecord:
         attempt=int(h.get("attempt") or 0),
         worker=h.get("worker", ""),
         cancel_requested=h.get("cancel_requested") == "1",
+        batch=h.get("batch", ""),
     )
 
 

@@ -81,3 +81,17 @@ def test_prefix_caching_keeps_a_finished_slot_for_the_next_request() -> None:
     assert again.slot == 1 and plan.cache_ops == []
     assert [(c.request, c.start) for c in plan.prefills] == [(again, 32)]
     assert (s.prefix_cache_queries, s.prefix_cache_hits) == (3 * 40, 32)
+
+
+def test_a_waiting_request_of_a_lower_priority_value_is_admitted_first() -> None:
+    s = Scheduler(num_slots=1, prefill_chunk_size=8, max_prefill_tokens_per_step=64)
+    lines = [Request(f"line{i}", [1, 2], SamplingParams(priority=1), _NoDetok()) for i in range(3)]  # type: ignore[arg-type]
+    chats = [Request(f"chat{i}", [1, 2], SamplingParams(), _NoDetok()) for i in range(2)]  # type: ignore[arg-type]
+    for r in [lines[0], lines[1], chats[0], lines[2], chats[1]]:
+        s.add(r)
+    order = []
+    while s.has_unfinished():
+        [chunk] = s.schedule().prefills
+        order.append(chunk.request.request_id)
+        s.remove(chunk.request)
+    assert order == ["chat0", "chat1", "line0", "line1", "line2"]  # FCFS within a priority

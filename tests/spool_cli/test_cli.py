@@ -12,7 +12,6 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 import redis
 from greedy import greedy
@@ -189,68 +188,9 @@ def test_generate_submits_again_when_the_answer_is_lost_and_the_job_runs_once(  
     assert jobs_with_prompt(prefixes.client, cluster.prefix, prompt) == 1  # the retry named the first job
 
 
-def test_batch_submits_again_when_the_answer_is_lost_and_the_job_runs_once(  # type: ignore[no-untyped-def]
-    cluster, lossy: LosesFirstAnswer, prefixes, tmp_path: Path
-) -> None:
-    prompt = "a lost answer in a batch"
-    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
-    src.write_text(json.dumps({"prompt": prompt, "max_tokens": 4}) + "\n")
-    result = spool("batch", str(src), "--out", str(out), "--url", lossy.url)
-    assert result.returncode == 0, result.stderr
-    assert [json.loads(line)["status"] for line in out.read_text().splitlines()] == ["succeeded"]
-    assert lossy.connections >= 2
-    assert jobs_with_prompt(prefixes.client, cluster.prefix, prompt) == 1
-
-
 def jobs_with_prompt(client: redis.Redis, prefix: str, prompt: str) -> int:
     hashes = (k for k in client.scan_iter(Keys(prefix).job("*")) if k.count(b":") == 2)
     return sum(json.loads(client.hget(k, "request"))["prompt"] == prompt for k in hashes)
-
-
-def test_batch_writes_results_in_order(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    rows = [
-        {"custom_id": f"r{i}", "prompt": f"hello {i}", "max_tokens": 6, "temperature": 0} for i in range(3)
-    ]
-    rows[1]["stream"] = True  # a batch polls: the row is submitted unstreamed
-    rows.append({"custom_id": "bad", "prompt": "x", "temperature": 9})
-    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
-    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    result = spool("batch", str(src), "--out", str(out), "--url", cluster.url)
-    results = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [r["custom_id"] for r in results] == ["r0", "r1", "r2", "bad"]
-    assert [r["status"] for r in results] == ["succeeded"] * 3 + ["rejected"]
-    assert all(r["usage"]["completion_tokens"] > 0 for r in results[:3])
-    assert result.returncode == 1  # one line was rejected
-
-
-def test_batch_polls_no_job_behind_a_queued_one(prefixes, log_dir: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    """With no worker every job stays queued: each round polls the first one only. Once they
-    are all cancelled, one round finds every job final."""
-    api = start_api(prefixes.new(), log_dir, ready=False)
-    keys, r = Keys(api.prefix), prefixes.client
-    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
-    src.write_text("".join(json.dumps({"prompt": f"p{i}", "max_tokens": 4}) + "\n" for i in range(20)))
-    proc = subprocess.Popen([SPOOL, "batch", str(src), "--out", str(out), "--url", api.url])
-    try:
-        wait_until(lambda: r.zcard(keys.queued_jobs()) == 20, "the batch submitted", 30, (api,))
-        first = r.zrange(keys.queued_jobs(), 0, 0)[0].decode()
-
-        def polls(job_id: str) -> int:
-            return api.log_path.read_text().count(f"GET /v1/jobs/{job_id} ")
-
-        wait_until(lambda: polls(first) >= 3, "three rounds of polling", 30, (api,))
-        os.kill(proc.pid, signal.SIGSTOP)  # (so that no round sees some jobs cancelled, some not)
-        for job_id in r.zrange(keys.queued_jobs(), 0, -1):
-            httpx.post(f"{api.url}/v1/jobs/{job_id.decode()}/cancel").raise_for_status()
-        os.kill(proc.pid, signal.SIGCONT)
-        assert proc.wait(30) == 1  # (cancelled is not succeeded)
-    finally:
-        proc.kill()
-        api.stop()
-    results = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [x["status"] for x in results] == ["cancelled"] * 20
-    assert results[0]["job_id"] == first
-    assert [polls(x["job_id"]) for x in results[1:]] == [1] * 19
 
 
 def test_up_runs_worker_and_api_and_stops_on_ctrl_c(prefixes, tiny_model: Path, log_dir: Path) -> None:  # type: ignore[no-untyped-def]

@@ -14,13 +14,13 @@ from pathlib import Path
 import httpx
 import pytest
 from greedy import greedy
-from procs import SPOOL, Service, free_port, start_api, wait_until
+from procs import SPOOL, Service, free_port, start_api
 
 from common.keys import Keys
 from spool_cli.client import PAGE_MAX
 
 LONG_PROMPT = "the quick brown fox"  # greedy on the tiny model runs to max_tokens (no EOS)
-COMMANDS = ("worker", "api", "up", "generate", "batch", "jobs", "job", "cancel", "tiny-model")
+COMMANDS = ("worker", "api", "up", "generate", "batch", "batches", "jobs", "job", "cancel", "tiny-model")
 JOB_ID = re.compile(r"job ([0-9a-f]{32})")
 
 
@@ -62,6 +62,7 @@ def test_every_command_says_what_it_does_which_settings_and_an_example(
     [
         ("generate", "hello"),
         ("batch", "{file}"),
+        ("batches",),
         ("jobs",),
         ("job", "0123456789abcdef0123456789abcdef"),
         ("cancel", "0123456789abcdef0123456789abcdef"),
@@ -250,40 +251,28 @@ def test_batch_with_a_bad_line_names_it_and_submits_nothing(
     assert (missing.returncode, missing.stderr) == (1, f"spool: no such file: {tmp_path / 'nope.jsonl'}\n")
 
 
-def test_ctrl_c_in_batch_writes_the_submitted_ids(
-    bare_api: Service, env: dict[str, str], tmp_path: Path, prefixes
-) -> None:  # type: ignore[no-untyped-def]
-    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
-    src.write_text("".join(json.dumps({"prompt": f"b{i}", "custom_id": f"c{i}"}) + "\n" for i in range(3)))
-    queued = Keys(bare_api.prefix).queued_jobs()
-    before = prefixes.client.zcard(queued)
-    proc = popen("batch", str(src), "--out", str(out), "--url", bare_api.url, env=env)
-    wait_until(lambda: prefixes.client.zcard(queued) == before + 3, "the batch submitted", 30)
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=30)
-    assert proc.returncode == 130
-    results = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [(r["custom_id"], r["status"]) for r in results] == [(f"c{i}", "submitted") for i in range(3)]
-    for r in results:
-        assert r["job_id"] in err.decode() and job_status(bare_api.url, r["job_id"]) == "queued"
-    listing = spool("jobs", "--url", bare_api.url, env=env)
-    assert all(r["job_id"] in listing.stdout for r in results)
-    spool("cancel", *(r["job_id"] for r in results), "--url", bare_api.url, env=env)
-
-
-def test_batch_reports_a_job_the_api_forgot_instead_of_a_traceback(  # type: ignore[no-untyped-def]
-    bare_api: Service, env: dict[str, str], tmp_path: Path, prefixes
+def test_ctrl_c_in_batch_leaves_the_batch_running_and_a_second_one_cancels_it(
+    bare_api: Service, env: dict[str, str], tmp_path: Path
 ) -> None:
-    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
-    src.write_text(json.dumps({"prompt": "forgotten"}) + "\n")
-    keys, r = Keys(bare_api.prefix), prefixes.client
-    before = set(r.zrange(keys.queued_jobs(), 0, -1))
-    proc = popen("batch", str(src), "--out", str(out), "--url", bare_api.url, env=env)
-    wait_until(lambda: len(set(r.zrange(keys.queued_jobs(), 0, -1)) - before) == 1, "the batch submitted", 30)
-    [job_id] = {j.decode() for j in set(r.zrange(keys.queued_jobs(), 0, -1)) - before}
-    r.delete(keys.job(job_id))  # as if it expired: the API answers 404
-    r.zrem(keys.queued_jobs(), job_id)
-    _, err = proc.communicate(timeout=30)
-    assert proc.returncode == 1 and b"Traceback" not in err
-    [result] = [json.loads(line) for line in out.read_text().splitlines()]
-    assert result["status"] == "lost" and "No job with id" in result["error"]["message"]
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps({"prompt": f"b{i}", "custom_id": f"c{i}"}) + "\n" for i in range(3)))
+    batch_ids = []
+    for presses in (1, 2):
+        proc = popen("batch", str(src), "--url", bare_api.url, env=env)
+        assert proc.stderr is not None
+        first = proc.stderr.readline().decode()  # "batch ID (resume with: ...)": it exists on the server
+        [batch_id] = set(re.findall(r"batch_[0-9a-f]{32}", first))
+        proc.send_signal(signal.SIGINT)
+        told = ""
+        while "interrupted" not in told:  # the hint: a second Ctrl-C now cancels the batch
+            told = proc.stderr.readline().decode()
+            assert told, "the command ended without its hint"
+        assert f"spool batch --resume {batch_id}" in told
+        if presses == 2:
+            proc.send_signal(signal.SIGINT)
+        proc.communicate(timeout=30)
+        assert proc.returncode == 130
+        batch_ids.append(batch_id)
+    statuses = [httpx.get(f"{bare_api.url}/v1/batches/{b}").json()["status"] for b in batch_ids]
+    assert statuses[0] in ("validating", "in_progress")  # no worker: its lines wait
+    assert statuses[1] in ("cancelling", "cancelled")

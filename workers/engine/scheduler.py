@@ -1,8 +1,9 @@
 """Which requests run in the next step. Pure Python: no torch, testable on its own.
 
 Running requests occupy KV slots ``0..n-1`` (``running[i].slot == i``). Each step:
-admit waiting requests first come, first served into free slots; plan one prefill chunk for
-each request that still has prompt tokens to feed (within a per-step token budget, so a long
+admit waiting requests into free slots by priority (lower first: interactive requests before
+batch lines), first come, first served within one; plan one prefill chunk for each request that
+still has prompt tokens to feed (within a per-step token budget, so a long
 prompt never stalls decode rows for more than one chunk); decode every request that has
 exactly one token to feed.
 
@@ -86,7 +87,12 @@ class Scheduler:
         self.prefix_cache_hits = 0  # of those, tokens found cached (not computed again)
 
     def add(self, request: Request) -> None:
-        self.waiting.append(request)
+        # By priority (lower first), first come first served within one: an interactive request
+        # gets the next free slot ahead of the batch lines already waiting.
+        at = len(self.waiting)
+        while at and self.waiting[at - 1].params.priority > request.params.priority:
+            at -= 1
+        self.waiting.insert(at, request)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)

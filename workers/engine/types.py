@@ -28,6 +28,7 @@ class SamplingParams:
     seed: int | None = None  # same seed, same tokens, whatever else is in the batch
     stop: tuple[str, ...] = ()  # stop strings; the match is not part of the output
     stop_token_ids: tuple[int, ...] = ()  # extra token ids that end the request (kept out of the text)
+    priority: int = 0  # waiting requests are admitted lowest first (a batch line's is 1, below interactive)
     ignore_eos: bool = False  # keep going past EOS (benchmarks)
     # Logits processing, per request (workers/engine/processors.py). Neutral values cost nothing.
     frequency_penalty: float = 0.0  # OpenAI's: minus this times each generated token's count so far

@@ -1,0 +1,294 @@
+"""The feeder: turns the running batches' lines into jobs, a bounded window at a time, and their
+ended jobs into results; validates new batches and assembles the files of those whose lines all
+ended.
+
+Every API process runs one (a task of its lifespan); one at a time works, the holder of a lease
+in Redis (``Keys.batch_feeder``), so a batch goes on when the process that created it dies: the
+next holder finds everything it needs in Redis. Each tick (``SPOOL_BATCH_FEED_S``), for every
+active batch, oldest first:
+
+- validating: read the input file in pages and check each line's form; a line that is no request
+  line (not JSON, no custom_id, a custom_id seen before, another url) fails the batch, naming it;
+- record the window's jobs that ended (their result lines: ``api/batch_lines.py``), then feed
+  lines until ``SPOOL_BATCH_WINDOW`` are queued or running, at ``BATCH_PRIORITY`` (behind every
+  interactive job in the queue). Each batch has its own window, so the queue holds about as
+  many lines of each running batch: the workers are shared between them;
+- every line ended: assemble the output and error files (finalizing -> completed);
+- cancelled or expired: feed nothing more, cancel the window's jobs (queued ones at once, running
+  ones at the worker's next step), and once they ended write the files, the lines never fed
+  failing with ``batch_cancelled`` or ``batch_expired``.
+
+Every write is a script that is safe to run twice, so a feeder taken over mid-tick (its lease
+lapsed) repeats work at worst, and a line gets exactly one result.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import secrets
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from redis.exceptions import RedisError
+
+from api.batch_lines import LineError, job_result, line_request, lost_result, parse_line, refused
+from api.context import ContextCheck
+from api.enqueue import Enqueuer
+from api.errors import ApiError
+from api.openai_compat.batches import error_line
+from api.served import ServedModels
+from common.keys import BATCH_PRIORITY, Keys
+from common.schemas import JobStatus
+from common.settings import Settings
+from common.store import (
+    AsyncBatchStore,
+    AsyncJobStore,
+    Conflict,
+    JobNotFound,
+    LineJob,
+    LineResult,
+    new_job_id,
+)
+
+log = logging.getLogger(__name__)
+
+LEASE_TICKS = 25  # the feeder's lease lasts this many ticks: another process takes over after it
+PAGE_LINES = 1000  # lines read (validated, assembled) per round trip
+MAX_ERRORS = 100  # a failed batch's errors.data names at most this many lines
+
+
+def result_file_id(batch_id: str, kind: str) -> str:
+    """The output (or error) file of a batch: the same id however often it is assembled."""
+    return "file-" + hashlib.sha256(f"{batch_id}:{kind}".encode()).hexdigest()[:32]
+
+
+class BatchFeeder:
+    def __init__(
+        self,
+        settings: Settings,
+        jobs: AsyncJobStore,
+        batches: AsyncBatchStore,
+        enqueuer: Enqueuer,
+        served: ServedModels,
+        context: ContextCheck,
+    ) -> None:
+        self.settings = settings
+        self.jobs = jobs
+        self.batches = batches
+        self.enqueuer = enqueuer
+        self.served = served
+        self.context = context
+        self._token = secrets.token_hex(8)
+        self._lease_s = settings.batch_feed_s * LEASE_TICKS
+        self._broker_list = Keys.broker_list(settings.keys.queue_llm, BATCH_PRIORITY)
+
+    async def run(self) -> None:
+        while True:
+            try:
+                if await self.batches.claim_feeder(self._token, self._lease_s):
+                    await self.tick()
+            except RedisError as e:
+                log.warning("batch feeder: Redis unreachable (%s)", e)
+            except Exception:
+                log.exception("batch feeder tick failed")
+            await asyncio.sleep(self.settings.batch_feed_s)
+
+    async def tick(self) -> None:
+        for batch_id in await self.batches.active_batches():
+            await self.advance(batch_id)
+
+    async def advance(self, batch_id: str) -> None:
+        b = await self.batches.get_batch(batch_id)
+        if b is None or b["status"] in ("completed", "failed", "expired", "cancelled"):
+            await self.batches.forget_active(batch_id)
+            return
+        if b["status"] == "validating":
+            await self.validate(b)
+            return
+        if "line_count" not in b:  # cancelled while it was validated: nothing ran
+            await self.batches.finish(batch_id, "", "", 0, 0)
+            return
+        ending = b.get("ending", "")
+        if not ending and time.time() >= float(b["expires_at"]):
+            await self.batches.end_batch(batch_id, "expired")
+            ending = "expired"
+        window = await self.collect(b, ending)
+        if ending:
+            if window:
+                await self.cancel(window)
+            else:
+                await self.assemble(b, ending)
+        elif b["status"] == "finalizing":
+            await self.assemble(b, "")
+        elif int(b["next_line"]) < int(b["line_count"]):
+            await self.feed(b, self.settings.batch_window - len(window))
+        elif not window and await self.batches.finalizing(batch_id):
+            await self.assemble(b, "")
+
+    # -- validating -------------------------------------------------------------------------------
+
+    async def validate(self, b: dict[str, str]) -> None:
+        batch_id, endpoint = b["id"], b["endpoint"]
+        meta = await self.batches.get_file(b["input_file_id"])
+        if meta is None:
+            error = {"code": "file_not_found", "message": "the input file is gone", "param": "input_file_id", "line": None}
+            await self.batches.validated(batch_id, False, 0, 0, [error])
+            return
+        line_count = int(meta["lines"])
+        seen: set[str] = set()
+        errors: list[dict[str, Any]] = []
+        for start in range(0, line_count, PAGE_LINES):
+            for i, raw in enumerate(await self.batches.read_lines(meta["id"], start, PAGE_LINES), start + 1):
+                try:
+                    line = parse_line(raw, endpoint)
+                    if line is not None and line["custom_id"] in seen:
+                        raise LineError("duplicate_custom_id", f"custom_id {line['custom_id']!r} is not unique", "custom_id")
+                except LineError as e:
+                    errors.append(e.entry(i))
+                else:
+                    if line is not None:
+                        seen.add(line["custom_id"])
+            await self.batches.claim_feeder(self._token, self._lease_s)  # a long file: keep the lease
+            await asyncio.sleep(0)  # let the process's requests through between pages
+        if not seen and not errors:
+            errors.append({"code": "empty_file", "message": "the input file holds no request line", "param": None, "line": None})
+        await self.batches.validated(batch_id, not errors, line_count, len(seen), errors[:MAX_ERRORS])
+
+    # -- running ----------------------------------------------------------------------------------
+
+    async def collect(self, b: dict[str, str], ending: str) -> dict[str, tuple[int, str]]:
+        """Record the results of the window's jobs that ended; returns the rest of the window."""
+        window = await self.batches.window(b["id"])
+        ids = list(window)
+        statuses = await self.batches.job_statuses(ids)
+        ended = [j for j, s in zip(ids, statuses, strict=True) if s is None or JobStatus(s).terminal]
+        await self._resend_lost([j for j, s in zip(ids, statuses, strict=True) if s == JobStatus.QUEUED.value])
+        if not ended:
+            return window
+        model = min(await self.served.get(), default="")
+        results = []
+        for job_id in ended:
+            line, custom_id = window.pop(job_id)
+            try:
+                record = await self.jobs.get_record(job_id)
+            except JobNotFound:
+                results.append(lost_result(line, custom_id, job_id))
+            else:
+                results.append(job_result(line, custom_id, b["endpoint"], record, model, ending))
+        await self.batches.record(b["id"], results)
+        return window
+
+    async def _resend_lost(self, queued: list[str]) -> None:
+        """Send again the messages of lines queued for a lease although the batch's queue list is
+        empty (workers/reaper.py does the same for interactive jobs)."""
+        if not queued or await self.batches.queue_length(self._broker_list):
+            return
+        for job_id in queued:
+            if await self.batches.resend(job_id, self.enqueuer.generate(job_id, BATCH_PRIORITY), self.settings.lease_s):
+                log.warning("batch line %s lost its message; sent it again", job_id)
+
+    async def feed(self, b: dict[str, str], room: int) -> None:
+        if room <= 0:
+            return
+        batch_id, start = b["id"], int(b["next_line"])
+        raws = await self.batches.read_lines(b["input_file_id"], start, min(room, int(b["line_count"]) - start))
+        if not raws:  # the input file was deleted or expired: the rest of its lines cannot run
+            await self.batches.end_batch(batch_id, "cancelled")
+            return
+        models = await self.served.get()
+        jobs: list[LineJob] = []
+        rejected: list[LineResult] = []
+        for i, raw in enumerate(raws, start):
+            line = parse_line(raw, b["endpoint"])  # validated already
+            if line is None:
+                continue
+            job_id = new_job_id()
+            try:
+                request = await line_request(b["endpoint"], line["body"], self.settings, models, self.context)
+            except ApiError as e:
+                rejected.append(refused(i, line["custom_id"], e, job_id))
+                continue
+            message = self.enqueuer.generate(job_id, BATCH_PRIORITY)
+            jobs.append(LineJob(job_id, i, line["custom_id"], request, message))
+        fed = await self.batches.feed(batch_id, b["owner"], (start, start + len(raws)), jobs, rejected, self._broker_list)
+        if fed != 1:
+            log.info("batch %s: lines from %d were fed by another feeder or it stopped (%d)", batch_id, start, fed)
+
+    async def cancel(self, window: dict[str, tuple[int, str]]) -> None:
+        for job_id in window:
+            try:
+                await self.jobs.request_cancel(job_id)  # queued: at once; running: at its next step
+            except (Conflict, JobNotFound):
+                pass  # it ended meanwhile: the next tick records it
+
+    # -- results ----------------------------------------------------------------------------------
+
+    async def assemble(self, b: dict[str, str], ending: str) -> None:
+        """Write the output and error files, one line per custom_id in input order, and end the batch.
+
+        The lines never fed (cancelled or expired first) fail with ``batch_cancelled`` or
+        ``batch_expired``. Written a page at a time; twice gives the same files under the same
+        ids, so a repeat (another feeder took over) is safe.
+        """
+        batch_id, fed, count = b["id"], int(b["next_line"]), int(b["line_count"])
+        files = {kind: _ResultFile(result_file_id(batch_id, kind)) for kind in ("completed", "failed")}
+        for f in files.values():
+            await self.batches.abort_upload(f.id)  # a half-written earlier attempt
+        for start in range(0, count, PAGE_LINES):
+            stop = min(start + PAGE_LINES, count)
+            results = await self.batches.results(batch_id, range(start, min(stop, fed)))
+            if stop > fed:
+                unfed = await self.batches.read_lines(b["input_file_id"], max(start, fed), stop - max(start, fed))
+                results += [self._unfed(b, raw, i, ending) for i, raw in enumerate(unfed, max(start, fed))]
+            for kind, f in files.items():
+                lines = [_jsonl(r.result) for r in results if r is not None and r.kind == kind]  # None: blank
+                if lines:
+                    await self.batches.append_upload(f.id, lines)
+                    f.add(lines)
+        for kind, f in files.items():
+            if f.lines:
+                await self.batches.commit_file(self._file_fields(b, f, "output" if kind == "completed" else "error"))
+        completed, failed = files["completed"], files["failed"]
+        await self.batches.finish(
+            batch_id, completed.id if completed.lines else "", failed.id if failed.lines else "", completed.lines, failed.lines
+        )
+
+    def _unfed(self, b: dict[str, str], raw: str, i: int, ending: str) -> LineResult | None:
+        line = parse_line(raw, b["endpoint"])
+        if line is None:
+            return None
+        code = "batch_expired" if ending == "expired" else "batch_cancelled"
+        message = f"the batch was {ending} before this request ran"
+        return LineResult(i, "failed", error_line(f"{b['id']}_{i}", line["custom_id"], code, message))
+
+    def _file_fields(self, b: dict[str, str], f: _ResultFile, kind: str) -> dict[str, str]:
+        now = time.time()
+        return {
+            "id": f.id,
+            "bytes": str(f.bytes),
+            "created_at": repr(now),
+            "expires_at": repr(now + self.settings.file_ttl_s),
+            "filename": f"{b['id']}_{kind}.jsonl",
+            "purpose": "batch_output",
+            "lines": str(f.lines),
+            "owner": b["owner"],
+        }
+
+
+@dataclass
+class _ResultFile:
+    id: str
+    lines: int = 0
+    bytes: int = 0
+
+    def add(self, lines: list[str]) -> None:
+        self.lines += len(lines)
+        self.bytes += sum(len(x.encode()) for x in lines)
+
+
+def _jsonl(result: dict[str, Any]) -> str:
+    return json.dumps(result, ensure_ascii=False, separators=(",", ":")) + "\n"

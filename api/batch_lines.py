@@ -1,0 +1,133 @@
+"""A batch's lines: their form (checked when the batch is validated), the job each asks for (refused
+with the error its endpoint would answer), and the result line of each job that ended.
+
+A line is ``{"custom_id", "method": "POST", "url", "body"}``. Its body is validated as its
+endpoint validates a request (the same request models and the app's settings), so a line with an
+unknown parameter fails with the endpoint's own 400 or 422 envelope; its answer is rendered as
+the endpoint answers (``View.completion``, or the job object for ``/v1/jobs``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from fastapi.exceptions import RequestValidationError
+from pydantic import ValidationError
+
+from api.context import ContextCheck
+from api.errors import ApiError, body_errors, error_body, validation_error
+from api.openai_compat.batches import error_line, response_line
+from api.openai_compat.chunks import View
+from api.openai_compat.requests import ChatCompletionRequest, CompletionRequest, OpenAIRequest
+from api.served import check_servable, check_with_live_workers, resolve_model
+from common.schemas import JobRequest, JobStatus, WorkerHeartbeat
+from common.settings import Settings
+from common.store import JobRecord, LineResult
+
+_OPENAI: dict[str, type[OpenAIRequest]] = {
+    "/v1/chat/completions": ChatCompletionRequest,
+    "/v1/completions": CompletionRequest,
+}
+
+
+class LineError(ValueError):
+    """A line that is not a request line: the batch fails, naming it (``errors.data``)."""
+
+    def __init__(self, code: str, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.code, self.message, self.param = code, message, param
+
+    def entry(self, line: int) -> dict[str, Any]:
+        return {"code": self.code, "message": self.message, "param": self.param, "line": line}
+
+
+def parse_line(raw: str, endpoint: str) -> dict[str, Any] | None:
+    """The request line (None for a blank line), or LineError for one that is none."""
+    if not raw.strip():
+        return None
+    try:
+        line = json.loads(raw)
+    except ValueError as e:
+        raise LineError("invalid_json", f"not a JSON object: {e}") from None
+    if not isinstance(line, dict):
+        raise LineError("invalid_json", "not a JSON object")
+    custom_id = line.get("custom_id")
+    if not isinstance(custom_id, str) or not custom_id:
+        raise LineError("missing_custom_id", "custom_id must be a non-empty string", "custom_id")
+    if line.get("method") != "POST":
+        raise LineError("invalid_method", "method must be POST", "method")
+    if line.get("url") != endpoint:
+        raise LineError("mismatched_url", f"url must be the batch's endpoint, {endpoint}", "url")
+    if not isinstance(line.get("body"), dict):
+        raise LineError("invalid_body", "body must be a JSON object", "body")
+    extra = sorted(set(line) - {"custom_id", "method", "url", "body"})
+    if extra:
+        raise LineError("invalid_line", f"unknown field(s): {', '.join(extra)}", extra[0])
+    return line
+
+
+async def line_request(
+    endpoint: str,
+    body: dict[str, Any],
+    settings: Settings,
+    models: Mapping[str, WorkerHeartbeat],
+    context: ContextCheck,
+) -> JobRequest:
+    """The job a line's body asks for, as its endpoint would accept it; ApiError as it would refuse.
+
+    A batch line runs in the background (nobody waits on it) and is never streamed. While no
+    worker is live its model is not checked: the line is queued, as a request would be.
+    """
+    if body.get("stream"):
+        raise ApiError(400, "stream is not supported in a batch", param="stream", code="unsupported_parameter")
+    try:
+        model = _OPENAI.get(endpoint)
+        if model is None:
+            request = JobRequest.accept(body, settings)
+            check_with_live_workers(models, request)
+            await context.check_live(request, models)
+        else:
+            try:
+                parsed = model.model_validate(body)
+            except ValidationError as e:
+                raise body_errors(e) from None
+            request = parsed.to_job_request(settings)
+            if models:
+                worker = resolve_model(models, parsed.model)
+                check_servable(request, worker)
+                await context.check(request, worker)
+    except ValidationError as e:
+        raise validation_error(body_errors(e)) from None
+    except RequestValidationError as e:
+        raise validation_error(e) from None
+    return request.model_copy(update={"background": True, "stream": False})
+
+
+def refused(line: int, custom_id: str, e: ApiError, line_id: str) -> LineResult:
+    body = error_body(e.status, e.message, e.param, e.code)
+    return LineResult(line, "failed", response_line(line_id, custom_id, e.status, body))
+
+
+def job_result(line: int, custom_id: str, endpoint: str, record: JobRecord, model: str, ending: str) -> LineResult:
+    """The result line of a line's job that ended: its answer as the endpoint would give it."""
+    job = record.job
+    if job.status is JobStatus.CANCELLED:
+        code = "batch_expired" if ending == "expired" else "batch_cancelled"
+        result = error_line(job.id, custom_id, code, f"the batch was {ending or 'cancelled'} before this request ended")
+        return LineResult(line, "failed", result, job.id)
+    if endpoint == "/v1/jobs":
+        body = job.model_dump(mode="json")
+        kind = "completed" if job.status is JobStatus.SUCCEEDED else "failed"
+        return LineResult(line, kind, response_line(job.id, custom_id, 200, body), job.id)
+    view = View.of(job.id, job.created_at, record.request, job.model or model)
+    try:
+        return LineResult(line, "completed", response_line(job.id, custom_id, 200, view.completion(job)), job.id)
+    except ApiError as e:
+        return LineResult(line, "failed", refused(line, custom_id, e, job.id).result, job.id)
+
+
+def lost_result(line: int, custom_id: str, job_id: str) -> LineResult:
+    """The result of a line whose job expired before its result was recorded."""
+    return LineResult(line, "failed", error_line(job_id, custom_id, "job_expired", "the line's job expired"), job_id)

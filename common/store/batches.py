@@ -1,0 +1,250 @@
+"""The API's store of files and batches (OpenAI's Files and Batches APIs), over ``redis.asyncio``.
+
+A file is a hash (its object) and a list with one element per line, so a batch's feeder reads
+lines by index and a file's content is streamed in pages, never read whole. A batch is a hash
+(status, timestamps, counts, the next line to feed), its window (the lines queued or running
+now, as jobs) and its results (one per line, set once). Every transition is one script
+(common/store/lua.py), safe to run twice: the feeder (api/batch_feeder.py) may be taken over
+mid-tick by another API process.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import redis.asyncio as aredis
+
+from common.keys import Keys
+from common.schemas import JobRequest
+from common.settings import Settings
+from common.store.lua import (
+    CLAIM_FEEDER_LUA,
+    COMMIT_FILE_LUA,
+    END_LUA,
+    FEED_LUA,
+    FINALIZING_LUA,
+    FINISH_LUA,
+    RECORD_LUA,
+    RESEND_LUA,
+    VALIDATED_LUA,
+)
+from common.store.records import OWNER_INDEX_MAX, QueueMessage, new_job_fields, owner_index_age_s
+
+ENDED = ("completed", "failed", "expired", "cancelled")  # a batch's final statuses
+UPLOAD_TTL_S = 3600  # an upload's lines left behind by an API process that died mid-upload go
+
+
+@dataclass(frozen=True)
+class LineJob:
+    """A batch line that becomes a job."""
+
+    job_id: str
+    line: int
+    custom_id: str
+    request: JobRequest
+    message: QueueMessage
+
+
+@dataclass(frozen=True)
+class LineResult:
+    """A line's result: its output or error line (``kind``: completed or failed)."""
+
+    line: int
+    kind: str
+    result: dict[str, Any]
+    job_id: str = ""  # the job that leaves the window with it; empty for a line that never ran
+
+
+def _strs(h: dict[Any, Any]) -> dict[str, str] | None:
+    """A hash as read (the client decodes replies), None when it does not exist."""
+    return {str(k): str(v) for k, v in h.items()} or None
+
+
+def _flat(fields: dict[str, str]) -> list[str]:
+    return [x for kv in fields.items() for x in kv]
+
+
+class AsyncBatchStore:
+    def __init__(self, client: aredis.Redis, settings: Settings) -> None:
+        self.settings = settings
+        self.keys: Keys = settings.keys
+        self.redis = client
+        self._scripts = {
+            name: client.register_script(lua)
+            for name, lua in {
+                "commit": COMMIT_FILE_LUA,
+                "claim": CLAIM_FEEDER_LUA,
+                "validated": VALIDATED_LUA,
+                "feed": FEED_LUA,
+                "record": RECORD_LUA,
+                "end": END_LUA,
+                "finalizing": FINALIZING_LUA,
+                "finish": FINISH_LUA,
+                "resend": RESEND_LUA,
+            }.items()
+        }
+
+    # -- files ------------------------------------------------------------------------------------
+
+    async def append_upload(self, file_id: str, lines: Sequence[str]) -> None:
+        """Add lines to an upload still arriving (``commit_file`` makes it the file)."""
+        key = self.keys.file_upload(file_id)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.rpush(key, *lines)
+            pipe.expire(key, UPLOAD_TTL_S)
+            await pipe.execute()
+
+    async def abort_upload(self, file_id: str) -> None:
+        await self.redis.delete(self.keys.file_upload(file_id))
+
+    async def commit_file(self, fields: dict[str, str]) -> None:
+        """The upload's lines become the file ``fields["id"]``, with its object."""
+        file_id, k = fields["id"], self.keys
+        keys = [k.file_upload(file_id), k.file_lines(file_id), k.file(file_id), k.files()]
+        await self._scripts["commit"](
+            keys, [self.settings.file_ttl_s, fields["created_at"], file_id, *_flat(fields)]
+        )
+
+    async def get_file(self, file_id: str) -> dict[str, str] | None:
+        return _strs(await self.redis.hgetall(self.keys.file(file_id)))
+
+    async def list_files(self) -> list[dict[str, str]]:
+        """Every file's object, newest first; forgets the ids of files that expired."""
+        return await self._listed(self.keys.files(), self.keys.file)
+
+    async def read_lines(self, file_id: str, start: int, count: int) -> list[str]:
+        """Lines ``start`` to ``start + count - 1`` of the file (fewer past its end)."""
+        return [str(x) for x in await self.redis.lrange(self.keys.file_lines(file_id), start, start + count - 1)]
+
+    async def delete_file(self, file_id: str) -> bool:
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.delete(self.keys.file(file_id), self.keys.file_lines(file_id))
+            pipe.zrem(self.keys.files(), file_id)
+            deleted, _ = await pipe.execute()
+        return bool(deleted)
+
+    async def _listed(self, index: str, key: Any) -> list[dict[str, str]]:
+        ids = [str(i) for i in await self.redis.zrevrange(index, 0, -1)]
+        if not ids:
+            return []
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for i in ids:
+                pipe.hgetall(key(i))
+            objects = await pipe.execute()
+        gone = [i for i, h in zip(ids, objects, strict=True) if not h]
+        if gone:
+            await self.redis.zrem(index, *gone)
+        return [h for h in objects if h]
+
+    # -- batches ----------------------------------------------------------------------------------
+
+    async def create_batch(self, fields: dict[str, str]) -> None:
+        batch_id, k = fields["id"], self.keys
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.hset(k.batch(batch_id), mapping=fields)  # type: ignore[arg-type]  # redis-py's Mapping is invariant
+            pipe.zadd(k.batches(), {batch_id: float(fields["created_at"])})
+            pipe.sadd(k.active_batches(), batch_id)
+            await pipe.execute()
+
+    async def get_batch(self, batch_id: str) -> dict[str, str] | None:
+        return _strs(await self.redis.hgetall(self.keys.batch(batch_id)))
+
+    async def list_batches(self) -> list[dict[str, str]]:
+        """Every batch's state, newest first; forgets the ids of batches that expired."""
+        return await self._listed(self.keys.batches(), self.keys.batch)
+
+    async def end_batch(self, batch_id: str, ending: str) -> str:
+        """Stop feeding a batch (``ending``: cancelled or expired); returns the status it had."""
+        return str(await self._scripts["end"]([self.keys.batch(batch_id)], [repr(time.time()), ending]))
+
+    async def active_batches(self) -> list[str]:
+        return sorted(str(b) for b in await self.redis.smembers(self.keys.active_batches()))
+
+    async def forget_active(self, batch_id: str) -> None:
+        await self.redis.srem(self.keys.active_batches(), batch_id)
+
+    async def claim_feeder(self, token: str, lease_s: float) -> bool:
+        return bool(await self._scripts["claim"]([self.keys.batch_feeder()], [token, int(lease_s * 1000)]))
+
+    async def validated(
+        self, batch_id: str, ok: bool, line_count: int, total: int, errors: list[dict[str, Any]]
+    ) -> str:
+        keys = [self.keys.batch(batch_id), self.keys.active_batches()]
+        args = [batch_id, "ok" if ok else "failed", repr(time.time()), line_count, total]
+        return str(await self._scripts["validated"](keys, [*args, json.dumps({"object": "list", "data": errors})]))
+
+    async def window(self, batch_id: str) -> dict[str, tuple[int, str]]:
+        """The batch's jobs queued or running: job id -> (line index, custom_id)."""
+        raw = await self.redis.hgetall(self.keys.batch_window(batch_id))
+        return {job_id: tuple(json.loads(v)) for job_id, v in raw.items()}  # type: ignore[misc]
+
+    async def job_statuses(self, job_ids: Sequence[str]) -> list[str | None]:
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for job_id in job_ids:
+                pipe.hget(self.keys.job(job_id), "status")
+            return list(await pipe.execute())
+
+    async def feed(
+        self,
+        batch_id: str,
+        owner: str,
+        lines: tuple[int, int],
+        jobs: Sequence[LineJob],
+        rejected: Sequence[LineResult],
+        broker_list: str,
+    ) -> int:
+        """Turn lines ``lines[0]`` to ``lines[1] - 1`` into jobs, or results where refused.
+
+        Returns 1 (fed), 0 (another feeder fed them first) or -1 (the batch is not running)."""
+        k, now = self.keys, time.time()
+        keys = [k.batch(batch_id), k.batch_window(batch_id), k.batch_results(batch_id), broker_list, k.owner_jobs(owner)]
+        index = [owner_index_age_s(self.settings), OWNER_INDEX_MAX]
+        args: list[Any] = [str(lines[0]), str(lines[1]), len(jobs), len(rejected), repr(now), *index]
+        for j in jobs:
+            fields = {**new_job_fields(j.job_id, j.request, owner, now), "batch": batch_id}
+            keys.append(k.job(j.job_id))
+            args += [j.job_id, json.dumps([j.line, j.custom_id]), j.message.payload, 2 * len(fields)]
+            args += _flat(fields)
+        for r in rejected:
+            args += [r.line, json.dumps([r.kind, r.result])]
+        return int(await self._scripts["feed"](keys, args))
+
+    async def queue_length(self, broker_list: str) -> int:
+        return int(await self.redis.llen(broker_list))
+
+    async def resend(self, job_id: str, message: QueueMessage, min_gap_s: float) -> bool:
+        """Push a queued line's message again if it has waited ``min_gap_s`` since it was sent."""
+        keys = [self.keys.job(job_id), message.list_key]
+        return bool(await self._scripts["resend"](keys, [repr(time.time()), repr(min_gap_s), message.payload]))
+
+    async def record(self, batch_id: str, results: Sequence[LineResult]) -> None:
+        """Set each line's result once and count it; its job leaves the window."""
+        if not results:
+            return
+        k = self.keys
+        args: list[Any] = []
+        for r in results:
+            args += [r.job_id, r.line, r.kind, json.dumps([r.kind, r.result])]
+        await self._scripts["record"]([k.batch(batch_id), k.batch_window(batch_id), k.batch_results(batch_id)], args)
+
+    async def results(self, batch_id: str, lines: Sequence[int]) -> list[LineResult | None]:
+        """The recorded results of these lines (None: a blank line, or none yet)."""
+        if not lines:
+            return []
+        raw = await self.redis.hmget(self.keys.batch_results(batch_id), [str(i) for i in lines])
+        return [LineResult(i, *json.loads(r)) if r else None for i, r in zip(lines, raw, strict=True)]
+
+    async def finalizing(self, batch_id: str) -> bool:
+        return bool(await self._scripts["finalizing"]([self.keys.batch(batch_id)], [repr(time.time())]))
+
+    async def finish(self, batch_id: str, output_file_id: str, error_file_id: str, completed: int, failed: int) -> str:
+        k = self.keys
+        keys = [k.batch(batch_id), k.active_batches(), k.batch_window(batch_id), k.batch_results(batch_id)]
+        args: list[str | int] = [
+            batch_id, repr(time.time()), self.settings.file_ttl_s, output_file_id, error_file_id, completed, failed
+        ]
+        return str(await self._scripts["finish"](keys, args))
