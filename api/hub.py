@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -38,8 +39,14 @@ class _Resync:
         return "RESYNC"
 
 
+class _Ping:
+    def __repr__(self) -> str:
+        return "PING"
+
+
 RESYNC: Final = _Resync()
-Item = LogEntry | _Resync
+PING: Final = _Ping()  # put by a stream's own keep-alive timer (api/sse.py), never by the hub
+Item = LogEntry | _Resync | _Ping
 Inbox = asyncio.Queue[Item]
 
 INBOX_SIZE = 1024  # per stream; past this the stream is told to re-read the log instead
@@ -48,6 +55,30 @@ INBOX_SIZE = 1024  # per stream; past this the stream is told to re-read the log
 # at each keep-alive), not a stream that never starts.
 SUBSCRIBE_WAIT_S = 5.0
 RECONNECT_DELAY_S = (0.1, 0.2, 0.5, 1.0, 2.0)  # back-off between reconnect attempts
+
+
+async def _replies(pubsub: PubSub) -> AsyncIterator[tuple[str, bytes, bytes]]:
+    """(kind, channel, data) of each reply on a connected pub/sub connection, as ``listen()``
+    gives them.
+
+    NOTE: a message is read straight off the connection, as redis-py's own ``listen()`` reads it
+    but without the layers it adds per message (a health check, a retry wrapper that reconnects
+    by itself, OpenTelemetry records, the message as a dict): about a sixth of the API's CPU per
+    relayed token (docs/benchmarks.md). A dropped connection raises here instead, and the hub's
+    reconnection subscribes every watched job again and sends RESYNC. Every other reply
+    (confirmations) still goes through ``handle_message``, which keeps redis-py's record of the
+    subscribed channels.
+    """
+    conn = pubsub.connection
+    assert conn is not None  # (connected by the caller)
+    while True:
+        reply = await conn.read_response(timeout=math.inf, disconnect_on_error=False, push_request=True)
+        if isinstance(reply, list) and reply[0] == b"message":
+            yield "message", reply[1], reply[2]
+            continue
+        message = await pubsub.handle_message(reply)
+        if message is not None:
+            yield _text(message["type"]), message["channel"], message["data"]
 
 
 async def _as_is(message: list[object]) -> list[object]:
@@ -77,6 +108,7 @@ class Hub:
         # confirmation after a (re)connection says every job channel asked with it is in place.
         self._own_channel = keys.hub_channel(client_name)
         self._jobs: dict[str, _Job] = {}
+        self._by_channel: dict[bytes, _Job] = {}  # the same jobs by their channel, as messages name it
         self._pubsub: PubSub | None = None  # the current connection's, from its first SUBSCRIBE on
         # Per channel, the subscriptions asked on this connection and not yet confirmed, oldest
         # first: Redis confirms a connection's SUBSCRIBEs in the order they were sent.
@@ -108,7 +140,7 @@ class Hub:
         job = self._jobs.get(job_id)
         first = job is None
         if job is None:
-            job = self._jobs[job_id] = _Job()
+            job = self._jobs[job_id] = self._by_channel[self._keys.job_events(job_id).encode()] = _Job()
         job.inboxes.add(inbox)
         try:
             if first:
@@ -121,6 +153,7 @@ class Hub:
             job.inboxes.discard(inbox)
             if not job.inboxes and self._jobs.get(job_id) is job:
                 del self._jobs[job_id]
+                del self._by_channel[self._keys.job_events(job_id).encode()]
                 await self._send(job, "unsubscribe", job_id)
 
     async def _send(self, job: _Job, command: str, job_id: str) -> None:
@@ -154,12 +187,11 @@ class Hub:
                 # so are the others, and anything published from then on reaches us.
                 channels = [self._keys.job_events(job_id) for job_id in self._jobs]
                 await pubsub.subscribe(*channels, self._own_channel)
-                async for message in pubsub.listen():
-                    kind = message["type"]
+                async for kind, raw_channel, data in _replies(pubsub):
                     if kind == "message":
-                        self._route(message["channel"], message["data"])
+                        self._route(raw_channel, data)
                     elif kind == "subscribe":
-                        channel = _text(message["channel"])
+                        channel = _text(raw_channel)
                         if channel == self._own_channel:
                             self.reconnects += not first
                             first, failures = False, 0
@@ -190,8 +222,8 @@ class Hub:
                 _settle(future)
         self._unconfirmed.clear()
 
-    def _route(self, channel: bytes | str, data: bytes | str) -> None:
-        job = self._jobs.get(self._keys.job_id_from_channel(_text(channel)))
+    def _route(self, channel: bytes, data: bytes) -> None:
+        job = self._by_channel.get(channel)
         if job is None:  # (a message that was on its way when the last stream left)
             return
         item: Item

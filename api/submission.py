@@ -12,12 +12,12 @@ import asyncio
 from collections.abc import AsyncGenerator, Mapping, Sequence
 
 from fastapi import Request
-from fastapi.sse import EventSourceResponse, ServerSentEvent
+from fastapi.sse import EventSourceResponse
 
 from api.auth import current_owner
 from api.errors import ApiError
 from api.services import Services
-from api.sse import Render, event_stream, relay
+from api.sse import Chunk, Render, event_stream, relay
 from common.schemas import Job, JobRequest
 from common.store import IdempotencyConflict, QueueFull
 
@@ -93,7 +93,7 @@ def streamed_submit(
     if foreground:
         services.watchers.check_later(job_id)  # a client that leaves before the first byte
 
-    async def events() -> AsyncGenerator[list[ServerSentEvent], None]:
+    async def events() -> AsyncGenerator[list[Chunk], None]:
         async with services.follow(job_id, watch=foreground) as inbox:
             async for batch in relay(services.store, inbox, job_id, 0, services.settings.sse_ping_s, render):
                 yield batch

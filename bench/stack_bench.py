@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import redis as redis_lib
 import torch
 import transformers
 from measure import cpu_seconds, cpu_snapshot, loadavg, log, raise_fd_limit, rss_kib, thread_cpu_seconds
@@ -190,6 +191,7 @@ class Stack:
     """The throughput part's processes: a worker, the clients' API replicas and one idle replica."""
 
     redis: harness.Proc
+    redis_url: str
     worker: harness.Proc
     apis: list[harness.Proc]
     urls: list[str]
@@ -205,6 +207,11 @@ class Stack:
 
     def stop(self) -> None:
         harness.stop_all([self.idle_api, *self.apis, self.worker])
+
+
+def worker_threads(args: argparse.Namespace) -> dict[str, str]:
+    n = args.worker_torch_threads
+    return {} if n is None else {"SPOOL_TORCH_THREADS": str(n)}
 
 
 def start_stack(
@@ -232,9 +239,8 @@ def start_stack(
         **engine_settings(w),
     )
     argv = [*harness.spool_argv(), "worker"]
-    worker = harness.start(
-        "worker", argv, env={**env, **place.worker_env()}, log_dir=log_dir, cwd=REPO_ROOT, cpus=place.engine
-    )
+    worker_env = {**env, **place.worker_env(), **worker_threads(args)}
+    worker = harness.start("worker", argv, env=worker_env, log_dir=log_dir, cwd=REPO_ROOT, cpus=place.engine)
     procs.append(worker)
     # The clients' replicas (round-robin, as behind a load balancer), and one that no client uses:
     # what it spends is what each replica pays for the others' streams (scale-out).
@@ -247,7 +253,7 @@ def start_stack(
         START_TIMEOUT_S,
         [worker, *(a for a, _ in apis)],
     )
-    return Stack(redis, worker, [a for a, _ in apis], urls, idle_api)
+    return Stack(redis, redis_url, worker, [a for a, _ in apis], urls, idle_api)
 
 
 # -- engine alone -------------------------------------------------------------------------------
@@ -408,14 +414,24 @@ def one_round(sides: Sides, stack: Stack, prompts: Sequence[str], max_tokens: in
     e = sides.run_engine(prompts, max_tokens)
     log(f"round {label}: engine {e.tok_s:.1f} tok/s; stack with {len(prompts)} SSE clients")
     pids = stack.pids()
-    cpu0, threads0 = cpu_snapshot(pids), thread_cpu_seconds(stack.worker.pid)
-    s = sides.run_stack(prompts, max_tokens, timeout=max(120.0, 20 * e.seconds))
+    with redis_lib.Redis.from_url(stack.redis_url) as r:
+        r.config_resetstat()
+        cpu0, threads0 = cpu_snapshot(pids), thread_cpu_seconds(stack.worker.pid)
+        s = sides.run_stack(prompts, max_tokens, timeout=max(120.0, 20 * e.seconds))
+        commands = redis_commands(r)
     cpu = {k: v - cpu0[k] for k, v in cpu_snapshot(pids).items()}
     threads = {k: v - threads0.get(k, 0.0) for k, v in thread_cpu_seconds(stack.worker.pid).items()}
     log(f"round {label}: stack {s.tok_s:.1f} tok/s ({s.tok_s / e.tok_s:.2f} of the engine)")
     if s.prompt_tokens != e.prompt_tokens:
         raise RuntimeError(f"prompt token counts differ: stack {s.prompt_tokens}, engine {e.prompt_tokens}")
-    return Round.of(loadavg(), e, StackFigures.of_stack(s, e, cpu, threads), s)
+    return Round.of(loadavg(), e, StackFigures.of_stack(s, e, cpu, threads, commands), s)
+
+
+def redis_commands(r: redis_lib.Redis) -> int:
+    """Commands Redis ran since CONFIG RESETSTAT, those scripts ran included, less this script's own."""
+    stats = r.info("commandstats")
+    ours = ("cmdstat_config|resetstat", "cmdstat_info")
+    return sum(v["calls"] for k, v in stats.items() if k not in ours)
 
 
 def lone_requests(sides: Sides, tokenizer: Any, prompts: Sequence[str], max_tokens: int) -> Lone:
@@ -628,6 +644,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         metavar="K",
         help="run the engine (alone, and the worker) on the first K CPUs with K torch threads, and the "
         "API, Redis and the clients on the others (default: all share every CPU)",
+    )
+    p.add_argument(
+        "--worker-torch-threads",
+        type=int,
+        metavar="N",
+        help="the worker's SPOOL_TORCH_THREADS (spool up's default: the CPUs minus one); default: "
+        "torch's own, or K with --engine-cpus",
     )
     p.add_argument(
         "--api-replicas",

@@ -54,10 +54,16 @@ class StackFigures(Figures):
     same_text_as_engine: int  # requests whose text equals the engine's alone
     cpu_s: dict[str, float]  # by process group, and the clients (this process)
     worker_threads_cpu_s: dict[str, float]  # by OS thread name
+    redis_commands_per_token: float  # INFO commandstats over the run (scripts' commands included)
 
     @classmethod
     def of_stack(
-        cls, run: RunResult, engine: RunResult, cpu_s: dict[str, float], threads: dict[str, float]
+        cls,
+        run: RunResult,
+        engine: RunResult,
+        cpu_s: dict[str, float],
+        threads: dict[str, float],
+        redis_commands: int,
     ) -> StackFigures:
         side = Figures.of(run)
         return cls(
@@ -72,6 +78,7 @@ class StackFigures(Figures):
             same_text_as_engine=sum(a == b for a, b in zip(run.texts, engine.texts, strict=True)),
             cpu_s=cpu_s,
             worker_threads_cpu_s=threads,
+            redis_commands_per_token=redis_commands / run.tokens,
         )
 
 
@@ -133,6 +140,7 @@ class Summary:
             same_text_as_engine=min(x.same_text_as_engine for x in s),
             cpu_s=_median_by_key([x.cpu_s for x in s]),
             worker_threads_cpu_s=dict(sorted(threads.items(), key=lambda kv: -kv[1])),
+            redis_commands_per_token=_median(s, "redis_commands_per_token"),
         )
         vs = ratio(stack.tok_s, engine.tok_s)
         added_p50 = stack.ttft_p50_ms - engine.ttft_p50_ms
@@ -340,6 +348,11 @@ def throughput_lines(t: Throughput, cpu_count: int | None) -> list[str]:
         f"{'worker threads, CPU s/run':<28} "
         + ", ".join(f"{k} {v:.2f}" for k, v in st.worker_threads_cpu_s.items() if v >= 0.005)
         + "   (by OS thread name; Celery's consumer and task threads carry the process's)",
+        (
+            f"{'Redis commands per token':<28} {st.redis_commands_per_token:.2f}   (INFO commandstats over "
+            "a stack run, the commands scripts run included: the jobs' creation, take, Celery "
+            "messages and writes, the heartbeats, the relay's reads)"
+        ),
         (
             f"{'jobs reaching the worker':<28} first {st.first_taken_ms:.1f} ms, last "
             f"{st.last_taken_ms:.1f} ms after the first POST (the engine alone has them all at 0)"

@@ -259,7 +259,8 @@ def parser() -> argparse.ArgumentParser:
         "Uses SPOOL_REDIS_URL if set, else a Redis on localhost:6379, else starts redis-server (no "
         "persistence) on a free port. Ctrl-C or SIGTERM stops everything (status 0). If a child "
         "exits (a worker whose model does not load, an API killed), spool up names it with its "
-        "exit status, stops the others and exits 1; it restarts nothing.",
+        "exit status, stops the others and exits 1; it restarts nothing. The worker gets "
+        "SPOOL_TORCH_THREADS=<CPUs minus one> unless it is set, leaving a core to the API and Redis.",
         "Settings: all of the worker's and the API's (spool worker --help, spool api --help).",
         "SPOOL_PORT=8001 spool up",
     )

@@ -4,6 +4,8 @@ or started here.
 It runs until Ctrl-C or SIGTERM (the children are stopped; status 0) or until a child exits:
 that one is named with its exit status, the others are stopped, and ``spool up`` exits 1. It
 restarts nothing: a supervisor (systemd, Docker's restart policy) restarts ``spool up`` whole.
+The worker runs torch on the CPUs minus one (``SPOOL_TORCH_THREADS``, unless set): the API and
+Redis share the machine.
 """
 
 from __future__ import annotations
@@ -36,6 +38,14 @@ def find_redis() -> tuple[str, harness.Proc | None] | None:
     return url, proc
 
 
+def worker_torch_threads(env: dict[str, str]) -> str:
+    """SPOOL_TORCH_THREADS for the worker: the caller's, else this machine's cores minus one (at
+    least 1). Torch's default, a thread per core, leaves the API and Redis none: each time they
+    run they preempt one of the engine's threads, and the whole step waits for it (on 2 cores,
+    docs/benchmarks.md)."""
+    return env.get("SPOOL_TORCH_THREADS") or str(max(1, len(os.sched_getaffinity(0)) - 1))
+
+
 def up() -> int:
     found = find_redis()
     if found is None:
@@ -52,10 +62,11 @@ def up() -> int:
     children: list[harness.Proc] = []
     status = 0
     try:
-        children.append(harness.start("worker", [*spool, "worker"], env=env))
+        worker_env = {**env, "SPOOL_TORCH_THREADS": worker_torch_threads(env)}
+        children.append(harness.start("worker", [*spool, "worker"], env=worker_env))
         # Its own name: a SPOOL_WORKER_NAME given for the pair would make them one heartbeat.
         named = env.get("SPOOL_WORKER_NAME")
-        media_env = {**env, "SPOOL_WORKER_NAME": f"{named}-media"} if named else env
+        media_env = {**worker_env, "SPOOL_WORKER_NAME": f"{named}-media"} if named else worker_env
         children.append(harness.start("media worker", [*spool, "worker", "--kind", "media"], env=media_env))
         children.append(harness.start("api", [*spool, "api"], env=env))
         say(", ".join(f"{p.name} (pid {p.pid})" for p in children) + " started")

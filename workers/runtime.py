@@ -24,6 +24,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import torch
 from redis.exceptions import RedisError
 
 from common.process import NamedThread
@@ -204,6 +205,8 @@ class EngineRuntime:
     def from_settings(cls, settings: Settings, name: str, requeue: Requeue | None = None) -> EngineRuntime:
         """Load the model, beat once and start the threads."""
         path = settings.model or str(default_model_path())
+        if settings.torch_threads is not None:
+            torch.set_num_threads(settings.torch_threads)  # before the engine's first op
         try:
             engine = Engine(
                 EngineConfig(

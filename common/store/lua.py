@@ -60,33 +60,59 @@ end
 return {'taken', tostring(attempt), redis.call('HGETALL', KEYS[1]), log}
 """
 
-# KEYS: job hash, log, job channel, running zset, text.
-# ARGV: attempt, first seq, prompt tokens, completion tokens, final status ('' if not final),
-#       finish reason, finished_at, error JSON, ttl, job id, the entries' text, entry, entry, ...
-# Fencing: only the holder of the current attempt writes. The seq check makes a retried
-# append (after a dropped connection) a no-op instead of a duplicate.
-APPEND_LUA = """
-if redis.call('HGET', KEYS[1], 'attempt') ~= ARGV[1] then return 0 end
-local n = #ARGV - 11
-local len = redis.call('LLEN', KEYS[2])
-local first = tonumber(ARGV[2])
-if len >= first - 1 + n and n > 0 then return 2 end
-if len ~= first - 1 then return -1 end
-if n > 0 then
-  redis.call('RPUSH', KEYS[2], unpack(ARGV, 12))
-  for i = 12, #ARGV do redis.call('PUBLISH', KEYS[3], ARGV[i]) end
-  if ARGV[11] ~= '' then redis.call('APPEND', KEYS[5], ARGV[11]) end
+# One engine step's writes, for every job in it (several steps' when the writer fell behind).
+# KEYS: running zset, then for each append: job hash, log, job channel, text.
+# ARGV: ttl, finished_at, then for each append: attempt, first seq, prompt tokens, completion
+#       tokens, final status ('' if not final), finish reason, error JSON, job id, the entries'
+#       text, the number of entries n, then its n entries.
+# Returns one answer per append, in order: 1 written, 2 written by an earlier try (a retried
+# call after a dropped connection: a no-op, not a duplicate), 0 fenced (another attempt holds
+# the job), -1 a gap (the log does not end just before the first entry). Appends of one job
+# follow each other in seq order, so each finds the log as the one before it left it.
+# NOTE: the log's length is checked with RPUSH's answer rather than an LLEN first (one command
+# per token fewer); a push that finds the log elsewhere than expected is undone at once, inside
+# the script, so nobody sees it. A script's writes are refused as a whole (out of memory or a
+# read-only replica refuse its first write), never halfway.
+APPEND_STEP_LUA = """
+local function push(log, expected_len, from, to)
+  local len = redis.call('RPUSH', log, unpack(ARGV, from, to))
+  if len == expected_len then return 1 end
+  local before = len - (to - from + 1)
+  if before == 0 then redis.call('DEL', log) else redis.call('LTRIM', log, 0, before - 1) end
+  if before >= expected_len then return 2 end
+  return -1
 end
-redis.call('HSET', KEYS[1], 'prompt_tokens', ARGV[3], 'completion_tokens', ARGV[4])
-if ARGV[5] ~= '' then
-  redis.call('HSET', KEYS[1], 'status', ARGV[5], 'finish_reason', ARGV[6], 'finished_at', ARGV[7],
-             'error', ARGV[8])
-  redis.call('ZREM', KEYS[4], ARGV[10])
-  redis.call('EXPIRE', KEYS[1], ARGV[9])
-  redis.call('EXPIRE', KEYS[2], ARGV[9])
-  redis.call('EXPIRE', KEYS[5], ARGV[9])
+
+local function append(job, log, channel, text, a)
+  local n = tonumber(ARGV[a + 9])
+  if redis.call('HGET', job, 'attempt') ~= ARGV[a] then return 0 end
+  local first = tonumber(ARGV[a + 1])
+  if n == 0 then
+    if redis.call('LLEN', log) ~= first - 1 then return -1 end
+  else
+    local pushed = push(log, first - 1 + n, a + 10, a + 9 + n)
+    if pushed ~= 1 then return pushed end
+    for i = a + 10, a + 9 + n do redis.call('PUBLISH', channel, ARGV[i]) end
+    if ARGV[a + 8] ~= '' then redis.call('APPEND', text, ARGV[a + 8]) end
+  end
+  redis.call('HSET', job, 'prompt_tokens', ARGV[a + 2], 'completion_tokens', ARGV[a + 3])
+  if ARGV[a + 4] ~= '' then
+    redis.call('HSET', job, 'status', ARGV[a + 4], 'finish_reason', ARGV[a + 5], 'finished_at', ARGV[2],
+               'error', ARGV[a + 6])
+    redis.call('ZREM', KEYS[1], ARGV[a + 7])
+    redis.call('EXPIRE', job, ARGV[1])
+    redis.call('EXPIRE', log, ARGV[1])
+    redis.call('EXPIRE', text, ARGV[1])
+  end
+  return 1
 end
-return 1
+
+local answers, a = {}, 3
+for k = 2, #KEYS, 4 do
+  answers[#answers + 1] = append(KEYS[k], KEYS[k + 1], KEYS[k + 2], KEYS[k + 3], a)
+  a = a + 10 + tonumber(ARGV[a + 9])
+end
+return answers
 """
 
 # Shared by the scripts of jobs with parts. A part's hash is ``Keys.job(part id)``; the job's hash

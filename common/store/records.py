@@ -102,7 +102,7 @@ class Append:
 
 
 class Appended(str, enum.Enum):
-    """What became of one Append (APPEND_LUA's reply)."""
+    """What became of one Append (its answer in APPEND_STEP_LUA's reply)."""
 
     WRITTEN = "written"  # written now, or by an earlier try of the same append
     FENCED = "fenced"  # another worker took the job over (its attempt moved on)
@@ -459,32 +459,35 @@ def part_append_args(keys: Keys, a: Append, ttl_s: int, now: float) -> ScriptCal
     )
 
 
-def append_args(keys: Keys, a: Append, ttl_s: int, now: float) -> ScriptCall:
-    final = a.final
-    first_seq = a.entries[0].seq if a.entries else 0
-    return (
-        [
+def append_step_args(keys: Keys, appends: Sequence[Append], ttl_s: int, now: float) -> ScriptCall:
+    """APPEND_STEP_LUA's call: every append of a step (or of several steps, in order) at once."""
+    script_keys, args = [keys.running_jobs()], [ttl_s, repr(now)]
+    for a in appends:
+        script_keys += [
             keys.job(a.job_id),
             keys.job_log(a.job_id),
             keys.job_events(a.job_id),
-            keys.running_jobs(),
             keys.job_text(a.job_id),
-        ],
-        [
-            str(a.attempt),
-            first_seq,
-            a.prompt_tokens,
-            a.completion_tokens,
-            final.status.value if final else "",
-            (final.finish_reason or "") if final else "",
-            repr(now),
-            final.error.model_dump_json() if final and final.error else "",
-            ttl_s,
-            a.job_id,
-            job_text(a.entries),
-            *(e.encode() for e in a.entries),
-        ],
-    )
+        ]
+        args += _append_args(a)
+    return script_keys, args
+
+
+def _append_args(a: Append) -> list[Any]:
+    final = a.final
+    return [
+        str(a.attempt),
+        a.entries[0].seq if a.entries else 0,
+        a.prompt_tokens,
+        a.completion_tokens,
+        final.status.value if final else "",
+        (final.finish_reason or "") if final else "",
+        final.error.model_dump_json() if final and final.error else "",
+        a.job_id,
+        job_text(a.entries),
+        len(a.entries),
+        *(e.encode() for e in a.entries),
+    ]
 
 
 def cancelled_done_entry() -> LogEntry:

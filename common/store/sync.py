@@ -9,20 +9,19 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Self
 
 import redis
-from redis.exceptions import NoScriptError, RedisError
+from redis.exceptions import RedisError
 
 from common.keys import part_id, split_part_id
 from common.schemas import WorkerHeartbeat
 from common.settings import Settings
 from common.store.clients import sync_client
-from common.store.lua import APPEND_LUA, PART_APPEND_LUA, PART_TAKE_LUA, RENEW_LUA, REQUEUE_LUA, TAKE_LUA
+from common.store.lua import APPEND_STEP_LUA, PART_APPEND_LUA, PART_TAKE_LUA, RENEW_LUA, REQUEUE_LUA, TAKE_LUA
 from common.store.records import (
     WORKER_FORGET_S,
     Append,
     Appended,
-    ScriptCall,
     TakeResult,
-    append_args,
+    append_step_args,
     heartbeats_from,
     parse_take,
     part_append_args,
@@ -48,7 +47,7 @@ class SyncJobStore:
         self.keys = settings.keys
         self.redis = client
         self._take = client.register_script(TAKE_LUA)
-        self._append = client.register_script(APPEND_LUA)
+        self._append = client.register_script(APPEND_STEP_LUA)
         self._part_take = client.register_script(PART_TAKE_LUA)
         self._part_append = client.register_script(PART_APPEND_LUA)
         self._renew = client.register_script(RENEW_LUA)
@@ -71,38 +70,25 @@ class SyncJobStore:
         return parse_take(self._take(keys, args))
 
     def append_batch(self, appends: Sequence[Append]) -> list[Appended]:
-        """Write one engine step for many jobs (or parts) in one round trip; what became of each."""
+        """Write one engine step for many jobs in one script call (fenced per job inside it), and
+        each part's append in a call of its own (parts are few); what became of each append."""
         now, ttl = time.time(), self.settings.job_ttl_s
-        calls = [
-            (self._part_append, part_append_args(self.keys, a, ttl, now))
-            if split_part_id(a.job_id)
-            else (self._append, append_args(self.keys, a, ttl, now))
-            for a in appends
-        ]
-        return [Appended.of(r) for r in self._evalsha_all(calls)]
+        results: list[Appended | None] = [None] * len(appends)
+        jobs = [i for i, a in enumerate(appends) if not split_part_id(a.job_id)]
+        if jobs:
+            keys, args = append_step_args(self.keys, [appends[i] for i in jobs], ttl, now)
+            # Script's call is EVALSHA, loading the script only when Redis answers NOSCRIPT (a restart).
+            for i, reply in zip(jobs, self._append(keys, args), strict=True):
+                results[i] = Appended.of(reply)
+        for i, a in enumerate(appends):
+            if results[i] is None:  # a part's, in order (several steps of one part stay in order)
+                keys, args = part_append_args(self.keys, a, ttl, now)
+                results[i] = Appended.of(self._part_append(keys, args))
+        return [r for r in results if r is not None]
 
     def part_text(self, job_id: str, index: int) -> str:
         """The text of a job's text part so far (its final text once it succeeded)."""
         return str(self.redis.get(self.keys.job_text(part_id(job_id, index))) or "")
-
-    def _evalsha_all(self, calls: list[tuple[Any, ScriptCall]]) -> list[Any]:
-        # NOTE: Script objects in a pipeline cost an extra SCRIPT EXISTS round trip per execute;
-        # EVALSHA directly, and load the script only when Redis answers NOSCRIPT (after a restart).
-        pipe = self.redis.pipeline(transaction=False)
-        for script, (keys, args) in calls:
-            pipe.evalsha(script.sha, len(keys), *keys, *args)
-        replies = pipe.execute(raise_on_error=False)
-        if any(isinstance(r, NoScriptError) for r in replies):
-            for script in {id(s): s for s, _ in calls}.values():
-                script.sha = self.redis.script_load(script.script)
-            replies = [
-                script(keys, args) if isinstance(r, NoScriptError) else r
-                for r, (script, (keys, args)) in zip(replies, calls, strict=True)
-            ]
-        for r in replies:
-            if isinstance(r, Exception):
-                raise r
-        return replies
 
     def renew_leases(self, held: Mapping[str, int]) -> list[str]:
         """Extend the leases of the jobs this worker holds (job id -> attempt); returns those it lost.

@@ -35,6 +35,7 @@ from common.store import (
     cancelled_done_entry,
     token_entry,
 )
+from spool_cli import procs as harness
 
 
 def subscribe(store: StoreForTests, channel: str) -> redis.client.PubSub:
@@ -179,6 +180,35 @@ def test_appends_are_fenced_and_idempotent(store: StoreForTests) -> None:
     stale = run_job(store, ["x"], 0, job.id, first_seq=3)  # a worker that lost the job
     assert store.append_batch([gap, stale]) == [Appended.GAP, Appended.FENCED]
     assert store.get_job(job.id).text == "ab"
+
+
+def test_a_step_for_many_jobs_is_one_script_call(settings: Settings, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The writer's step goes out as one script call, fenced per job inside it: each append gets
+    its own answer, and a job's next step in the same call finds the log its first step left."""
+    proc, url = harness.start_redis(log_dir=tmp_path)
+    try:
+        store = StoreForTests(redis.Redis.from_url(url, decode_responses=True), settings)
+        jobs = [store.create_job(JobRequest(prompt=f"job {i}")).id for i in range(3)]
+        for job_id in jobs:
+            store.take_job(job_id, "w1", "tiny")
+        store.append_batch([run_job(store, ["x"], 1, jobs[2])])
+        store.redis.config_resetstat()
+        step = [
+            run_job(store, ["a"], 1, jobs[0]),
+            run_job(store, ["b"], 1, jobs[0], first_seq=2),  # the same job's next step
+            run_job(store, ["c"], 0, jobs[1]),  # a stale attempt
+            run_job(store, ["d"], 1, jobs[2], first_seq=3),  # the log holds seq 1 only
+            run_job(store, ["x"], 1, jobs[2]),  # a retry of what is written already
+        ]
+        written, fenced, gap = Appended.WRITTEN, Appended.FENCED, Appended.GAP
+        assert store.append_batch(step) == [written, written, fenced, gap, written]
+        calls = {k: v["calls"] for k, v in store.redis.info("commandstats").items()}
+        assert calls["cmdstat_evalsha"] == 1
+        assert [store.get_job(j).text for j in jobs] == ["ab", "", "x"]
+        assert [store.redis.llen(store.keys.job_log(j)) for j in jobs] == [2, 0, 1]
+        store.close()
+    finally:
+        harness.stop_all([proc])
 
 
 def test_lapsed_lease_is_taken_over_with_the_log(store: StoreForTests) -> None:

@@ -27,6 +27,11 @@ def spool_up(prefixes: Prefixes, log_dir: Path, name: str, **settings: object) -
     return start_spool_up(name, env, log_dir), f"http://127.0.0.1:{port}"
 
 
+def environ(pid: int) -> dict[str, str]:
+    pairs = Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace").split("\0")
+    return dict(p.split("=", 1) for p in pairs if "=" in p)
+
+
 def said(up: Service) -> list[str]:
     return [x for x in up.log_path.read_text(errors="replace").splitlines() if x.startswith("spool: ")]
 
@@ -38,6 +43,9 @@ def test_spool_up_names_a_child_that_dies_stops_the_others_and_exits_1(
     try:
         children = spool_up_children(up)
         wait_until(lambda: http_status(f"{url}/readyz") == 200, "spool up: /readyz", 120, (up,))
+        # The worker's torch threads leave a core to the API and Redis beside it.
+        cores_but_one = str(max(1, len(os.sched_getaffinity(0)) - 1))
+        assert environ(children["worker"])["SPOOL_TORCH_THREADS"] == cores_but_one
         os.kill(children["api"], signal.SIGKILL)  # as the kernel's OOM killer would end it
         wait_until(lambda: not up.alive(), "spool up to exit", 60)
         assert up.proc.returncode == 1

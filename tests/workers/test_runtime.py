@@ -9,9 +9,12 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import torch
+from procs import REDIS_URL
 from store_helpers import StoreForTests
 
 from common.schemas import ChatMessage, Job, JobRequest, JobStatus, LogEntry
+from common.settings import load_settings
 from common.store import Append, Appended, token_entry
 from workers.engine import Engine, SamplingParams
 from workers.runtime import EngineRuntime, Outcome, prompt_of
@@ -229,3 +232,17 @@ def test_a_gap_in_the_log_hands_the_job_back(runtime: EngineRuntime, store: Stor
     assert store.get_record(job.id).attempt == 1
     lease = store.redis.zscore(store.keys.running_jobs(), job.id)
     assert lease is not None and lease <= time.time()  # lapsed now, not a lease from now
+
+
+def test_the_worker_sets_its_torch_threads(prefixes, tiny_model) -> None:  # type: ignore[no-untyped-def]
+    """SPOOL_TORCH_THREADS is applied before the engine loads (spool up sets it: cores minus one)."""
+    before = torch.get_num_threads()
+    settings = load_settings(
+        redis_url=REDIS_URL, redis_prefix=prefixes.new(), model=str(tiny_model), torch_threads=1
+    )
+    try:
+        rt = EngineRuntime.from_settings(settings, "threads-worker")
+        rt.close()
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
