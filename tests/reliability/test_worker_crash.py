@@ -32,6 +32,12 @@ from common.settings import Settings
 LONG_PROMPT = "the quick brown fox"  # greedy on the tiny model: no EOS within 400 tokens
 MAX_TOKENS = 400
 PROMPTS = [LONG_PROMPT, "once upon a time there", "a long way from home, the"]
+# One more worker than kills: a killed worker takes 10 to 15 s to come back on a busy machine,
+# longer than the whole job, so with three the third kill could leave nobody up to take it over.
+WORKERS = ["a", "b", "c", "d"]
+# Kill points leave at least 200 of the job's 400 tokens: the tiny model writes one every few ms,
+# and a kill that lands after the job's end finds nothing to take over.
+KILL_POINTS = range(10, MAX_TOKENS // 2)
 
 
 @pytest.fixture(scope="module")
@@ -43,8 +49,8 @@ def r() -> Iterator[redis.Redis]:
 
 @pytest.fixture(scope="module")
 def crash_api(worker_pool: Workers, log_dir: Path) -> Iterator[Service]:
-    with ThreadPoolExecutor(3) as pool:
-        list(pool.map(worker_pool.start, ["a", "b", "c"]))
+    with ThreadPoolExecutor(len(WORKERS)) as pool:
+        list(pool.map(worker_pool.start, WORKERS))
     api = start_api(worker_pool.prefix, log_dir, sse_ping_s=1)
     yield api
     api.stop()
@@ -76,6 +82,11 @@ def check_job(
     return job  # type: ignore[no-any-return]
 
 
+def others_up(workers: Workers, holder: str) -> bool:
+    """Whether a worker besides ``holder`` is up (a restarting one counts once it is ready again)."""
+    return any(s.alive() for name, s in workers.procs.items() if name != holder)
+
+
 def test_sigkill_mid_stream_several_times(
     worker_pool: Workers,
     crash_api: Service,
@@ -87,7 +98,7 @@ def test_sigkill_mid_stream_several_times(
     keys = Keys(worker_pool.prefix)
     seed = int(os.environ.get("RELIABILITY_SEED", time.time_ns() % 1_000_000))
     figures["kill_seed"] = seed  # RELIABILITY_SEED=<seed> replays the same kill points
-    kill_at = sorted(random.Random(seed).sample(range(10, 300), 3))  # token counts of the first job
+    kill_at = sorted(random.Random(seed).sample(KILL_POINTS, 3))  # token counts of the first job
     ids = [submit(client, crash_api.url, p) for p in PROMPTS]
     streams = [Stream(f"{crash_api.url}/v1/jobs/{job_id}/events") for job_id in ids]
     main = JobWatch(r, keys, ids[0])
@@ -97,8 +108,11 @@ def test_sigkill_mid_stream_several_times(
         poll(lambda: main.tokens() >= k, f"{k} tokens in the log", 60)  # noqa: B023
         holder = worker_pool.by_full_name(main.field("worker"))
         attempt = int(main.field("attempt"))
+        assert others_up(worker_pool, holder), "nobody to take over but a restarting worker"
         worker_pool.kill(holder)
         killed_at, tokens_at_kill = time.monotonic(), main.tokens()
+        # A kill after the job's end (the test lagged) is no take-over to wait for: say so.
+        assert main.field("status") == "running", f"job {main.id} ended before {holder} was killed"
         # Taken over when a new attempt has written its first event.
         poll(
             lambda: int(main.field("attempt")) > attempt and main.tokens() > tokens_at_kill,  # noqa: B023
