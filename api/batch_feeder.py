@@ -135,7 +135,12 @@ class BatchFeeder:
         batch_id, endpoint = b["id"], b["endpoint"]
         meta = await self.batches.get_file(b["input_file_id"])
         if meta is None:
-            error = {"code": "file_not_found", "message": "the input file is gone", "param": "input_file_id", "line": None}
+            error = {
+                "code": "file_not_found",
+                "message": "the input file is gone",
+                "param": "input_file_id",
+                "line": None,
+            }
             await self.batches.validated(batch_id, False, 0, 0, [error])
             return
         line_count = int(meta["lines"])
@@ -146,7 +151,11 @@ class BatchFeeder:
                 try:
                     line = parse_line(raw, endpoint)
                     if line is not None and line["custom_id"] in seen:
-                        raise LineError("duplicate_custom_id", f"custom_id {line['custom_id']!r} is not unique", "custom_id")
+                        raise LineError(
+                            "duplicate_custom_id",
+                            f"custom_id {line['custom_id']!r} is not unique",
+                            "custom_id",
+                        )
                 except LineError as e:
                     errors.append(e.entry(i))
                 else:
@@ -155,7 +164,14 @@ class BatchFeeder:
             await self.batches.claim_feeder(self._token, self._lease_s)  # a long file: keep the lease
             await asyncio.sleep(0)  # let the process's requests through between pages
         if not seen and not errors:
-            errors.append({"code": "empty_file", "message": "the input file holds no request line", "param": None, "line": None})
+            errors.append(
+                {
+                    "code": "empty_file",
+                    "message": "the input file holds no request line",
+                    "param": None,
+                    "line": None,
+                }
+            )
         await self.batches.validated(batch_id, not errors, line_count, len(seen), errors[:MAX_ERRORS])
 
     # -- running ----------------------------------------------------------------------------------
@@ -166,7 +182,9 @@ class BatchFeeder:
         ids = list(window)
         statuses = await self.batches.job_statuses(ids)
         ended = [j for j, s in zip(ids, statuses, strict=True) if s is None or JobStatus(s).terminal]
-        await self._resend_lost([j for j, s in zip(ids, statuses, strict=True) if s == JobStatus.QUEUED.value])
+        await self._resend_lost(
+            [j for j, s in zip(ids, statuses, strict=True) if s == JobStatus.QUEUED.value]
+        )
         if not ended:
             return window
         model = min(await self.served.get(), default="")
@@ -188,14 +206,18 @@ class BatchFeeder:
         if not queued or await self.batches.queue_length(self._broker_list):
             return
         for job_id in queued:
-            if await self.batches.resend(job_id, self.enqueuer.generate(job_id, BATCH_PRIORITY), self.settings.lease_s):
+            if await self.batches.resend(
+                job_id, self.enqueuer.generate(job_id, BATCH_PRIORITY), self.settings.lease_s
+            ):
                 log.warning("batch line %s lost its message; sent it again", job_id)
 
     async def feed(self, b: dict[str, str], room: int) -> None:
         if room <= 0:
             return
         batch_id, start = b["id"], int(b["next_line"])
-        raws = await self.batches.read_lines(b["input_file_id"], start, min(room, int(b["line_count"]) - start))
+        raws = await self.batches.read_lines(
+            b["input_file_id"], start, min(room, int(b["line_count"]) - start)
+        )
         if not raws:  # the input file was deleted or expired: the rest of its lines cannot run
             await self.batches.end_batch(batch_id, "cancelled")
             return
@@ -214,9 +236,13 @@ class BatchFeeder:
                 continue
             message = self.enqueuer.generate(job_id, BATCH_PRIORITY)
             jobs.append(LineJob(job_id, i, line["custom_id"], request, message))
-        fed = await self.batches.feed(batch_id, b["owner"], (start, start + len(raws)), jobs, rejected, self._broker_list)
+        fed = await self.batches.feed(
+            batch_id, b["owner"], (start, start + len(raws)), jobs, rejected, self._broker_list
+        )
         if fed != 1:
-            log.info("batch %s: lines from %d were fed by another feeder or it stopped (%d)", batch_id, start, fed)
+            log.info(
+                "batch %s: lines from %d were fed by another feeder or it stopped (%d)", batch_id, start, fed
+            )
 
     async def cancel(self, window: dict[str, tuple[int, str]]) -> None:
         for job_id in window:
@@ -242,7 +268,9 @@ class BatchFeeder:
             stop = min(start + PAGE_LINES, count)
             results = await self.batches.results(batch_id, range(start, min(stop, fed)))
             if stop > fed:
-                unfed = await self.batches.read_lines(b["input_file_id"], max(start, fed), stop - max(start, fed))
+                unfed = await self.batches.read_lines(
+                    b["input_file_id"], max(start, fed), stop - max(start, fed)
+                )
                 results += [self._unfed(b, raw, i, ending) for i, raw in enumerate(unfed, max(start, fed))]
             for kind, f in files.items():
                 lines = [_jsonl(r.result) for r in results if r is not None and r.kind == kind]  # None: blank
@@ -251,10 +279,16 @@ class BatchFeeder:
                     f.add(lines)
         for kind, f in files.items():
             if f.lines:
-                await self.batches.commit_file(self._file_fields(b, f, "output" if kind == "completed" else "error"))
+                await self.batches.commit_file(
+                    self._file_fields(b, f, "output" if kind == "completed" else "error")
+                )
         completed, failed = files["completed"], files["failed"]
         await self.batches.finish(
-            batch_id, completed.id if completed.lines else "", failed.id if failed.lines else "", completed.lines, failed.lines
+            batch_id,
+            completed.id if completed.lines else "",
+            failed.id if failed.lines else "",
+            completed.lines,
+            failed.lines,
         )
 
     def _unfed(self, b: dict[str, str], raw: str, i: int, ending: str) -> LineResult | None:

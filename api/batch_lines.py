@@ -81,7 +81,9 @@ async def line_request(
     worker is live its model is not checked: the line is queued, as a request would be.
     """
     if body.get("stream"):
-        raise ApiError(400, "stream is not supported in a batch", param="stream", code="unsupported_parameter")
+        raise ApiError(
+            400, "stream is not supported in a batch", param="stream", code="unsupported_parameter"
+        )
     try:
         model = _OPENAI.get(endpoint)
         if model is None:
@@ -110,12 +112,16 @@ def refused(line: int, custom_id: str, e: ApiError, line_id: str) -> LineResult:
     return LineResult(line, "failed", response_line(line_id, custom_id, e.status, body))
 
 
-def job_result(line: int, custom_id: str, endpoint: str, record: JobRecord, model: str, ending: str) -> LineResult:
+def job_result(
+    line: int, custom_id: str, endpoint: str, record: JobRecord, model: str, ending: str
+) -> LineResult:
     """The result line of a line's job that ended: its answer as the endpoint would give it."""
     job = record.job
     if job.status is JobStatus.CANCELLED:
         code = "batch_expired" if ending == "expired" else "batch_cancelled"
-        result = error_line(job.id, custom_id, code, f"the batch was {ending or 'cancelled'} before this request ended")
+        result = error_line(
+            job.id, custom_id, code, f"the batch was {ending or 'cancelled'} before this request ended"
+        )
         return LineResult(line, "failed", result, job.id)
     if endpoint == "/v1/jobs":
         body = job.model_dump(mode="json")
@@ -124,11 +130,15 @@ def job_result(line: int, custom_id: str, endpoint: str, record: JobRecord, mode
     assert isinstance(record.request, JobRequest)  # a line is a text job, never an image part
     view = View.of(job.id, job.created_at, record.request, job.model or model)
     try:
-        return LineResult(line, "completed", response_line(job.id, custom_id, 200, view.completion(job)), job.id)
+        return LineResult(
+            line, "completed", response_line(job.id, custom_id, 200, view.completion(job)), job.id
+        )
     except ApiError as e:
         return LineResult(line, "failed", refused(line, custom_id, e, job.id).result, job.id)
 
 
 def lost_result(line: int, custom_id: str, job_id: str) -> LineResult:
     """The result of a line whose job expired before its result was recorded."""
-    return LineResult(line, "failed", error_line(job_id, custom_id, "job_expired", "the line's job expired"), job_id)
+    return LineResult(
+        line, "failed", error_line(job_id, custom_id, "job_expired", "the line's job expired"), job_id
+    )

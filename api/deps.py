@@ -123,5 +123,7 @@ async def owned_file(store: AsyncBatchStore, file_id: str) -> dict[str, str]:
     """A file's stored object; 404 for an unknown id or another API key's file (api/routes/files.py)."""
     h = await store.get_file(file_id)
     if h is None or h.get("owner", "") != current_owner():
-        raise ApiError(404, f"No file with id {file_id!r} (unknown, or expired)", param="file_id", code="file_not_found")
+        raise ApiError(
+            404, f"No file with id {file_id!r} (unknown, or expired)", param="file_id", code="file_not_found"
+        )
     return h

@@ -95,7 +95,9 @@ class _Job:
     inboxes: set[Inbox] = field(default_factory=set)
     # Done once the job's channel is subscribed (or the connection it was asked on is gone: the
     # reconnection subscribes it again and sends RESYNC).
-    subscribed: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    subscribed: asyncio.Future[None] = field(
+        default_factory=lambda: asyncio.get_running_loop().create_future()
+    )
 
 
 class Hub:

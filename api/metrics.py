@@ -34,8 +34,16 @@ _ENGINE_COUNTERS = (
     ("spool_engine_steps", "Engine steps since the worker started", "steps"),
     ("spool_engine_generated_tokens", "Tokens generated since the worker started", "generated_tokens"),
     ("spool_engine_prompt_tokens", "Prompt tokens prefilled since the worker started", "prompt_tokens"),
-    ("spool_engine_prefix_cache_queries", "Prompt tokens looked up in the prefix cache", "prefix_cache_queries"),
-    ("spool_engine_prefix_cache_hits", "Prompt tokens found in the prefix cache (not computed)", "prefix_cache_hits"),
+    (
+        "spool_engine_prefix_cache_queries",
+        "Prompt tokens looked up in the prefix cache",
+        "prefix_cache_queries",
+    ),
+    (
+        "spool_engine_prefix_cache_hits",
+        "Prompt tokens found in the prefix cache (not computed)",
+        "prefix_cache_hits",
+    ),
 )
 QUEUES = ("llm", "media")  # the Celery queues, by the last part of their name (Keys.queue_llm, queue_media)
 # Why a submit was refused: its error code (api/errors.py, api/served.py), 422 schema errors as

@@ -69,7 +69,9 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     await watchers.start()
     served, context = ServedModels(store), ContextCheck(store)
     batches = AsyncBatchStore(store.redis, settings)
-    app.state.services = Services(settings, store, hub, enqueuer, Metrics(hub), watchers, served, context, batches)
+    app.state.services = Services(
+        settings, store, hub, enqueuer, Metrics(hub), watchers, served, context, batches
+    )
     # Every API process runs a feeder; one at a time feeds (api/batch_feeder.py).
     feeder = asyncio.create_task(BatchFeeder(settings, store, batches, enqueuer, served, context).run())
     freeze_startup_objects()

@@ -46,7 +46,9 @@ def encode(event: Chunk) -> bytes:
     if isinstance(event, bytes):
         return event
     data = event.raw_data if event.data is None else json.dumps(event.data)
-    return format_sse_event(data_str=data, event=event.event, id=event.id, retry=event.retry, comment=event.comment)
+    return format_sse_event(
+        data_str=data, event=event.event, id=event.id, retry=event.retry, comment=event.comment
+    )
 
 
 def event_stream(
@@ -75,7 +77,9 @@ def event_stream(
     async def close() -> None:
         await chunks.aclose()
 
-    return EventSourceResponse(chunks, headers={**NO_BUFFERING, **(headers or {})}, background=BackgroundTask(close))
+    return EventSourceResponse(
+        chunks, headers={**NO_BUFFERING, **(headers or {})}, background=BackgroundTask(close)
+    )
 
 
 def to_sse_list(entry: LogEntry) -> list[Chunk]:

@@ -79,7 +79,9 @@ async def wait_for_job(services: Services, job_id: str, request: Request) -> Job
             await cancel_until_done(waits)
             await asyncio.gather(*waits, return_exceptions=True)  # their ends, errors included, seen
         if waits[0] not in done:
-            raise ApiError(CLIENT_CLOSED_REQUEST, "the client closed the request", code="client_closed_request")
+            raise ApiError(
+                CLIENT_CLOSED_REQUEST, "the client closed the request", code="client_closed_request"
+            )
         waits[0].result()  # relay's errors (Redis unreachable) go to their handlers
     return await services.store.get_job(job_id)
 

@@ -140,11 +140,20 @@ async def receive_upload(
     kind, options = parse_options_header(content_type)
     boundary = options.get(b"boundary")
     if kind != b"multipart/form-data" or not boundary:
-        raise ApiError(400, "Send the file as multipart/form-data (fields: purpose, file)", code="invalid_content_type")
+        raise ApiError(
+            400, "Send the file as multipart/form-data (fields: purpose, file)", code="invalid_content_type"
+        )
     reader = _Reader(settings)
     callbacks = {
         name: getattr(reader, name)
-        for name in ("on_part_begin", "on_header_field", "on_header_value", "on_header_end", "on_part_data", "on_part_end")
+        for name in (
+            "on_part_begin",
+            "on_header_field",
+            "on_header_value",
+            "on_header_end",
+            "on_part_data",
+            "on_part_end",
+        )
     }
     parser = MultipartParser(boundary, callbacks)  # type: ignore[arg-type]
     async for chunk in body:

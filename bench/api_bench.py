@@ -80,7 +80,9 @@ class Target:
         attempt = self.store.take_job(job_id, "bench", "bench").attempt
         if tokens:
             entries = [token_entry(i + 1, i, " word", [7]) for i in range(tokens)]
-            assert self.store.append_batch([Append(job_id, attempt, entries, 1, tokens)]) == [Appended.WRITTEN]
+            assert self.store.append_batch([Append(job_id, attempt, entries, 1, tokens)]) == [
+                Appended.WRITTEN
+            ]
         return job_id, attempt
 
     async def _create_job(self) -> str:
@@ -99,7 +101,9 @@ class Target:
             tokens + 1, DoneEvent(status=JobStatus.SUCCEEDED, finish_reason="length", usage=usage)
         )
         final = Final(JobStatus.SUCCEEDED, "length")
-        assert self.store.append_batch([Append(job_id, attempt, [done], 1, tokens, final)]) == [Appended.WRITTEN]
+        assert self.store.append_batch([Append(job_id, attempt, [done], 1, tokens, final)]) == [
+            Appended.WRITTEN
+        ]
 
 
 def cpu_per_call(target: Target, n: int, call: Callable[[], Any]) -> float:

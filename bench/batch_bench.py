@@ -54,7 +54,9 @@ def engine_tok_s(engine: Engine, texts: list[str], max_tokens: int, batch: int) 
     """The engine alone, kept full: ``2 * batch`` requests in it at a time, the next added as
     one ends (as the worker's task threads feed it; all at once, a queue of hundreds of waiting
     requests slows every step: see docs/benchmarks.md)."""
-    params = sampling_params(JobRequest.model_validate({"prompt": "x", "max_tokens": max_tokens, "temperature": 0}))
+    params = sampling_params(
+        JobRequest.model_validate({"prompt": "x", "max_tokens": max_tokens, "temperature": 0})
+    )
     pending = list(enumerate(texts))[::-1]
     t0, tokens, inside = time.perf_counter(), 0, 0
     while pending or engine.has_unfinished():
@@ -82,7 +84,9 @@ def ttft_s(client: httpx.Client, prompt: str) -> float:
     return first
 
 
-def run_batch(client: httpx.Client, texts: list[str], max_tokens: int, probes: int) -> tuple[float, dict[str, Any], list[float]]:
+def run_batch(
+    client: httpx.Client, texts: list[str], max_tokens: int, probes: int
+) -> tuple[float, dict[str, Any], list[float]]:
     """Seconds from the upload to the batch's end, the batch, and TTFTs of probes sent during it."""
     lines = "".join(
         json.dumps({"custom_id": f"l{i}", "method": "POST", "url": "/v1/completions",
@@ -90,7 +94,9 @@ def run_batch(client: httpx.Client, texts: list[str], max_tokens: int, probes: i
         for i, t in enumerate(texts)
     )  # fmt: skip
     t0 = time.perf_counter()
-    file_id = client.post("/v1/files", data={"purpose": "batch"}, files={"file": ("in.jsonl", lines.encode())}).json()["id"]
+    file_id = client.post(
+        "/v1/files", data={"purpose": "batch"}, files={"file": ("in.jsonl", lines.encode())}
+    ).json()["id"]
     body = {"input_file_id": file_id, "endpoint": "/v1/completions", "completion_window": "24h"}
     batch = client.post("/v1/batches", json=body).json()
     during: list[float] = []
@@ -109,10 +115,14 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--lines", type=int, default=1000)
     p.add_argument("--max-tokens", type=int, default=16)
-    p.add_argument("--batch-size", type=int, default=32, help="SPOOL_MAX_BATCH_SIZE of the worker and the engine")
+    p.add_argument(
+        "--batch-size", type=int, default=32, help="SPOOL_MAX_BATCH_SIZE of the worker and the engine"
+    )
     p.add_argument("--window", type=int, default=256, help="SPOOL_BATCH_WINDOW")
     p.add_argument("--probes", type=int, default=10, help="interactive requests, idle and during each batch")
-    p.add_argument("--rounds", type=int, default=3, help="engine and batch runs, alternating (medians reported)")
+    p.add_argument(
+        "--rounds", type=int, default=3, help="engine and batch runs, alternating (medians reported)"
+    )
     p.add_argument("--model", choices=["full", "quick"], default="full",
                    help="workload.py's random Llama: full (~58M parameters) or quick (tiny, steps of about a ms)")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
@@ -171,7 +181,9 @@ def main(argv: list[str] | None = None) -> int:
     }
     print(f"batch of {args.lines} lines x {args.max_tokens} tokens, {args.model} model, "
           f"max_batch_size {args.batch_size}, window {args.window}, {args.rounds} rounds")  # fmt: skip
-    print(f"  engine alone       {engine_median:8.1f} tok/s (runs: {', '.join(f'{x:.0f}' for x in engine_runs)})")
+    print(
+        f"  engine alone       {engine_median:8.1f} tok/s (runs: {', '.join(f'{x:.0f}' for x in engine_runs)})"
+    )
     print(f"  batch (end to end) {batch_median:8.1f} tok/s (runs: {', '.join(f'{x:.0f}' for x in batch_runs)})   "
           f"ratio {report['ratio']:.2f} (target >= {TARGET_RATIO})")  # fmt: skip
     if during:

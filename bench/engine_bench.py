@@ -88,7 +88,8 @@ HFModel = Any
 # -- helpers --------------------------------------------------------------------------------------
 
 
-_SYNC: Callable[[], None] = lambda: None  # torch.cuda.synchronize on a CUDA device (set in main)
+def _SYNC() -> None:
+    return None  # torch.cuda.synchronize on a CUDA device (set in main)
 
 
 @contextlib.contextmanager
@@ -779,7 +780,9 @@ def run_prefix(plan: Plan, args: argparse.Namespace, model_dir: Path, hf: HFMode
             lambda: engine_conversations(engine, firsts, users, plan.turn_new_tokens),
             expected_turns,
         )
-        row.note = f"{row.extra['prompt_tokens']} prompt tokens computed, {row.extra['prefix_cache_hits']} hit"
+        row.note = (
+            f"{row.extra['prompt_tokens']} prompt tokens computed, {row.extra['prefix_cache_hits']} hit"
+        )
         rows[f"turns_{on}"] = row
 
     engine_rows(caching=False)
@@ -808,7 +811,9 @@ def run_prefix(plan: Plan, args: argparse.Namespace, model_dir: Path, hf: HFMode
             rows["shared_on"].extra["ttft_p50_s"], rows["shared_off"].extra["ttft_p50_s"]
         ),
         "multi-turn: caching off/on seconds": ratio(rows["turns_off"].seconds, rows["turns_on"].seconds),
-        "shared: caching on/transformers CB": ratio(rows["shared_on"].tok_s, rows["shared_transformers_cb"].tok_s)
+        "shared: caching on/transformers CB": ratio(
+            rows["shared_on"].tok_s, rows["shared_transformers_cb"].tok_s
+        )
         if "shared_transformers_cb" in rows
         else None,
     }
@@ -856,7 +861,12 @@ def constrained_run(engine: Engine, requests: Sequence[tuple[list[int], int, Any
                     plain_done = time.perf_counter() - started
     _SYNC()
     seconds = time.perf_counter() - started
-    return {"tokens": tokens, "plain_tokens": plain, "seconds": seconds, "plain_seconds": plain_done or seconds}
+    return {
+        "tokens": tokens,
+        "plain_tokens": plain,
+        "seconds": seconds,
+        "plain_seconds": plain_done or seconds,
+    }
 
 
 def mask_step_ms(engine: Engine, batch: int, steps: int) -> float:
@@ -868,11 +878,19 @@ def mask_step_ms(engine: Engine, batch: int, steps: int) -> float:
 
     compiled = engine.grammars.json(STRUCTURED_SCHEMA)
     rows = [
-        Request(str(i), [5], greedy_params(1), IncrementalDetokenizer(engine.tokenizer), matcher=grammar.matcher(compiled))
+        Request(
+            str(i),
+            [5],
+            greedy_params(1),
+            IncrementalDetokenizer(engine.tokenizer),
+            matcher=grammar.matcher(compiled),
+        )
         for i in range(batch)
     ]
     for r in rows:
-        assert r.matcher is not None and r.matcher.accept_string("[1")  # inside the array: many tokens allowed
+        assert r.matcher is not None and r.matcher.accept_string(
+            "[1"
+        )  # inside the array: many tokens allowed
     masks = Masks(batch, engine.runner.vocab_size, engine.runner.device)
     logits = torch.randn(batch, engine.runner.vocab_size, device=engine.runner.device)
     masks.apply(logits.clone(), rows)  # warm
@@ -912,7 +930,10 @@ def run_structured(plan: Plan, args: argparse.Namespace, model_dir: Path, hf: HF
     log(f"structured: loading the engine (max_batch_size={plan.mixed_batch})")
     engine = spool_engine(model_dir, args, plan.mixed_batch, max_model_len)
     schema = engine.grammars.json(STRUCTURED_SCHEMA)
-    warm = [(p, plan.warmup_tokens, schema, False) for p in unseen_like(rng, prompts[: plan.warmup_requests], vocab)]
+    warm = [
+        (p, plan.warmup_tokens, schema, False)
+        for p in unseen_like(rng, prompts[: plan.warmup_requests], vocab)
+    ]
     constrained_run(engine, warm)
     out: dict[str, Any] = {}
     for name, every in (("unconstrained", 0), ("quarter_schema", 4)):
@@ -929,11 +950,16 @@ def run_structured(plan: Plan, args: argparse.Namespace, model_dir: Path, hf: HF
         r["tok_s"] = r["tokens"] / r["seconds"]
         r["plain_tok_s"] = r["plain_tokens"] / r["plain_seconds"]
         out[name] = r
-        log(f"structured: {name}: {r['tok_s']:.1f} tok/s, unconstrained requests {r['plain_tok_s']:.1f} tok/s")
+        log(
+            f"structured: {name}: {r['tok_s']:.1f} tok/s, unconstrained requests {r['plain_tok_s']:.1f} tok/s"
+        )
     steps = 20 if args.quick else 100
     out["mask_ms_per_step"] = {str(b): mask_step_ms(engine, b, steps) for b in (16, 64)}
     prompt = prompts[0][:32]
-    new = [first_token_s(engine, prompt, {**STRUCTURED_SCHEMA, "title": f"new-{i}-{time.monotonic_ns()}"}) for i in range(3)]
+    new = [
+        first_token_s(engine, prompt, {**STRUCTURED_SCHEMA, "title": f"new-{i}-{time.monotonic_ns()}"})
+        for i in range(3)
+    ]
     cached = [first_token_s(engine, prompt, STRUCTURED_SCHEMA) for _ in range(3)]
     out["ttft_s"] = {"new_schema_p50": statistics.median(new), "cached_schema_p50": statistics.median(cached)}
     return out
@@ -943,8 +969,12 @@ def print_structured(sec: dict[str, Any]) -> None:
     plain, quarter = sec["unconstrained"], sec["quarter_schema"]
     cost = (quarter["seconds"] / quarter["tokens"]) / (plain["seconds"] / plain["tokens"])
     print("\n== structured outputs (mixed workload, a quarter under a JSON schema) ==")
-    print(f"  unconstrained      {plain['tok_s']:8.1f} tok/s   ({plain['tokens']} tokens, {plain['seconds']:.2f} s)")
-    print(f"  quarter schema     {quarter['tok_s']:8.1f} tok/s   ({quarter['tokens']} tokens, {quarter['seconds']:.2f} s)")
+    print(
+        f"  unconstrained      {plain['tok_s']:8.1f} tok/s   ({plain['tokens']} tokens, {plain['seconds']:.2f} s)"
+    )
+    print(
+        f"  quarter schema     {quarter['tok_s']:8.1f} tok/s   ({quarter['tokens']} tokens, {quarter['seconds']:.2f} s)"
+    )
     print(f"  seconds per token, schema/unconstrained: {cost:.3f}  (target <= {TARGET_SCHEMA_COST})")
     print(
         f"  the three quarters never constrained: {quarter['plain_tok_s']:.1f} tok/s beside the schema ones, "
@@ -953,7 +983,9 @@ def print_structured(sec: dict[str, Any]) -> None:
     masks = sec["mask_ms_per_step"]
     print(f"  masks per step: batch 16 {masks['16']:.3f} ms, batch 64 {masks['64']:.3f} ms")
     ttft = sec["ttft_s"]
-    print(f"  TTFT p50: new schema {ttft['new_schema_p50'] * 1e3:.1f} ms, cached {ttft['cached_schema_p50'] * 1e3:.1f} ms")
+    print(
+        f"  TTFT p50: new schema {ttft['new_schema_p50'] * 1e3:.1f} ms, cached {ttft['cached_schema_p50'] * 1e3:.1f} ms"
+    )
 
 
 # -- report -------------------------------------------------------------------------------------
@@ -1039,7 +1071,9 @@ def prefix_target(key: str, v: float | None) -> str:
     if key not in PREFIX_TARGETS or v is None:
         return ""
     target, at_least = PREFIX_TARGETS[key]
-    return f"   target {'>=' if at_least else '<='} {target}" + verdict(v >= target if at_least else v <= target)
+    return f"   target {'>=' if at_least else '<='} {target}" + verdict(
+        v >= target if at_least else v <= target
+    )
 
 
 def print_prefix(sec: dict[str, Any]) -> None:
@@ -1047,7 +1081,9 @@ def print_prefix(sec: dict[str, Any]) -> None:
     print(f"== prefix caching: {json.dumps(sec['workload'])}")
     print(f"  {'method':<36} {'tok/s':>9} {'seconds':>9} {'tokens':>7}  note")
     for row in sec["rows"].values():
-        print(f"  {row['method']:<36} {row['tok_s']:>9.1f} {row['seconds']:>9.2f} {row['tokens']:>7}  {row['note']}")
+        print(
+            f"  {row['method']:<36} {row['tok_s']:>9.1f} {row['seconds']:>9.2f} {row['tokens']:>7}  {row['note']}"
+        )
     for k, v in sec["ratios"].items():
         print(f"  {k:<36} {fmt(v):>9}{prefix_target(k, v)}")
 
@@ -1120,10 +1156,26 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--model-dir", type=Path, help="use (or write) the benchmark model here instead of a temp dir"
     )
-    p.add_argument("--prefix-requests", type=int, help="prefix section: shared-prefix requests; None: 64 (8 with --quick)")
-    p.add_argument("--prefix-len", type=int, help="prefix section: the shared prefix's tokens; None: 1024 (64 with --quick)")
-    p.add_argument("--conversations", type=int, help="prefix section: multi-turn conversations; None: 16 (4 with --quick)")
-    p.add_argument("--mixed-requests", type=int, help="mixed and structured sections: requests; None: 64 (12 with --quick)")
+    p.add_argument(
+        "--prefix-requests",
+        type=int,
+        help="prefix section: shared-prefix requests; None: 64 (8 with --quick)",
+    )
+    p.add_argument(
+        "--prefix-len",
+        type=int,
+        help="prefix section: the shared prefix's tokens; None: 1024 (64 with --quick)",
+    )
+    p.add_argument(
+        "--conversations",
+        type=int,
+        help="prefix section: multi-turn conversations; None: 16 (4 with --quick)",
+    )
+    p.add_argument(
+        "--mixed-requests",
+        type=int,
+        help="mixed and structured sections: requests; None: 64 (12 with --quick)",
+    )
     return p.parse_args(argv)
 
 

@@ -148,7 +148,7 @@ def parse_events(job: JobTiming) -> Events:
 
 async def metric(client: httpx.AsyncClient, name: str) -> float:
     """One gauge of the API's /metrics (retried: /metrics reads Redis and can fail under load)."""
-    for attempt in range(20):
+    for _ in range(20):
         with contextlib.suppress(httpx.HTTPError):
             r = await client.get("/metrics")
             if r.status_code == 200:

@@ -13,9 +13,9 @@ import logging
 import random
 import sys
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import Sequence
 from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parent.parent

@@ -86,7 +86,9 @@ def _finite(v: float | None) -> float | None:
     return v
 
 
-INVALID_SCHEMA = "invalid_json_schema"  # validation error type of a response_format schema that is not one (400)
+INVALID_SCHEMA = (
+    "invalid_json_schema"  # validation error type of a response_format schema that is not one (400)
+)
 
 
 class JsonSchemaFormat(BaseModel):
@@ -108,7 +110,11 @@ class JsonSchemaFormat(BaseModel):
             jsonschema.validators.validator_for(v).check_schema(v)
         except jsonschema.SchemaError as e:
             where = "/".join(map(str, e.absolute_path)) or "the root"
-            raise PydanticCustomError(INVALID_SCHEMA, "not a valid JSON schema at {where}: {error}", {"where": where, "error": e.message}) from None
+            raise PydanticCustomError(
+                INVALID_SCHEMA,
+                "not a valid JSON schema at {where}: {error}",
+                {"where": where, "error": e.message},
+            ) from None
         return v
 
 
@@ -124,7 +130,9 @@ class ResponseFormat(BaseModel):
     @model_validator(mode="after")
     def _schema_given(self) -> ResponseFormat:
         if (self.type == "json_schema") != (self.json_schema is not None):
-            raise PydanticCustomError(INVALID_SCHEMA, "json_schema is required with type json_schema, and only then")
+            raise PydanticCustomError(
+                INVALID_SCHEMA, "json_schema is required with type json_schema, and only then"
+            )
         return self
 
     @property
@@ -167,14 +175,18 @@ class TextParams(BaseModel):
         low, high = _RANGES[str(info.field_name)]
         if v is not None and not low <= v <= high:
             bounds = f"at least {low}" if high == math.inf else f"between {low} and {high}"
-            raise PydanticCustomError(OUT_OF_RANGE, "{name} is {value}; it must be " + bounds, {"name": info.field_name, "value": v})
+            raise PydanticCustomError(
+                OUT_OF_RANGE, "{name} is {value}; it must be " + bounds, {"name": info.field_name, "value": v}
+            )
         return v
 
     @field_validator("repetition_penalty")
     @classmethod
     def _repetition_penalty(cls, v: float) -> float:
         if not (math.isfinite(v) and v > 0):
-            raise PydanticCustomError(OUT_OF_RANGE, "repetition_penalty is {value}; it must be above 0", {"value": v})
+            raise PydanticCustomError(
+                OUT_OF_RANGE, "repetition_penalty is {value}; it must be above 0", {"value": v}
+            )
         return v
 
     @field_validator("logit_bias")
@@ -183,7 +195,11 @@ class TextParams(BaseModel):
         if v is None:
             return v
         if len(v) > MAX_LOGIT_BIAS:
-            raise PydanticCustomError(OUT_OF_RANGE, "logit_bias has {n} entries; at most {max}", {"n": len(v), "max": MAX_LOGIT_BIAS})
+            raise PydanticCustomError(
+                OUT_OF_RANGE,
+                "logit_bias has {n} entries; at most {max}",
+                {"n": len(v), "max": MAX_LOGIT_BIAS},
+            )
         for token, bias in v.items():
             if token < 0 or not -100 <= bias <= 100:
                 raise PydanticCustomError(
@@ -329,7 +345,9 @@ class ImagePart(BaseModel):
     @model_validator(mode="after")
     def _one_prompt(self) -> ImagePart:
         if (self.prompt is None) == (self.prompt_from is None):
-            raise PydanticCustomError(INVALID_PART, "an image part takes exactly one of prompt or prompt_from")
+            raise PydanticCustomError(
+                INVALID_PART, "an image part takes exactly one of prompt or prompt_from"
+            )
         return self
 
     @property
@@ -404,7 +422,8 @@ class JobRequest(TextParams):
                     )
                 if not isinstance(self.parts[j], TextPart):
                     raise PydanticCustomError(
-                        INVALID_PART, "part {i}: prompt_from {j} names an image part, not a text part",
+                        INVALID_PART,
+                        "part {i}: prompt_from {j} names an image part, not a text part",
                         {"i": i, "j": j},
                     )
         return self

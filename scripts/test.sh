@@ -3,9 +3,17 @@
 # The tests start what they need themselves (celery workers, uvicorn, extra redis-servers);
 # they use the Redis at TEST_REDIS_URL (default 127.0.0.1:6379) under private key
 # prefixes, and when none answers there this script starts a private redis-server.
-# Extra arguments go to pytest (e.g. scripts/test.sh tests/engine -x).
+# Before the tests: ruff check, ruff format --check and mypy over the packages (pyproject.toml
+# holds their settings); a finding fails the run. Extra arguments go to pytest (e.g.
+# scripts/test.sh tests/engine -x), and skip the checks when SPOOL_SKIP_LINT=1.
 set -euo pipefail
 source "$(dirname "$0")/bootstrap.sh" test "[test]"
+
+if [ "${SPOOL_SKIP_LINT:-0}" != 1 ]; then
+  ruff check .
+  ruff format --check .
+  mypy api common workers spool_cli
+fi
 
 url="${TEST_REDIS_URL:-redis://127.0.0.1:6379/0}"
 if ! python -c "import redis,sys; redis.Redis.from_url(sys.argv[1]).ping()" "$url" 2>/dev/null; then

@@ -53,7 +53,9 @@ def batch_lines(rows: list[dict[str, Any]], out: IO[str]) -> str:
         endpoints.add(str(row.get("url")))
         out.write(json.dumps(row) + "\n")
     if len(endpoints) != 1:
-        raise BatchError(f"the lines must all name one url (endpoint); they name {sorted(endpoints) or 'none'}")
+        raise BatchError(
+            f"the lines must all name one url (endpoint); they name {sorted(endpoints) or 'none'}"
+        )
     return endpoints.pop()
 
 
@@ -128,7 +130,12 @@ def download(api: Api, file_id: str | None, dest: Path) -> int:
 
 
 def run(
-    url: str, file: Path | None, resume: str | None, out: Path | None, errors: Path | None, api_key: str | None
+    url: str,
+    file: Path | None,
+    resume: str | None,
+    out: Path | None,
+    errors: Path | None,
+    api_key: str | None,
 ) -> int:
     """``spool batch``: 0 when every line succeeded, 1 when some failed or the batch did not complete."""
     with Api(url, api_key) as api:
@@ -136,7 +143,11 @@ def run(
             batch_id = submit(api, file)["id"] if file is not None else str(resume)
             stem = str(file.with_suffix("")) if file is not None else batch_id
             try:
-                print(f"batch {batch_id} (resume with: spool batch --resume {batch_id})", file=sys.stderr, flush=True)
+                print(
+                    f"batch {batch_id} (resume with: spool batch --resume {batch_id})",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 batch = follow(api, batch_id)
             except KeyboardInterrupt:
                 return _interrupted(api, batch_id)
@@ -178,5 +189,7 @@ def list_batches(url: str, limit: int, api_key: str | None) -> int:
     for b in batches:
         c = b["request_counts"]
         created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(b["created_at"]))
-        print(f"{b['id']}  {b['status']:<11} {c['completed']}/{c['total']} completed, {c['failed']} failed  {created}  {b['endpoint']}")
+        print(
+            f"{b['id']}  {b['status']:<11} {c['completed']}/{c['total']} completed, {c['failed']} failed  {created}  {b['endpoint']}"
+        )
     return 0

@@ -38,7 +38,11 @@ def _load(model_dir: Path) -> tuple[Any, Any]:
 def greedy(model_dir: Path, prompt: str | tuple[int, ...], max_new_tokens: int) -> Greedy:
     """What the model generates greedily for ``prompt`` (text, or token ids) run alone."""
     model, tokenizer = _load(model_dir)
-    ids = tokenizer(prompt, return_tensors="pt").input_ids if isinstance(prompt, str) else torch.tensor([prompt])
+    ids = (
+        tokenizer(prompt, return_tensors="pt").input_ids
+        if isinstance(prompt, str)
+        else torch.tensor([prompt])
+    )
     with torch.inference_mode():
         out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)
     new = out[0, ids.shape[1] :].tolist()

@@ -13,7 +13,9 @@ BENCH = Path(__file__).resolve().parent.parent / "bench" / "api_bench.py"
 def test_api_bench_smoke_run(tmp_path: Path) -> None:
     out = tmp_path / "figures.json"
     argv = [sys.executable, str(BENCH), "--rounds", "1", "--requests", "5", "--bursts", "1", "--steps", "5"]
-    result = subprocess.run([*argv, "--json", str(out)], capture_output=True, text=True, timeout=180, check=False)
+    result = subprocess.run(
+        [*argv, "--json", str(out)], capture_output=True, text=True, timeout=180, check=False
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     [medians] = json.loads(out.read_text())["medians"]
     assert set(medians) == {

@@ -60,7 +60,9 @@ def upload(oai: openai.OpenAI, lines: list[dict[str, Any]] | bytes) -> str:
 
 def run_batch(oai: openai.OpenAI, lines: list[dict[str, Any]] | bytes, endpoint: str) -> str:
     return oai.batches.create(
-        input_file_id=upload(oai, lines), endpoint=endpoint, completion_window="24h"  # type: ignore[arg-type]
+        input_file_id=upload(oai, lines),
+        endpoint=endpoint,
+        completion_window="24h",  # type: ignore[arg-type]
     ).id
 
 
@@ -86,7 +88,9 @@ def _comparable(body: dict[str, Any]) -> dict[str, Any]:
 
 
 def test_a_file_is_listed_read_back_byte_for_byte_and_deleted(oai: openai.OpenAI) -> None:
-    content = "".join(json.dumps(chat_line(i)) + "\n" for i in range(3)).encode() + b'{"no": "newline at the end"}'
+    content = (
+        "".join(json.dumps(chat_line(i)) + "\n" for i in range(3)).encode() + b'{"no": "newline at the end"}'
+    )
     file_id = upload(oai, content)
     f = oai.files.retrieve(file_id)
     assert (f.bytes, f.purpose, f.filename) == (len(content), "batch", "input.jsonl")
@@ -109,7 +113,10 @@ def test_an_upload_over_a_limit_is_refused_and_leaves_nothing(
     batch_cluster: Cluster, content: bytes, status: int, code: str
 ) -> None:
     resp = httpx.post(
-        f"{batch_cluster.url}/v1/files", data={"purpose": "batch"}, files={"file": ("x.jsonl", content)}, timeout=30
+        f"{batch_cluster.url}/v1/files",
+        data={"purpose": "batch"},
+        files={"file": ("x.jsonl", content)},
+        timeout=30,
     )
     assert resp.status_code == status and resp.json()["error"]["code"] == code
     r = redis.Redis.from_url(REDIS_URL)
@@ -119,8 +126,14 @@ def test_an_upload_over_a_limit_is_refused_and_leaves_nothing(
 def test_an_upload_must_be_a_multipart_form_with_a_batch_file(batch_cluster: Cluster) -> None:
     url = f"{batch_cluster.url}/v1/files"
     assert httpx.post(url, json={"purpose": "batch"}).json()["error"]["code"] == "invalid_content_type"
-    assert httpx.post(url, data={"purpose": "batch"}, files={"other": ("x", b"{}")}).json()["error"]["code"] == "missing_file"
-    assert httpx.post(url, data={"purpose": "fine-tune"}, files={"file": ("x", b"{}")}).json()["error"]["param"] == "purpose"
+    assert (
+        httpx.post(url, data={"purpose": "batch"}, files={"other": ("x", b"{}")}).json()["error"]["code"]
+        == "missing_file"
+    )
+    assert (
+        httpx.post(url, data={"purpose": "fine-tune"}, files={"file": ("x", b"{}")}).json()["error"]["param"]
+        == "purpose"
+    )
 
 
 def test_batches_are_listed_newest_first_a_page_at_a_time(oai: openai.OpenAI) -> None:
@@ -133,24 +146,42 @@ def test_batches_are_listed_newest_first_a_page_at_a_time(oai: openai.OpenAI) ->
         assert ended(oai, batch_id).status == "completed"
 
 
-def test_a_40_line_batch_answers_each_line_as_its_endpoint_would(oai: openai.OpenAI, batch_cluster: Cluster) -> None:
+def test_a_40_line_batch_answers_each_line_as_its_endpoint_would(
+    oai: openai.OpenAI, batch_cluster: Cluster
+) -> None:
     chat = [chat_line(i) for i in range(20)]
     completions = [completion_line(i) for i in range(20)]
-    chat_id, cmpl_id = run_batch(oai, chat, "/v1/chat/completions"), run_batch(oai, completions, "/v1/completions")
+    chat_id, cmpl_id = (
+        run_batch(oai, chat, "/v1/chat/completions"),
+        run_batch(oai, completions, "/v1/completions"),
+    )
     for batch_id, lines, create in (
         (chat_id, chat, oai.chat.completions.create),
         (cmpl_id, completions, oai.completions.create),
     ):
         batch = ended(oai, batch_id)
         assert batch.status == "completed", batch
-        assert (batch.request_counts.total, batch.request_counts.completed, batch.request_counts.failed) == (20, 20, 0)
-        assert batch.error_file_id is None and batch.in_progress_at and batch.finalizing_at and batch.completed_at
+        assert (batch.request_counts.total, batch.request_counts.completed, batch.request_counts.failed) == (
+            20,
+            20,
+            0,
+        )
+        assert (
+            batch.error_file_id is None
+            and batch.in_progress_at
+            and batch.finalizing_at
+            and batch.completed_at
+        )
         out = jsonl(oai, batch.output_file_id)
-        assert [r["custom_id"] for r in out] == [line["custom_id"] for line in lines]  # input order, once each
+        assert [r["custom_id"] for r in out] == [
+            line["custom_id"] for line in lines
+        ]  # input order, once each
         served = oai.models.list().data[0].id
         for line, result in zip(lines, out, strict=True):
             assert result["error"] is None and result["response"]["status_code"] == 200
-            answer = create(model=served, **line["body"]).model_dump(exclude_unset=True)  # the endpoint, same greedy request
+            answer = create(model=served, **line["body"]).model_dump(
+                exclude_unset=True
+            )  # the endpoint, same greedy request
             assert _comparable(result["response"]["body"]) == _comparable(answer)
         # Each line ran as an ordinary job of the queue.
         job = httpx.get(f"{batch_cluster.url}/v1/jobs/{out[0]['response']['request_id']}").json()
@@ -165,13 +196,19 @@ def _text(body: dict[str, Any]) -> str:
     return str(choice["message"]["content"] if "message" in choice else choice["text"])
 
 
-def test_bad_lines_fail_with_the_endpoints_errors_and_the_rest_complete(oai: openai.OpenAI, batch_cluster: Cluster) -> None:
+def test_bad_lines_fail_with_the_endpoints_errors_and_the_rest_complete(
+    oai: openai.OpenAI, batch_cluster: Cluster
+) -> None:
     lines = [chat_line(i) for i in range(6)]
     lines[1]["body"]["n"] = 2  # refused by the endpoint: 400 unsupported_parameter
     del lines[4]["body"]["messages"]  # a missing field: the endpoint's 422
     batch = ended(oai, run_batch(oai, lines, "/v1/chat/completions"))
     assert batch.status == "completed"
-    assert (batch.request_counts.total, batch.request_counts.completed, batch.request_counts.failed) == (6, 4, 2)
+    assert (batch.request_counts.total, batch.request_counts.completed, batch.request_counts.failed) == (
+        6,
+        4,
+        2,
+    )
     errors = {r["custom_id"]: r for r in jsonl(oai, batch.error_file_id)}
     assert set(errors) == {"chat-1", "chat-4"}
     for cid in errors:
@@ -179,13 +216,22 @@ def test_bad_lines_fail_with_the_endpoints_errors_and_the_rest_complete(oai: ope
         endpoint = httpx.post(f"{batch_cluster.url}/v1/chat/completions", json=body, timeout=30)
         assert errors[cid]["response"]["status_code"] == endpoint.status_code
         assert errors[cid]["response"]["body"] == endpoint.json()
-    assert {r["custom_id"] for r in jsonl(oai, batch.output_file_id)} == {"chat-0", "chat-2", "chat-3", "chat-5"}
+    assert {r["custom_id"] for r in jsonl(oai, batch.output_file_id)} == {
+        "chat-0",
+        "chat-2",
+        "chat-3",
+        "chat-5",
+    }
 
 
 @pytest.mark.parametrize(
     ("content", "code", "line"),
     [
-        (b'{"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x"}}\nnot json\n', "invalid_json", 2),
+        (
+            b'{"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x"}}\nnot json\n',
+            "invalid_json",
+            2,
+        ),
         (
             (
                 b'{"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x"}}\n'
@@ -209,13 +255,17 @@ def test_an_input_that_is_not_request_lines_fails_the_batch_naming_the_line(
 def test_two_batches_share_the_workers(oai: openai.OpenAI) -> None:
     first = run_batch(oai, [completion_line(i, max_tokens=16) for i in range(36)], "/v1/completions")
     second = run_batch(oai, [completion_line(i, max_tokens=16) for i in range(36)], "/v1/completions")
-    wait_until(lambda: oai.batches.retrieve(second).request_counts.completed >= 6, "the second batch going", 120)
+    wait_until(
+        lambda: oai.batches.retrieve(second).request_counts.completed >= 6, "the second batch going", 120
+    )
     # Each has its own window in the queue: the second did not wait for the first to end.
     assert oai.batches.retrieve(first).request_counts.completed < 36
     assert ended(oai, first).status == ended(oai, second).status == "completed"
 
 
-def test_cancel_mid_run_keeps_what_finished_and_runs_nothing_after(oai: openai.OpenAI, batch_cluster: Cluster) -> None:
+def test_cancel_mid_run_keeps_what_finished_and_runs_nothing_after(
+    oai: openai.OpenAI, batch_cluster: Cluster
+) -> None:
     lines = [completion_line(i, max_tokens=48) for i in range(40)]
     batch_id = run_batch(oai, lines, "/v1/completions")
     wait_until(lambda: oai.batches.retrieve(batch_id).request_counts.completed >= 2, "two lines done", 120)
@@ -223,7 +273,9 @@ def test_cancel_mid_run_keeps_what_finished_and_runs_nothing_after(oai: openai.O
     batch = ended(oai, batch_id)
     assert batch.status == "cancelled" and batch.cancelled_at
     out, errors = jsonl(oai, batch.output_file_id), jsonl(oai, batch.error_file_id)
-    assert len(out) >= 2 and all(r["response"]["body"]["choices"][0]["finish_reason"] in ("length", "stop") for r in out)
+    assert len(out) >= 2 and all(
+        r["response"]["body"]["choices"][0]["finish_reason"] in ("length", "stop") for r in out
+    )
     assert sorted(r["custom_id"] for r in out + errors) == sorted(line["custom_id"] for line in lines)
     assert {r["error"]["code"] for r in errors} == {"batch_cancelled"}
     assert batch.request_counts.completed == len(out) and batch.request_counts.failed == len(errors)
@@ -234,7 +286,9 @@ def test_cancel_mid_run_keeps_what_finished_and_runs_nothing_after(oai: openai.O
     assert not r.zrange(keys.running_jobs(), 0, -1)
 
 
-def test_an_interactive_request_is_taken_before_the_batchs_queued_lines(oai: openai.OpenAI, batch_cluster: Cluster) -> None:
+def test_an_interactive_request_is_taken_before_the_batchs_queued_lines(
+    oai: openai.OpenAI, batch_cluster: Cluster
+) -> None:
     r = redis.Redis.from_url(REDIS_URL, decode_responses=True)
     keys = Keys(batch_cluster.prefix)
     idle = _ttft(oai)
@@ -250,7 +304,12 @@ def test_an_interactive_request_is_taken_before_the_batchs_queued_lines(oai: ope
     arrived, taken = float(chat["created_at"]), float(chat["started_at"])
     # The lines that waited in the queue when the request arrived (fed before it, taken after it;
     # a line popped from the queue as the request arrived is taken within a few ms of it).
-    waiting = [h for h in jobs if h.get("batch") == batch_id and float(h["created_at"]) < arrived < float(h.get("started_at") or "inf") - 0.05]
+    waiting = [
+        h
+        for h in jobs
+        if h.get("batch") == batch_id
+        and float(h["created_at"]) < arrived < float(h.get("started_at") or "inf") - 0.05
+    ]
     assert waiting
     assert all(float(h.get("started_at") or "inf") > taken for h in waiting)
 
@@ -266,7 +325,11 @@ def _created(jobs: list[dict[str, str]], batch_id: str) -> float:
 def _ttft(oai: openai.OpenAI) -> float:
     start = time.perf_counter()
     stream = oai.chat.completions.create(
-        messages=[{"role": "user", "content": "hello"}], max_tokens=4, temperature=0, stream=True, model=oai.models.list().data[0].id
+        messages=[{"role": "user", "content": "hello"}],
+        max_tokens=4,
+        temperature=0,
+        stream=True,
+        model=oai.models.list().data[0].id,
     )
     for chunk in stream:
         if chunk.choices and chunk.choices[0].delta.content:
@@ -291,7 +354,11 @@ def test_a_batch_survives_its_api_and_a_worker_killed_mid_run(
         with openai.OpenAI(base_url=f"{api.url}/v1", api_key="unused", max_retries=0) as first:
             lines = [completion_line(i, max_tokens=24) for i in range(30)]
             batch_id = run_batch(first, lines, "/v1/completions")
-            wait_until(lambda: first.batches.retrieve(batch_id).request_counts.completed >= 3, "three lines done", 120)
+            wait_until(
+                lambda: first.batches.retrieve(batch_id).request_counts.completed >= 3,
+                "three lines done",
+                120,
+            )
         _kill(api)
         worker2 = start_worker(prefix, tiny_model, log_dir, name="w2", max_batch_size=4, **crash)
         services.append(worker2)
@@ -308,26 +375,42 @@ def test_a_batch_survives_its_api_and_a_worker_killed_mid_run(
             # same answer as the endpoint's.
             served = second.models.list().data[0].id
             for line, result in zip(lines, out, strict=True):
-                answer = second.completions.create(model=served, **line["body"]).model_dump(exclude_unset=True)
+                answer = second.completions.create(model=served, **line["body"]).model_dump(
+                    exclude_unset=True
+                )
                 assert _comparable(result["response"]["body"]) == _comparable(answer)
     finally:
         for s in services:
             s.stop()
 
 
-def test_a_line_whose_message_was_lost_is_sent_again_and_lines_are_not_counted_as_queued_jobs(prefixes: Prefixes, tiny_model: Path, log_dir: Path) -> None:
+def test_a_line_whose_message_was_lost_is_sent_again_and_lines_are_not_counted_as_queued_jobs(
+    prefixes: Prefixes, tiny_model: Path, log_dir: Path
+) -> None:
     api = start_api(
-        prefixes.new(), log_dir, ready=False, heartbeat_s=0.5, heartbeat_ttl_s=2, lease_s=2, max_queued_jobs=2, **BATCH_SETTINGS
+        prefixes.new(),
+        log_dir,
+        ready=False,
+        heartbeat_s=0.5,
+        heartbeat_ttl_s=2,
+        lease_s=2,
+        max_queued_jobs=2,
+        **BATCH_SETTINGS,
     )
     keys, r = Keys(api.prefix), redis.Redis.from_url(REDIS_URL, decode_responses=True)
     queued_lines = keys.broker_list(keys.queue_llm, BATCH_PRIORITY)
     worker = None
     try:
         with openai.OpenAI(base_url=f"{api.url}/v1", api_key="unused", max_retries=0) as client:
-            batch_id = run_batch(client, [completion_line(i, max_tokens=4) for i in range(3)], "/v1/completions")
+            batch_id = run_batch(
+                client, [completion_line(i, max_tokens=4) for i in range(3)], "/v1/completions"
+            )
             wait_until(lambda: r.llen(queued_lines) == 3, "the lines queued", 30, (api,))
             # Three lines queued, SPOOL_MAX_QUEUED_JOBS 2: batch lines do not count against it.
-            assert httpx.post(f"{api.url}/v1/jobs", json={"prompt": "interactive", "max_tokens": 2}).status_code == 202
+            assert (
+                httpx.post(f"{api.url}/v1/jobs", json={"prompt": "interactive", "max_tokens": 2}).status_code
+                == 202
+            )
             r.delete(queued_lines)  # lost (no worker runs on this prefix yet)
             wait_until(lambda: r.llen(queued_lines) == 3, "the lines sent again", 30, (api,))
             worker = start_worker(api.prefix, tiny_model, log_dir, max_batch_size=4)

@@ -4,7 +4,6 @@ max_tokens. The API counts the tokens as the worker does (common/prompt_tokens.p
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -121,7 +120,10 @@ def test_a_tokenizer_the_api_cannot_mirror_is_not_published(tiny_model: Path) ->
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
     spec = checked_spec(tokenizer, prompt_of)
     assert spec is not None
-    wrong: Callable[[str], list[int]] = lambda text: [*tokenizer.encode(text), 0]
+
+    def wrong(text: str) -> list[int]:
+        return [*tokenizer.encode(text), 0]
+
     assert agrees(PromptCounter(spec), wrong, None) == "the prompt 'Hello, world!'"
 
 

@@ -16,7 +16,9 @@ def test_the_engine_loads_no_redis_celery_fastapi_or_common() -> None:
         "banned = ('redis', 'celery', 'kombu', 'fastapi', 'starlette', 'common')\n"
         "print(' '.join(sorted(m for m in sys.modules if m.split('.')[0] in banned)))\n"
     )
-    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
+    )
     assert result.stdout.strip() == ""
 
 

@@ -39,7 +39,9 @@ def model(oai: openai.OpenAI) -> str:
     return served.id
 
 
-def test_logit_bias_forces_a_token_and_logprobs_show_it(oai: openai.OpenAI, model: str, tokenizer: PreTrainedTokenizerBase) -> None:
+def test_logit_bias_forces_a_token_and_logprobs_show_it(
+    oai: openai.OpenAI, model: str, tokenizer: PreTrainedTokenizerBase
+) -> None:
     token = tokenizer.encode(" fox", add_special_tokens=False)[0]
     got = oai.completions.create(
         model=model, prompt=PROMPT, max_tokens=4, temperature=0, logit_bias={str(token): 100}, logprobs=2
@@ -52,7 +54,9 @@ def test_logit_bias_forces_a_token_and_logprobs_show_it(oai: openai.OpenAI, mode
     assert lp.text_offset == [i * len(lp.tokens[0]) for i in range(4)]
 
 
-def test_chat_logprobs_streamed_and_not(oai: openai.OpenAI, model: str, tiny_model: Path, tokenizer: PreTrainedTokenizerBase) -> None:
+def test_chat_logprobs_streamed_and_not(
+    oai: openai.OpenAI, model: str, tiny_model: Path, tokenizer: PreTrainedTokenizerBase
+) -> None:
     kwargs: dict[str, Any] = {"model": model, "messages": MESSAGES, "max_tokens": 8, "temperature": 0}
     whole = oai.chat.completions.create(**kwargs, logprobs=True, top_logprobs=3)
     [choice] = whole.choices
@@ -62,14 +66,21 @@ def test_chat_logprobs_streamed_and_not(oai: openai.OpenAI, model: str, tiny_mod
     for t in content:
         assert len(t.top_logprobs) == 3 and t.top_logprobs[0].token == t.token  # greedy: the top-1
         assert t.bytes == list(t.token.encode()) and t.logprob <= 0
-        assert [x.logprob for x in t.top_logprobs] == sorted((x.logprob for x in t.top_logprobs), reverse=True)
+        assert [x.logprob for x in t.top_logprobs] == sorted(
+            (x.logprob for x in t.top_logprobs), reverse=True
+        )
     chat = [{"role": "user", "content": "In the beginning"}]
     ids = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=False)
     want = greedy(tiny_model, tuple(ids), 8).token_ids
     assert [t.token for t in content] == [tokenizer.decode([i]) for i in want][: len(content)]
 
     streamed = list(oai.chat.completions.create(**kwargs, logprobs=True, top_logprobs=3, stream=True))
-    tokens = [t for c in streamed if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content or ()]
+    tokens = [
+        t
+        for c in streamed
+        if c.choices and c.choices[0].logprobs
+        for t in c.choices[0].logprobs.content or ()
+    ]
     assert [t.token for t in tokens] == [t.token for t in content]
     assert all(math.isclose(a.logprob, b.logprob, abs_tol=1e-5) for a, b in zip(tokens, content, strict=True))
 
@@ -79,15 +90,30 @@ def test_chat_logprobs_streamed_and_not(oai: openai.OpenAI, model: str, tiny_mod
 
 
 def test_a_resumed_stream_carries_the_logprobs(cluster: Cluster, client: httpx.Client) -> None:
-    body = {"messages": MESSAGES, "max_tokens": 10, "temperature": 0, "stream": True, "logprobs": True, "top_logprobs": 2}
+    body = {
+        "messages": MESSAGES,
+        "max_tokens": 10,
+        "temperature": 0,
+        "stream": True,
+        "logprobs": True,
+        "top_logprobs": 2,
+    }
     first = read_stream(client, "POST", f"{cluster.url}/v1/chat/completions", body=body, stop_after=2)
-    rest = read_stream(client, "GET", f"{cluster.url}/v1/jobs/{first.job_id}/events?format=openai", last_event_id=2)
-    tokens = [c.json()["choices"][0]["logprobs"]["content"] for c in rest.chunks if not c.done and c.json()["choices"]]
+    rest = read_stream(
+        client, "GET", f"{cluster.url}/v1/jobs/{first.job_id}/events?format=openai", last_event_id=2
+    )
+    tokens = [
+        c.json()["choices"][0]["logprobs"]["content"]
+        for c in rest.chunks
+        if not c.done and c.json()["choices"]
+    ]
     carried = [t for ts in tokens for t in ts]
     assert len(carried) == 8 and all(len(t["top_logprobs"]) == 2 for t in carried)
 
 
-def test_penalties_and_min_tokens_are_served(oai: openai.OpenAI, model: str, tokenizer: PreTrainedTokenizerBase) -> None:
+def test_penalties_and_min_tokens_are_served(
+    oai: openai.OpenAI, model: str, tokenizer: PreTrainedTokenizerBase
+) -> None:
     plain = oai.completions.create(model=model, prompt=PROMPT, max_tokens=6, temperature=0)
     penalized = oai.completions.create(
         model=model,
@@ -141,33 +167,56 @@ class Pet(BaseModel):
 def test_parse_with_a_pydantic_model(oai: openai.OpenAI, model: str) -> None:
     for temperature in (0.0, 1.0):
         got = oai.chat.completions.parse(
-            model=model, messages=MESSAGES, max_tokens=120, temperature=temperature, seed=5, response_format=Pet
+            model=model,
+            messages=MESSAGES,
+            max_tokens=120,
+            temperature=temperature,
+            seed=5,
+            response_format=Pet,
         )
         [choice] = got.choices
         assert choice.finish_reason == "stop"
         assert isinstance(choice.message.parsed, Pet), choice.message.content
 
 
-def test_json_object_on_completions_and_jobs(oai: openai.OpenAI, model: str, cluster: Cluster, client: httpx.Client) -> None:
+def test_json_object_on_completions_and_jobs(
+    oai: openai.OpenAI, model: str, cluster: Cluster, client: httpx.Client
+) -> None:
     schema = Pet.model_json_schema()
     fmt = {"type": "json_schema", "json_schema": {"name": "pet", "schema": schema}}
-    got = oai.completions.create(model=model, prompt=PROMPT, max_tokens=120, temperature=0, extra_body={"response_format": fmt})
+    got = oai.completions.create(
+        model=model, prompt=PROMPT, max_tokens=120, temperature=0, extra_body={"response_format": fmt}
+    )
     Pet.model_validate_json(got.choices[0].text)
     job = client.post(
-        f"{cluster.url}/v1/jobs", json={"prompt": PROMPT, "max_tokens": 120, "temperature": 0, "response_format": fmt, "background": False}
+        f"{cluster.url}/v1/jobs",
+        json={
+            "prompt": PROMPT,
+            "max_tokens": 120,
+            "temperature": 0,
+            "response_format": fmt,
+            "background": False,
+        },
     ).json()
     assert job["status"] == "succeeded" and job["text"] == got.choices[0].text
 
 
 def test_an_invalid_schema_is_a_400_saying_what_is_wrong(oai: openai.OpenAI, model: str) -> None:
-    fmt: Any = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": {"a": {"type": "integer2"}}}}}
+    fmt: Any = {
+        "type": "json_schema",
+        "json_schema": {"name": "x", "schema": {"type": "object", "properties": {"a": {"type": "integer2"}}}},
+    }
     with pytest.raises(openai.BadRequestError, match="properties/a/type") as e:
         oai.chat.completions.create(model=model, messages=MESSAGES, max_tokens=4, response_format=fmt)
     assert isinstance(e.value.body, dict) and e.value.body["param"] == "response_format.json_schema.schema"
     with pytest.raises(openai.BadRequestError, match="json_schema is required"):
-        oai.chat.completions.create(model=model, messages=MESSAGES, max_tokens=4, response_format={"type": "json_schema"})  # type: ignore[typeddict-item]
+        oai.chat.completions.create(
+            model=model, messages=MESSAGES, max_tokens=4, response_format={"type": "json_schema"}
+        )  # type: ignore[typeddict-item]
     # A valid schema the grammar compiler cannot use: the worker says so, the job fails, a 400.
     fmt["json_schema"]["schema"] = {"$ref": "#/$defs/missing"}
-    with pytest.raises(openai.BadRequestError, match="response_format: the JSON schema cannot be used: .*missing") as e:
+    with pytest.raises(
+        openai.BadRequestError, match="response_format: the JSON schema cannot be used: .*missing"
+    ) as e:
         oai.chat.completions.create(model=model, messages=MESSAGES, max_tokens=4, response_format=fmt)
     assert e.value.code == "invalid_request"

@@ -8,7 +8,16 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from common.redis_errors import TRANSIENT, WRITE_REFUSED
-from common.schemas import DoneEvent, ErrorEvent, JobError, JobStatus, LogEntry, TokenLogprob, TopLogprob, Usage
+from common.schemas import (
+    DoneEvent,
+    ErrorEvent,
+    JobError,
+    JobStatus,
+    LogEntry,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+)
 from common.store import Append, Appended, Final, SyncJobStore, token_entry
 from workers.engine import Delta, FinishReason
 from workers.engine.types import Logprob, TokenLogprobs

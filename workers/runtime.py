@@ -378,7 +378,9 @@ class EngineRuntime:
             self._pending.append(end_delta(job, FinishReason.ERROR))
             return
         if job.grammar_error is not None:
-            job.cursor.error = JobError(message=f"response_format: {job.grammar_error}", type="invalid_request")
+            job.cursor.error = JobError(
+                message=f"response_format: {job.grammar_error}", type="invalid_request"
+            )
             self._pending.append(end_delta(job, FinishReason.ERROR))
             return
         if len(job.resume_token_ids) >= job.request.max_tokens:  # an earlier attempt generated them all

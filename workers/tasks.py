@@ -30,7 +30,9 @@ _runtime: EngineRuntime | None = None
 
 def requeue(job_id: str) -> None:
     """Send a job's message again (the runtime's sweep found it orphaned: workers/reaper.py)."""
-    app.send_task(GENERATE_TASK, args=[job_id], queue=get_settings().keys.queue_llm, priority=REQUEUE_PRIORITY)
+    app.send_task(
+        GENERATE_TASK, args=[job_id], queue=get_settings().keys.queue_llm, priority=REQUEUE_PRIORITY
+    )
 
 
 def claim(name: str) -> None:

@@ -78,7 +78,9 @@ class View:
         return {
             **self._head("chat.completion" if self.chat else "text_completion"),
             "system_fingerprint": None,
-            "choices": [{"index": 0, **choice, "logprobs": self._logprobs(log), "finish_reason": job.finish_reason}],
+            "choices": [
+                {"index": 0, **choice, "logprobs": self._logprobs(log), "finish_reason": job.finish_reason}
+            ],
             "usage": job.usage.model_dump(),
         }
 
@@ -89,7 +91,9 @@ class View:
         sid = str(entry.seq)
         if entry.type == "token":
             # The first token entry opens the assistant's turn, as OpenAI's first chunk does.
-            chunk = self._chunk(sid, entry.data["text"], None, first=entry.data["index"] == 0, logprobs=[entry])
+            chunk = self._chunk(
+                sid, entry.data["text"], None, first=entry.data["index"] == 0, logprobs=[entry]
+            )
             return [chunk]
         if entry.type == "error":
             err = failure(JobError.model_validate(entry.data), self.prompt_param)
@@ -119,7 +123,9 @@ class View:
             choice = {"text": text}
         body = {
             **self._chunk_head(),
-            "choices": [{"index": 0, **choice, "logprobs": self._logprobs(logprobs), "finish_reason": finish_reason}],
+            "choices": [
+                {"index": 0, **choice, "logprobs": self._logprobs(logprobs), "finish_reason": finish_reason}
+            ],
         }
         if self.include_usage:
             body["usage"] = None  # only the last chunk carries it
@@ -129,9 +135,19 @@ class View:
         """OpenAI's logprobs object for the tokens of ``entries`` (None unless asked for)."""
         if not self.logprobs:
             return None
-        tokens = [TokenLogprob.model_validate(t) for e in entries if e.type == "token" for t in e.data.get("logprobs", ())]
+        tokens = [
+            TokenLogprob.model_validate(t)
+            for e in entries
+            if e.type == "token"
+            for t in e.data.get("logprobs", ())
+        ]
         if self.chat:
-            return {"content": [{**_chat_logprob(t), "top_logprobs": [_chat_logprob(x) for x in t.top]} for t in tokens], "refusal": None}
+            return {
+                "content": [
+                    {**_chat_logprob(t), "top_logprobs": [_chat_logprob(x) for x in t.top]} for t in tokens
+                ],
+                "refusal": None,
+            }
         offsets = list(itertools.accumulate((len(t.token) for t in tokens), initial=0))[:-1]
         return {
             "tokens": [t.token for t in tokens],

@@ -121,7 +121,9 @@ class OpenAIRequest(_Open):
             _refuse_extras(self.stream_options.model_extra, "stream_options.")
             include_usage = bool(self.stream_options.include_usage)
         tokens_name, max_tokens = self.max_tokens_field()
-        if self.min_tokens is not None and self.min_tokens > (limit := max_tokens or settings.default_max_tokens):
+        if self.min_tokens is not None and self.min_tokens > (
+            limit := max_tokens or settings.default_max_tokens
+        ):
             # JobRequest checks it too, as a whole-body error: here it gets its param.
             raise ApiError(
                 400,
@@ -165,7 +167,9 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
 
 def _at_most(name: str, value: int | None, limit: int) -> int | None:
     if value is not None and not 0 <= value <= limit:
-        raise ApiError(400, f"{name} is {value}; it must be between 0 and {limit}", param=name, code="out_of_range")
+        raise ApiError(
+            400, f"{name} is {value}; it must be between 0 and {limit}", param=name, code="out_of_range"
+        )
     return value
 
 

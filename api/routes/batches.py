@@ -43,15 +43,21 @@ def new_batch_id() -> str:
 @router.post("")
 async def create_batch(body: BatchRequest, services: ServicesDep) -> dict[str, Any]:
     if body.endpoint not in ENDPOINTS:
-        raise ApiError(400, f"endpoint must be one of {', '.join(ENDPOINTS)}", param="endpoint", code="invalid_endpoint")
+        raise ApiError(
+            400, f"endpoint must be one of {', '.join(ENDPOINTS)}", param="endpoint", code="invalid_endpoint"
+        )
     window_s = COMPLETION_WINDOWS.get(body.completion_window)
     if window_s is None:
         raise ApiError(
-            400, f"completion_window must be one of {', '.join(COMPLETION_WINDOWS)}", param="completion_window"
+            400,
+            f"completion_window must be one of {', '.join(COMPLETION_WINDOWS)}",
+            param="completion_window",
         )
     f = await owned_file(services.batches, body.input_file_id)
     if f["purpose"] != "batch":
-        raise ApiError(400, f"file {f['id']!r} has purpose {f['purpose']!r}, not 'batch'", param="input_file_id")
+        raise ApiError(
+            400, f"file {f['id']!r} has purpose {f['purpose']!r}, not 'batch'", param="input_file_id"
+        )
     now = time.time()
     fields = {
         "id": new_batch_id(),
@@ -73,7 +79,12 @@ async def create_batch(body: BatchRequest, services: ServicesDep) -> dict[str, A
 async def _owned(store: AsyncBatchStore, batch_id: str) -> dict[str, str]:
     h = await store.get_batch(batch_id)
     if h is None or h.get("owner", "") != current_owner():
-        raise ApiError(404, f"No batch with id {batch_id!r} (unknown, or expired)", param="batch_id", code="batch_not_found")
+        raise ApiError(
+            404,
+            f"No batch with id {batch_id!r} (unknown, or expired)",
+            param="batch_id",
+            code="batch_not_found",
+        )
     return h
 
 
@@ -101,5 +112,10 @@ async def cancel_batch(batch_id: BatchId, services: ServicesDep) -> dict[str, An
     await _owned(store, batch_id)
     was = await store.end_batch(batch_id, "cancelled")
     if was not in ("validating", "in_progress", "cancelling", "cancelled"):
-        raise ApiError(409, f"batch {batch_id!r} is {was}: it can no longer be cancelled", param="batch_id", code="conflict")
+        raise ApiError(
+            409,
+            f"batch {batch_id!r} is {was}: it can no longer be cancelled",
+            param="batch_id",
+            code="conflict",
+        )
     return batch_object(await _owned(store, batch_id))

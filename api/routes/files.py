@@ -39,12 +39,16 @@ async def create_file(request: Request, services: ServicesDep) -> dict[str, Any]
     settings, store = services.settings, services.batches
     file_id = new_file_id()
     try:
-        upload = await receive_upload(request.headers.get("content-type", ""), request.stream(), file_id, store, settings)
+        upload = await receive_upload(
+            request.headers.get("content-type", ""), request.stream(), file_id, store, settings
+        )
         if upload.filename is None:
             raise ApiError(400, "The form has no file part named 'file'", param="file", code="missing_file")
         purpose = upload.fields.get("purpose")
         if purpose not in PURPOSES:
-            raise ApiError(400, f"purpose must be one of {', '.join(PURPOSES)}, not {purpose!r}", param="purpose")
+            raise ApiError(
+                400, f"purpose must be one of {', '.join(PURPOSES)}, not {purpose!r}", param="purpose"
+            )
     except MultipartParseError as e:
         await store.abort_upload(file_id)
         raise ApiError(400, f"The multipart form is malformed: {e}", code="invalid_multipart") from None

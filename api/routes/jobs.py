@@ -142,7 +142,9 @@ async def job_events(
     ``?format=openai``: the same ids, as OpenAI stream chunks ending with ``data: [DONE]``.
     """
     render = to_sse_list if format == "spool" else (await _openai_view(services, job)).render
-    return event_stream(relay(services.store, inbox, job.job_id, cursor, services.settings.sse_ping_s, render))
+    return event_stream(
+        relay(services.store, inbox, job.job_id, cursor, services.settings.sse_ping_s, render)
+    )
 
 
 async def _openai_view(services: Services, job: StreamState) -> View:

@@ -118,7 +118,9 @@ class AsyncBatchStore:
 
     async def read_lines(self, file_id: str, start: int, count: int) -> list[str]:
         """Lines ``start`` to ``start + count - 1`` of the file (fewer past its end)."""
-        return [str(x) for x in await self.redis.lrange(self.keys.file_lines(file_id), start, start + count - 1)]
+        return [
+            str(x) for x in await self.redis.lrange(self.keys.file_lines(file_id), start, start + count - 1)
+        ]
 
     async def delete_file(self, file_id: str) -> bool:
         async with self.redis.pipeline(transaction=True) as pipe:
@@ -175,7 +177,9 @@ class AsyncBatchStore:
     ) -> str:
         keys = [self.keys.batch(batch_id), self.keys.active_batches()]
         args = [batch_id, "ok" if ok else "failed", repr(time.time()), line_count, total]
-        return str(await self._scripts["validated"](keys, [*args, json.dumps({"object": "list", "data": errors})]))
+        return str(
+            await self._scripts["validated"](keys, [*args, json.dumps({"object": "list", "data": errors})])
+        )
 
     async def window(self, batch_id: str) -> dict[str, tuple[int, str]]:
         """The batch's jobs queued or running: job id -> (line index, custom_id)."""
@@ -201,7 +205,13 @@ class AsyncBatchStore:
 
         Returns 1 (fed), 0 (another feeder fed them first) or -1 (the batch is not running)."""
         k, now = self.keys, time.time()
-        keys = [k.batch(batch_id), k.batch_window(batch_id), k.batch_results(batch_id), broker_list, k.owner_jobs(owner)]
+        keys = [
+            k.batch(batch_id),
+            k.batch_window(batch_id),
+            k.batch_results(batch_id),
+            broker_list,
+            k.owner_jobs(owner),
+        ]
         index = [owner_index_age_s(self.settings), OWNER_INDEX_MAX]
         args: list[Any] = [str(lines[0]), str(lines[1]), len(jobs), len(rejected), repr(now), *index]
         for j in jobs:
@@ -219,7 +229,9 @@ class AsyncBatchStore:
     async def resend(self, job_id: str, message: QueueMessage, min_gap_s: float) -> bool:
         """Push a queued line's message again if it has waited ``min_gap_s`` since it was sent."""
         keys = [self.keys.job(job_id), message.list_key]
-        return bool(await self._scripts["resend"](keys, [repr(time.time()), repr(min_gap_s), message.payload]))
+        return bool(
+            await self._scripts["resend"](keys, [repr(time.time()), repr(min_gap_s), message.payload])
+        )
 
     async def record(self, batch_id: str, results: Sequence[LineResult]) -> None:
         """Set each line's result once and count it; its job leaves the window."""
@@ -229,7 +241,9 @@ class AsyncBatchStore:
         args: list[Any] = []
         for r in results:
             args += [r.job_id, r.line, r.kind, json.dumps([r.kind, r.result])]
-        await self._scripts["record"]([k.batch(batch_id), k.batch_window(batch_id), k.batch_results(batch_id)], args)
+        await self._scripts["record"](
+            [k.batch(batch_id), k.batch_window(batch_id), k.batch_results(batch_id)], args
+        )
 
     async def results(self, batch_id: str, lines: Sequence[int]) -> list[LineResult | None]:
         """The recorded results of these lines (None: a blank line, or none yet)."""
@@ -241,10 +255,18 @@ class AsyncBatchStore:
     async def finalizing(self, batch_id: str) -> bool:
         return bool(await self._scripts["finalizing"]([self.keys.batch(batch_id)], [repr(time.time())]))
 
-    async def finish(self, batch_id: str, output_file_id: str, error_file_id: str, completed: int, failed: int) -> str:
+    async def finish(
+        self, batch_id: str, output_file_id: str, error_file_id: str, completed: int, failed: int
+    ) -> str:
         k = self.keys
         keys = [k.batch(batch_id), k.active_batches(), k.batch_window(batch_id), k.batch_results(batch_id)]
         args: list[str | int] = [
-            batch_id, repr(time.time()), self.settings.file_ttl_s, output_file_id, error_file_id, completed, failed
+            batch_id,
+            repr(time.time()),
+            self.settings.file_ttl_s,
+            output_file_id,
+            error_file_id,
+            completed,
+            failed,
         ]
         return str(await self._scripts["finish"](keys, args))

@@ -155,7 +155,9 @@ end
 # ARGV: job id, now, ttl, the done entry (seq 1: a queued job's log is empty).
 # A job with parts: each queued part is cancelled at once (its part event), each running one is
 # told (as a running job is); the job ends once its last part has.
-CANCEL_LUA = PARTS_LIB + """
+CANCEL_LUA = (
+    PARTS_LIB
+    + """
 local status = redis.call('HGET', KEYS[1], 'status')
 if not status then return 'missing' end
 if redis.call('HEXISTS', KEYS[1], 'parts') == 1 then
@@ -195,6 +197,7 @@ if status == 'running' then
 end
 return status
 """
+)
 
 
 # KEYS: running zset, job hash, job hash, ... ARGV: lease deadline, job id, attempt, job id, attempt, ...
@@ -438,7 +441,9 @@ return 1
 # ARGV: part id, worker, model, now, lease deadline, part index.
 # TAKE_LUA for a part: the same lease rule; the job runs from its first part's start; a part
 # event says who runs it (attempt). Returns the job's log: the worker keeps the part's own events.
-PART_TAKE_LUA = PARTS_LIB + """
+PART_TAKE_LUA = (
+    PARTS_LIB
+    + """
 local status = redis.call('HGET', KEYS[1], 'status')
 if not status then return {'missing'} end
 if status == 'running' then
@@ -458,6 +463,7 @@ end
 part_event(KEYS[2], KEYS[6], '{"part":' .. ARGV[6] .. ',"status":"running","attempt":' .. attempt .. '}')
 return {'taken', tostring(attempt), redis.call('HGETALL', KEYS[1]), redis.call('LRANGE', KEYS[2], 0, -1)}
 """
+)
 
 # KEYS: part hash, job log, job channel, running zset, part text, job hash, job text, part content.
 # ARGV: attempt, first seq (the part's own count of events), prompt tokens, completion tokens,
@@ -468,7 +474,9 @@ return {'taken', tostring(attempt), redis.call('HGETALL', KEYS[1]), redis.call('
 # (``logged``); each entry gets the job log's next seq. The part's last append stores its
 # summary and content, starts or fails the parts that take their prompt from it, and ends the
 # job when no part is left.
-PART_APPEND_LUA = PARTS_LIB + """
+PART_APPEND_LUA = (
+    PARTS_LIB
+    + """
 if redis.call('HGET', KEYS[1], 'attempt') ~= ARGV[1] then return 0 end
 local n = #ARGV - 14
 local logged = tonumber(redis.call('HGET', KEYS[1], 'logged') or '0')
@@ -514,3 +522,4 @@ end
 finish_job(KEYS[6], KEYS[2], KEYS[3], KEYS[7], ARGV[7], ARGV[9])
 return 1
 """
+)

@@ -169,7 +169,10 @@ def create_call(
         idem_ttl = settings.job_ttl_s
     payload = message.payload if message else ""
     index = [owner_index_age_s(settings), OWNER_INDEX_MAX]
-    return fields, (script_keys, [settings.max_queued_jobs, job_id, repr(now), payload, idem_ttl, *index, *flat])
+    return fields, (
+        script_keys,
+        [settings.max_queued_jobs, job_id, repr(now), payload, idem_ttl, *index, *flat],
+    )
 
 
 OWNER_INDEX_MAX = 10_000  # newest jobs an owner's index (GET /v1/jobs) keeps
@@ -197,9 +200,7 @@ def create_parts_call(
     fields = new_job_fields(job_id, request, owner, now)
     ids = [part_id(job_id, k) for k in range(len(request.parts))]
     fields["parts"] = str(len(ids))
-    fields["part_keys"] = json.dumps(
-        [[keys.job(i), keys.job_text(i), keys.part_content(i)] for i in ids]
-    )
+    fields["part_keys"] = json.dumps([[keys.job(i), keys.job_text(i), keys.part_content(i)] for i in ids])
     dependents: dict[int, list[int]] = {}
     for k, part in enumerate(request.parts):
         if isinstance(part, ImagePart) and part.prompt_from is not None:
@@ -233,7 +234,15 @@ def create_parts_call(
         script_keys.append(keys.idempotency(owner, idempotency_key))
         idem_ttl = settings.job_ttl_s
     index = [owner_index_age_s(settings), OWNER_INDEX_MAX]
-    args = [settings.max_queued_jobs, job_id, repr(now), idem_ttl, json.dumps(fields), json.dumps(parts), *index]
+    args = [
+        settings.max_queued_jobs,
+        job_id,
+        repr(now),
+        idem_ttl,
+        json.dumps(fields),
+        json.dumps(parts),
+        *index,
+    ]
     return fields, (script_keys, args)
 
 
@@ -344,7 +353,9 @@ def with_parts(record: JobRecord, hashes: Sequence[dict[str, str]], texts: Seque
     usages = [p["usage"] for p in parts if "usage" in p]
     usage = Usage.of(sum(u["prompt_tokens"] for u in usages), sum(u["completion_tokens"] for u in usages))
     job = record.job.model_copy(update={"parts": parts, "usage": usage})
-    return JobRecord(job, record.request, record.owner, record.attempt, record.worker, record.cancel_requested)
+    return JobRecord(
+        job, record.request, record.owner, record.attempt, record.worker, record.cancel_requested
+    )
 
 
 def take_args(keys: Keys, job_id: str, worker: str, model: str, now: float, lease_s: float) -> ScriptCall:
@@ -552,4 +563,6 @@ def heartbeats_from(values: Iterable[str | bytes | None]) -> list[WorkerHeartbea
 def token_entry(
     seq: int, index: int, text: str, token_ids: Sequence[int], logprobs: list[TokenLogprob] | None = None
 ) -> LogEntry:
-    return LogEntry.token(seq, TokenEvent(index=index, text=text, token_ids=list(token_ids), logprobs=logprobs))
+    return LogEntry.token(
+        seq, TokenEvent(index=index, text=text, token_ids=list(token_ids), logprobs=logprobs)
+    )

@@ -19,7 +19,9 @@ class EarlyTimersLoop(asyncio.SelectorEventLoop):
     milliseconds, so on a loaded machine a timer may fire a few milliseconds before its time.
     Here they fire halfway, so that an early check is seen whatever Redis's round trip."""
 
-    def call_later(self, delay: float, callback: Callable[..., Any], *args: Any, **kw: Any) -> asyncio.TimerHandle:
+    def call_later(
+        self, delay: float, callback: Callable[..., Any], *args: Any, **kw: Any
+    ) -> asyncio.TimerHandle:
         return super().call_later(delay / 2, callback, *args, **kw)
 
 

@@ -42,9 +42,7 @@ def queued_messages(client: redis.Redis, prefix: str) -> list[tuple[str, list[ob
     return found
 
 
-def test_a_burst_of_submits_sends_one_message_per_job(
-    api_alone: Service, prefixes: Prefixes
-) -> None:
+def test_a_burst_of_submits_sends_one_message_per_job(api_alone: Service, prefixes: Prefixes) -> None:
     async def burst() -> list[httpx.Response]:
         async with httpx.AsyncClient(timeout=30) as client:
             posts = [

@@ -11,7 +11,9 @@ from common.settings import Settings
 from common.store import AsyncJobStore, SyncJobStore
 
 
-def test_served_models_are_kept_while_a_worker_lives_and_never_while_none_does(prefixes, redis_url: str) -> None:  # type: ignore[no-untyped-def]
+def test_served_models_are_kept_while_a_worker_lives_and_never_while_none_does(
+    prefixes, redis_url: str
+) -> None:  # type: ignore[no-untyped-def]
     settings = Settings(redis_url=redis_url, redis_prefix=prefixes.new())
     store = SyncJobStore.from_settings(settings)
     beat = WorkerHeartbeat(name="w1", ts=time.time(), engine={}, model="tiny")

@@ -98,7 +98,10 @@ def test_a_job_and_its_message_are_stored_together(store: StoreForTests, setting
     def message_for(job_id: str) -> QueueMessage:
         return QueueMessage(queue, f"message of {job_id}")
 
-    jobs = [store.create_job(JobRequest(prompt="x"), message_for=message_for) for _ in range(settings.max_queued_jobs)]
+    jobs = [
+        store.create_job(JobRequest(prompt="x"), message_for=message_for)
+        for _ in range(settings.max_queued_jobs)
+    ]
     with pytest.raises(QueueFull):
         store.create_job(JobRequest(prompt="x"), message_for=message_for)
     # One message per stored job, in order; none for the refused one.
@@ -121,7 +124,9 @@ def test_an_idempotency_key_creates_one_job(store: StoreForTests, settings: Sett
     ttl = store.redis.ttl(store.keys.idempotency("alice", "k-1"))
     assert 0 < ttl <= settings.job_ttl_s
     with pytest.raises(IdempotencyConflict):  # the same key for another request
-        store.create_job(JobRequest(prompt="twice", max_tokens=3), "alice", message_for, idempotency_key="k-1")
+        store.create_job(
+            JobRequest(prompt="twice", max_tokens=3), "alice", message_for, idempotency_key="k-1"
+        )
     with pytest.raises(QueueFull):  # another owner's key of the same text is another key
         store.create_job(request, "bob", message_for, idempotency_key="k-1")
 
@@ -162,7 +167,9 @@ def test_failed_job_stores_its_error(store: StoreForTests) -> None:
     attempt = store.take_job(job.id, "w1", "tiny").attempt
     err = ErrorEvent(message="too long", type="request_too_long")
     final = Final(JobStatus.FAILED, "error", JobError(message="too long", type="request_too_long"))
-    assert store.append_batch([Append(job.id, attempt, [LogEntry.error(1, err)], 0, 0, final)]) == [Appended.WRITTEN]
+    assert store.append_batch([Append(job.id, attempt, [LogEntry.error(1, err)], 0, 0, final)]) == [
+        Appended.WRITTEN
+    ]
     got = store.get_job(job.id)
     assert got.status is JobStatus.FAILED and got.error == JobError(
         message="too long", type="request_too_long"
@@ -174,7 +181,9 @@ def test_appends_are_fenced_and_idempotent(store: StoreForTests) -> None:
     store.take_job(job.id, "w1", "tiny")
     first = run_job(store, ["a", "b"], 1, job.id)
     assert store.append_batch([first]) == [Appended.WRITTEN]
-    assert store.append_batch([first]) == [Appended.WRITTEN]  # a retry after a dropped connection: no duplicate
+    assert store.append_batch([first]) == [
+        Appended.WRITTEN
+    ]  # a retry after a dropped connection: no duplicate
     assert store.redis.llen(store.keys.job_log(job.id)) == 2
     gap = run_job(store, ["z"], 1, job.id, first_seq=5)
     stale = run_job(store, ["x"], 0, job.id, first_seq=3)  # a worker that lost the job

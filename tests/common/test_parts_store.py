@@ -35,8 +35,13 @@ def run(settings: Settings, op: Any) -> Any:
 
 def create(settings: Settings, parts: list[dict[str, Any]]) -> Job:
     request = JobRequest.accept({"parts": parts}, settings)
-    llm = lambda i: QueueMessage(settings.keys.queue_llm, f"text {i}")
-    media = lambda i: QueueMessage(settings.keys.queue_media, f"image {i}")
+
+    def llm(i):
+        return QueueMessage(settings.keys.queue_llm, f"text {i}")
+
+    def media(i):
+        return QueueMessage(settings.keys.queue_media, f"image {i}")
+
     job: Job = run(settings, lambda s: s.create_job(request, "", llm, None, media))
     return job
 

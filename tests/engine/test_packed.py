@@ -44,14 +44,33 @@ def test_a_step_with_decode_rows_and_prefill_chunks_runs_one_forward(make_engine
 # Tensor methods and functions that read device data back to the host (a sync on a GPU).
 HOST_READS = {
     *("tolist", "item", "cpu", "numpy", "nonzero", "any", "all", "equal", "unique", "masked_select"),
-    *("__contains__", "__bool__", "__int__", "__float__", "__index__", "__iter__", "__len__", "__format__", "__repr__"),
+    *(
+        "__contains__",
+        "__bool__",
+        "__int__",
+        "__float__",
+        "__index__",
+        "__iter__",
+        "__len__",
+        "__format__",
+        "__repr__",
+    ),
 }
 
 
 # ATen ops that read device data (or wait for it to size their output): what the Python-level
 # count misses when a composite op (``Tensor.__contains__``, boolean indexing, ...) calls them.
 # (Under inference_mode ``.item()`` reaches the mode as ``item``, not ``_local_scalar_dense``.)
-SYNCING_ATEN_OPS = {"item", "_local_scalar_dense", "is_nonzero", "equal", "nonzero", "masked_select", "_unique2", "unique_dim"}
+SYNCING_ATEN_OPS = {
+    "item",
+    "_local_scalar_dense",
+    "is_nonzero",
+    "equal",
+    "nonzero",
+    "masked_select",
+    "_unique2",
+    "unique_dim",
+}
 
 
 class CountSyncingOps(TorchDispatchMode):
@@ -80,7 +99,9 @@ def engine_mid_run(make_engine, model_dir: Path) -> Engine:  # type: ignore[no-u
     """An engine whose next step decodes two rows (greedy, top-p) and prefills a chunk of a third
     (top-k): the step the tests below watch."""
     engine: Engine = make_engine(model=str(model_dir), prefill_chunk_size=8, max_prefill_tokens_per_step=16)
-    engine.add_request("greedy", "the quick brown fox jumps over", SamplingParams(max_tokens=8, temperature=0))
+    engine.add_request(
+        "greedy", "the quick brown fox jumps over", SamplingParams(max_tokens=8, temperature=0)
+    )
     engine.add_request("top-p", "hello", SamplingParams(max_tokens=8, temperature=0.8, top_p=0.9, seed=1))
     engine.step()
     engine.add_request("top-k", "rivers run to the sea " * 4, SamplingParams(max_tokens=4, top_k=5))

@@ -11,7 +11,39 @@ from greedy import greedy
 from workers.engine import SamplingParams
 from workers.engine.tiny import ARCHITECTURES
 
-WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while", "바람이", "분다", "and", "rivers", "run", "to", "the", "sea", "under", "하늘", "of", "stars", "we", "wander", "through", "old", "forests", "singing", "songs", "of", "time"]
+WORDS = [
+    "the",
+    "quick",
+    "brown",
+    "fox",
+    "jumps",
+    "over",
+    "a",
+    "lazy",
+    "dog",
+    "while",
+    "바람이",
+    "분다",
+    "and",
+    "rivers",
+    "run",
+    "to",
+    "the",
+    "sea",
+    "under",
+    "하늘",
+    "of",
+    "stars",
+    "we",
+    "wander",
+    "through",
+    "old",
+    "forests",
+    "singing",
+    "songs",
+    "of",
+    "time",
+]
 
 
 def make_prompts(n: int, seed: int = 0) -> list[str]:
@@ -21,7 +53,9 @@ def make_prompts(n: int, seed: int = 0) -> list[str]:
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
-def test_greedy_parity_with_continuous_batching(arch: str, tiny_model_dirs: dict[str, Path], make_engine) -> None:  # type: ignore[no-untyped-def]
+def test_greedy_parity_with_continuous_batching(
+    arch: str, tiny_model_dirs: dict[str, Path], make_engine
+) -> None:  # type: ignore[no-untyped-def]
     model_dir = tiny_model_dirs[arch]
     engine = make_engine(model=str(model_dir), prefill_chunk_size=16, max_prefill_tokens_per_step=32)
     prompts = make_prompts(18, seed=len(arch))

@@ -21,7 +21,9 @@ from workers.engine.detokenizer import IncrementalDetokenizer
 from workers.engine.processors import LogitsProcessors
 from workers.engine.request import Request
 
-WORDS = "the quick brown fox jumps over a lazy dog while 바람이 분다 and rivers run to the sea under 하늘".split()
+WORDS = (
+    "the quick brown fox jumps over a lazy dog while 바람이 분다 and rivers run to the sea under 하늘".split()
+)
 
 
 def make_prompts(n: int) -> list[str]:
@@ -29,7 +31,9 @@ def make_prompts(n: int) -> list[str]:
     return [" ".join(WORDS[(i * 7 + j) % len(WORDS)] for j in range(1 + (i * 11) % 40)) for i in range(n)]
 
 
-def openai_penalties(logits: torch.Tensor, generated: list[int], frequency: float, presence: float) -> torch.Tensor:
+def openai_penalties(
+    logits: torch.Tensor, generated: list[int], frequency: float, presence: float
+) -> torch.Tensor:
     """OpenAI's documented formula: mu[j] - c[j] * alpha_frequency - float(c[j] > 0) * alpha_presence."""
     out = logits.clone()
     for token, count in Counter(generated).items():
@@ -50,12 +54,16 @@ def reference(model_dir: Path, prompt: str, params: SamplingParams) -> list[int]
             logits[0, token] += bias
         if params.repetition_penalty != 1:
             logits = rep(torch.tensor([ids]), logits)
-        logits = openai_penalties(logits[0], ids[prompt_len:], params.frequency_penalty, params.presence_penalty)
+        logits = openai_penalties(
+            logits[0], ids[prompt_len:], params.frequency_penalty, params.presence_penalty
+        )
         ids.append(int(logits.argmax()))
     return ids[prompt_len:]
 
 
-def fake_request(rid: str, prompt: list[int], output: list[int], params: SamplingParams, tokenizer) -> Request:  # type: ignore[no-untyped-def]
+def fake_request(
+    rid: str, prompt: list[int], output: list[int], params: SamplingParams, tokenizer
+) -> Request:  # type: ignore[no-untyped-def]
     return Request(rid, prompt, params, IncrementalDetokenizer(tokenizer), output_token_ids=list(output))
 
 
@@ -70,7 +78,13 @@ def test_penalties_on_the_same_logits_match_the_references(make_engine) -> None:
         SamplingParams(repetition_penalty=0.6, frequency_penalty=-1.2, presence_penalty=2.0),
     ]
     requests = [
-        fake_request(str(i), torch.randint(vocab, (7,)).tolist(), torch.randint(vocab // 8, (9,)).tolist(), p, engine.tokenizer)
+        fake_request(
+            str(i),
+            torch.randint(vocab, (7,)).tolist(),
+            torch.randint(vocab // 8, (9,)).tolist(),
+            p,
+            engine.tokenizer,
+        )
         for i, p in enumerate(params)
     ]
     processors = LogitsProcessors(4, vocab, torch.device("cpu"), engine.eos_token_ids)
@@ -81,7 +95,9 @@ def test_penalties_on_the_same_logits_match_the_references(make_engine) -> None:
         if r.params.repetition_penalty != 1:
             seen = torch.tensor([r.prompt_token_ids + r.output_token_ids])
             want = RepetitionPenaltyLogitsProcessor(r.params.repetition_penalty)(seen, want.clone())
-        want = openai_penalties(want[0], r.output_token_ids, r.params.frequency_penalty, r.params.presence_penalty)
+        want = openai_penalties(
+            want[0], r.output_token_ids, r.params.frequency_penalty, r.params.presence_penalty
+        )
         torch.testing.assert_close(out[i], want)
 
 
@@ -94,7 +110,9 @@ def test_rows_using_none_pay_nothing(make_engine) -> None:  # type: ignore[no-un
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
-def test_penalized_greedy_in_a_batch_matches_the_references(arch: str, tiny_model_dirs: dict[str, Path], make_engine) -> None:  # type: ignore[no-untyped-def]
+def test_penalized_greedy_in_a_batch_matches_the_references(
+    arch: str, tiny_model_dirs: dict[str, Path], make_engine
+) -> None:  # type: ignore[no-untyped-def]
     model_dir = tiny_model_dirs[arch]
     # Four slots for twelve requests of different lengths: finished requests' holes are filled by
     # the last slot's request (and prefix caching swaps slots at admission), so a request's state

@@ -45,7 +45,9 @@ def test_stop_string_is_cut_and_never_streamed(make_engine, split: bool) -> None
     i = 5
     stop = pieces[i][-2:] + pieces[i + 1][:2] if split else pieces[i]
     assert stop and "\ufffd" not in stop
-    engine.add_request("s", PROMPT, SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, stop=(stop,)))
+    engine.add_request(
+        "s", PROMPT, SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, stop=(stop,))
+    )
     ids_s, texts, reason = drain(engine)["s"]
     assert reason is FinishReason.STOP
     assert "".join(texts) == full[: full.index(stop)]
@@ -119,7 +121,9 @@ def test_over_long_request_is_refused_with_the_numbers(make_engine) -> None:  # 
     n = len(engine.tokenizer.encode(PROMPT))
     with pytest.raises(RequestTooLongError) as e:
         engine.add_request("a", PROMPT, SamplingParams(max_tokens=64))
-    assert f"prompt ({n} tokens) + max_tokens (64) = {n + 64} tokens exceeds max_model_len (64)" in str(e.value)
+    assert f"prompt ({n} tokens) + max_tokens (64) = {n + 64} tokens exceeds max_model_len (64)" in str(
+        e.value
+    )
     assert not engine.has_unfinished()
 
 
@@ -143,14 +147,18 @@ def test_seeded_sampling_is_the_same_alone_and_in_a_busy_batch(make_engine) -> N
 
     busy = make_engine(max_batch_size=4)
     busy.add_request("x", "rivers run", SamplingParams(max_tokens=30, temperature=1.0, ignore_eos=True))
-    busy.add_request("y", "old forests", SamplingParams(max_tokens=30, temperature=0.7, seed=9, ignore_eos=True))
+    busy.add_request(
+        "y", "old forests", SamplingParams(max_tokens=30, temperature=0.7, seed=9, ignore_eos=True)
+    )
     busy.step()
     busy.add_request("s", PROMPT, seeded)
     busy.add_request("z", "a lazy dog", SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
     out = drain(busy)
     assert out["s"][0] == expected
     other_seed = make_engine()
-    other_seed.add_request("s", PROMPT, SamplingParams(max_tokens=16, temperature=1.0, seed=99, ignore_eos=True))
+    other_seed.add_request(
+        "s", PROMPT, SamplingParams(max_tokens=16, temperature=1.0, seed=99, ignore_eos=True)
+    )
     assert drain(other_seed)["s"][0] != expected
 
 

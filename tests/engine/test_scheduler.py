@@ -33,7 +33,10 @@ def test_long_prompt_is_prefilled_in_chunks_within_the_step_budget() -> None:
     s.add(long)
     s.add(short)
     plan = s.schedule()
-    assert [(c.request.request_id, c.start, c.length) for c in plan.prefills] == [("long", 0, 8), ("short", 0, 2)]
+    assert [(c.request.request_id, c.start, c.length) for c in plan.prefills] == [
+        ("long", 0, 8),
+        ("short", 0, 2),
+    ]
     assert not plan.prefills[0].completes_prompt
 
 
@@ -53,7 +56,9 @@ def test_decoding_rows_and_contiguous_slots_after_removal() -> None:
 
 
 def test_a_step_budget_below_one_chunk_is_refused() -> None:
-    with pytest.raises(ValueError, match=r"max_prefill_tokens_per_step \(256\) must be at least prefill_chunk_size"):
+    with pytest.raises(
+        ValueError, match=r"max_prefill_tokens_per_step \(256\) must be at least prefill_chunk_size"
+    ):
         EngineConfig(model="unused", prefill_chunk_size=512, max_prefill_tokens_per_step=256)
 
 

@@ -27,29 +27,46 @@ SCHEMA = {
         "color": {"enum": ["red", "green", "blue"]},
         "tags": {
             "type": "array",
-            "items": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "maxItems": 2},
+            "items": {
+                "type": "array",
+                "items": {"type": "integer", "minimum": 0, "maximum": 9},
+                "maxItems": 2,
+            },
             "maxItems": 3,
         },
     },
     "required": ["name", "age", "color", "tags"],
     "additionalProperties": False,
 }
-PROMPTS = ["the quick brown fox", "rivers run to the sea under 하늘", "we wander", "old forests singing songs of time"]
+PROMPTS = [
+    "the quick brown fox",
+    "rivers run to the sea under 하늘",
+    "we wander",
+    "old forests singing songs of time",
+]
 
 
-def run(engine, requests: dict[str, tuple[str, SamplingParams, object]]) -> dict[str, tuple[list[int], str, str]]:  # type: ignore[no-untyped-def]
+def run(
+    engine, requests: dict[str, tuple[str, SamplingParams, object]]
+) -> dict[str, tuple[list[int], str, str]]:  # type: ignore[no-untyped-def]
     for rid, (prompt, params, grammar) in requests.items():
         engine.add_request(rid, prompt, params, json_grammar=grammar)
     out: dict[str, tuple[list[int], str, str]] = {rid: ([], "", "") for rid in requests}
     while engine.has_unfinished():
         for d in engine.step():
             ids, text, reason = out[d.request_id]
-            out[d.request_id] = (ids + list(d.token_ids), text + d.text, d.finish_reason.value if d.finished else reason)
+            out[d.request_id] = (
+                ids + list(d.token_ids),
+                text + d.text,
+                d.finish_reason.value if d.finished else reason,
+            )
     return out
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
-def test_json_schema_beside_unconstrained_greedy(arch: str, tiny_model_dirs: dict[str, Path], make_engine) -> None:  # type: ignore[no-untyped-def]
+def test_json_schema_beside_unconstrained_greedy(
+    arch: str, tiny_model_dirs: dict[str, Path], make_engine
+) -> None:  # type: ignore[no-untyped-def]
     model_dir = tiny_model_dirs[arch]
     engine = make_engine(model=str(model_dir), max_batch_size=6)
     schema = engine.grammars.json(SCHEMA)
@@ -59,7 +76,11 @@ def test_json_schema_beside_unconstrained_greedy(arch: str, tiny_model_dirs: dic
     for i, prompt in enumerate(PROMPTS):
         requests[f"schema-{i}"] = (prompt, greedy_params, schema)
         requests[f"plain-{i}"] = (prompt, SamplingParams(max_tokens=12, temperature=0.0), None)
-    requests["object"] = (PROMPTS[0], SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=False), any_object)
+    requests["object"] = (
+        PROMPTS[0],
+        SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=False),
+        any_object,
+    )
     requests["sampled"] = (PROMPTS[1], SamplingParams(max_tokens=120, temperature=1.0, seed=3), schema)
     out = run(engine, requests)
     for rid, (ids, text, reason) in out.items():
@@ -103,5 +124,7 @@ def test_schemas_compile_once_and_bad_ones_say_why(make_engine) -> None:  # type
 def test_a_batch_with_no_constrained_row_pays_nothing(make_engine) -> None:  # type: ignore[no-untyped-def]
     engine = make_engine()
     logits = torch.randn(2, engine.runner.vocab_size)
-    plain = [Request(str(i), [1, 2], SamplingParams(), IncrementalDetokenizer(engine.tokenizer)) for i in range(2)]
+    plain = [
+        Request(str(i), [1, 2], SamplingParams(), IncrementalDetokenizer(engine.tokenizer)) for i in range(2)
+    ]
     assert engine.masks.apply(logits, plain) is logits  # no fill, no copy, no kernel

@@ -41,9 +41,7 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
 @pytest.fixture(scope="module")
 def worker_pool(prefixes: Prefixes, tiny_model: Path, log_dir: Path) -> Iterator[Workers]:
     """Workers with short leases, so a test sees take-overs in seconds (the default is 20 s)."""
-    workers = Workers(
-        prefixes.new(), tiny_model, log_dir, {**SHORT_LEASES, "max_batch_size": 8}
-    )
+    workers = Workers(prefixes.new(), tiny_model, log_dir, {**SHORT_LEASES, "max_batch_size": 8})
     yield workers
     workers.stop_all()
 

@@ -38,7 +38,9 @@ def run(argv: list[str], redis_url: str) -> subprocess.CompletedProcess[str]:
 
 @pytest.mark.parametrize("policy", ["allkeys-lru", "volatile-lru"])
 @pytest.mark.parametrize("command", ["worker", "api"])
-def test_a_redis_that_evicts_keys_is_refused_at_start(lru_redis: RedisServer, policy: str, command: str) -> None:
+def test_a_redis_that_evicts_keys_is_refused_at_start(
+    lru_redis: RedisServer, policy: str, command: str
+) -> None:
     lru_redis.client.config_set("maxmemory-policy", policy)
     argv = [SPOOL, command] + (["--port", str(free_port())] if command == "api" else [])
     done = run(argv, lru_redis.url)

@@ -82,7 +82,9 @@ def test_the_restore_of_an_ended_jobs_message_does_nothing_but_drop_its_record(
     it, which removes the record; the job stays as it was."""
     keys, settings = Keys(worker_pool.prefix), Settings(redis_url=REDIS_URL, redis_prefix=worker_pool.prefix)
     with httpx.Client(base_url=unacked_api.url, timeout=30) as client:
-        job_id = client.post("/v1/jobs", json={"prompt": "hello", "max_tokens": 8, "temperature": 0}).json()["id"]
+        job_id = client.post("/v1/jobs", json={"prompt": "hello", "max_tokens": 8, "temperature": 0}).json()[
+            "id"
+        ]
         before = finished_job(client, unacked_api.url, job_id)
         watch = JobWatch(r, keys, job_id)
         log_before = watch.log()

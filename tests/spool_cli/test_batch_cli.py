@@ -16,7 +16,9 @@ def spool(*args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
 
 
 def test_batch_runs_a_file_and_writes_its_output_and_error_files(cluster: Cluster, tmp_path: Path) -> None:
-    rows = [{"custom_id": f"r{i}", "prompt": f"hello {i}", "max_tokens": 6, "temperature": 0} for i in range(3)]
+    rows = [
+        {"custom_id": f"r{i}", "prompt": f"hello {i}", "max_tokens": 6, "temperature": 0} for i in range(3)
+    ]
     rows.append({"custom_id": "bad", "prompt": "x", "temperature": 9})  # the endpoint's 422
     rows.append({"prompt": "no custom id", "max_tokens": 2})  # named after its line
     src = tmp_path / "in.jsonl"
@@ -49,4 +51,6 @@ def test_an_interrupted_batch_is_resumed_and_listed(cluster: Cluster, tmp_path: 
     out = tmp_path / "resumed.jsonl"
     result = spool("batch", "--resume", batch_id, "--out", str(out), "--url", cluster.url)
     assert result.returncode == 0, result.stderr
-    assert [json.loads(x)["custom_id"] for x in out.read_text().splitlines()] == [r["custom_id"] for r in rows]
+    assert [json.loads(x)["custom_id"] for x in out.read_text().splitlines()] == [
+        r["custom_id"] for r in rows
+    ]

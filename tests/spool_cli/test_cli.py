@@ -46,7 +46,10 @@ def spool(
     [
         ({"SPOOL_MAX_BATCH_SIZE": "0"}, "SPOOL_MAX_BATCH_SIZE"),
         ({"SPOOL_LEASE_S": "1", "SPOOL_HEARTBEAT_S": "2"}, "SPOOL_LEASE_S"),
-        ({"SPOOL_MAX_PREFILL_TOKENS_PER_STEP": "256"}, "SPOOL_MAX_PREFILL_TOKENS_PER_STEP"),  # < the chunk, 512
+        (
+            {"SPOOL_MAX_PREFILL_TOKENS_PER_STEP": "256"},
+            "SPOOL_MAX_PREFILL_TOKENS_PER_STEP",
+        ),  # < the chunk, 512
         ({"SPOOL_NO_SUCH_SETTING": "1"}, "SPOOL_NO_SUCH_SETTING"),
     ],
 )
@@ -100,7 +103,9 @@ def test_generate_reports_a_refused_submit(cluster) -> None:  # type: ignore[no-
 def test_generate_resumes_when_the_api_dies_mid_stream(cluster, tiny_model: Path, log_dir: Path) -> None:  # type: ignore[no-untyped-def]
     api = start_api(cluster.prefix, log_dir)
     argv = [SPOOL, "generate", LONG_PROMPT, "--max-tokens", "300", "--temperature", "0", "--url", api.url]
-    proc = subprocess.Popen(argv, env=spool_env(cluster.prefix), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        argv, env=spool_env(cluster.prefix), stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
     assert proc.stdout is not None
     first = os.read(proc.stdout.fileno(), 1)  # unbuffered: a token has been printed, the stream is open
     os.killpg(api.proc.pid, signal.SIGKILL)  # the API process dies with the connection open

@@ -64,7 +64,9 @@ class Engine:
         )
         self.sampler = Sampler(self.runner.device, seed)
         self.eos_token_ids = self._eos_token_ids()
-        self.processors = LogitsProcessors(self.num_slots, self.runner.vocab_size, self.runner.device, self.eos_token_ids)
+        self.processors = LogitsProcessors(
+            self.num_slots, self.runner.vocab_size, self.runner.device, self.eos_token_ids
+        )
         self._token_texts: dict[int, str] = {}  # logprobs' token strings, decoded once each
         self.grammars = Grammars(self.tokenizer, self.runner.vocab_size)  # any thread may compile
         self.masks = Masks(self.num_slots, self.runner.vocab_size, self.runner.device)
@@ -109,7 +111,9 @@ class Engine:
         if any(not 0 <= t < self.runner.vocab_size for t, _ in params.logit_bias):
             raise ValueError(f"logit_bias token ids must be in [0, {self.runner.vocab_size})")
         if len(resume_token_ids) >= params.max_tokens:
-            raise ValueError(f"{len(resume_token_ids)} resumed tokens leave nothing of max_tokens {params.max_tokens}")
+            raise ValueError(
+                f"{len(resume_token_ids)} resumed tokens leave nothing of max_tokens {params.max_tokens}"
+            )
         detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop)
         detokenizer.warm(resume_token_ids, resume_text)
         request = Request(
@@ -169,7 +173,9 @@ class Engine:
         except Exception as e:  # NOTE: a failed forward fails its requests, not the engine.
             log.exception("engine step failed")
             failed = [c.request for c in plan.prefills] + plan.decodes
-            return deltas + [self._finish(r, FinishReason.ERROR, error=f"{type(e).__name__}: {e}") for r in failed]
+            return deltas + [
+                self._finish(r, FinishReason.ERROR, error=f"{type(e).__name__}: {e}") for r in failed
+            ]
         if logits is not None:  # some request is due a token
             deltas += self._postprocess(due, *self._sample(due, logits))
         return deltas
@@ -217,7 +223,12 @@ class Engine:
         """Run the plan as one packed forward; return the requests due a token and their logits [n, V]."""
         decode = [(r.running_slot, r.num_computed, r.last_token_id) for r in plan.decodes]
         prefills = [
-            (c.request.running_slot, c.start, c.request.tokens(c.start, c.start + c.length), c.completes_prompt)
+            (
+                c.request.running_slot,
+                c.start,
+                c.request.tokens(c.start, c.start + c.length),
+                c.completes_prompt,
+            )
             for c in plan.prefills
         ]
         # Logits come for the decode rows, then for each chunk that completes its prompt: `due`'s order.
@@ -233,7 +244,9 @@ class Engine:
         self._stats.peak_batch_size = max(self._stats.peak_batch_size, len(due))
         return due, (logits if due else None)
 
-    def _sample(self, due: list[Request], logits: torch.Tensor) -> tuple[list[int], list[TokenLogprobs | None]]:
+    def _sample(
+        self, due: list[Request], logits: torch.Tensor
+    ) -> tuple[list[int], list[TokenLogprobs | None]]:
         """Each due request's next token (and logprobs where asked), with the step's one
         device-to-host transfer."""
         params = [r.params for r in due]
@@ -254,7 +267,8 @@ class Engine:
             row = host[len(due) + j * width : len(due) + (j + 1) * width]
             top = zip(row[2 : 2 + k], row[2 + k :], strict=True)
             logprobs[i] = TokenLogprobs(
-                self._logprob(row[0], row[1]), tuple(self._logprob(t, v) for t, v in list(top)[: params[i].logprobs])
+                self._logprob(row[0], row[1]),
+                tuple(self._logprob(t, v) for t, v in list(top)[: params[i].logprobs]),
             )
         return token_ids, logprobs
 
@@ -274,16 +288,22 @@ class Engine:
         for request, token_id, lp in zip(due, token_ids, logprobs, strict=True):
             request.output_token_ids.append(token_id)
             if request.matcher is not None and not request.matcher.accept_token(token_id):
-                deltas.append(self._finish(request, FinishReason.ERROR, error="the sampled token broke the grammar"))
+                deltas.append(
+                    self._finish(request, FinishReason.ERROR, error="the sampled token broke the grammar")
+                )
                 continue
             # Before min_tokens a stop string does not count (EOS and stop ids cannot be sampled).
-            text = request.detokenizer.add([token_id], match_stop=request.num_generated > request.params.min_tokens)
+            text = request.detokenizer.add(
+                [token_id], match_stop=request.num_generated > request.params.min_tokens
+            )
             reason = self._stop_reason(request, token_id)
             chosen = None if lp is None else (lp,)
             if reason is None:
                 deltas.append(self._delta(request, (token_id,), text, logprobs=chosen))
             else:
-                deltas.append(self._finish(request, reason, token_ids=(token_id,), text=text, logprobs=chosen))
+                deltas.append(
+                    self._finish(request, reason, token_ids=(token_id,), text=text, logprobs=chosen)
+                )
         return deltas
 
     def _stop_reason(self, request: Request, token_id: int) -> FinishReason | None:
@@ -338,4 +358,3 @@ class Engine:
             error=error,
             logprobs=logprobs,
         )
-

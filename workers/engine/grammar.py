@@ -57,7 +57,9 @@ class Grammars:
             # Compact JSON (no free whitespace): a model cannot spend its tokens on blank space.
             grammar = self._compiler.compile_json_schema(key, any_whitespace=False)
         except RuntimeError as e:  # xgrammar's C++ errors: "...: Unsupported type "integer2""
-            raise GrammarError(f"the JSON schema cannot be used: {str(e).split(': ', 1)[-1].strip()}") from None
+            raise GrammarError(
+                f"the JSON schema cannot be used: {str(e).split(': ', 1)[-1].strip()}"
+            ) from None
         with self._lock:
             self.compiled += 1
             return self._cache.setdefault(key, grammar)

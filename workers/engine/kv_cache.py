@@ -115,7 +115,9 @@ class SlotKVCache:
             positions=layout[3],
             num_decode=n,
             decode_slots=None if slots[:n] == list(range(n)) else layout[2, :n],
-            decode_mask=(self._positions[None, :kv_len] <= layout[3, :n, None])[:, None, None, :] if n else None,
+            decode_mask=(self._positions[None, :kv_len] <= layout[3, :n, None])[:, None, None, :]
+            if n
+            else None,
             decode_kv_len=kv_len,
             prefills=tuple(segments),
         )

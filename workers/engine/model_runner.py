@@ -36,7 +36,9 @@ class ModelRunner:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {config.dtype!r}")
         self.device = torch.device(config.device)
         self.dtype = DTYPES[config.dtype]
-        self.tokenizer = AutoTokenizer.from_pretrained(config.model, trust_remote_code=config.trust_remote_code)
+        self.tokenizer = AutoTokenizer.from_pretrained(
+            config.model, trust_remote_code=config.trust_remote_code
+        )
         model = AutoModelForCausalLM.from_pretrained(
             config.model,
             dtype=self.dtype,
@@ -54,9 +56,13 @@ class ModelRunner:
         self.vocab_size = self.model.get_output_embeddings().weight.shape[0]
 
         limit = _model_limit(self.model.config)
-        self.max_model_len = config.max_model_len or min(limit or DEFAULT_MAX_MODEL_LEN, DEFAULT_MAX_MODEL_LEN)
+        self.max_model_len = config.max_model_len or min(
+            limit or DEFAULT_MAX_MODEL_LEN, DEFAULT_MAX_MODEL_LEN
+        )
         if limit is not None and self.max_model_len > limit:
-            raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's limit of {limit} positions")
+            raise ValueError(
+                f"max_model_len {self.max_model_len} exceeds the model's limit of {limit} positions"
+            )
 
         shape = self._probe_cache_shape()
         slot_bytes = shape.bytes_per_token(self.dtype) * self.max_model_len
@@ -70,7 +76,10 @@ class ModelRunner:
                 )
         self.cache = SlotKVCache(shape, num_slots, self.max_model_len, self.device, self.dtype)
         log.info(
-            "KV cache: %d slots x %d tokens, %.1f MiB", num_slots, self.max_model_len, num_slots * slot_bytes / 2**20
+            "KV cache: %d slots x %d tokens, %.1f MiB",
+            num_slots,
+            self.max_model_len,
+            num_slots * slot_bytes / 2**20,
         )
         # The largest forward a step can run, once, before any request: a full prompt budget in
         # slot 0 and a decode row in every other slot. The allocator (and, on a GPU, the kernels)

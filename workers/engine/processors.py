@@ -23,7 +23,9 @@ from workers.engine.request import Request
 
 
 class LogitsProcessors:
-    def __init__(self, num_rows: int, vocab_size: int, device: torch.device, eos_token_ids: Collection[int]) -> None:
+    def __init__(
+        self, num_rows: int, vocab_size: int, device: torch.device, eos_token_ids: Collection[int]
+    ) -> None:
         self.num_rows = num_rows  # at most one per running request: the engine's KV slots
         self.vocab_size = vocab_size
         self.device = device
@@ -44,7 +46,9 @@ class LogitsProcessors:
         if row is not None:
             return row
         if self._counts is None:
-            self._counts = torch.zeros((self.num_rows, self.vocab_size), dtype=torch.int32, device=self.device)
+            self._counts = torch.zeros(
+                (self.num_rows, self.vocab_size), dtype=torch.int32, device=self.device
+            )
             self._seen = torch.zeros((self.num_rows, self.vocab_size), dtype=torch.bool, device=self.device)
         assert self._seen is not None
         row = self._rows[request.request_id] = self._free.pop()
@@ -53,7 +57,9 @@ class LogitsProcessors:
         if request.output_token_ids:  # resumed: what the earlier attempt generated counts too
             ids = to_device(request.output_token_ids, torch.long, self.device)
             self._counts[row].index_put_((ids,), torch.ones_like(ids, dtype=torch.int32), accumulate=True)
-        self._seen[row, to_device(request.prompt_token_ids + request.output_token_ids, torch.long, self.device)] = True
+        self._seen[
+            row, to_device(request.prompt_token_ids + request.output_token_ids, torch.long, self.device)
+        ] = True
         return row
 
     @torch.inference_mode()

@@ -83,7 +83,9 @@ class Sampler:
         logits (penalties, logit_bias, grammar masks) at its temperature, before top-k and top-p;
         a greedy row's at temperature 1 (its one-hot distribution would tell nothing)."""
         index = to_device(list(rows), torch.long, self.device)
-        divisors = to_device([1.0 if params[i].greedy else params[i].temperature for i in rows], torch.float32, self.device)
+        divisors = to_device(
+            [1.0 if params[i].greedy else params[i].temperature for i in rows], torch.float32, self.device
+        )
         lp = torch.log_softmax(logits[index].float() / divisors[:, None], dim=-1)
         chosen = sampled[index]
         top_values, top_ids = lp.topk(k, dim=-1)  # k == 0 gives [n, 0]

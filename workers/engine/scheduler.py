@@ -72,7 +72,11 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(
-        self, num_slots: int, prefill_chunk_size: int, max_prefill_tokens_per_step: int, prefix_caching: bool = False
+        self,
+        num_slots: int,
+        prefill_chunk_size: int,
+        max_prefill_tokens_per_step: int,
+        prefix_caching: bool = False,
     ) -> None:
         self.num_slots = num_slots
         self.prefill_chunk_size = prefill_chunk_size
@@ -120,7 +124,9 @@ class Scheduler:
                 budget -= length
                 if self.prefix_caching:
                     end = (request.num_computed + length) // BLOCK_SIZE
-                    computing.update(prefix_cache.block_hashes(request, end)[request.num_computed // BLOCK_SIZE :])
+                    computing.update(
+                        prefix_cache.block_hashes(request, end)[request.num_computed // BLOCK_SIZE :]
+                    )
         return out
 
     def remove(self, request: Request, keep_cache: bool = True) -> list[CacheOp]:

@@ -33,7 +33,9 @@ class SamplingParams:
     # Logits processing, per request (workers/engine/processors.py). Neutral values cost nothing.
     frequency_penalty: float = 0.0  # OpenAI's: minus this times each generated token's count so far
     presence_penalty: float = 0.0  # OpenAI's: minus this for each token generated at least once
-    repetition_penalty: float = 1.0  # transformers' (CTRL): divides (or multiplies) prompt and generated tokens' logits
+    repetition_penalty: float = (
+        1.0  # transformers' (CTRL): divides (or multiplies) prompt and generated tokens' logits
+    )
     min_tokens: int = 0  # EOS, stop token ids and stop strings count only once this many are generated
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit) pairs
     logprobs: int | None = None  # also return the sampled token's logprob and the top this many; None: none
@@ -58,7 +60,9 @@ class SamplingParams:
         # Accept lists from callers, keep the dataclass hashable.
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        object.__setattr__(self, "logit_bias", tuple((int(t), float(b)) for t, b in dict(self.logit_bias).items()))
+        object.__setattr__(
+            self, "logit_bias", tuple((int(t), float(b)) for t, b in dict(self.logit_bias).items())
+        )
 
     @property
     def greedy(self) -> bool:
@@ -76,8 +80,12 @@ class EngineConfig:
     device: str = "cpu"  # "cpu", "cuda", "cuda:1", ...
     dtype: str = "float32"  # "float32" | "bfloat16" | "float16"
     max_batch_size: int = 32  # KV-cache slots: requests decoded together
-    max_model_len: int | None = None  # prompt + generated tokens per request; None: the model's limit, capped at 2048
-    kv_cache_memory_bytes: int | None = None  # KV budget; fewer slots are allocated when it cannot hold them all
+    max_model_len: int | None = (
+        None  # prompt + generated tokens per request; None: the model's limit, capped at 2048
+    )
+    kv_cache_memory_bytes: int | None = (
+        None  # KV budget; fewer slots are allocated when it cannot hold them all
+    )
     prefill_chunk_size: int = 512  # prompt tokens one request prefills per step
     max_prefill_tokens_per_step: int = 2048  # prompt tokens all requests prefill per step
     # Reuse the keys and values of prompt prefixes (in blocks of 16 tokens) that a running
