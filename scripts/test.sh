@@ -5,11 +5,11 @@
 # prefixes, and when none answers there this script starts a private redis-server.
 # Before the tests: ruff check, ruff format --check and mypy over the packages (pyproject.toml
 # holds their settings); a finding fails the run. Extra arguments go to pytest (e.g.
-# scripts/test.sh tests/engine -x), and skip the checks when SPOOL_SKIP_LINT=1.
+# scripts/test.sh tests/engine -x); TEST_LINT=0 skips the checks.
 set -euo pipefail
 source "$(dirname "$0")/bootstrap.sh" test "[test]"
 
-if [ "${SPOOL_SKIP_LINT:-0}" != 1 ]; then
+if [ "${TEST_LINT:-1}" != 0 ]; then
   ruff check .
   ruff format --check .
   mypy api common workers spool_cli
