@@ -203,8 +203,13 @@ def test_a_job_taken_over_is_dropped(runtime: EngineRuntime, store: StoreForTest
     job = store.create_job(JobRequest(prompt=LONG_PROMPT, max_tokens=400, temperature=0))
     thread, outcomes = run_in_thread(runtime, job.id)
     poll(lambda: store.read_log(job.id), "a first token")
-    store.redis.zadd(store.keys.running_jobs(), {job.id: time.time() - 1})
-    assert store.take_job(job.id, "other-worker", "m").attempt == 2
+
+    def take_over() -> bool:
+        # Lapse the lease and take the job; the runtime's heartbeat may renew it in between.
+        store.redis.zadd(store.keys.running_jobs(), {job.id: time.time() - 1})
+        return store.take_job(job.id, "other-worker", "m").attempt == 2
+
+    poll(take_over, "a take-over by another worker")
     thread.join(30)
     assert outcomes == [Outcome.LOST]
     n = len(store.read_log(job.id))
