@@ -75,7 +75,7 @@ def test_serve_reaches_ready_and_prints_the_url_only_then(prefixes, tmp_path: Pa
         wait_until(
             lambda: bool(readyz_when_printed) or proc.poll() is not None,
             "serve.sh: ready",
-            600 if fresh else 120,
+            600 if fresh else 300,  # spool up now loads a text and a media worker: minutes on 2 busy cores
         )
         assert proc.poll() is None, "\n".join(lines)
     finally:
