@@ -30,13 +30,10 @@ if idem then redis.call('SET', idem, ARGV[2], 'EX', ARGV[5]) end
 return 1
 """
 
-# KEYS: job hash, log, queued zset, running zset, text. ARGV: job id, worker, model, now, lease deadline.
-# A running job is taken over only when its lease lapsed (its worker died or hung). A job taken
-# over from a worker that kept no text key (an older version) gets one, built from its log.
-TAKE_LUA = """
-local status = redis.call('HGET', KEYS[1], 'status')
-if not status then return {'missing'} end
-if redis.call('HEXISTS', KEYS[1], 'parts') == 1 then return {'finished', status} end
+# The lease rule both takes share (KEYS[1] the hash, [3] queued, [4] running; ARGV[1] the id,
+# [2] worker, [3] model, [4] now, [5] lease deadline; `status` read): a running job is taken only
+# once its lease lapsed; the attempt goes up, fencing out the worker before.
+_TAKE_LEASE = """\
 if status == 'running' then
   local lease = redis.call('ZSCORE', KEYS[4], ARGV[1])
   if lease and tonumber(lease) > tonumber(ARGV[4]) then return {'busy', lease} end
@@ -48,7 +45,19 @@ redis.call('HSET', KEYS[1], 'status', 'running', 'worker', ARGV[2], 'model', ARG
 if status == 'queued' then redis.call('HSET', KEYS[1], 'started_at', ARGV[4]) end
 redis.call('ZREM', KEYS[3], ARGV[1])
 redis.call('ZADD', KEYS[4], ARGV[5], ARGV[1])
-local log = redis.call('LRANGE', KEYS[2], 0, -1)
+"""
+
+# KEYS: job hash, log, queued zset, running zset, text. ARGV: job id, worker, model, now, lease deadline.
+# A running job is taken over only when its lease lapsed (its worker died or hung). A job taken
+# over from a worker that kept no text key (an older version) gets one, built from its log.
+TAKE_LUA = (
+    """
+local status = redis.call('HGET', KEYS[1], 'status')
+if not status then return {'missing'} end
+if redis.call('HEXISTS', KEYS[1], 'parts') == 1 then return {'finished', status} end
+"""
+    + _TAKE_LEASE
+    + """local log = redis.call('LRANGE', KEYS[2], 0, -1)
 if #log > 0 and redis.call('EXISTS', KEYS[5]) == 0 then
   local text = {}
   for _, raw in ipairs(log) do
@@ -59,6 +68,7 @@ if #log > 0 and redis.call('EXISTS', KEYS[5]) == 0 then
 end
 return {'taken', tostring(attempt), redis.call('HGETALL', KEYS[1]), log}
 """
+)
 
 # One engine step's writes, for every job in it (several steps' when the writer fell behind).
 # KEYS: running zset, then for each append: job hash, log, job channel, text.
@@ -446,18 +456,9 @@ PART_TAKE_LUA = (
     + """
 local status = redis.call('HGET', KEYS[1], 'status')
 if not status then return {'missing'} end
-if status == 'running' then
-  local lease = redis.call('ZSCORE', KEYS[4], ARGV[1])
-  if lease and tonumber(lease) > tonumber(ARGV[4]) then return {'busy', lease} end
-elseif status ~= 'queued' then
-  return {'finished', status}
-end
-local attempt = redis.call('HINCRBY', KEYS[1], 'attempt', 1)
-redis.call('HSET', KEYS[1], 'status', 'running', 'worker', ARGV[2], 'model', ARGV[3])
-if status == 'queued' then redis.call('HSET', KEYS[1], 'started_at', ARGV[4]) end
-redis.call('ZREM', KEYS[3], ARGV[1])
-redis.call('ZADD', KEYS[4], ARGV[5], ARGV[1])
-if redis.call('HGET', KEYS[5], 'status') == 'queued' then
+"""
+    + _TAKE_LEASE
+    + """if redis.call('HGET', KEYS[5], 'status') == 'queued' then
   redis.call('HSET', KEYS[5], 'status', 'running', 'started_at', ARGV[4])
 end
 part_event(KEYS[2], KEYS[6], '{"part":' .. ARGV[6] .. ',"status":"running","attempt":' .. attempt .. '}')
