@@ -179,6 +179,13 @@ def test_parse_with_a_pydantic_model(oai: openai.OpenAI, model: str) -> None:
         [choice] = got.choices
         assert choice.finish_reason == "stop"
         assert isinstance(choice.message.parsed, Pet), choice.message.content
+    got = oai.chat.completions.parse(
+        model=model, messages=MESSAGES, max_tokens=120, temperature=1.0, seed=9, n=3, response_format=Pet
+    )
+    assert [c.index for c in got.choices] == [0, 1, 2]
+    assert all(isinstance(c.message.parsed, Pet) for c in got.choices), [
+        c.message.content for c in got.choices
+    ]
 
 
 def test_json_object_on_completions_and_jobs(
@@ -318,6 +325,17 @@ def test_n_streamed_completions_resume_with_every_choice(cluster: Cluster, clien
     assert job["text"] == joined[0] and job["status"] == "succeeded"
     events = client.get(f"{cluster.url}/v1/jobs/{first.job_id}/events").text
     assert '"choice": 2' in events and '"finish_reason": "length"' in events
+
+
+def test_n_on_jobs(cluster: Cluster, client: httpx.Client) -> None:
+    body = {"prompt": PROMPT, "max_tokens": 5, "temperature": 1.0, "seed": 5, "n": 2, "background": False}
+    job = client.post(f"{cluster.url}/v1/jobs", json=body).json()
+    assert job["status"] == "succeeded" and job["usage"]["completion_tokens"] == 10
+    alone = client.post(f"{cluster.url}/v1/jobs", json={**body, "n": 1}).json()
+    assert job["text"] == alone["text"]  # the job's text is choice 0's, which n = 1 gives
+    parts = {"parts": [{"type": "text", "prompt": PROMPT}], "n": 2}
+    r = client.post(f"{cluster.url}/v1/jobs", json=parts)
+    assert r.status_code == 400 and "a job with parts takes n = 1" in r.json()["error"]["message"]
 
 
 @pytest.mark.parametrize("n, limit", [(0, "at least 1"), (17, "limit of 16 (SPOOL_MAX_N)")])
