@@ -12,13 +12,14 @@ from api.limits import BodyLimitMiddleware
 from api.metrics import RequestMetricsMiddleware
 from api.routes import batches, console, files, health, jobs, openai
 from api.services import lifespan
-from common.settings import Settings, get_settings
+from common.settings import Settings, check_api_settings, get_settings
 
 DOCS_ASSETS = "/docs-assets"  # Swagger UI's and ReDoc's files, served from the fastapi-offline package
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or get_settings()
+    check_api_settings(settings)
     # NOTE: FastAPI's own /docs and /redoc load their scripts from a CDN, so they render blank on
     # a machine without internet; these serve the same pages with the files from the package.
     app = FastAPIOffline(

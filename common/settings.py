@@ -63,6 +63,7 @@ class Settings(BaseSettings):
     detach_grace_s: float = Field(30.0, ge=0)
     sse_ping_s: float = Field(15.0, gt=0)
     api_keys: str = ""  # comma-separated; empty disables authentication (blank entries are refused)
+    api_key: str = ""  # the key the client commands send (their --api-key's default); empty: none
     # Comma-separated origins whose pages may call the API (CORS), e.g. https://console.example;
     # "*" for any. Empty: none (the console at /console is same-origin and needs none).
     cors_origins: str = ""
@@ -142,6 +143,18 @@ class Settings(BaseSettings):
     @property
     def api_key_set(self) -> frozenset[str]:
         return frozenset(k.strip() for k in self.api_keys.split(",") if k.strip())
+
+
+def check_api_settings(settings: Settings) -> None:
+    """What an API process refuses besides the Settings' own checks (SettingsError)."""
+    # NOTE: SPOOL_API_KEY (a client's key) is one letter from SPOOL_API_KEYS (the API's): an API
+    # started with it alone would serve without authentication while its operator meant a key.
+    if settings.api_key and not settings.api_keys:
+        raise SettingsError(
+            f"{ENV_PREFIX}API_KEY is set but {ENV_PREFIX}API_KEYS is not: {ENV_PREFIX}API_KEY is the key "
+            f"the client commands send, the API's keys are {ENV_PREFIX}API_KEYS (set it, or unset "
+            f"{ENV_PREFIX}API_KEY for this process)"
+        )
 
 
 def load_settings(**overrides: object) -> Settings:

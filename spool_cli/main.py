@@ -17,12 +17,13 @@ from typing import Any
 
 from common.redis_policy import UnsafeRedis
 from common.schemas import JobStatus
-from common.settings import SettingsError, get_settings
+from common.settings import SettingsError, check_api_settings, get_settings
 
 SETTINGS_EXIT = 2
 HELP_WIDTH = 88
 CLIENT_SETTINGS = (
-    "Settings: SPOOL_HOST and SPOOL_PORT (the default --url). An API that never answers (a wrong "
+    "Settings: SPOOL_HOST and SPOOL_PORT (the default --url), SPOOL_API_KEY (the default "
+    "--api-key). An API that never answers (a wrong "
     "--url) fails at once; one that answered and went away is retried."
 )
 
@@ -75,6 +76,7 @@ def cmd_api(args: argparse.Namespace) -> int:
     from api.http_limits import HttpLimits, protocol_class
 
     settings = get_settings()
+    check_api_settings(settings)  # the app checks again (a bare uvicorn), too late for status 2
     check_redis_at_start(settings.redis_url)  # the app's start checks again (a bare uvicorn too)
     uvicorn.run(
         "api.main:app",
@@ -117,7 +119,7 @@ def job_body(args: argparse.Namespace) -> dict[str, Any]:
 def cmd_generate(args: argparse.Namespace) -> int:
     from spool_cli.client import generate
 
-    return generate(args.url or default_url(), job_body(args), args.api_key)
+    return generate(args.url or default_url(), job_body(args), api_key(args))
 
 
 def cmd_batch(args: argparse.Namespace) -> int:
@@ -126,32 +128,32 @@ def cmd_batch(args: argparse.Namespace) -> int:
     if (args.file is None) == (args.resume is None):
         print("spool batch: give a FILE or --resume BATCH_ID", file=sys.stderr)
         return SETTINGS_EXIT
-    return run(args.url or default_url(), args.file, args.resume, args.out, args.errors, args.api_key)
+    return run(args.url or default_url(), args.file, args.resume, args.out, args.errors, api_key(args))
 
 
 def cmd_batches(args: argparse.Namespace) -> int:
     from spool_cli.batches import list_batches
 
-    return list_batches(args.url or default_url(), args.limit, args.api_key)
+    return list_batches(args.url or default_url(), args.limit, api_key(args))
 
 
 def cmd_jobs(args: argparse.Namespace) -> int:
     from spool_cli.client import list_jobs
 
-    return list_jobs(args.url or default_url(), args.limit, args.status, args.api_key)
+    return list_jobs(args.url or default_url(), args.limit, args.status, api_key(args))
 
 
 def cmd_job(args: argparse.Namespace) -> int:
     from spool_cli.client import follow, show_job
 
-    url = args.url or default_url()
-    return follow(url, args.id, args.api_key) if args.follow else show_job(url, args.id, args.api_key)
+    url, key = args.url or default_url(), api_key(args)
+    return follow(url, args.id, key) if args.follow else show_job(url, args.id, key)
 
 
 def cmd_cancel(args: argparse.Namespace) -> int:
     from spool_cli.client import cancel_jobs
 
-    return cancel_jobs(args.url or default_url(), args.ids, args.api_key)
+    return cancel_jobs(args.url or default_url(), args.ids, api_key(args))
 
 
 def cmd_tiny_model(args: argparse.Namespace) -> int:
@@ -176,6 +178,10 @@ def default_url() -> str:
     return f"http://{host}:{settings.port}"
 
 
+def api_key(args: argparse.Namespace) -> str | None:
+    return args.api_key or get_settings().api_key or None
+
+
 def _positive(text: str) -> int:
     number = int(text)
     if number < 1:
@@ -185,7 +191,10 @@ def _positive(text: str) -> int:
 
 def _client_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", help="the API's base URL (default: http://SPOOL_HOST:SPOOL_PORT)")
-    p.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY' when the API has keys")
+    p.add_argument(
+        "--api-key",
+        help="sent as 'Authorization: Bearer KEY' when the API has keys (default: SPOOL_API_KEY)",
+    )
 
 
 def _command(

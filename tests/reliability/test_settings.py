@@ -28,6 +28,15 @@ def test_spool_api_with_a_blank_key_list_exits_naming_the_variable() -> None:
     assert "SPOOL_API_KEYS" in done.stderr
 
 
+def test_spool_api_with_a_client_key_but_no_keys_exits_naming_both() -> None:
+    # SPOOL_API_KEY is a client's key: an API started with it alone would serve without keys.
+    env = spool_env("test-client-key", api_key="key-one")
+    argv = [SPOOL, "api", "--host", "127.0.0.1", "--port", str(free_port())]
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=30)
+    assert done.returncode == 2, done.stderr
+    assert "SPOOL_API_KEY is set but SPOOL_API_KEYS is not" in done.stderr
+
+
 def test_keys_with_spaces_around_them_are_accepted(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SPOOL_API_KEYS", " key-one , key-two ")
     assert load_settings().api_key_set == {"key-one", "key-two"}

@@ -232,6 +232,12 @@ def test_jobs_pages_past_one_answer_and_lists_only_the_keys_own(  # type: ignore
         assert list(listed(cut)) == mine[::-1][: PAGE_MAX + 2]
         refused = spool("jobs", "--url", api.url, env=env)
         assert refused.returncode == 1 and "invalid API key" in refused.stderr
+        from_env = spool("jobs", "--limit", "3", "--url", api.url, env={**env, "SPOOL_API_KEY": "key-one"})
+        assert list(listed(from_env)) == mine[::-1][:3]  # SPOOL_API_KEY: the default --api-key
+        flag_wins = spool(
+            "jobs", "--api-key", "key-one", "--url", api.url, env={**env, "SPOOL_API_KEY": "key-two"}
+        )
+        assert list(listed(flag_wins))[0] == mine[-1]
     finally:
         api.stop()
 
