@@ -3,7 +3,8 @@
 Two threads. The cancel listener aborts the jobs whose cancel is published on ``{p}:cancel``.
 The heartbeat, every ``SPOOL_HEARTBEAT_S``:
 
-- writes the worker's heartbeat (what the executor says of itself, e.g. its engine's stats);
+- writes the worker's heartbeat (what the executor says of itself, e.g. its engine's stats),
+  and keeps the tokenizer spec it names from expiring (stores it again once lost);
 - renews the leases of the jobs the executor holds, fenced by their attempts, and aborts those
   another worker took over meanwhile (their writes are refused anyway);
 - re-reads their cancel flags, for the cancels published while the listener was not subscribed;
@@ -23,7 +24,7 @@ import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from redis.exceptions import RedisError
 
@@ -32,6 +33,9 @@ from common.schemas import WorkerHeartbeat
 from common.settings import Settings
 from common.store import SyncJobStore
 from workers.reaper import Reaper, Requeue
+
+if TYPE_CHECKING:
+    from common.prompt_tokens import TokenizerSpec
 
 log = logging.getLogger(__name__)
 
@@ -82,18 +86,29 @@ class Liveness:
         # the Celery queue of the jobs it sweeps for ("": text jobs; workers/reaper.py).
         self._reaper = Reaper(store, name, requeue, queue) if requeue is not None else None
         self._connected_since: float | None = None  # start of the current run of successful beats
+        self._tokenizer: TokenizerSpec | None = None  # named by the heartbeats (start)
         self._threads = [
             NamedThread(target=self._listen_cancels, name="spool-cancels", daemon=True),
             NamedThread(target=self._beat, name="spool-heartbeat", daemon=True),
         ]
 
-    def start(self) -> None:
+    def start(self, tokenizer: TokenizerSpec | None = None) -> None:
         """Beat once, then start the threads.
 
         The first beat runs before the worker takes a job: it is ready at once, and the jobs it
         ran before a restart (their leases released first: this process holds none) are requeued
         ahead of the messages already queued, which its consumer would take first.
+
+        ``tokenizer``: the spec the API counts prompt tokens with (workers/tokenizer_spec.py),
+        stored before the first heartbeat names it; every beat keeps it from expiring, so it goes
+        once no live worker names it.
         """
+        self._tokenizer = tokenizer
+        try:
+            if tokenizer is not None:
+                self.store.put_tokenizer(tokenizer)
+        except RedisError as e:
+            log.warning("could not store the tokenizer for the API's token count (the beats will): %s", e)
         try:
             released = self.store.release_leases(self.name)
         except RedisError as e:
@@ -129,7 +144,11 @@ class Liveness:
     def beat_once(self) -> None:
         try:
             now = time.time()
-            self.store.beat(WorkerHeartbeat(name=self.name, ts=now, **self.executor.heartbeat_fields()))
+            tokenizer = self._tokenizer.digest if self._tokenizer is not None else None
+            heartbeat = WorkerHeartbeat(
+                name=self.name, ts=now, tokenizer=tokenizer, **self.executor.heartbeat_fields()
+            )
+            self.store.beat(heartbeat, self._tokenizer)
             self._connected_since = self._connected_since or now
             held = self.executor.held()
             for job_id in self.store.renew_leases({j: h.attempt for j, h in held.items()}):

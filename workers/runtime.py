@@ -39,7 +39,7 @@ from workers.liveness import HeldJob, Liveness
 from workers.metrics import WorkerMetrics
 from workers.publisher import JobCursor, Publisher
 from workers.reaper import Requeue
-from workers.tokenizer_spec import publish_tokenizer
+from workers.tokenizer_spec import served_spec
 from workers.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
@@ -276,7 +276,6 @@ class EngineRuntime:
         self._publisher = Publisher(store, self._stop)
         self.liveness = Liveness(store, settings, name, self, self._stop, requeue)
         self._watchdog = Watchdog(settings.engine_stall_s, self._stop, self.liveness.forget_heartbeat)
-        self.tokenizer_digest: str | None = None  # the spec the API counts prompt tokens with, once stored
         self._threads = [
             NamedThread(target=self._engine_loop, name="spool-engine", daemon=True),
             NamedThread(target=self._write_loop, name="spool-writer", daemon=True),
@@ -313,10 +312,9 @@ class EngineRuntime:
         return runtime
 
     def start(self) -> None:
-        # Before the first beat, which names it: the API checks requests' lengths from then on.
-        self.tokenizer_digest = publish_tokenizer(self.engine.tokenizer, self.store, prompt_of)
-        # Liveness beats once first: the worker is ready before Celery consumes a message.
-        self.liveness.start()
+        # Liveness beats once first: the worker is ready before Celery consumes a message. Its
+        # heartbeats name the tokenizer spec: the API checks requests' lengths from then on.
+        self.liveness.start(served_spec(self.engine.tokenizer, prompt_of))
         for t in self._threads:
             t.start()
         self._watchdog.start()
@@ -394,7 +392,6 @@ class EngineRuntime:
             "model": self.model,
             "chat_template": bool(self.engine.tokenizer.chat_template),
             "max_model_len": self.engine.max_model_len,
-            "tokenizer": self.tokenizer_digest,
             **asdict(this_process()),
         }
 

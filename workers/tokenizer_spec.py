@@ -1,4 +1,4 @@
-"""Publish the served model's tokenizer for the API to count prompt tokens (common/prompt_tokens.py).
+"""The served model's tokenizer, for the API to count prompt tokens (common/prompt_tokens.py).
 
 A spec is published only when the API's way of counting (the ``tokenizers`` library and Jinja)
 gives this worker's own token ids on every probe; otherwise none is, and a request too long
@@ -11,11 +11,8 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from redis.exceptions import RedisError
-
 from common.prompt_tokens import PromptCounter, TokenizerSpec, agrees
 from common.schemas import JobRequest
-from common.store import SyncJobStore
 
 log = logging.getLogger(__name__)
 
@@ -50,18 +47,11 @@ def checked_spec(tokenizer: Any, prompt_of: PromptOf) -> TokenizerSpec | None:
     return spec
 
 
-def publish_tokenizer(tokenizer: Any, store: SyncJobStore, prompt_of: PromptOf) -> str | None:
-    """Store the checked spec; its digest for the heartbeats, None when there is none."""
+def served_spec(tokenizer: Any, prompt_of: PromptOf) -> TokenizerSpec | None:
+    """The checked spec, for the heartbeats to store and name (workers/liveness.py); None when
+    there is none."""
     try:
-        spec = checked_spec(tokenizer, prompt_of)
+        return checked_spec(tokenizer, prompt_of)
     except Exception:  # a template that fails on the probes: the worker still serves
         log.exception("could not check the tokenizer for the API's token count")
         return None
-    if spec is None:
-        return None
-    try:
-        store.put_tokenizer(spec.digest, spec.to_json())
-    except RedisError as e:
-        log.warning("could not store the tokenizer for the API's token count: %s", e)
-        return None
-    return spec.digest

@@ -6,7 +6,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any, Self
 
 import redis
 from redis.exceptions import RedisError
@@ -29,6 +29,9 @@ from common.store.records import (
     take_args,
 )
 from common.store.watchers import watching
+
+if TYPE_CHECKING:
+    from common.prompt_tokens import TokenizerSpec
 
 log = logging.getLogger(__name__)
 
@@ -234,21 +237,28 @@ class SyncJobStore:
             finally:
                 pubsub.close()
 
-    def beat(self, heartbeat: WorkerHeartbeat) -> None:
+    def beat(self, heartbeat: WorkerHeartbeat, tokenizer: TokenizerSpec | None = None) -> None:
+        """Write the heartbeat, and keep the tokenizer spec it names alive as long as it (stored
+        again if it lapsed meanwhile: Redis away for longer, or restarted empty)."""
         now, ttl_ms = time.time(), int(self.settings.heartbeat_ttl_s * 1000)
         pipe = self.redis.pipeline(transaction=False)
         pipe.set(self.keys.worker(heartbeat.name), heartbeat.model_dump_json(), px=ttl_ms)
         pipe.zadd(self.keys.workers(), {heartbeat.name: now})
         pipe.zremrangebyscore(self.keys.workers(), "-inf", now - WORKER_FORGET_S)
-        pipe.execute()
+        if tokenizer is not None:
+            pipe.pexpire(self.keys.tokenizer(tokenizer.digest), ttl_ms)  # after the heartbeat's: never sooner
+        kept = pipe.execute()[-1]
+        if tokenizer is not None and not kept:
+            self.put_tokenizer(tokenizer)
 
     def heartbeat(self, name: str) -> WorkerHeartbeat | None:
         """The live heartbeat of the worker ``name``, if it has one."""
         return next(iter(heartbeats_from([self.redis.get(self.keys.worker(name))])), None)
 
-    def put_tokenizer(self, digest: str, spec_json: str) -> None:
-        """Store a served model's tokenizer spec (once: a digest names one content)."""
-        self.redis.set(self.keys.tokenizer(digest), spec_json, nx=True)
+    def put_tokenizer(self, tokenizer: TokenizerSpec) -> None:
+        """Store a served model's tokenizer spec for a heartbeat's time; ``beat`` keeps it."""
+        ttl_ms = int(self.settings.heartbeat_ttl_s * 1000)
+        self.redis.set(self.keys.tokenizer(tokenizer.digest), tokenizer.to_json(), px=ttl_ms, nx=True)
 
     def remove_heartbeat(self, name: str) -> None:
         pipe = self.redis.pipeline(transaction=False)

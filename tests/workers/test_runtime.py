@@ -251,3 +251,39 @@ def test_the_worker_sets_its_torch_threads(prefixes, tiny_model) -> None:  # typ
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
+
+
+def test_the_tokenizer_spec_lives_while_a_worker_names_it(prefixes, tiny_model) -> None:  # type: ignore[no-untyped-def]
+    """Stored before the first heartbeat with the heartbeat's TTL, every beat of any worker that
+    names it sets it again (stores it again once lost), and it goes after the last one stopped."""
+    settings = load_settings(
+        redis_url=REDIS_URL,
+        redis_prefix=prefixes.new(),
+        model=str(tiny_model),
+        heartbeat_s=0.1,
+        heartbeat_ttl_s=1,
+    )
+    store = StoreForTests.from_settings(settings)
+    one = EngineRuntime.from_settings(settings, "tok-one")
+    two = EngineRuntime.from_settings(settings, "tok-two")
+    try:
+        poll(lambda: len(store.list_workers()) == 2, "two heartbeats")
+        digests = {b.tokenizer for b in store.list_workers()}
+        assert len(digests) == 1 and None not in digests
+        key = store.keys.tokenizer(str(digests.pop()))
+
+        def refreshed() -> bool:
+            before = store.redis.pttl(key)
+            assert 0 < before <= 1000  # it expires (-1: none; -2: gone)
+            return bool(poll(lambda: store.redis.pttl(key) > before, "the spec's expiry set again"))
+
+        refreshed()
+        store.redis.delete(key)  # as a Redis restarted empty would have it
+        poll(lambda: store.redis.exists(key), "the spec stored again by a beat")
+        one.close()
+        refreshed()  # the other worker keeps it
+    finally:
+        one.close()
+        two.close()
+    poll(lambda: not store.redis.exists(key), "the spec gone with the last worker naming it", timeout=10)
+    store.close()
