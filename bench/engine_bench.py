@@ -54,7 +54,7 @@ from typing import Any
 
 import torch
 import transformers
-from measure import fmt, loadavg, log, ratio, verdict
+from measure import fmt, loadavg, log, percentile, ratio, verdict
 from transformers import AutoModelForCausalLM, DynamicCache, GenerationConfig, StaticCache
 
 # workload puts the repository root on the module path: import it before the project's modules.
@@ -731,11 +731,6 @@ def engine_conversations(
     return {"tokens": tokens, **cache_figures(engine, before)}
 
 
-def percentile(xs: Sequence[float], q: float) -> float:
-    ordered = sorted(xs)
-    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
-
-
 def run_prefix(plan: Plan, args: argparse.Namespace, model_dir: Path, hf: HFModel) -> dict[str, Any]:
     rng = random.Random(args.seed + 3)
     vocab = plan.model.vocab_size
@@ -767,7 +762,7 @@ def run_prefix(plan: Plan, args: argparse.Namespace, model_dir: Path, hf: HFMode
             expected_shared,
         )
         ttft = row.extra.pop("ttft_s")
-        row.extra.update(ttft_p50_s=statistics.median(ttft), ttft_p95_s=percentile(ttft, 0.95))
+        row.extra.update(ttft_p50_s=percentile(ttft, 50), ttft_p95_s=percentile(ttft, 95))
         row.note = (
             f"TTFT p50 {row.extra['ttft_p50_s']:.2f} s, p95 {row.extra['ttft_p95_s']:.2f} s; "
             f"{row.extra['prompt_tokens']} prompt tokens computed, {row.extra['prefix_cache_hits']} hit"
