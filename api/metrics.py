@@ -44,6 +44,11 @@ _ENGINE_COUNTERS = (
         "Prompt tokens found in the prefix cache (not computed)",
         "prefix_cache_hits",
     ),
+    (
+        "spool_engine_preemptions",
+        "Running requests (batch lines) whose slot went to a higher-priority request",
+        "preemptions",
+    ),
 )
 QUEUES = ("llm", "media")  # the Celery queues, by the last part of their name (Keys.queue_llm, queue_media)
 # Why a submit was refused: its error code (api/errors.py, api/served.py), 422 schema errors as
