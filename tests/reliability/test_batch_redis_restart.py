@@ -59,11 +59,12 @@ def test_a_batch_survives_a_redis_crash_with_every_line_accounted_for_once(
             endpoint="/v1/completions",
             completion_window="24h",  # type: ignore[arg-type]
         ).id
-        poll(
-            lambda: (b := retrieved(client, batch_id)) is not None and b.request_counts.completed >= 3,
+        before = poll(
+            lambda: (b := retrieved(client, batch_id)) is not None and b.request_counts.completed >= 3 and b,
             "three lines done",
             120,
         )
+        assert before.request_counts.completed < LINES  # the crash comes mid-batch
         own_redis.stop(signal.SIGKILL)  # a crash: only what the append-only file holds survives
         own_redis.start()
 
