@@ -18,6 +18,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api.hub import Hub
 from common.schemas import WorkerHeartbeat
+from common.store import BatchCounts
 
 # Per live worker, from the engine stats in its heartbeat: (metric, help, stats key).
 _ENGINE_GAUGES = (
@@ -63,6 +64,20 @@ REJECT_REASONS = (
     "backend_unavailable",
     "other",
 )
+# OpenAI's batch statuses; the batches not ended yet are the ones whose lines are counted by state.
+BATCH_STATUSES = (
+    "validating",
+    "failed",
+    "in_progress",
+    "finalizing",
+    "completed",
+    "expired",
+    "cancelling",
+    "cancelled",
+)
+BATCH_LIVE = frozenset({"validating", "in_progress", "finalizing", "cancelling"})
+# A live batch's lines: not fed yet, fed (a job queued or running), or with their result.
+BATCH_LINE_STATES = ("pending", "in_flight", "completed", "failed")
 SUBMIT_PATHS = frozenset({"/v1/jobs", "/v1/completions", "/v1/chat/completions"})
 
 
@@ -123,6 +138,22 @@ class Metrics:
             ["queue"],
             registry=self.registry,
         )
+        self.batches = Gauge(
+            "spool_batches",
+            "Stored batches (until they expire), by status",
+            ["status"],
+            registry=self.registry,
+        )
+        self.batch_lines = Gauge(
+            "spool_batch_lines",
+            "Request lines of the batches not ended yet, by state",
+            ["state"],
+            registry=self.registry,
+        )
+        for status in BATCH_STATUSES:
+            self.batches.labels(status)
+        for state in BATCH_LINE_STATES:
+            self.batch_lines.labels(state)
         self.workers = Gauge("spool_workers", "Workers with a live heartbeat", registry=self.registry)
         Gauge("spool_sse_streams", "Open SSE streams", registry=self.registry).set_function(
             lambda: hub.open_streams
@@ -144,6 +175,22 @@ class Metrics:
     def set_queue_depths(self, depths: Iterable[tuple[str, int]]) -> None:
         for queue, n in depths:
             self.queue_depth.labels(queue).set(n)
+
+    def set_batches(self, batches: Iterable[BatchCounts]) -> None:
+        """At scrape time: the batches by status, and the lines of the live ones by state."""
+        statuses = dict.fromkeys(BATCH_STATUSES, 0)
+        lines = dict.fromkeys(BATCH_LINE_STATES, 0)
+        for b in batches:
+            statuses[b.status] = statuses.get(b.status, 0) + 1
+            if b.status in BATCH_LIVE:
+                lines["pending"] += max(b.total - b.completed - b.failed - b.in_window, 0)
+                lines["in_flight"] += b.in_window
+                lines["completed"] += b.completed
+                lines["failed"] += b.failed
+        for status, n in statuses.items():
+            self.batches.labels(status).set(n)
+        for state, n in lines.items():
+            self.batch_lines.labels(state).set(n)
 
     def rejected(self, status: int, code: str | None) -> None:
         reason = "invalid_request" if status == 422 else code or "other"

@@ -37,4 +37,5 @@ async def metrics(services: ServicesDep) -> Response:
     m.queued_jobs.set(await services.store.queued_count())
     m.set_queue_depths(await services.store.queue_depths())
     m.set_workers(await services.store.list_workers())
+    m.set_batches(await services.batches.batch_counts())
     return Response(generate_latest(m.registry), media_type=CONTENT_TYPE_LATEST)

@@ -14,7 +14,7 @@ The only code of Spool that writes Redis (Celery's broker and kombu write their 
 """
 
 from common.store.aio import AsyncJobStore
-from common.store.batches import AsyncBatchStore, LineJob, LineResult
+from common.store.batches import AsyncBatchStore, BatchCounts, LineJob, LineResult
 from common.store.errors import Conflict, IdempotencyConflict, JobNotFound, QueueFull, StoreError
 from common.store.records import (
     JOB_ID_BYTES,
@@ -70,6 +70,7 @@ __all__ = [
     "IdempotencyConflict",
     "JobNotFound",
     "JobRecord",
+    "BatchCounts",
     "LineJob",
     "LineResult",
     "MessageFor",

@@ -59,6 +59,17 @@ class LineResult:
     job_id: str = ""  # the job that leaves the window with it; empty for a line that never ran
 
 
+@dataclass(frozen=True)
+class BatchCounts:
+    """A batch's status and its lines' counts (``in_window``: queued or running as jobs now)."""
+
+    status: str
+    total: int
+    completed: int
+    failed: int
+    in_window: int
+
+
 def _strs(h: dict[Any, Any]) -> dict[str, str] | None:
     """A hash as read (the client decodes replies), None when it does not exist."""
     return {str(k): str(v) for k, v in h.items()} or None
@@ -158,6 +169,25 @@ class AsyncBatchStore:
     async def list_batches(self) -> list[dict[str, str]]:
         """Every batch's state, newest first; forgets the ids of batches that expired."""
         return await self._listed(self.keys.batches(), self.keys.batch)
+
+    async def batch_counts(self) -> list[BatchCounts]:
+        """Every stored batch's status and line counts, for /metrics: two round trips, whatever
+        the number of batches (the index, then one pipeline of a HMGET and a HLEN per batch)."""
+        ids = [str(i) for i in await self.redis.zrange(self.keys.batches(), 0, -1)]
+        if not ids:
+            return []
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for i in ids:
+                pipe.hmget(self.keys.batch(i), ["status", "total", "completed", "failed"])
+                pipe.hlen(self.keys.batch_window(i))
+            replies = await pipe.execute()
+        counts = []
+        for (status, total, completed, failed), window in zip(replies[::2], replies[1::2], strict=True):
+            if status is not None:  # expired (list_batches forgets its id)
+                counts.append(
+                    BatchCounts(str(status), int(total or 0), int(completed or 0), int(failed or 0), window)
+                )
+        return counts
 
     async def end_batch(self, batch_id: str, ending: str) -> str:
         """Stop feeding a batch (``ending``: cancelled or expired); returns the status it had."""
