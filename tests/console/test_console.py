@@ -387,6 +387,18 @@ def test_a_text_and_image_job_shows_each_part_and_the_image_when_done(
     assert tokens == token_events(client, stack.api.url, job_id)
     assert part(page, 0).get_attribute("data-tokens") == str(tokens)
     assert "2 succeeded" in str(page.text_content("#job-meta"))
+    # Listed with its parts (without their texts), its usage theirs; so in the recent jobs.
+    [listed] = [
+        j for j in client.get(f"{stack.api.url}/v1/jobs?limit=20").json()["data"] if j["id"] == job_id
+    ]
+    assert [(p["type"], p["status"]) for p in listed["parts"]] == [
+        ("text", "succeeded"),
+        ("image", "succeeded"),
+    ]
+    assert "text" not in listed["parts"][0] and listed["parts"][1]["width"] == 64
+    assert listed["usage"]["completion_tokens"] == job["usage"]["completion_tokens"] == tokens
+    page.click("#refresh-jobs")
+    page.wait_for_selector(f"#jobs li:has(a[title='{job_id}']) .when:text('2 parts · {tokens} tok')")
     page.screenshot(path=tmp_path / "image-done.png", full_page=True)
 
     page.reload()  # the parts come back from the job's stream, the image from its content
