@@ -345,7 +345,7 @@ def test_a_text_and_image_job_shows_each_part_and_the_image_when_done(
     page.check("#with-image")
     page.fill("#image-prompt", "a lighthouse at dusk")
     page.fill("#image-size", "64x32")
-    page.fill("#image-steps", "24")
+    page.fill("#image-steps", "60")
     page.fill("#image-seed", "3")
     page.screenshot(path=tmp_path / "image-form.png")
     for _ in range(5):
@@ -363,7 +363,7 @@ def test_a_text_and_image_job_shows_each_part_and_the_image_when_done(
                 continue  # it outran the check: again
             page.wait_for_selector("#parts li[data-part='1'][data-status='running']")
             step, steps = progress(page, 1)
-            assert 1 <= step < steps == 24
+            assert 1 <= step < steps == 60
             assert part(page, 1).locator("img").is_hidden()
             assert str(part(page, 1).locator(".detail").text_content()).startswith("step ")
             page.screenshot(path=tmp_path / "image-progress.png")
@@ -379,7 +379,7 @@ def test_a_text_and_image_job_shows_each_part_and_the_image_when_done(
     assert part(page, 0).get_attribute("data-type") == "text"
     assert part(page, 1).get_attribute("data-type") == "image"
     assert wait_image(page, 1) == (64, 32)
-    assert progress(page, 1) == (24, 24)
+    assert progress(page, 1) == (60, 60)
     png = client.get(f"{stack.api.url}/v1/jobs/{job_id}/parts/1/content")
     assert png.status_code == 200 and image_bytes(page, 1) == png.content
     text, tokens = shown(page)
@@ -531,8 +531,17 @@ def test_cancel_a_batch_from_the_page(stack: Stack, page: Any, client: httpx.Cli
     page.wait_for_function(
         f"document.querySelector(\"#batches li[data-batch-id='{batch_id}']\").dataset.total === '24'"
     )
-    page.screenshot(path=tmp_path / "batch-running.png")
-    batch_row(page, batch_id).locator(".cancel-batch").click()
+    # Nothing ends while the page cancels (the worker stopped): the batch is mid-way for sure,
+    # and its running lines keep it cancelling until the worker goes on and stops them.
+    signal_group(stack.worker, signal.SIGSTOP)
+    try:
+        assert client.get(f"{stack.api.url}/v1/batches/{batch_id}").json()["status"] == "in_progress"
+        page.screenshot(path=tmp_path / "batch-running.png")
+        batch_row(page, batch_id).locator(".cancel-batch").click()
+        wait_batch(page, batch_id, ("cancelling", "cancelled"))
+        page.screenshot(path=tmp_path / "batch-cancelling.png")
+    finally:
+        signal_group(stack.worker, signal.SIGCONT)
     assert wait_batch(page, batch_id, ("cancelled",)) == "cancelled"
     batch = client.get(f"{stack.api.url}/v1/batches/{batch_id}").json()
     assert batch["status"] == "cancelled"
