@@ -18,7 +18,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api.hub import Hub
 from common.schemas import WorkerHeartbeat
-from common.store import BatchCounts
+from common.store import BATCH_LINE_STATES, BatchCounts
 
 # Per live worker, from the engine stats in its heartbeat: (metric, help, stats key).
 _ENGINE_GAUGES = (
@@ -75,9 +75,7 @@ BATCH_STATUSES = (
     "cancelling",
     "cancelled",
 )
-BATCH_LIVE = frozenset({"validating", "in_progress", "finalizing", "cancelling"})
-# A live batch's lines: not fed yet, fed (a job queued or running), or with their result.
-BATCH_LINE_STATES = ("pending", "in_flight", "completed", "failed")
+BATCH_LIVE = ("validating", "in_progress", "finalizing", "cancelling")  # the batches whose lines count
 SUBMIT_PATHS = frozenset({"/v1/jobs", "/v1/completions", "/v1/chat/completions"})
 
 
@@ -176,20 +174,11 @@ class Metrics:
         for queue, n in depths:
             self.queue_depth.labels(queue).set(n)
 
-    def set_batches(self, batches: Iterable[BatchCounts]) -> None:
+    def set_batches(self, counts: BatchCounts) -> None:
         """At scrape time: the batches by status, and the lines of the live ones by state."""
-        statuses = dict.fromkeys(BATCH_STATUSES, 0)
-        lines = dict.fromkeys(BATCH_LINE_STATES, 0)
-        for b in batches:
-            statuses[b.status] = statuses.get(b.status, 0) + 1
-            if b.status in BATCH_LIVE:
-                lines["pending"] += max(b.total - b.completed - b.failed - b.in_window, 0)
-                lines["in_flight"] += b.in_window
-                lines["completed"] += b.completed
-                lines["failed"] += b.failed
-        for status, n in statuses.items():
-            self.batches.labels(status).set(n)
-        for state, n in lines.items():
+        for status in BATCH_STATUSES:
+            self.batches.labels(status).set(counts.statuses.get(status, 0))
+        for state, n in counts.lines.items():
             self.batch_lines.labels(state).set(n)
 
     def rejected(self, status: int, code: str | None) -> None:
