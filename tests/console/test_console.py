@@ -412,14 +412,7 @@ def test_an_image_only_job_from_the_page(
     open_console(page, stack.api.url)
     page.check("input[name=mode][value=image]")
     assert page.is_hidden("#text-params") and page.is_visible("#image-size")
-    page.fill("#image-size", "32x32")
-    page.fill("#image-steps", "2")
-    page.fill("#image-seed", "5")
-    before = page.text_content("#job-id")
-    page.fill("#prompt", "a red kite")
-    page.click("#submit")
-    page.wait_for_function(f"document.querySelector('#job-id').textContent !== {before!r}")
-    job_id = str(page.text_content("#job-id"))
+    job_id = submit_image(page, "a red kite", "32x32", 2, 5)
     assert wait_terminal(page) == "succeeded"
     job = finished_job(client, stack.api.url, job_id)
     assert [p["type"] for p in job["parts"]] == ["image"] and job["parts"][0]["seed"] == 5
@@ -427,6 +420,61 @@ def test_an_image_only_job_from_the_page(
     assert image_bytes(page, 0) == client.get(f"{stack.api.url}/v1/jobs/{job_id}/parts/0/content").content
     assert "seed 5" in str(part(page, 0).locator(".detail").text_content())
     page.screenshot(path=tmp_path / "image-only.png")
+
+
+def submit_image(page: Any, prompt: str, size: str, steps: int, seed: int) -> str:
+    """An image-only job from the page's Image mode; its id."""
+    page.check("input[name=mode][value=image]")
+    page.fill("#image-size", size)
+    page.fill("#image-steps", str(steps))
+    page.fill("#image-seed", str(seed))
+    before = page.text_content("#job-id")
+    page.fill("#prompt", prompt)
+    page.click("#submit")
+    page.wait_for_function(f"document.querySelector('#job-id').textContent !== {before!r}")
+    return str(page.text_content("#job-id"))
+
+
+def test_cancel_an_image_from_the_page(
+    stack: Stack, media_worker: Service, page: Any, client: httpx.Client, tmp_path: Path
+) -> None:
+    open_console(page, stack.api.url)
+    job_id = submit_image(page, "a long one", "64x64", 60, 1)
+    page.wait_for_function(
+        "(() => { const b = document.querySelector(\"#parts li[data-part='0'] progress\");"
+        " return b && b.value >= 1; })()"
+    )
+    signal_group(media_worker, signal.SIGSTOP)  # so that it cannot end by itself first
+    try:
+        assert client.get(f"{stack.api.url}/v1/jobs/{job_id}").json()["status"] == "running"
+        page.click("#cancel")
+        page.wait_for_selector("#stream-state:text('cancel requested')")
+    finally:
+        signal_group(media_worker, signal.SIGCONT)
+    assert wait_terminal(page) == "cancelled"
+    assert part_status(page, 0) == "cancelled"
+    assert finished_job(client, stack.api.url, job_id)["parts"][0]["status"] == "cancelled"
+    step, steps = progress(page, 0)
+    assert step < steps == 60  # stopped, not run to the end
+    assert part(page, 0).locator("img").is_hidden()
+    page.screenshot(path=tmp_path / "image-cancelled.png")
+
+
+def test_with_api_keys_an_image_is_read_with_the_key(
+    keyed_api: Service, media_worker: Service, page: Any, client: httpx.Client, tmp_path: Path
+) -> None:
+    open_console(page, keyed_api.url)
+    page.fill("#api-key", KEY)
+    page.dispatch_event("#api-key", "change")
+    job_id = submit_image(page, "a keyed kite", "32x32", 2, 5)
+    assert wait_terminal(page) == "succeeded"
+    assert wait_image(page, 0) == (32, 32)
+    url = f"{keyed_api.url}/v1/jobs/{job_id}/parts/0/content"
+    assert client.get(url).status_code == 401  # an <img src> without the header would get this
+    png = client.get(url, headers={"Authorization": f"Bearer {KEY}"})
+    assert png.status_code == 200 and image_bytes(page, 0) == png.content
+    assert KEY not in page.url and KEY not in keyed_api.log_tail()
+    page.screenshot(path=tmp_path / "image-with-key.png")
 
 
 def test_a_partial_job_shows_which_part_failed(
