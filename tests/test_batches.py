@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import time
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,9 @@ import openai
 import pytest
 import redis
 from procs import REDIS_URL, Cluster, Prefixes, Service, start_api, start_worker, wait_until
+from prometheus_client.parser import text_string_to_metric_families
 
+from api.metrics import BATCH_LINE_STATES, BATCH_STATUSES
 from common.keys import BATCH_PRIORITY, Keys
 
 # A batch's feeder works every 0.1 s and keeps 12 lines queued or running; the worker has 4 slots
@@ -200,7 +203,7 @@ def test_bad_lines_fail_with_the_endpoints_errors_and_the_rest_complete(
     oai: openai.OpenAI, batch_cluster: Cluster
 ) -> None:
     lines = [chat_line(i) for i in range(6)]
-    lines[1]["body"]["n"] = 2  # refused by the endpoint: 400 unsupported_parameter
+    lines[1]["body"]["tool_choice"] = "auto"  # refused by the endpoint: 400 unsupported_parameter
     del lines[4]["body"]["messages"]  # a missing field: the endpoint's 422
     batch = ended(oai, run_batch(oai, lines, "/v1/chat/completions"))
     assert batch.status == "completed"
@@ -222,6 +225,33 @@ def test_bad_lines_fail_with_the_endpoints_errors_and_the_rest_complete(
         "chat-3",
         "chat-5",
     }
+
+
+def test_lines_with_n_and_logprobs_answer_as_their_endpoint(
+    oai: openai.OpenAI, batch_cluster: Cluster
+) -> None:
+    # The result of a line whose answer comes from its job's log (n > 1's choices, logprobs).
+    lines = [completion_line(0), completion_line(1)]
+    lines[0]["body"].update(n=3, temperature=1.0, seed=4, logprobs=2)
+    lines[1]["body"].update(n=2)
+    batch = ended(oai, run_batch(oai, lines, "/v1/completions"))
+    assert batch.status == "completed" and batch.request_counts.completed == 2
+    for out in jsonl(oai, batch.output_file_id):
+        line = lines[int(out["custom_id"].split("-")[1])]
+        body = out["response"]["body"]
+        direct = httpx.post(f"{batch_cluster.url}/v1/completions", json=line["body"], timeout=30).json()
+        assert [c["index"] for c in body["choices"]] == list(range(line["body"]["n"]))
+        assert [c["text"] for c in body["choices"]] == [c["text"] for c in direct["choices"]]
+        for got, want in zip(body["choices"], direct["choices"], strict=True):
+            if line["body"].get("logprobs") is None:
+                assert got["logprobs"] is None
+            else:  # the same tokens; the values as close as two batches' float sums
+                assert got["logprobs"]["tokens"] == want["logprobs"]["tokens"]
+                pairs = zip(
+                    got["logprobs"]["token_logprobs"], want["logprobs"]["token_logprobs"], strict=True
+                )
+                assert all(abs(a - b) < 1e-4 for a, b in pairs)
+        assert body["usage"] == direct["usage"]
 
 
 @pytest.mark.parametrize(
@@ -284,6 +314,40 @@ def test_cancel_mid_run_keeps_what_finished_and_runs_nothing_after(
     keys = Keys(batch_cluster.prefix)
     assert r.llen(keys.broker_list(keys.queue_llm, BATCH_PRIORITY)) == 0
     assert not r.zrange(keys.running_jobs(), 0, -1)
+
+
+def batch_figures(api_url: str) -> tuple[dict[str, float], dict[str, float]]:
+    """The API's /metrics: batches by status, and the live batches' lines by state."""
+    families = text_string_to_metric_families(httpx.get(f"{api_url}/metrics", timeout=10).text)
+    samples = [s for f in families for s in f.samples]
+    return (
+        {s.labels["status"]: s.value for s in samples if s.name == "spool_batches"},
+        {s.labels["state"]: s.value for s in samples if s.name == "spool_batch_lines"},
+    )
+
+
+def test_metrics_count_batches_by_status_and_live_lines_by_state(
+    oai: openai.OpenAI, batch_cluster: Cluster
+) -> None:
+    statuses, lines = batch_figures(batch_cluster.url)
+    assert set(statuses) == set(BATCH_STATUSES) and set(lines) == set(BATCH_LINE_STATES)  # from the start
+    assert sum(lines.values()) == 0  # the batches before this test all ended
+    batch_id = run_batch(oai, [completion_line(i, max_tokens=24) for i in range(30)], "/v1/completions")
+    seen: list[dict[str, float]] = []
+
+    def fed() -> bool:
+        seen[:] = [batch_figures(batch_cluster.url)[1]]
+        return seen[0]["in_flight"] > 0
+
+    wait_until(fed, "lines in flight", 60)
+    # Every line in one state; never more in flight than the window (SPOOL_BATCH_WINDOW 12).
+    assert sum(seen[0].values()) == 30 and seen[0]["in_flight"] <= BATCH_SETTINGS["batch_window"]
+    assert ended(oai, batch_id).status == "completed"
+    statuses, lines = batch_figures(batch_cluster.url)
+    assert lines == dict.fromkeys(BATCH_LINE_STATES, 0)  # an ended batch's lines count no more
+    listed = Counter(b.status for b in oai.batches.list(limit=100))
+    assert statuses == {status: listed.get(status, 0) for status in BATCH_STATUSES}
+    assert statuses["completed"] >= 1
 
 
 def test_an_interactive_request_is_taken_before_the_batchs_queued_lines(

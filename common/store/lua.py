@@ -49,7 +49,8 @@ redis.call('ZADD', KEYS[4], ARGV[5], ARGV[1])
 
 # KEYS: job hash, log, queued zset, running zset, text. ARGV: job id, worker, model, now, lease deadline.
 # A running job is taken over only when its lease lapsed (its worker died or hung). A job taken
-# over from a worker that kept no text key (an older version) gets one, built from its log.
+# over from a worker that kept no text key (an older version) gets one, built from its log
+# (choice 0's tokens: records.job_text).
 TAKE_LUA = (
     """
 local status = redis.call('HGET', KEYS[1], 'status')
@@ -62,7 +63,8 @@ if #log > 0 and redis.call('EXISTS', KEYS[5]) == 0 then
   local text = {}
   for _, raw in ipairs(log) do
     local entry = cjson.decode(raw)
-    if entry.type == 'token' then text[#text + 1] = entry.data.text end
+    local choice = entry.data.choice
+    if entry.type == 'token' and (not choice or choice == 0) then text[#text + 1] = entry.data.text end
   end
   redis.call('SET', KEYS[5], table.concat(text))
 end
@@ -397,6 +399,36 @@ if final ~= 'expired' then redis.call('HSET', KEYS[1], final .. '_at', ARGV[2]) 
 redis.call('SREM', KEYS[2], ARGV[1])
 for i = 1, 4 do if i ~= 2 then redis.call('EXPIRE', KEYS[i], ARGV[3]) end end
 return final
+"""
+
+# KEYS: per batch, its hash and its window hash. ARGV: the statuses of the batches not ended.
+# For /metrics, in one call: the batches by status, then (after an empty string) the lines of the
+# batches not ended by state: pending (not fed), in flight (in the window), completed, failed.
+# A batch whose hash expired is skipped.
+BATCH_COUNTS_LUA = """
+local live = {}
+for _, status in ipairs(ARGV) do live[status] = true end
+local statuses, order = {}, {}
+local pending, in_flight, completed, failed = 0, 0, 0, 0
+for i = 1, #KEYS, 2 do
+  local h = redis.call('HMGET', KEYS[i], 'status', 'total', 'completed', 'failed')
+  local status = h[1]
+  if status then
+    if not statuses[status] then statuses[status] = 0; order[#order + 1] = status end
+    statuses[status] = statuses[status] + 1
+    if live[status] then
+      local window = redis.call('HLEN', KEYS[i + 1])
+      local c, f = tonumber(h[3] or '0'), tonumber(h[4] or '0')
+      pending = pending + math.max(tonumber(h[2] or '0') - c - f - window, 0)
+      in_flight, completed, failed = in_flight + window, completed + c, failed + f
+    end
+  end
+end
+local out = {}
+for _, status in ipairs(order) do out[#out + 1] = status; out[#out + 1] = statuses[status] end
+out[#out + 1] = ''
+out[#out + 1] = pending; out[#out + 1] = in_flight; out[#out + 1] = completed; out[#out + 1] = failed
+return out
 """
 
 # KEYS: job hash, broker list. ARGV: now, min gap (s), message.
