@@ -416,7 +416,9 @@ class EngineRuntime:
     def _intake_room(self) -> int:
         with self._lock:
             lines = sum(j.batch_line for j in self._jobs.values())
-            interactive = len(self._jobs) - lines + len(self._intaking)
+            # Engine requests of interactive jobs (one per choice), and those being taken.
+            interactive = sum(len(j.choices) for j in self._jobs.values() if not j.batch_line)
+            interactive += len(self._intaking)
         return self.engine.num_slots - interactive if lines else 0
 
     def _intake(self, job_id: str) -> None:
