@@ -54,7 +54,7 @@ PREFIX = "bench-media"
 def direct_images_per_s(pipe: ImagePipeline, n: int, size: int, steps: int) -> float:
     t0 = time.perf_counter()
     for seed in range(n):
-        pipe.generate(ImageSpec("a lighthouse at dusk", size, size, steps, seed), lambda s, t: True)
+        pipe.generate(ImageSpec("a lighthouse at dusk", size, size, steps, seed), lambda s, t, p: True)
     return n / (time.perf_counter() - t0)
 
 
