@@ -9,6 +9,7 @@ what each command does, which settings it reads, and gives an example.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import textwrap
 from collections.abc import Sequence
@@ -46,6 +47,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
     check_redis_at_start(get_settings().redis_url)  # before torch loads: seconds sooner
     settings = get_settings()
     if args.kind == "media":
+        if settings.image_nice:
+            os.nice(settings.image_nice)  # before any thread starts: every one inherits it
         from workers.media.tasks import app  # loads torch and diffusers: only here
 
         concurrency, queue = 1, settings.keys.queue_media
