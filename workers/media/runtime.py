@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import threading
 import time
 from dataclasses import dataclass
@@ -223,16 +222,11 @@ class MediaRuntime:
         go_on = self._record_step(part, step, steps, preview, previews)
         if go_on:
             self._begin_step()
-            self._yield_cpu()
         return go_on
 
     def _begin_step(self) -> None:
         self._step_started = time.perf_counter()
         self._watchdog.begin()
-
-    def _yield_cpu(self) -> None:
-        """Between two steps, let the other threads of the machine run (a text worker beside it)."""
-        os.sched_yield()
 
     def _record_step(
         self, part: _Part, step: int, steps: int, preview: Image | None, previews: list[int]
