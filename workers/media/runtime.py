@@ -188,10 +188,10 @@ class MediaRuntime:
                 spec, lambda step, steps, preview: self._progress(part, step, steps, preview, previews)
             )
         except Exception as e:
+            self._watchdog.end()
             log.exception("the pipeline failed on part %s", part.part_id)
             return self._fail(part, JobError(message=f"the image pipeline failed: {e}", type="engine_error"))
-        finally:
-            self._watchdog.end()  # the last step's decode is done too
+        self._watchdog.end()  # the last step's decode is done too
         if part.lost:
             return Outcome.LOST
         if image is None and not part.timed_out and not part.aborted:
