@@ -17,8 +17,8 @@ ttft    Time to first token of a text part (``--text-jobs`` jobs, one at a time,
         threads, which needs root to go back to 0), and every job starts with the media worker
         idle.
 
-Both pipelines run one torch thread (the media worker's ``OMP_NUM_THREADS=1``, this process's
-``torch.set_num_threads(1)``): on a small shared CPU more threads only contend.
+Both workers and the direct pipeline run the torch threads ``spool up`` gives its workers
+(``SPOOL_TORCH_THREADS``: the CPUs minus one; this process's ``torch.set_num_threads``).
 
     .venv/bin/python bench/media_bench.py                 # a short run (about a minute on 2 cores)
     .venv/bin/python bench/media_bench.py --images 16 --rounds 3 --json /tmp/media.json
@@ -50,7 +50,7 @@ from measure import loadavg, log
 from common.keys import Keys
 from spool_cli import procs as harness
 from spool_cli.procs import spool_argv, spool_env, wait_until
-from spool_cli.up import MEDIA_NICE
+from spool_cli.up import MEDIA_NICE, worker_torch_threads
 from workers.engine.tiny import build_tiny_model
 from workers.media.pipeline import ImagePipeline, ImageSpec
 from workers.media.tiny import build_tiny_image_model
@@ -129,7 +129,8 @@ def main() -> None:
     ap.add_argument("--nice", type=int, default=MEDIA_NICE, help="the niced media worker's niceness")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
-    torch.set_num_threads(1)
+    threads = int(worker_torch_threads({}))  # the CPUs minus one, as `spool up` sets
+    torch.set_num_threads(threads)  # the direct pipeline's, as the media worker's
     work = Path(tempfile.mkdtemp(prefix="spool-media-bench-"))
     image_model = build_tiny_image_model(work / "tiny-sd")
     text_model = build_tiny_model(work / "tiny-llama", "llama")
@@ -140,9 +141,9 @@ def main() -> None:
         r = redis.Redis.from_url(redis_url)
         keys = Keys(PREFIX)
         common = {"heartbeat_s": 0.5, "max_image_steps": 1000}
-        text_env = spool_env(redis_url, PREFIX, model=text_model, worker_name="text", **common)
-        media_env = spool_env(redis_url, PREFIX, image_model=image_model, worker_name="media", **common)
-        media_env["OMP_NUM_THREADS"] = "1"
+        workers = {**common, "torch_threads": threads}  # as `spool up` gives both workers
+        text_env = spool_env(redis_url, PREFIX, model=text_model, worker_name="text", **workers)
+        media_env = spool_env(redis_url, PREFIX, image_model=image_model, worker_name="media", **workers)
         procs.append(harness.start("text", [*spool_argv(), "worker"], env=text_env, log_dir=work))
         media = [*spool_argv(), "worker", "--kind", "media"]
         media_proc = harness.start("media", media, env=media_env, log_dir=work)
