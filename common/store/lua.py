@@ -49,7 +49,8 @@ redis.call('ZADD', KEYS[4], ARGV[5], ARGV[1])
 
 # KEYS: job hash, log, queued zset, running zset, text. ARGV: job id, worker, model, now, lease deadline.
 # A running job is taken over only when its lease lapsed (its worker died or hung). A job taken
-# over from a worker that kept no text key (an older version) gets one, built from its log.
+# over from a worker that kept no text key (an older version) gets one, built from its log
+# (choice 0's tokens: records.job_text).
 TAKE_LUA = (
     """
 local status = redis.call('HGET', KEYS[1], 'status')
@@ -62,7 +63,8 @@ if #log > 0 and redis.call('EXISTS', KEYS[5]) == 0 then
   local text = {}
   for _, raw in ipairs(log) do
     local entry = cjson.decode(raw)
-    if entry.type == 'token' then text[#text + 1] = entry.data.text end
+    local choice = entry.data.choice
+    if entry.type == 'token' and (not choice or choice == 0) then text[#text + 1] = entry.data.text end
   end
   redis.call('SET', KEYS[5], table.concat(text))
 end
