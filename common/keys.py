@@ -100,6 +100,11 @@ class Keys:
         """Sorted set of queued job ids (score: enqueue time); sized for backpressure."""
         return f"{self.prefix}:queued"
 
+    def queued_media(self) -> str:
+        """Sorted set of queued image parts whose message was sent (score: when), for the media
+        workers' sweep to send a lost one again; not counted for backpressure."""
+        return f"{self.prefix}:queued_media"
+
     def running_jobs(self) -> str:
         """Sorted set of running job ids (score: lease deadline); scanned for crashed workers."""
         return f"{self.prefix}:running"

@@ -6,6 +6,7 @@ encode/decode helpers here are the only code that writes or reads it.
 
 from __future__ import annotations
 
+import base64
 import enum
 import math
 import re
@@ -344,6 +345,7 @@ class TextPart(TextParams):
     type: Literal["text"]
 
 
+MAX_PARTIAL_IMAGES = 3  # as OpenAI's partial_images
 _SIZE = re.compile(r"^([1-9][0-9]{0,5})x([1-9][0-9]{0,5})$")
 
 
@@ -361,6 +363,8 @@ class ImagePart(BaseModel):
     guidance_scale: float | None = Field(None, ge=0, le=50)  # none: the pipeline's default
     negative_prompt: str | None = Field(None, max_length=4000)
     timeout_s: float | None = Field(None, gt=0)  # counted from job creation; past it the part fails
+    # Previews while it denoises (OpenAI's partial_images): a `preview` event each, off by default.
+    partial_images: int = Field(0, ge=0, le=MAX_PARTIAL_IMAGES)
 
     @field_validator("prompt", "negative_prompt")
     @classmethod
@@ -511,15 +515,18 @@ class JobRequest(TextParams):
         return self
 
     def part_request(self, index: int) -> JobRequest | ImagePart:
-        """The request a part runs with: a text part as a background text job (the job's own
-        watchers count for it), with the job's timeout_s unless it has its own."""
+        """The request a part runs with: a text part as a text job, foreground if the job is (the
+        job's own watchers count for it: common/store/sync.py ``unwatched``), with the job's
+        timeout_s unless it has its own."""
         assert self.parts is not None
         part = self.parts[index]
         timeout = part.timeout_s if part.timeout_s is not None else self.timeout_s
         if isinstance(part, ImagePart):
             return part.model_copy(update={"timeout_s": timeout})
         fields = part.model_dump(exclude={"type"}, exclude_unset=True)
-        return JobRequest.model_validate({**fields, "max_tokens": part.max_tokens, "timeout_s": timeout})
+        return JobRequest.model_validate(
+            {**fields, "max_tokens": part.max_tokens, "timeout_s": timeout, "background": self.background}
+        )
 
     @classmethod
     def accept(cls, data: Any, settings: Settings) -> JobRequest:
@@ -574,7 +581,7 @@ class ErrorEvent(BaseModel):
     type: str  # engine_error | request_too_long | timeout | ...
 
 
-EventType = Literal["token", "done", "error", "part", "progress"]
+EventType = Literal["token", "done", "error", "part", "progress", "preview"]
 
 
 class LogEntry(BaseModel):
@@ -610,6 +617,22 @@ class LogEntry(BaseModel):
     @classmethod
     def progress(cls, seq: int, part: int, step: int, steps: int) -> LogEntry:
         return cls(seq=seq, type="progress", data={"part": part, "step": step, "steps": steps})
+
+    @classmethod
+    def preview(
+        cls, seq: int, part: int, step: int, index: int, png: bytes, width: int, height: int
+    ) -> LogEntry:
+        """A small PNG of an image part's latents after ``step`` (its ``index``-th preview)."""
+        data = {
+            "part": part,
+            "step": step,
+            "partial_image_index": index,
+            "content_type": "image/png",
+            "width": width,
+            "height": height,
+            "b64_json": base64.b64encode(png).decode(),
+        }
+        return cls(seq=seq, type="preview", data=data)
 
     @classmethod
     def part_status(cls, seq: int, data: dict[str, Any]) -> LogEntry:

@@ -49,6 +49,9 @@ class Settings(BaseSettings):
     image_model: str = ""  # hub id or directory; empty: a tiny random pipeline built on first use
     image_device: str = "cpu"
     image_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    # The media worker's CPU niceness (os.nice at its start, so every thread has it): above 0 its
+    # pipeline gives way to a text worker on the same CPUs. `spool up` sets it to 10.
+    image_nice: int = Field(0, ge=0, le=19)
 
     # Jobs (API)
     max_queued_jobs: int = Field(1000, ge=1)

@@ -9,6 +9,7 @@ what each command does, which settings it reads, and gives an example.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import textwrap
 from collections.abc import Sequence
@@ -47,6 +48,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
     check_redis_at_start(get_settings().redis_url)  # before torch loads: seconds sooner
     settings = get_settings()
     if args.kind == "media":
+        if settings.image_nice:
+            os.nice(settings.image_nice)  # before any thread starts: every one inherits it
         from workers.media.tasks import app  # loads torch and diffusers: only here
 
         concurrency, queue = 1, settings.keys.queue_media
@@ -231,11 +234,13 @@ def parser() -> argparse.ArgumentParser:
         "that restarts it (it exits 70 when an engine step stalls, 78 when its model does not load "
         "or its name is held by a live worker, 2 on a Redis whose maxmemory-policy evicts keys). "
         "--kind media runs image parts instead, on one diffusers pipeline (SPOOL_IMAGE_MODEL), "
-        "one image at a time, from the {prefix}.media queue.",
+        "one image at a time, from the {prefix}.media queue (it exits 70 too when a denoising step "
+        "stalls).",
         "Settings: SPOOL_REDIS_URL, SPOOL_REDIS_PREFIX, SPOOL_MODEL, SPOOL_DEVICE, SPOOL_DTYPE, the "
         "engine's (SPOOL_MAX_BATCH_SIZE, SPOOL_MAX_MODEL_LEN, ...) and the liveness ones "
         "(SPOOL_HEARTBEAT_S, SPOOL_LEASE_S, SPOOL_WORKER_NAME, ...); with --kind media "
-        "SPOOL_IMAGE_MODEL, SPOOL_IMAGE_DEVICE, SPOOL_IMAGE_DTYPE instead of the model and engine's.",
+        "SPOOL_IMAGE_MODEL, SPOOL_IMAGE_DEVICE, SPOOL_IMAGE_DTYPE and SPOOL_IMAGE_NICE instead of the "
+        "model and engine's.",
         "SPOOL_MODEL=Qwen/Qwen2.5-0.5B-Instruct SPOOL_DEVICE=cuda spool worker",
     )
     p.add_argument(
@@ -268,8 +273,10 @@ def parser() -> argparse.ArgumentParser:
         "Uses SPOOL_REDIS_URL if set, else a Redis on localhost:6379, else starts redis-server (no "
         "persistence) on a free port. Ctrl-C or SIGTERM stops everything (status 0). If a child "
         "exits (a worker whose model does not load, an API killed), spool up names it with its "
-        "exit status, stops the others and exits 1; it restarts nothing. The worker gets "
-        "SPOOL_TORCH_THREADS=<CPUs minus one> unless it is set, leaving a core to the API and Redis.",
+        "exit status, stops the others and exits 1; it restarts nothing. The workers get "
+        "SPOOL_TORCH_THREADS=<CPUs minus one> unless it is set, leaving a core to the API and Redis; "
+        "the media worker gets SPOOL_IMAGE_NICE=10 unless it is set, and with "
+        "SPOOL_WORKER_METRICS_PORT set, the port after the text worker's.",
         "Settings: all of the worker's and the API's (spool worker --help, spool api --help).",
         "SPOOL_PORT=8001 spool up",
     )

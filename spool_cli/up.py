@@ -4,8 +4,10 @@ or started here.
 It runs until Ctrl-C or SIGTERM (the children are stopped; status 0) or until a child exits:
 that one is named with its exit status, the others are stopped, and ``spool up`` exits 1. It
 restarts nothing: a supervisor (systemd, Docker's restart policy) restarts ``spool up`` whole.
-The worker runs torch on the CPUs minus one (``SPOOL_TORCH_THREADS``, unless set): the API and
-Redis share the machine.
+The workers run torch on the CPUs minus one (``SPOOL_TORCH_THREADS``, unless set): the API and
+Redis share the machine. The media worker runs at niceness 10 (``SPOOL_IMAGE_NICE``, unless set),
+so that an image part's denoising delays no text part's first token (docs/benchmarks.md), and
+with ``SPOOL_WORKER_METRICS_PORT`` set it serves its metrics on the port after the text worker's.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from spool_cli import procs as harness
 LOCAL_REDIS = "redis://127.0.0.1:6379/0"
 STOP_S = 20.0  # how long children get to stop before they are killed
 EXIT_CHILD_DIED = 1
+MEDIA_NICE = 10  # the media worker's SPOOL_IMAGE_NICE unless the caller set one
 
 
 def say(message: str) -> None:
@@ -66,7 +69,11 @@ def up() -> int:
         children.append(harness.start("worker", [*spool, "worker"], env=worker_env))
         # Its own name: a SPOOL_WORKER_NAME given for the pair would make them one heartbeat.
         named = env.get("SPOOL_WORKER_NAME")
-        media_env = {**worker_env, "SPOOL_WORKER_NAME": f"{named}-media"} if named else worker_env
+        media_env = {**worker_env, "SPOOL_IMAGE_NICE": env.get("SPOOL_IMAGE_NICE") or str(MEDIA_NICE)}
+        if named:
+            media_env["SPOOL_WORKER_NAME"] = f"{named}-media"
+        if env.get("SPOOL_WORKER_METRICS_PORT"):  # one port per process: the media worker's is the next
+            media_env["SPOOL_WORKER_METRICS_PORT"] = str(int(env["SPOOL_WORKER_METRICS_PORT"]) + 1)
         children.append(harness.start("media worker", [*spool, "worker", "--kind", "media"], env=media_env))
         children.append(harness.start("api", [*spool, "api"], env=env))
         say(", ".join(f"{p.name} (pid {p.pid})" for p in children) + " started")

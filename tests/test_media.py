@@ -28,18 +28,22 @@ from procs import (
     Prefixes,
     Service,
     finished_job,
+    free_port,
     spool_env,
     start,
     start_api,
     start_worker,
     wait_until,
 )
-from sse_client import Event, check_full_stream, read_events
+from prometheus_client.parser import text_string_to_metric_families
+from sse_client import Event, check_full_stream, iter_sse, read_events
 
 from common.keys import Keys
 
 # A kill is noticed within a lease: short ones, so the takeover test waits seconds, not minutes.
 LIVENESS = {"heartbeat_s": 0.5, "heartbeat_ttl_s": 2, "lease_s": 2}
+# Media workers cancel a foreground job nobody has watched for a second (the abandoned-job test).
+MEDIA_GRACE_S = 1
 
 
 @pytest.fixture(scope="session")
@@ -57,14 +61,16 @@ class Media:
         self.keys = Keys(prefix)
         self.workers: list[Service] = []
         self.api: Service | None = None
+        self.metrics_port: int | None = None  # the first media worker's
 
     @property
     def url(self) -> str:
         assert self.api is not None
         return self.api.url
 
-    def start_media_worker(self, name: str) -> Service:
-        env = spool_env(self.prefix, image_model=self.model, worker_name=f"{self.prefix}-{name}", **LIVENESS)
+    def start_media_worker(self, name: str, **settings: object) -> Service:
+        settings = {**LIVENESS, "detach_grace_s": MEDIA_GRACE_S, **settings}
+        env = spool_env(self.prefix, image_model=self.model, worker_name=f"{self.prefix}-{name}", **settings)
         env["OMP_NUM_THREADS"] = "1"  # two cores shared: one thread per pipeline runs fastest
         worker = start(f"media-{self.prefix}-{name}", [SPOOL, "worker", "--kind", "media"], env, self.log_dir)
         r = redis.Redis.from_url(REDIS_URL)
@@ -79,7 +85,8 @@ def media(prefixes: Prefixes, tiny_model: Path, tiny_image_model: Path, log_dir:
     m = Media(prefixes.new(), tiny_image_model, log_dir)
     lease = {k: v for k, v in LIVENESS.items() if k != "heartbeat_s"}  # start_worker sets it
     text = start_worker(m.prefix, tiny_model, log_dir, max_batch_size=8, **lease)
-    m.start_media_worker("m1")
+    m.metrics_port = free_port()
+    m.start_media_worker("m1", worker_metrics_port=m.metrics_port)
     m.api = start_api(m.prefix, log_dir, sse_ping_s=1, max_image_steps=60)
     yield m
     m.api.stop()
@@ -103,6 +110,26 @@ def content(client: httpx.Client, media: Media, job_id: str, k: int) -> bytes:
     assert r.status_code == 200, r.text
     assert r.headers["content-type"] == "image/png"
     return r.content
+
+
+Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
+
+
+def scrape(url: str) -> Samples:
+    text = httpx.get(url, timeout=10).text
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def value(samples: Samples, name: str, **labels: str) -> float:
+    return sum(v for (n, ls), v in samples.items() if n == name and set(labels.items()) <= ls)
+
+
+def delta(before: Samples, after: Samples, name: str, **labels: str) -> float:
+    return value(after, name, **labels) - value(before, name, **labels)
 
 
 def png_size(data: bytes) -> tuple[int, int]:
@@ -144,6 +171,30 @@ def test_text_and_image_both_succeed(client: httpx.Client, media: Media, tiny_mo
     assert client.get(f"{media.url}/v1/jobs/{job_id}/parts/0/content").status_code == 404
     unknown = client.get(f"{media.url}/v1/jobs/{'0' * 32}/parts/0/content")
     assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "job_not_found"
+
+
+def test_previews_while_denoising_leave_the_image_as_it_is(client: httpx.Client, media: Media) -> None:
+    image = {"type": "image", "prompt": "a harbour", "size": "64x32", "steps": 4, "seed": 11}
+    job_id = submit(client, media, [{**image, "partial_images": 2}])
+    events = events_of(client, media, job_id)
+    check_full_stream(events)
+    previews = [e for e in events if e.event == "preview"]
+    # Spread over the steps, each right after its step's progress event, a small PNG.
+    assert [(p.data["step"], p.data["partial_image_index"]) for p in previews] == [(1, 0), (3, 1)]
+    for p in previews:
+        before = next(e for e in events if e.id == p.id - 1)
+        assert before.event == "progress" and before.data["step"] == p.data["step"]
+        assert p.data["part"] == 0 and p.data["content_type"] == "image/png"
+        assert (
+            png_size(base64.b64decode(p.data["b64_json"])) == (64, 32) == (p.data["width"], p.data["height"])
+        )
+    assert finished_job(client, media.url, job_id)["status"] == "succeeded"
+    # Off by default; the image is the one a part without previews makes.
+    plain = submit(client, media, [image])
+    assert not [e for e in events_of(client, media, plain) if e.event == "preview"]
+    assert content(client, media, plain, 0) == content(client, media, job_id, 0)
+    r = client.post(f"{media.url}/v1/jobs", json={"parts": [{**image, "partial_images": 4}]})
+    assert r.status_code == 400 and "partial_images" in r.text
 
 
 def test_partial_when_the_image_times_out(client: httpx.Client, media: Media) -> None:
@@ -223,11 +274,64 @@ def test_cancel_mid_image_frees_the_media_worker(client: httpx.Client, media: Me
     assert finished_job(client, media.url, nxt, timeout=30)["status"] == "succeeded"
 
 
+def test_an_abandoned_foreground_job_is_cancelled_by_its_media_worker(
+    client: httpx.Client, media: Media
+) -> None:
+    """Its API process stopped while its only client streamed it: nobody checks it there, so its
+    media worker cancels the job once nobody has watched it for the grace, and is free again."""
+    api = start_api(media.prefix, media.log_dir, detach_grace_s=MEDIA_GRACE_S, shutdown_timeout_s=0)
+    body = {"parts": [{"type": "image", "prompt": "long", "size": "64x64", "steps": 60}]}
+    seen: list[Event] = []
+    with client.stream("POST", f"{api.url}/v1/jobs", json={**body, "background": False, "stream": True}) as r:
+        assert r.status_code == 200, r.read()
+        job_id = r.headers["Location"].rsplit("/", 1)[1]
+        for item in iter_sse(r):
+            if isinstance(item, Event):
+                seen.append(item)
+                if len(seen) == 3:  # running, steps 1 and 2
+                    break
+        api.stop()  # its watcher becomes a ghost for the API's grace; its own check dies with it
+    # Polled, not streamed: a stream of a foreground job would watch it.
+    assert finished_job(client, media.url, job_id)["status"] == "cancelled"
+    events = read_events(client, f"{media.url}/v1/jobs/{job_id}/events")
+    check_full_stream(events)
+    assert events[:3] == seen
+    assert events[-1].event == "done" and events[-1].data["status"] == "cancelled"
+    steps = [e.data["step"] for e in events if e.event == "progress"]
+    assert steps[-1] < 60  # stopped, not run to the end
+    assert any("cancelling foreground job" in w.log_tail() for w in media.workers)
+    nxt = submit(client, media, [{"type": "image", "prompt": "next", "size": "32x32", "steps": 2}])
+    assert finished_job(client, media.url, nxt, timeout=30)["status"] == "succeeded"
+
+
+def test_the_media_workers_metrics_count_parts_steps_and_waits(client: httpx.Client, media: Media) -> None:
+    url = f"http://127.0.0.1:{media.metrics_port}/metrics"
+    before = scrape(url)
+    job_id = submit(client, media, [{"type": "image", "prompt": "m", "size": "32x32", "steps": 3}])
+    assert finished_job(client, media.url, job_id)["status"] == "succeeded"
+    # The end is written before the metrics are: poll for them.
+    wait_until(
+        lambda: delta(before, scrape(url), "spool_image_parts_total", status="succeeded") == 1,
+        "the image counted",
+        10,
+    )
+    after = scrape(url)
+    assert delta(before, after, "spool_image_denoise_steps_total") == 3
+    assert delta(before, after, "spool_image_denoise_step_seconds_count") == 3
+    assert delta(before, after, "spool_image_queue_time_seconds_count") == 1
+    assert delta(before, after, "spool_image_generation_seconds_count") == 1
+    assert delta(before, after, "spool_image_e2e_seconds_count") == 1
+    assert 0 < delta(before, after, "spool_image_denoise_step_seconds_sum") < 60
+    assert value(after, "spool_image_parts_running") == 0
+    for status in ("failed", "cancelled"):  # every status shown from the start
+        assert ("spool_image_parts_total", status) in {(n, dict(ls).get("status")) for n, ls in after}
+
+
 def test_resume_at_random_drops_equals_the_full_stream(client: httpx.Client, media: Media) -> None:
     rng = random.Random(16)
     parts = [
         {"type": "text", "prompt": "Once", "max_tokens": 12, "temperature": 0},
-        {"type": "image", "prompt": "a boat", "size": "32x32", "steps": 6, "seed": 1},
+        {"type": "image", "prompt": "a boat", "size": "32x32", "steps": 6, "seed": 1, "partial_images": 2},
     ]
     job_id = submit(client, media, parts)
     url = f"{media.url}/v1/jobs/{job_id}/events"
@@ -238,7 +342,7 @@ def test_resume_at_random_drops_equals_the_full_stream(client: httpx.Client, med
     full = read_events(client, url)
     assert got == full
     check_full_stream(full)
-    assert {"token", "progress", "part", "done"} <= {e.event for e in full}
+    assert {"token", "progress", "preview", "part", "done"} <= {e.event for e in full}
 
 
 def test_images_generate_with_the_openai_client(media: Media) -> None:
@@ -339,3 +443,44 @@ def test_without_a_media_worker_a_request_that_waits_for_images_is_a_503(
     queued = client.post(f"{cluster.url}/v1/jobs", json={"parts": [image]})
     assert queued.status_code == 202 and queued.json()["parts"][0]["status"] == "queued"
     assert client.post(f"{cluster.url}/v1/jobs/{queued.json()['id']}/cancel").json()["status"] == "cancelled"
+
+
+@pytest.fixture
+def bare(prefixes: Prefixes, tiny_image_model: Path, log_dir: Path) -> Iterator[Media]:
+    """An API on a prefix of its own, and no worker yet."""
+    m = Media(prefixes.new(), tiny_image_model, log_dir)
+    m.api = start_api(m.prefix, log_dir, ready=False)
+    yield m
+    m.api.stop()
+    for w in m.workers:
+        w.stop()
+
+
+def test_an_image_part_whose_message_was_lost_is_sent_again(client: httpx.Client, bare: Media) -> None:
+    """As a text job's: queued longer than a lease while the media queue is empty (a Redis
+    restart dropped the message), the media workers' sweep sends it again."""
+    r = redis.Redis.from_url(REDIS_URL, decode_responses=True)
+    job_id = submit(client, bare, [{"type": "image", "prompt": "lost", "size": "32x32", "steps": 2}])
+    lists = bare.keys.queue_lists(bare.keys.queue_media)
+    assert sum(r.llen(k) for k in lists) == 1
+    r.delete(*lists)  # lost
+    bare.start_media_worker("m1")
+    job = finished_job(client, bare.url, job_id, timeout=60)
+    assert job["status"] == "succeeded"
+    assert r.hget(bare.keys.job(f"{job_id}:part:0"), "requeued_at")
+    assert "message lost" in bare.workers[0].log_tail()
+    assert r.zcard(bare.keys.queued_media()) == 0
+
+
+def test_a_media_worker_whose_pipeline_step_stalls_exits_70(client: httpx.Client, bare: Media) -> None:
+    """SPOOL_ENGINE_STALL_S holds for a denoising step too: 1 ms here, so the first step is a stall."""
+    r = redis.Redis.from_url(REDIS_URL)
+    stuck = bare.start_media_worker("stuck", engine_stall_s=0.001)
+    job_id = submit(client, bare, [{"type": "image", "prompt": "stall", "size": "32x32", "steps": 2}])
+    wait_until(lambda: not stuck.alive(), "the stalled media worker to exit", 60)
+    assert stuck.proc.returncode == 70
+    assert "engine step running for over SPOOL_ENGINE_STALL_S" in stuck.log_tail()
+    assert not r.exists(bare.keys.worker(f"{bare.prefix}-stuck"))  # not ready any more
+    # Its part passes to the next media worker.
+    bare.start_media_worker("m2")
+    assert finished_job(client, bare.url, job_id, timeout=60)["status"] == "succeeded"

@@ -176,6 +176,8 @@ def test_monitoring_files_parse_and_point_at_the_services() -> None:
     ports = {job["job_name"]: job["dns_sd_configs"][0] for job in scrape["scrape_configs"]}
     worker_port = compose["worker"]["environment"]["SPOOL_WORKER_METRICS_PORT"]
     assert ports["spool-worker"] == {"names": ["worker"], "type": "A", "port": int(worker_port)}
+    media_port = compose["media-worker"]["environment"]["SPOOL_WORKER_METRICS_PORT"]
+    assert ports["spool-media-worker"] == {"names": ["media-worker"], "type": "A", "port": int(media_port)}
     api_command = compose["api"]["command"]
     assert ports["spool-api"]["port"] == int(api_command[api_command.index("--port") + 1])
     for f in (DEPLOY / "grafana/provisioning").rglob("*.yml"):

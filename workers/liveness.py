@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from redis.exceptions import RedisError
 
+from common.keys import split_part_id
 from common.process import NamedThread
 from common.schemas import WorkerHeartbeat
 from common.settings import Settings
@@ -157,13 +158,27 @@ class Liveness:
             for job_id in self.store.cancel_requested(list(held)):
                 self.executor.abort(job_id)
             for job_id in self._unwatched(held):
-                # No cancel flag needed: a worker that took the job over would find it unwatched too.
-                log.info("cancelling foreground job %s: nobody has watched it for the grace", job_id)
-                self.executor.abort(job_id)
+                self._cancel_unwatched(job_id)
             self._sweep(set(held), time.time() - self._connected_since >= self.settings.heartbeat_ttl_s)
         except RedisError as e:
             self._connected_since = None
             log.warning("heartbeat failed: %s", e)
+
+    def _cancel_unwatched(self, job_id: str) -> None:
+        split = split_part_id(job_id)
+        if split is None:
+            # No cancel flag needed: a worker that took the job over would find it unwatched too.
+            log.info("cancelling foreground job %s: nobody has watched it for the grace", job_id)
+            self.executor.abort(job_id)
+            return
+        # A part: the whole job is cancelled, as the API's check would (its queued parts at once,
+        # its running ones by their workers, this one too: the cancel reaches the listener, and
+        # the next beat's re-read of the flags), and it ends `cancelled`.
+        log.info(
+            "cancelling foreground job %s of part %s: nobody has watched it for the grace", split[0], job_id
+        )
+        self.store.cancel_job(split[0])
+        self.executor.abort(job_id)
 
     def _unwatched(self, held: Mapping[str, HeldJob]) -> list[str]:
         """The held jobs that nobody has watched for the grace (see store.unwatched).

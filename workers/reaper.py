@@ -8,7 +8,9 @@ Every live worker runs a sweep from its heartbeat thread, so recovery needs no e
   whose worker is this very one, restarted (same name), is requeued without waiting for the
   heartbeat, since this process knows it does not run it.
 - A queued job that has waited longer than a lease while the Celery queue is empty lost its
-  message (Redis went down as a worker received it): it is sent again. (The API cannot lose it:
+  message (Redis went down as a worker received it, or restarted without it): it is sent again.
+  Text jobs and text parts are found in ``{p}:queued``, image parts (once their message was
+  sent) in ``{p}:queued_media``; each kind of worker sweeps its own. (The API cannot lose it:
   the script that stores a job pushes its message.)
 
 Celery's visibility timeout would also redeliver a dead worker's message, but only after it
@@ -72,10 +74,11 @@ class Reaper:
         for job_id, worker in lapsed:
             if worker == self.name or (others_too and worker not in alive):
                 done += self._requeue(job_id, now, "lease lapsed", worker)
-        # NOTE: only text jobs are in {p}:queued (a media part's lost message is not sent again).
-        if others_too and not self.queue:
-            for job_id in self.store.stale_queued(now - self.settings.lease_s):
+        if others_too:
+            # Text jobs and parts in {p}:queued, image parts in {p}:queued_media (each kind's sweep).
+            for job_id in self.store.stale_queued(now - self.settings.lease_s, queue=self.queue):
                 done += self._requeue(job_id, now, "message lost", "")
+        if others_too and not self.queue:
             if time.monotonic() - self._deliveries_swept >= self.settings.lease_s:
                 self._deliveries_swept = time.monotonic()
                 self.drop_ended_deliveries()
@@ -92,7 +95,7 @@ class Reaper:
         return len(tags)
 
     def _requeue(self, job_id: str, now: float, reason: str, worker: str) -> list[Requeued]:
-        if not self.store.claim_requeue(job_id, now, self.settings.lease_s):
+        if not self.store.claim_requeue(job_id, now, self.settings.lease_s, self.queue):
             return []
         self.requeue(job_id)
         log.warning("requeued job %s (%s; it was on %r)", job_id, reason, worker)

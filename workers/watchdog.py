@@ -1,4 +1,4 @@
-"""Ends the worker process when one engine step runs past ``SPOOL_ENGINE_STALL_S``.
+"""Ends the worker process when one engine step (or denoising step) runs past ``SPOOL_ENGINE_STALL_S``.
 
 A hung kernel cannot be stopped from inside the process, and a worker that beats while its
 engine is stuck would hold its jobs' leases forever; once the process is gone, its jobs pass on
@@ -44,12 +44,20 @@ class Watchdog:
     def step(self) -> Iterator[None]:
         """Around one engine step: only the engine's own work counts towards a stall, not a wait
         for an unreachable Redis."""
-        self._stepper = threading.current_thread()
-        self._started = time.monotonic()
+        self.begin()
         try:
             yield
         finally:
-            self._started = None
+            self.end()
+
+    def begin(self) -> None:
+        """A step starts on this thread (``step`` for work that is not one block: the media
+        worker's denoising steps, which end in a pipeline's callback)."""
+        self._stepper = threading.current_thread()
+        self._started = time.monotonic()
+
+    def end(self) -> None:
+        self._started = None
 
     def _watch(self) -> None:
         while True:

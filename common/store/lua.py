@@ -163,7 +163,7 @@ local function finish_job(job, log, chan, text, now, ttl)
 end
 """
 
-# KEYS: job hash, log, job channel, queued zset, cancel channel, running zset, text.
+# KEYS: job hash, log, job channel, queued zset, cancel channel, running zset, text, queued media zset.
 # ARGV: job id, now, ttl, the done entry (seq 1: a queued job's log is empty).
 # A job with parts: each queued part is cancelled at once (its part event), each running one is
 # told (as a running job is); the job ends once its last part has.
@@ -182,6 +182,7 @@ if redis.call('HEXISTS', KEYS[1], 'parts') == 1 then
       redis.call('HSET', k[1], 'status', 'cancelled', 'finish_reason', 'cancelled', 'finished_at', ARGV[2],
                  'cancel_requested', '1', 'summary', summary)
       redis.call('ZREM', KEYS[4], id)
+      redis.call('ZREM', KEYS[8], id)
       part_event(KEYS[2], KEYS[3], summary)
     elseif st == 'running' then
       redis.call('HSET', k[1], 'cancel_requested', '1')
@@ -452,7 +453,9 @@ return 1
 #       index max age (s), index max length.
 # CREATE_LUA for a job with parts: the job and every part's hash, and the messages of the parts
 # that can start now (a part with prompt_from keeps its message until its text part succeeded).
-# Text parts are queued jobs (backpressure, the sweep's lost messages); the job itself never is.
+# Text parts are queued jobs (backpressure, the sweep's lost messages); an image part whose
+# message is sent goes into the queued media zset (``zset``: the sweep's lost messages only);
+# the job itself never is queued.
 CREATE_PARTS_LUA = """
 local idem = ARGV[4] ~= '' and KEYS[4]
 if idem then
@@ -468,7 +471,7 @@ end
 hset(KEYS[2], cjson.decode(ARGV[5]))
 for _, p in ipairs(cjson.decode(ARGV[6])) do
   hset(p.key, p.fields)
-  if p.queued then redis.call('ZADD', KEYS[1], ARGV[3], p.id) end
+  if p.zset ~= '' then redis.call('ZADD', p.zset, ARGV[3], p.id) end
   if p.push then redis.call('LPUSH', p.list, p.message) end
 end
 redis.call('ZADD', KEYS[3], ARGV[3], ARGV[2])
@@ -479,7 +482,7 @@ if idem then redis.call('SET', idem, ARGV[2], 'EX', ARGV[4]) end
 return 1
 """
 
-# KEYS: part hash, job log, queued zset, running zset, job hash, job channel.
+# KEYS: part hash, job log, queued zset, running zset, job hash, job channel, queued media zset.
 # ARGV: part id, worker, model, now, lease deadline, part index.
 # TAKE_LUA for a part: the same lease rule; the job runs from its first part's start; a part
 # event says who runs it (attempt). Returns the job's log: the worker keeps the part's own events.
@@ -490,7 +493,8 @@ local status = redis.call('HGET', KEYS[1], 'status')
 if not status then return {'missing'} end
 """
     + _TAKE_LEASE
-    + """if redis.call('HGET', KEYS[5], 'status') == 'queued' then
+    + """redis.call('ZREM', KEYS[7], ARGV[1])
+if redis.call('HGET', KEYS[5], 'status') == 'queued' then
   redis.call('HSET', KEYS[5], 'status', 'running', 'started_at', ARGV[4])
 end
 part_event(KEYS[2], KEYS[6], '{"part":' .. ARGV[6] .. ',"status":"running","attempt":' .. attempt .. '}')
@@ -498,7 +502,8 @@ return {'taken', tostring(attempt), redis.call('HGETALL', KEYS[1]), redis.call('
 """
 )
 
-# KEYS: part hash, job log, job channel, running zset, part text, job hash, job text, part content.
+# KEYS: part hash, job log, job channel, running zset, part text, job hash, job text, part content,
+#       queued media zset.
 # ARGV: attempt, first seq (the part's own count of events), prompt tokens, completion tokens,
 #       final status ('' if not final), finish reason, finished_at, error JSON, ttl, part id,
 #       the entries' text, the summary (JSON: the last entry's data, when final), content ('' for
@@ -539,8 +544,9 @@ if deps then
     local key = pk[d + 1][1]
     if redis.call('HGET', key, 'status') == 'queued' then
       if ARGV[5] == 'succeeded' then
-        local list, message = unpack(redis.call('HMGET', key, 'list_key', 'message'))
+        local list, message, id = unpack(redis.call('HMGET', key, 'list_key', 'message', 'id'))
         redis.call('LPUSH', list, message)
+        redis.call('ZADD', KEYS[9], ARGV[7], id)
       else
         local err = '{"message":"part ' .. ARGV[14] .. ', which this part takes its prompt from, ' ..
                     ARGV[5] .. '","type":"dependency_failed"}'

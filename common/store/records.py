@@ -45,6 +45,8 @@ class JobRecord:
     worker: str
     cancel_requested: bool
     batch: str = ""  # the batch whose line it is (api/batch_feeder.py); empty for any other job
+    # A part of a foreground job: its worker cancels the job once nobody watches it (workers/liveness.py).
+    foreground_parent: bool = False
 
 
 @dataclass(frozen=True)
@@ -210,11 +212,15 @@ def create_parts_call(
         text = part.type == "text"
         pf = new_job_fields(pid, request.part_request(k), owner, now)  # type: ignore[arg-type]
         pf.update(type=part.type, index=str(k), parent=job_id, logged="0")
+        if not request.background:
+            pf["foreground"] = "1"
         if k in dependents:
             pf["dependents"] = json.dumps(dependents[k])
         build = message_for if text else media_message_for
         message = build(pid) if build else None
         waits = isinstance(part, ImagePart) and part.prompt_from is not None
+        push = message is not None and not waits
+        zset = keys.queued_jobs() if text else keys.queued_media() if push else ""
         if message is not None:
             pf.update(list_key=message.list_key, message=message.payload)
         parts.append(
@@ -222,8 +228,8 @@ def create_parts_call(
                 "id": pid,
                 "key": keys.job(pid),
                 "fields": pf,
-                "queued": text,
-                "push": message is not None and not waits,
+                "zset": zset,
+                "push": push,
                 "list": message.list_key if message else "",
                 "message": message.payload if message else "",
             }
@@ -315,6 +321,7 @@ def record_from_hash(h: dict[str, str], text: str) -> JobRecord:
         worker=h.get("worker", ""),
         cancel_requested=h.get("cancel_requested") == "1",
         batch=h.get("batch", ""),
+        foreground_parent=h.get("foreground") == "1",
     )
 
 
@@ -393,15 +400,16 @@ def part_take_args(keys: Keys, pid: str, worker: str, model: str, now: float, le
             keys.running_jobs(),
             keys.job(job_id),
             keys.job_events(job_id),
+            keys.queued_media(),
         ],
         [pid, worker, model, repr(now), repr(now + lease_s), index],
     )
 
 
 def own_events(log: Iterable[LogEntry], index: int) -> list[LogEntry]:
-    """A part's own events (tokens, progress) in the job's log, numbered as the part counts them:
+    """A part's own events (tokens, progress, previews) in the job's log, numbered as the part counts them:
     what its worker resumes from, as a text job's worker does from its log."""
-    mine = [e for e in log if e.type in ("token", "progress") and e.data.get("part") == index]
+    mine = [e for e in log if e.type in ("token", "progress", "preview") and e.data.get("part") == index]
     return [e.model_copy(update={"seq": n}) for n, e in enumerate(mine, 1)]
 
 
@@ -459,6 +467,7 @@ def part_append_args(keys: Keys, a: Append, ttl_s: int, now: float) -> ScriptCal
             keys.job(job_id),
             keys.job_text(job_id),
             keys.part_content(a.job_id),
+            keys.queued_media(),
         ],
         [
             str(a.attempt),
@@ -528,6 +537,7 @@ def cancel_args(keys: Keys, job_id: str, ttl_s: int, now: float) -> ScriptCall:
             keys.cancelled(),
             keys.running_jobs(),
             keys.job_text(job_id),
+            keys.queued_media(),
         ],
         [job_id, repr(now), ttl_s, cancelled_done_entry().encode()],
     )

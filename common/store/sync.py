@@ -15,13 +15,22 @@ from common.keys import part_id, split_part_id
 from common.schemas import WorkerHeartbeat
 from common.settings import Settings
 from common.store.clients import sync_client
-from common.store.lua import APPEND_STEP_LUA, PART_APPEND_LUA, PART_TAKE_LUA, RENEW_LUA, REQUEUE_LUA, TAKE_LUA
+from common.store.lua import (
+    APPEND_STEP_LUA,
+    CANCEL_LUA,
+    PART_APPEND_LUA,
+    PART_TAKE_LUA,
+    RENEW_LUA,
+    REQUEUE_LUA,
+    TAKE_LUA,
+)
 from common.store.records import (
     WORKER_FORGET_S,
     Append,
     Appended,
     TakeResult,
     append_step_args,
+    cancel_args,
     heartbeats_from,
     parse_take,
     part_append_args,
@@ -41,7 +50,8 @@ CANCEL_POLL_S = 1.0  # how long the cancel listener blocks for a message before 
 class SyncJobStore:
     """The worker's store. Thread-safe: redis.Redis draws a connection from its pool per call.
 
-    The API's operations (create, read, cancel) are the API's store's (common/store/aio.py); tests
+    The API's operations (create, read, cancel) are the API's store's (common/store/aio.py), but
+    for ``cancel_job``: a worker cancels an abandoned foreground job with parts; tests
     that play the API synchronously have their twins (tests/store_helpers.py).
     """
 
@@ -55,6 +65,7 @@ class SyncJobStore:
         self._part_append = client.register_script(PART_APPEND_LUA)
         self._renew = client.register_script(RENEW_LUA)
         self._requeue = client.register_script(REQUEUE_LUA)
+        self._cancel = client.register_script(CANCEL_LUA)
 
     @classmethod
     def from_settings(cls, settings: Settings) -> Self:
@@ -146,19 +157,21 @@ class SyncJobStore:
         kinds = {"image": self.keys.queue_media}
         return [(j, w or "", kinds.get(t or "", "")) for j, (w, t) in zip(ids, pipe.execute(), strict=True)]
 
-    def stale_queued(self, queued_before: float, limit: int = 100) -> list[str]:
+    def stale_queued(self, queued_before: float, limit: int = 100, queue: str = "") -> list[str]:
         """Jobs queued since before ``queued_before`` although the Celery queue is empty.
 
         With messages in the queue, old queued jobs are just waiting their turn; with none, a job
         still queued long after it was sent lost its message (e.g. Redis went down as a worker
-        received it), and only sending it again runs it.
+        received it), and only sending it again runs it. ``queue``: "" for text jobs (and text
+        parts), ``keys.queue_media`` for image parts.
         """
         pipe = self.redis.pipeline(transaction=False)
-        for name in self.keys.queue_lists(self.keys.queue_llm):
+        for name in self.keys.queue_lists(queue or self.keys.queue_llm):
             pipe.llen(name)
         if any(pipe.execute()):
             return []
-        ids = self.redis.zrangebyscore(self.keys.queued_jobs(), "-inf", queued_before, start=0, num=limit)
+        zset = self._queued_set(queue)
+        ids = self.redis.zrangebyscore(zset, "-inf", queued_before, start=0, num=limit)
         return [str(j) for j in ids]
 
     def oldest_queued(self, limit: int) -> list[str]:
@@ -199,9 +212,13 @@ class SyncJobStore:
         pipe.hdel(names["unacked_key"], *tags)
         pipe.execute()
 
-    def claim_requeue(self, job_id: str, now: float, min_gap_s: float) -> bool:
-        """Atomically claim sending this job's message again; True for exactly one claimer per gap."""
-        keys = [self.keys.job(job_id), self.keys.running_jobs(), self.keys.queued_jobs()]
+    def _queued_set(self, queue: str) -> str:
+        return self.keys.queued_media() if queue == self.keys.queue_media else self.keys.queued_jobs()
+
+    def claim_requeue(self, job_id: str, now: float, min_gap_s: float, queue: str = "") -> bool:
+        """Atomically claim sending this job's message again; True for exactly one claimer per gap.
+        ``queue``: as ``stale_queued``'s (where a queued job's entry is)."""
+        keys = [self.keys.job(job_id), self.keys.running_jobs(), self._queued_set(queue)]
         return bool(self._requeue(keys, [job_id, repr(now), repr(min_gap_s)]))
 
     def cancel_requested(self, job_ids: Sequence[str]) -> list[str]:
@@ -212,15 +229,24 @@ class SyncJobStore:
         return [j for j, flag in zip(job_ids, pipe.execute(), strict=True) if flag == "1"]
 
     def unwatched(self, job_ids: Sequence[str], now: float, grace_s: float) -> list[str]:
-        """Which of these jobs nobody watches (see ``watching``; api/watchers.py)."""
+        """Which of these jobs nobody watches (see ``watching``; api/watchers.py). A part counts
+        its job's watchers."""
         pipe = self.redis.pipeline(transaction=False)
         for job_id in job_ids:
-            pipe.zrangebyscore(self.keys.job_watchers(job_id), now - grace_s, "+inf", withscores=True)
+            split = split_part_id(job_id)
+            watched = split[0] if split else job_id
+            pipe.zrangebyscore(self.keys.job_watchers(watched), now - grace_s, "+inf", withscores=True)
         return [
             job_id
             for job_id, members in zip(job_ids, pipe.execute(), strict=True)
             if not watching(members, now, grace_s)
         ]
+
+    def cancel_job(self, job_id: str) -> None:
+        """Cancel a job as the API's cancel does (CANCEL_LUA): a job with parts cancels its queued
+        parts at once and asks their workers to end the running ones. A job already ended stays so."""
+        keys, args = cancel_args(self.keys, job_id, self.settings.job_ttl_s, time.time())
+        self._cancel(keys, args)
 
     def listen_cancels(self, on_cancel: Callable[[str], None], stop: threading.Event) -> None:
         """Call ``on_cancel`` with each job id published on ``{p}:cancel`` until ``stop`` is set.

@@ -188,3 +188,46 @@ def test_image_content_is_binary_safe(store: StoreForTests, settings: Settings) 
     assert run(settings, lambda s: s.part_content(job.id, 0)) is None  # not before it succeeded
     assert end_image(store, pid, i.attempt, 1, JobStatus.SUCCEEDED)
     assert run(settings, lambda s: s.part_content(job.id, 0)) == b"\x89PNG"
+
+
+def test_image_parts_whose_message_was_sent_are_swept_for_a_lost_one(
+    store: StoreForTests, settings: Settings
+) -> None:
+    """{p}:queued_media holds an image part from its message's push to its take (or cancel); the
+    media sweep finds it stale only while the media queue is empty (its message was lost)."""
+    job = create(settings, [TEXT, IMAGE, {**IMAGE, "prompt": None, "prompt_from": 0}])
+    r, keys, media = store.redis, settings.keys, settings.keys.queue_media
+    text, image, dependent = (part_id(job.id, k) for k in range(3))
+    assert r.zrange(keys.queued_media(), 0, -1) == [image]  # the dependent has no message yet
+    later = time.time() + 60
+    assert store.stale_queued(later, queue=media) == []  # its message is still in the queue
+    r.delete(*keys.queue_lists(media))  # lost (e.g. a Redis restart without it)
+    assert store.stale_queued(later, queue=media) == [image]
+    assert store.stale_queued(later) == []  # the text part's message is still in its queue
+    r.delete(*keys.queue_lists(keys.queue_llm))
+    assert store.stale_queued(later) == [text]  # the text sweep sees only text jobs and parts
+    assert store.claim_requeue(image, later, 10, media)
+    assert not store.claim_requeue(image, later, 10, media)  # once per gap
+    # The text part succeeds: the dependent's message is sent, and it is queued from then on.
+    taken = store.take_job(text, "w", "m")
+    assert end_text(store, text, taken.attempt, 1, JobStatus.SUCCEEDED)
+    assert r.zrange(keys.queued_media(), 0, -1) == [image, dependent]
+    assert store.take_job(image, "m1", "sd").status is TakeStatus.TAKEN
+    assert r.zrange(keys.queued_media(), 0, -1) == [dependent]
+    store.request_cancel(job.id)
+    assert r.zcard(keys.queued_media()) == 0
+
+
+def test_the_parts_of_a_foreground_job_say_so(store: StoreForTests, settings: Settings) -> None:
+    request = JobRequest.accept({"parts": [TEXT, IMAGE], "background": False}, settings)
+    job: Job = run(settings, lambda s: s.create_job(request, "", None, None, None))
+    text = store.take_job(part_id(job.id, 0), "w", "m")
+    image = store.take_job(part_id(job.id, 1), "m1", "sd")
+    assert text.record is not None and image.record is not None
+    assert image.record.foreground_parent and text.record.foreground_parent
+    assert isinstance(text.record.request, JobRequest) and not text.record.request.background
+    # A part counts its job's watchers: nobody watches this one.
+    now = time.time()
+    assert store.unwatched([part_id(job.id, 1)], now, 0.0) == [part_id(job.id, 1)]
+    store.redis.zadd(settings.keys.job_watchers(job.id), {"w1": now + 30})
+    assert store.unwatched([part_id(job.id, 1)], now, 0.0) == []

@@ -3,8 +3,9 @@ liveness of every worker (workers/liveness.py: heartbeat, leases fenced by attem
 the sweep that requeues a dead worker's parts).
 
 A Celery task thread calls ``run_part``: take the part (a new attempt), run the pipeline from
-step 0, append a ``progress`` event after every step (one round trip each, fenced: a worker
-that was taken over stops at its next step), and end the part with one append that carries its
+step 0, append a ``progress`` event after every step (and a ``preview`` at the steps a part
+with ``partial_images`` asks for; one round trip each, fenced: a worker that was taken over
+stops at its next step), and end the part with one append that carries its
 ``part`` event, its PNG and its status. A cancel or the part's timeout stops the pipeline at
 the next step (workers/media/pipeline.py), so the worker is free for the next part at once.
 """
@@ -18,6 +19,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from redis.exceptions import RedisError
 
 from common.keys import split_part_id
@@ -25,11 +27,13 @@ from common.schemas import ImagePart, JobError, JobStatus, LogEntry
 from common.settings import Settings
 from common.store import Append, Final, SyncJobStore, TakeStatus
 from workers.liveness import HeldJob, Liveness
-from workers.media.pipeline import Image, ImagePipeline, ImageSpec
+from workers.media.metrics import MediaMetrics
+from workers.media.pipeline import Image, ImagePipeline, ImageSpec, preview_steps
 from workers.media.tiny import default_image_model_path
 from workers.publisher import Publisher
 from workers.reaper import Requeue
 from workers.runtime import Outcome
+from workers.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
 
@@ -44,9 +48,11 @@ class _Part:
     created_at: float
     deadline: float | None  # created_at + timeout_s
     next_seq: int  # the part's own count of events + 1 (earlier attempts' included)
+    foreground: bool = False  # its job's: aborted (the job cancelled) once nobody watches it
     aborted: bool = False  # a cancel, or its lease lost: stop at the next step
     timed_out: bool = False
     lost: bool = False  # an append was refused: another worker runs it now
+    taken_at: float = 0.0  # unix seconds
 
     def seq(self) -> int:
         seq, self.next_seq = self.next_seq, self.next_seq + 1
@@ -78,20 +84,30 @@ class MediaRuntime:
         self._publisher = Publisher(store, self._stop)
         queue = settings.keys.queue_media
         self.liveness = Liveness(store, settings, name, self, self._stop, requeue, queue)
+        self.metrics = MediaMetrics(model)
+        # A pipeline step past SPOOL_ENGINE_STALL_S ends the process, as an engine step does.
+        self._watchdog = Watchdog(settings.engine_stall_s, self._stop, self.liveness.forget_heartbeat)
+        self._step_started = 0.0  # perf_counter at the start of the running denoising step
 
     @classmethod
     def from_settings(cls, settings: Settings, name: str, requeue: Requeue | None = None) -> MediaRuntime:
         """Load the pipeline (the tiny one by default), beat once and start liveness."""
+        if settings.torch_threads is not None:
+            torch.set_num_threads(settings.torch_threads)  # before the pipeline's first op
         model = settings.image_model or str(default_image_model_path())
         pipeline = ImagePipeline(model, settings.image_device, settings.image_dtype)
         store = SyncJobStore.from_settings(settings)
         runtime = cls(pipeline, store, settings, name, settings.image_model or "spool-tiny-image", requeue)
+        if settings.worker_metrics_port is not None:
+            runtime.metrics.serve(settings.worker_metrics_port)
         runtime.liveness.start()
+        runtime._watchdog.start()
         return runtime
 
     def close(self) -> None:
         self._stop.set()  # a part running stops at its next step, released (its lease lapses)
         self.liveness.join(timeout=10)
+        self._watchdog.join(timeout=10)
         self.store.close()
 
     # -- the executor of workers/liveness.py ------------------------------------------------------
@@ -99,7 +115,7 @@ class MediaRuntime:
     def held(self) -> dict[str, HeldJob]:
         with self._lock:
             p = self._part
-            return {p.part_id: HeldJob(p.attempt, p.created_at, False)} if p else {}
+            return {p.part_id: HeldJob(p.attempt, p.created_at, p.foreground and not p.aborted)} if p else {}
 
     def abort(self, job_id: str) -> None:
         with self._lock:
@@ -132,15 +148,21 @@ class MediaRuntime:
             created,
             created + request.timeout_s if request.timeout_s else None,
             len(taken.log) + 1,
+            foreground=taken.record.foreground_parent,
             aborted=taken.record.cancel_requested,
+            taken_at=time.time(),
         )
+        self.metrics.taken(created, taken.attempt, part.taken_at)
         with self._lock:
             self._part = part
         try:
-            return self._run(part, split[0], request)
+            outcome = self._run(part, split[0], request)
         finally:
             with self._lock:
                 self._part = None
+        if outcome is not Outcome.FINISHED:
+            self.metrics.left()
+        return outcome
 
     def _run(self, part: _Part, job_id: str, request: ImagePart) -> Outcome:
         if not part.aborted and not self._in_time(part):
@@ -157,12 +179,19 @@ class MediaRuntime:
             seed,
             request.guidance_scale,
             request.negative_prompt,
+            preview_steps(request.steps, request.partial_images),
         )
+        previews = sorted(spec.preview_steps)
+        self._begin_step()
         try:
-            image = self.pipeline.generate(spec, lambda step, steps: self._progress(part, step, steps))
+            image = self.pipeline.generate(
+                spec, lambda step, steps, preview: self._progress(part, step, steps, preview, previews)
+            )
         except Exception as e:
+            self._watchdog.end()
             log.exception("the pipeline failed on part %s", part.part_id)
             return self._fail(part, JobError(message=f"the image pipeline failed: {e}", type="engine_error"))
+        self._watchdog.end()  # the last step's decode is done too
         if part.lost:
             return Outcome.LOST
         if image is None and not part.timed_out and not part.aborted:
@@ -182,15 +211,37 @@ class MediaRuntime:
     def _in_time(self, part: _Part) -> bool:
         return part.deadline is None or time.time() < part.deadline
 
-    def _progress(self, part: _Part, step: int, steps: int) -> bool:
-        """After each denoising step: its event, or stop (cancelled, timed out, taken over)."""
+    def _progress(
+        self, part: _Part, step: int, steps: int, preview: Image | None, previews: list[int]
+    ) -> bool:
+        """After each denoising step: its event (and its preview's), or stop (cancelled, timed
+        out, taken over). Between two steps the watchdog and the step timer are off: a write to
+        an unreachable Redis is no stall of the pipeline."""
+        self._watchdog.end()
+        self.metrics.step(time.perf_counter() - self._step_started)
+        go_on = self._record_step(part, step, steps, preview, previews)
+        if go_on:
+            self._begin_step()
+        return go_on
+
+    def _begin_step(self) -> None:
+        self._step_started = time.perf_counter()
+        self._watchdog.begin()
+
+    def _record_step(
+        self, part: _Part, step: int, steps: int, preview: Image | None, previews: list[int]
+    ) -> bool:
         if part.aborted or self._stop.is_set():
             return False
         if not self._in_time(part):
             part.timed_out = True
             return False
-        entry = LogEntry.progress(part.seq(), part.index, step, steps)
-        if not self._send(part, Append(part.part_id, part.attempt, [entry], 0, 0)):
+        entries = [LogEntry.progress(part.seq(), part.index, step, steps)]
+        if preview is not None:
+            index = previews.index(step) if step in previews else len(previews)
+            p = preview
+            entries.append(LogEntry.preview(part.seq(), part.index, step, index, p.png, p.width, p.height))
+        if not self._send(part, Append(part.part_id, part.attempt, entries, 0, 0)):
             part.lost = True
             return False
         return True
@@ -219,6 +270,8 @@ class MediaRuntime:
         entry = LogEntry.part_status(part.seq(), {"part": part.index, "status": status.value, **result})
         final = Final(status, None, error)
         ok = self._send(part, Append(part.part_id, part.attempt, [entry], 0, 0, final, png))
+        if ok:
+            self.metrics.ended(status.value, part.created_at, part.taken_at, time.time())
         return Outcome.FINISHED if ok else Outcome.LOST
 
     def _send(self, part: _Part, append: Append) -> bool:

@@ -1,0 +1,93 @@
+"""Prometheus metrics of one media worker process: image parts, denoising steps, queue wait.
+
+Served as a text worker's are (workers/metrics.py: ``SPOOL_WORKER_METRICS_PORT``, the
+``model_name`` label, the same latency buckets), from what the runtime already has: the part's
+``created_at`` (read when it took the part) and its own clock around each denoising step. No
+Redis round trip of its own. Images per second: ``rate(spool_image_parts_total{status="succeeded"})``.
+
+Queue wait and end to end compare the worker's clock with the API's ``created_at`` (a part that
+takes its prompt from a text part waits for it, and that wait counts); a denoising step's time
+is the worker's clock only and leaves out the step's write to Redis.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from workers.metrics import LATENCY_BUCKETS
+
+# How an image part ended on this worker (each shown from the start).
+PART_STATUSES = ("succeeded", "failed", "cancelled")
+
+
+class MediaMetrics:
+    """Observed on the task thread that runs the part; scraped from the HTTP thread."""
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+
+        def histogram(name: str, text: str) -> Any:
+            return Histogram(
+                name, text, ["model_name"], buckets=LATENCY_BUCKETS, registry=self.registry
+            ).labels(model_name)
+
+        self.queue_time = histogram(
+            "spool_image_queue_time_seconds", "Image part created to taken by this worker (first attempt)"
+        )
+        self.step_time = histogram("spool_image_denoise_step_seconds", "One denoising step of the pipeline")
+        self.generation_time = histogram(
+            "spool_image_generation_seconds", "Image part taken to its image made (succeeded parts)"
+        )
+        self.e2e = histogram(
+            "spool_image_e2e_seconds", "Image part created to its end written (succeeded parts)"
+        )
+        parts = Counter(
+            "spool_image_parts",
+            "Image parts that ended on this worker, by status",
+            ["model_name", "status"],
+            registry=self.registry,
+        )
+        self.parts = {s: parts.labels(model_name, s) for s in PART_STATUSES}
+        self.steps = Counter(
+            "spool_image_denoise_steps", "Denoising steps run", ["model_name"], registry=self.registry
+        ).labels(model_name)
+        self.takeovers = Counter(
+            "spool_takeovers",
+            "Parts this worker ran again after another worker's attempt",
+            ["model_name"],
+            registry=self.registry,
+        ).labels(model_name)
+        self.running = Gauge(
+            "spool_image_parts_running",
+            "Image parts running (0 or 1)",
+            ["model_name"],
+            registry=self.registry,
+        ).labels(model_name)
+
+    def serve(self, port: int, addr: str = "0.0.0.0") -> None:
+        start_http_server(port, addr=addr, registry=self.registry)
+
+    def taken(self, created_at: float, attempt: int, now: float) -> None:
+        self.running.set(1)
+        if attempt > 1:
+            self.takeovers.inc()
+        else:
+            self.queue_time.observe(max(now - created_at, 0.0))
+
+    def step(self, seconds: float) -> None:
+        self.steps.inc()
+        self.step_time.observe(max(seconds, 0.0))
+
+    def ended(self, status: str, created_at: float, taken_at: float, now: float) -> None:
+        """The part's end was written (``status``: succeeded, failed or cancelled)."""
+        self.running.set(0)
+        self.parts.get(status, self.parts["failed"]).inc()
+        if status == "succeeded":
+            self.generation_time.observe(max(now - taken_at, 0.0))
+            self.e2e.observe(max(now - created_at, 0.0))
+
+    def left(self) -> None:
+        """The part left this worker without an end of its own (lost, or the worker stops)."""
+        self.running.set(0)
