@@ -30,7 +30,7 @@ from redis.exceptions import RedisError
 from common.process import NamedThread
 from common.schemas import JobError, JobRequest
 from common.settings import Settings
-from common.store import Append, SyncJobStore, TakeResult, TakeStatus
+from common.store import Append, SyncJobStore, TakeResult, TakeStatus, job_text
 from workers.engine import Delta, Engine, EngineConfig, FinishReason, RequestTooLongError, SamplingParams
 from workers.engine.grammar import GrammarError
 from workers.engine.tiny import default_model_path
@@ -143,6 +143,8 @@ def new_job(taken: TakeResult) -> _Job:
         next_index=len(tokens),
         prompt_tokens=record.job.usage.prompt_tokens,
         completion_tokens=len(resume_ids),
+        unsaved=len(taken.log) - taken.text_seq,
+        unsaved_text=job_text(taken.log[taken.text_seq :]),
     )
     assert isinstance(record.request, JobRequest)  # an image part's hash holds an ImagePart
     timeout = record.request.timeout_s
