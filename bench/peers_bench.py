@@ -74,6 +74,7 @@ class Side:
     ttft_p50_ms: float
     texts: list[str] = field(repr=False, default_factory=list)
     redis_commands_per_token: float | None = None  # the stack only
+    redis_per_token: dict[str, float] = field(default_factory=dict)  # the stack only: by command
     api_cpu_us_per_event: float | None = None  # the stack only
     cpu_s: dict[str, float] = field(default_factory=dict)  # by process (group), this run
     worker_threads_cpu_s: dict[str, float] = field(default_factory=dict)
@@ -148,12 +149,17 @@ def stack_side(stack: sb.Stack, prompts: Sequence[str], max_tokens: int, timeout
         cpu0, threads0 = cpu_snapshot(pids), thread_cpu_seconds(stack.worker.pid)
         side, events = completions_run(stack.urls[0], prompts, max_tokens, {}, timeout)
         commands = sb.redis_commands(r)
+        stats = {k.removeprefix("cmdstat_"): int(v["calls"]) for k, v in r.info("commandstats").items()}
     side.cpu_s = {k: v - cpu0[k] for k, v in cpu_snapshot(pids).items()}
     side.worker_threads_cpu_s = {
         k: v - threads0.get(k, 0.0) for k, v in thread_cpu_seconds(stack.worker.pid).items()
     }
     generated = len(prompts) * max_tokens
     side.redis_commands_per_token = commands / generated
+    top = sorted(
+        ((k, v) for k, v in stats.items() if k not in ("info", "config|resetstat")), key=lambda kv: -kv[1]
+    )
+    side.redis_per_token = {k: round(v / generated, 3) for k, v in top[:12]}
     side.api_cpu_us_per_event = side.cpu_s["api"] * 1e6 / events
     return side
 
@@ -221,7 +227,7 @@ def print_report(rounds: list[dict[str, Side]], meta: dict[str, Any]) -> dict[st
     med = {n: median_side([r[n] for r in rounds]) for n in names}
     print(f"\nSpool against its peers: {meta['workload']}")
     print(
-        f"  device {meta['device']}, {meta['dtype']}; load average {meta['loadavg_start']} -> {meta['loadavg_end']}"
+        f"  device {meta['device']}, {meta['dtype']}, {meta['threads']} compute threads a side; load average {meta['loadavg_start']} -> {meta['loadavg_end']}"
     )
     if "llama.cpp" not in med:
         print("  llama.cpp: not run (give --llama-server PATH --gguf PATH); its ratios are missing")
@@ -243,6 +249,7 @@ def print_report(rounds: list[dict[str, Side]], meta: dict[str, Any]) -> dict[st
         note = f" (target >= {target})" if target else ""
         print(f"    {k:<20} {fmt(v)}{note}{verdict(ok)}")
     print(f"\n  stack: Redis commands per generated token {fmt(s.redis_commands_per_token)}")
+    print(f"    the most run, per generated token (last round): {rounds[-1]['stack'].redis_per_token}")
     print(f"  stack: API CPU per relayed event {fmt(s.api_cpu_us_per_event, '.1f')} us (its POSTs included)")
     print(
         "  CPU s per run (medians): "
@@ -279,10 +286,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--max-model-len", type=int, help="engine and worker max_model_len (the plan's by default)"
     )
-    p.add_argument("--worker-torch-threads", type=int, metavar="N", help="the worker's SPOOL_TORCH_THREADS")
+    p.add_argument(
+        "--threads",
+        type=int,
+        metavar="N",
+        help="compute threads of every side: torch's in this process (the engine alone), the worker's "
+        "SPOOL_TORCH_THREADS and llama-server's -t (default: torch's own, the CPUs here)",
+    )
     p.add_argument("--llama-server", type=Path, metavar="PATH", help="llama.cpp's llama-server binary")
     p.add_argument("--gguf", type=Path, metavar="PATH", help="this script's model as GGUF (see --model-dir)")
-    p.add_argument("--llama-threads", type=int, default=len(os.sched_getaffinity(0)), help="llama-server -t")
     p.add_argument(
         "--llama-arg",
         action="append",
@@ -297,6 +309,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if (args.llama_server is None) != (args.gguf is None):
         p.error("--llama-server and --gguf go together")
+    args.llama_threads = args.threads or len(os.sched_getaffinity(0))
+    args.worker_torch_threads = args.threads
     # What stack_bench's parts read of their arguments.
     args.small_model, args.api_replicas, args.streamed_submit, args.max_prefill_tokens_per_step = (
         False,
@@ -312,10 +326,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     sb.quiet_libraries()
     plan = sb.QUICK_STACK if args.quick else sb.FULL_STACK
     place = sb.Placement(None)
+    if args.threads:
+        sb.torch.set_num_threads(args.threads)
     signal.signal(signal.SIGALRM, sb.on_alarm)
     signal.signal(signal.SIGTERM, sb.on_term)
     signal.alarm(int(args.deadline_s))
     meta: dict[str, Any] = {
+        "threads": sb.torch.get_num_threads(),
         "device": args.device,
         "dtype": args.dtype,
         "loadavg_start": loadavg(),
