@@ -35,7 +35,15 @@ from typing import Any
 
 from redis.exceptions import RedisError
 
-from api.batch_lines import LineError, job_result, line_request, lost_result, parse_line, refused
+from api.batch_lines import (
+    LineError,
+    job_result,
+    line_request,
+    lost_result,
+    needs_view_log,
+    parse_line,
+    refused,
+)
 from api.context import ContextCheck
 from api.enqueue import Enqueuer
 from api.errors import ApiError
@@ -196,7 +204,8 @@ class BatchFeeder:
             except JobNotFound:
                 results.append(lost_result(line, custom_id, job_id))
             else:
-                results.append(job_result(line, custom_id, b["endpoint"], record, model, ending))
+                log = await self.jobs.read_log(job_id) if needs_view_log(b["endpoint"], record) else []
+                results.append(job_result(line, custom_id, b["endpoint"], record, model, ending, log))
         await self.batches.record(b["id"], results)
         return window
 

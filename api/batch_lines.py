@@ -10,7 +10,7 @@ the endpoint answers (``View.completion``, or the job object for ``/v1/jobs``).
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from fastapi.exceptions import RequestValidationError
@@ -22,7 +22,7 @@ from api.openai_compat.batches import error_line, response_line
 from api.openai_compat.chunks import View
 from api.openai_compat.requests import ChatCompletionRequest, CompletionRequest, OpenAIRequest
 from api.served import check_servable, check_with_live_workers, resolve_model
-from common.schemas import JobRequest, JobStatus, WorkerHeartbeat
+from common.schemas import JobRequest, JobStatus, LogEntry, WorkerHeartbeat
 from common.settings import Settings
 from common.store import JobRecord, LineResult
 
@@ -113,9 +113,16 @@ def refused(line: int, custom_id: str, e: ApiError, line_id: str) -> LineResult:
 
 
 def job_result(
-    line: int, custom_id: str, endpoint: str, record: JobRecord, model: str, ending: str
+    line: int,
+    custom_id: str,
+    endpoint: str,
+    record: JobRecord,
+    model: str,
+    ending: str,
+    log: Sequence[LogEntry] = (),
 ) -> LineResult:
-    """The result line of a line's job that ended: its answer as the endpoint would give it."""
+    """The result line of a line's job that ended: its answer as the endpoint would give it
+    (``log``: the job's log, when its view needs it: ``needs_view_log``)."""
     job = record.job
     if job.status is JobStatus.CANCELLED:
         code = "batch_expired" if ending == "expired" else "batch_cancelled"
@@ -131,10 +138,16 @@ def job_result(
     view = View.of(job.id, job.created_at, record.request, job.model or model)
     try:
         return LineResult(
-            line, "completed", response_line(job.id, custom_id, 200, view.completion(job)), job.id
+            line, "completed", response_line(job.id, custom_id, 200, view.completion(job, log)), job.id
         )
     except ApiError as e:
         return LineResult(line, "failed", refused(line, custom_id, e, job.id).result, job.id)
+
+
+def needs_view_log(endpoint: str, record: JobRecord) -> bool:
+    """Whether the line's result is built from its job's log (logprobs, or n > 1's choices)."""
+    r = record.request
+    return endpoint != "/v1/jobs" and isinstance(r, JobRequest) and (r.logprobs is not None or r.n > 1)
 
 
 def lost_result(line: int, custom_id: str, job_id: str) -> LineResult:

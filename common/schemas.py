@@ -34,6 +34,7 @@ _RANGES: dict[str, tuple[float, float]] = {
     "min_tokens": (0, math.inf),
 }
 INVALID_PART = "invalid_part"  # validation error type of a job's parts that do not fit together (400)
+INVALID_GUIDED = "invalid_guided_decoding"  # a guided_regex / guided_choice that cannot be one (400)
 
 
 class JobStatus(str, enum.Enum):
@@ -168,6 +169,10 @@ class TextParams(BaseModel):
     logit_bias: dict[int, float] | None = None  # token id -> -100..100, added to its logit
     logprobs: int | None = None  # each token's logprob and the top this many (0..20); None: none
     response_format: ResponseFormat | None = None  # structured outputs (workers/engine/grammar.py)
+    # vLLM's extras, constrained as response_format is: the output matches the regular
+    # expression, or is exactly one of the strings. At most one of the three per request.
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
 
     @field_validator("frequency_penalty", "presence_penalty", "logprobs", "min_tokens")
     @classmethod
@@ -179,6 +184,65 @@ class TextParams(BaseModel):
                 OUT_OF_RANGE, "{name} is {value}; it must be " + bounds, {"name": info.field_name, "value": v}
             )
         return v
+
+    @field_validator("guided_regex")
+    @classmethod
+    def _guided_regex(cls, v: str | None) -> str | None:
+        # NOTE: Python's re, not the grammar compiler (the API imports no torch): a pattern both
+        # accept almost always; one xgrammar alone refuses fails the job with invalid_request.
+        if v is None:
+            return v
+        if not v:
+            raise PydanticCustomError(INVALID_GUIDED, "guided_regex is empty")
+        try:
+            re.compile(v)
+        except re.error as e:
+            raise PydanticCustomError(
+                INVALID_GUIDED, "guided_regex is not a valid regular expression: {error}", {"error": str(e)}
+            ) from None
+        return _encodable(v)  # type: ignore[no-any-return]
+
+    @field_validator("guided_choice")
+    @classmethod
+    def _guided_choice(cls, v: list[str] | None) -> list[str] | None:
+        if v is None:
+            return v
+        if not v:
+            raise PydanticCustomError(INVALID_GUIDED, "guided_choice is empty; give at least one string")
+        if not all(v):
+            raise PydanticCustomError(
+                INVALID_GUIDED, "guided_choice has an empty string; each must be non-empty"
+            )
+        return _encodable(v)  # type: ignore[no-any-return]
+
+    @model_validator(mode="after")
+    def _one_guide(self) -> Self:
+        given = [
+            name
+            for name, on in (
+                ("response_format", self.response_format is not None and self.response_format.constrained),
+                ("guided_regex", self.guided_regex is not None),
+                ("guided_choice", self.guided_choice is not None),
+            )
+            if on
+        ]
+        if len(given) > 1:
+            raise PydanticCustomError(
+                INVALID_GUIDED, "give at most one of {names}", {"names": ", ".join(given)}
+            )
+        return self
+
+    @property
+    def guide(self) -> tuple[str, Any] | None:
+        """What the output is constrained to: ("json", schema or None for any object), ("regex",
+        pattern) or ("choice", strings); None: nothing."""
+        if self.response_format is not None and self.response_format.constrained:
+            return "json", self.response_format.schema_or_none
+        if self.guided_regex is not None:
+            return "regex", self.guided_regex
+        if self.guided_choice is not None:
+            return "choice", list(self.guided_choice)
+        return None
 
     @field_validator("repetition_penalty")
     @classmethod
@@ -374,6 +438,22 @@ class JobRequest(TextParams):
     stream_include_usage: bool = False  # OpenAI stream format: end with a usage chunk (stream_options)
     # A multimodal job: its parts in order; each has its own status (common/store/records.py).
     parts: list[Part] | None = Field(None, min_length=1)
+    # Choices: n sequences of the prompt in the batch, one job (docs/internals.md, "Choices").
+    n: int = 1
+
+    @field_validator("n")
+    @classmethod
+    def _n(cls, v: int, info: ValidationInfo) -> int:
+        if v < 1:
+            raise PydanticCustomError(OUT_OF_RANGE, "n is {value}; it must be at least 1", {"value": v})
+        settings = _server_settings(info)
+        if settings is not None and v > (cap := settings.max_n):
+            raise PydanticCustomError(
+                LIMIT_EXCEEDED,
+                "n is {value}, above this server's limit of {cap} (SPOOL_MAX_N)",
+                {"value": v, "cap": cap},
+            )
+        return v
 
     @field_validator("user")
     @classmethod
@@ -411,6 +491,8 @@ class JobRequest(TextParams):
     def _parts(self) -> JobRequest:
         if self.parts is None:
             return self
+        if self.n != 1:
+            raise PydanticCustomError(INVALID_PART, "n is {n}; a job with parts takes n = 1", {"n": self.n})
         for i, part in enumerate(self.parts):
             if isinstance(part, ImagePart) and part.prompt_from is not None:
                 j = part.prompt_from
@@ -474,6 +556,10 @@ class TokenEvent(BaseModel):
     text: str
     token_ids: list[int]
     logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asked (absent else)
+    # A job with n > 1: the choice (0..n-1) the tokens belong to, and on its last event (which
+    # may have no tokens) why that choice ended. Absent for n = 1.
+    choice: int | None = None
+    finish_reason: str | None = None
 
 
 class DoneEvent(BaseModel):

@@ -57,6 +57,7 @@ class Settings(BaseSettings):
     job_ttl_s: int = Field(24 * 3600, ge=1)  # finished jobs expire after this
     max_body_bytes: int = Field(1 << 20, ge=1024)
     max_parts: int = Field(8, ge=1)  # parts per job
+    max_n: int = Field(16, ge=1)  # choices (n) of one text request, each its own sequence in the batch
     max_image_pixels: int = Field(1024 * 1024, ge=64)  # width x height of an image part
     max_image_steps: int = Field(100, ge=1)  # denoising steps of an image part
     detach_grace_s: float = Field(30.0, ge=0)

@@ -141,7 +141,9 @@ def run(
     with Api(url, api_key) as api:
         try:
             batch_id = submit(api, file)["id"] if file is not None else str(resume)
-            stem = str(file.with_suffix("")) if file is not None else batch_id
+            # The results go beside the input (or beside --out), never loose in the working directory.
+            named = file if file is not None else out
+            stem = str(named.with_suffix("")).removesuffix(".output") if named is not None else batch_id
             try:
                 print(
                     f"batch {batch_id} (resume with: spool batch --resume {batch_id})",

@@ -308,8 +308,16 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("file", type=Path, nargs="?", help="input JSONL")
     p.add_argument("--resume", metavar="BATCH_ID", help="follow a batch submitted before, instead of a FILE")
-    p.add_argument("--out", type=Path, help="output lines (default: FILE's name with .output.jsonl)")
-    p.add_argument("--errors", type=Path, help="error lines (default: FILE's name with .errors.jsonl)")
+    p.add_argument(
+        "--out",
+        type=Path,
+        help="output lines (default: FILE's name with .output.jsonl; BATCH_ID's with --resume)",
+    )
+    p.add_argument(
+        "--errors",
+        type=Path,
+        help="error lines (default: beside FILE, or --out, as NAME.errors.jsonl; BATCH_ID's)",
+    )
     _client_options(p)
     p.set_defaults(func=cmd_batch)
 

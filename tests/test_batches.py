@@ -200,7 +200,7 @@ def test_bad_lines_fail_with_the_endpoints_errors_and_the_rest_complete(
     oai: openai.OpenAI, batch_cluster: Cluster
 ) -> None:
     lines = [chat_line(i) for i in range(6)]
-    lines[1]["body"]["n"] = 2  # refused by the endpoint: 400 unsupported_parameter
+    lines[1]["body"]["tool_choice"] = "auto"  # refused by the endpoint: 400 unsupported_parameter
     del lines[4]["body"]["messages"]  # a missing field: the endpoint's 422
     batch = ended(oai, run_batch(oai, lines, "/v1/chat/completions"))
     assert batch.status == "completed"
@@ -222,6 +222,33 @@ def test_bad_lines_fail_with_the_endpoints_errors_and_the_rest_complete(
         "chat-3",
         "chat-5",
     }
+
+
+def test_lines_with_n_and_logprobs_answer_as_their_endpoint(
+    oai: openai.OpenAI, batch_cluster: Cluster
+) -> None:
+    # The result of a line whose answer comes from its job's log (n > 1's choices, logprobs).
+    lines = [completion_line(0), completion_line(1)]
+    lines[0]["body"].update(n=3, temperature=1.0, seed=4, logprobs=2)
+    lines[1]["body"].update(n=2)
+    batch = ended(oai, run_batch(oai, lines, "/v1/completions"))
+    assert batch.status == "completed" and batch.request_counts.completed == 2
+    for out in jsonl(oai, batch.output_file_id):
+        line = lines[int(out["custom_id"].split("-")[1])]
+        body = out["response"]["body"]
+        direct = httpx.post(f"{batch_cluster.url}/v1/completions", json=line["body"], timeout=30).json()
+        assert [c["index"] for c in body["choices"]] == list(range(line["body"]["n"]))
+        assert [c["text"] for c in body["choices"]] == [c["text"] for c in direct["choices"]]
+        for got, want in zip(body["choices"], direct["choices"], strict=True):
+            if line["body"].get("logprobs") is None:
+                assert got["logprobs"] is None
+            else:  # the same tokens; the values as close as two batches' float sums
+                assert got["logprobs"]["tokens"] == want["logprobs"]["tokens"]
+                pairs = zip(
+                    got["logprobs"]["token_logprobs"], want["logprobs"]["token_logprobs"], strict=True
+                )
+                assert all(abs(a - b) < 1e-4 for a, b in pairs)
+        assert body["usage"] == direct["usage"]
 
 
 @pytest.mark.parametrize(

@@ -205,7 +205,7 @@ def _refused(call: Callable[[], object], param: str, error: type[openai.APIStatu
 
 CHAT_REFUSALS: list[tuple[dict[str, Any], str]] = [
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
-    ({"n": 2}, "n"),
+    ({"extra_body": {"guided_grammar": "root ::= x"}}, "guided_grammar"),
     ({"extra_body": {"foo": 1}}, "foo"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),
     ({"messages": [{"role": "tool", "content": "x", "tool_call_id": "1"}]}, "messages[0].role"),

@@ -4,6 +4,8 @@ min_tokens and logprobs (streamed, not streamed, and in a resumed stream), and t
 from __future__ import annotations
 
 import math
+import re
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
@@ -177,6 +179,13 @@ def test_parse_with_a_pydantic_model(oai: openai.OpenAI, model: str) -> None:
         [choice] = got.choices
         assert choice.finish_reason == "stop"
         assert isinstance(choice.message.parsed, Pet), choice.message.content
+    got = oai.chat.completions.parse(
+        model=model, messages=MESSAGES, max_tokens=120, temperature=1.0, seed=9, n=3, response_format=Pet
+    )
+    assert [c.index for c in got.choices] == [0, 1, 2]
+    assert all(isinstance(c.message.parsed, Pet) for c in got.choices), [
+        c.message.content for c in got.choices
+    ]
 
 
 def test_json_object_on_completions_and_jobs(
@@ -219,4 +228,193 @@ def test_an_invalid_schema_is_a_400_saying_what_is_wrong(oai: openai.OpenAI, mod
         openai.BadRequestError, match="response_format: the JSON schema cannot be used: .*missing"
     ) as e:
         oai.chat.completions.create(model=model, messages=MESSAGES, max_tokens=4, response_format=fmt)
+    assert e.value.code == "invalid_request"
+
+
+# -- n > 1: one job, n sequences of the prompt in the batch ----------------------------------------
+
+
+def _engine_stats(client: httpx.Client, url: str) -> dict[str, Any]:
+    """The worker's engine stats from a heartbeat sent after this call (one sent before may not
+    count the last steps of the requests just answered)."""
+    since, deadline = time.time(), time.monotonic() + 30
+    while True:
+        [worker] = client.get(f"{url}/readyz").json()["workers"]
+        if worker["ts"] > since:
+            stats: dict[str, Any] = worker["engine"]
+            return stats
+        assert time.monotonic() < deadline, "no fresh heartbeat"
+        time.sleep(0.1)
+
+
+def test_n_choices_with_a_seed_are_reproducible_streamed_or_not(oai: openai.OpenAI, model: str) -> None:
+    kwargs: dict[str, Any] = {"model": model, "messages": MESSAGES, "max_tokens": 8, "temperature": 1.0}
+    first = oai.chat.completions.create(**kwargs, n=4, seed=11, logprobs=True)
+    again = oai.chat.completions.create(**kwargs, n=4, seed=11, logprobs=True)
+    texts = [c.message.content for c in first.choices]
+    assert [c.index for c in first.choices] == [0, 1, 2, 3]
+    assert texts == [c.message.content for c in again.choices]
+    assert len(set(texts)) > 1  # each choice has its own seed stream (seed + index)
+    # Usage as OpenAI counts it: the prompt once, the completion tokens of every choice.
+    single = oai.chat.completions.create(**kwargs, seed=11)
+    assert single.choices[0].message.content == texts[0]  # choice 0 keeps the request's seed
+    assert first.usage is not None and single.usage is not None
+    assert first.usage.prompt_tokens == single.usage.prompt_tokens
+    counts = [len(c.logprobs.content or ()) for c in first.choices if c.logprobs is not None]
+    assert first.usage.completion_tokens == sum(counts) and len(counts) == 4
+    assert all(c.finish_reason in ("stop", "length") for c in first.choices)
+
+    stream = oai.chat.completions.create(
+        **kwargs, n=4, seed=11, stream=True, stream_options={"include_usage": True}
+    )
+    streamed: dict[int, str] = {}
+    reasons: dict[int, str] = {}
+    roles: set[int] = set()
+    usage = None
+    for chunk in stream:
+        usage = chunk.usage or usage
+        for c in chunk.choices:
+            streamed[c.index] = streamed.get(c.index, "") + (c.delta.content or "")
+            if c.delta.role == "assistant":
+                roles.add(c.index)
+            if c.finish_reason is not None:
+                reasons[c.index] = c.finish_reason
+    assert [streamed[k] for k in range(4)] == texts and roles == {0, 1, 2, 3}
+    assert reasons == {k: first.choices[k].finish_reason for k in range(4)}
+    assert usage is not None and usage.completion_tokens == first.usage.completion_tokens
+
+
+def test_n_on_completions_shares_the_prompt_prefill(
+    oai: openai.OpenAI, model: str, cluster: Cluster, client: httpx.Client
+) -> None:
+    # A prompt no earlier test sent (nothing of it is cached) of several 16-token blocks.
+    prompt = " ".join(f"word{i} w{i * 7}" for i in range(40))
+    before = _engine_stats(client, cluster.url)
+    got = oai.completions.create(model=model, prompt=prompt, max_tokens=4, temperature=0, n=4)
+    assert got.usage is not None
+    p, generated = got.usage.prompt_tokens, got.usage.completion_tokens
+    assert p >= 64 and [c.index for c in got.choices] == [0, 1, 2, 3]
+    assert len({c.text for c in got.choices}) == 1  # greedy: the same four texts
+    after = _engine_stats(client, cluster.url)
+    assert after["generated_tokens"] == before["generated_tokens"] + generated
+    ran = after["prompt_tokens"] - before["prompt_tokens"]
+    # The first choice computes the prompt's blocks, the others copy them and compute only the
+    # tail past the last full block (at most 16 tokens each), not the prompt again.
+    assert p <= ran <= p + 3 * 16 < 4 * p, (ran, p)
+
+
+def test_n_streamed_completions_resume_with_every_choice(cluster: Cluster, client: httpx.Client) -> None:
+    body = {"prompt": PROMPT, "max_tokens": 6, "temperature": 1.0, "seed": 3, "n": 3, "stream": True}
+    whole = read_stream(client, "POST", f"{cluster.url}/v1/completions", body=body)
+    first = read_stream(client, "POST", f"{cluster.url}/v1/completions", body=body, stop_after=4)
+    rest = read_stream(
+        client, "GET", f"{cluster.url}/v1/jobs/{first.job_id}/events?format=openai", last_event_id=4
+    )
+
+    def texts(chunks: list[Any]) -> dict[int, str]:
+        out: dict[int, str] = {}
+        for c in chunks:
+            for choice in [] if c.done else c.json()["choices"]:
+                out[choice["index"]] = out.get(choice["index"], "") + choice["text"]
+        return out
+
+    joined = texts([*first.chunks[:4], *rest.chunks])
+    assert joined == texts(whole.chunks) and sorted(joined) == [0, 1, 2]
+    # The job's own events name each token's choice; its text is choice 0's.
+    job = client.get(f"{cluster.url}/v1/jobs/{first.job_id}").json()
+    assert job["text"] == joined[0] and job["status"] == "succeeded"
+    events = client.get(f"{cluster.url}/v1/jobs/{first.job_id}/events").text
+    assert '"choice": 2' in events and '"finish_reason": "length"' in events
+
+
+def test_n_on_jobs(cluster: Cluster, client: httpx.Client) -> None:
+    body = {"prompt": PROMPT, "max_tokens": 5, "temperature": 1.0, "seed": 5, "n": 2, "background": False}
+    job = client.post(f"{cluster.url}/v1/jobs", json=body).json()
+    assert job["status"] == "succeeded" and job["usage"]["completion_tokens"] == 10
+    alone = client.post(f"{cluster.url}/v1/jobs", json={**body, "n": 1}).json()
+    assert job["text"] == alone["text"]  # the job's text is choice 0's, which n = 1 gives
+    parts = {"parts": [{"type": "text", "prompt": PROMPT}], "n": 2}
+    r = client.post(f"{cluster.url}/v1/jobs", json=parts)
+    assert r.status_code == 400 and "a job with parts takes n = 1" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("n, limit", [(0, "at least 1"), (17, "limit of 16 (SPOOL_MAX_N)")])
+def test_n_out_of_range_is_a_400(oai: openai.OpenAI, model: str, n: int, limit: str) -> None:
+    with pytest.raises(openai.BadRequestError, match=re.escape(limit)) as e:
+        oai.chat.completions.create(model=model, messages=MESSAGES, max_tokens=4, n=n)
+    assert isinstance(e.value.body, dict) and e.value.body["param"] == "n"
+
+
+# -- vLLM's guided decoding extras -----------------------------------------------------------------
+
+
+def test_guided_regex_choice_and_json(
+    oai: openai.OpenAI, model: str, cluster: Cluster, client: httpx.Client
+) -> None:
+    pattern = r"[a-z]{2,5}-[0-9]{2}"
+    for temperature in (0.0, 1.0):
+        got = oai.completions.create(
+            model=model,
+            prompt=PROMPT,
+            max_tokens=20,
+            temperature=temperature,
+            seed=1,
+            n=3,
+            extra_body={"guided_regex": pattern},
+        )
+        assert all(re.fullmatch(pattern, c.text) for c in got.choices), [c.text for c in got.choices]
+    choices = ["positive", "negative", 'say "x"\\']
+    got_chat = oai.chat.completions.create(
+        model=model,
+        messages=MESSAGES,
+        max_tokens=20,
+        temperature=1.0,
+        seed=2,
+        n=4,
+        extra_body={"guided_choice": choices},
+    )
+    assert all(c.message.content in choices for c in got_chat.choices)
+    got = oai.completions.create(
+        model=model,
+        prompt=PROMPT,
+        max_tokens=120,
+        temperature=0,
+        extra_body={"guided_json": Pet.model_json_schema()},
+    )
+    Pet.model_validate_json(got.choices[0].text)
+    # /v1/jobs takes them too.
+    job = client.post(
+        f"{cluster.url}/v1/jobs",
+        json={"prompt": PROMPT, "max_tokens": 20, "guided_choice": ["yes", "no"], "background": False},
+    ).json()
+    assert job["status"] == "succeeded" and job["text"] in ("yes", "no")
+
+
+@pytest.mark.parametrize(
+    "extra, param, message",
+    [
+        ({"guided_regex": "[a-z"}, "guided_regex", "not a valid regular expression"),
+        ({"guided_regex": ""}, "guided_regex", "guided_regex is empty"),
+        ({"guided_choice": []}, "guided_choice", "guided_choice is empty"),
+        ({"guided_choice": ["a", ""]}, "guided_choice", "empty string"),
+        ({"guided_choice": ["a"], "guided_regex": "a"}, None, "at most one of guided_regex, guided_choice"),
+        ({"guided_json": "{not json"}, "guided_json", "guided_json is not JSON"),
+    ],
+)
+def test_invalid_guides_are_400s(
+    oai: openai.OpenAI, model: str, extra: dict[str, Any], param: str | None, message: str
+) -> None:
+    with pytest.raises(openai.BadRequestError, match=re.escape(message)) as e:
+        oai.completions.create(model=model, prompt=PROMPT, max_tokens=4, extra_body=extra)
+    assert isinstance(e.value.body, dict) and e.value.body["param"] == param
+
+
+def test_a_regex_the_grammar_compiler_refuses_fails_the_job_with_a_400(
+    oai: openai.OpenAI, model: str
+) -> None:
+    # Python's re takes a lookahead; xgrammar does not: the worker says so, a 400 invalid_request.
+    with pytest.raises(openai.BadRequestError, match="guided_regex: the regex cannot be used") as e:
+        oai.completions.create(
+            model=model, prompt=PROMPT, max_tokens=4, extra_body={"guided_regex": "a(?=b)"}
+        )
     assert e.value.code == "invalid_request"

@@ -13,11 +13,14 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import httpx
 import pytest
-from procs import ROOT, free_port, spool_env, wait_until
+from procs import ROOT, free_port, spool_env
+
+POLL_S = 0.1
 
 
 def copy_of_the_tree(dest: Path) -> Path:
@@ -39,6 +42,7 @@ FRESH = pytest.mark.skipif(
 )
 
 
+@pytest.mark.timeout(700)
 @pytest.mark.parametrize(
     "fresh", [False, pytest.param(True, marks=FRESH)], ids=["reused-venv", "fresh-install"]
 )
@@ -58,12 +62,14 @@ def test_serve_reaches_ready_and_prints_the_url_only_then(prefixes, tmp_path: Pa
         start_new_session=True,
     )
     url = f"http://127.0.0.1:{port}"
-    lines: list[str] = []
+    lines: list[str] = []  # the stages
+    output: list[str] = []  # everything, for a failure's message
     readyz_when_printed: list[int] = []
 
     def read() -> None:
         assert proc.stderr is not None
         for line in proc.stderr:
+            output.append(line)
             if line.startswith("spool: "):
                 lines.append(line.strip())
                 if "ready at" in line:
@@ -71,13 +77,12 @@ def test_serve_reaches_ready_and_prints_the_url_only_then(prefixes, tmp_path: Pa
 
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
+    deadline_s = 600 if fresh else 240  # spool up loads a text and a media worker: minutes on 2 busy cores
     try:
-        wait_until(
-            lambda: bool(readyz_when_printed) or proc.poll() is not None,
-            "serve.sh: ready",
-            600 if fresh else 300,  # spool up now loads a text and a media worker: minutes on 2 busy cores
-        )
-        assert proc.poll() is None, "\n".join(lines)
+        deadline = time.monotonic() + deadline_s
+        while not readyz_when_printed and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(POLL_S)
+        assert readyz_when_printed and proc.poll() is None, "".join(output[-300:])
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C

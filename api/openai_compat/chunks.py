@@ -44,6 +44,7 @@ class View:
     model: str  # the served model's name
     include_usage: bool  # the stream ends with a usage chunk
     logprobs: bool  # the request asked for logprobs: choices carry them
+    n: int = 1  # choices: a job with n > 1 says in its token events which one each belongs to
 
     @classmethod
     def of(cls, job_id: str, created_at: float, request: JobRequest, model: str) -> View:
@@ -55,7 +56,13 @@ class View:
             model=model,
             include_usage=request.stream_include_usage,
             logprobs=request.logprobs is not None,
+            n=request.n,
         )
+
+    @property
+    def needs_log(self) -> bool:
+        """The completion body is built from the job's log (logprobs, or n > 1's choices)."""
+        return self.logprobs or self.n > 1
 
     @property
     def prompt_param(self) -> str:
@@ -71,18 +78,31 @@ class View:
         the job's failure as an ApiError."""
         if job.error is not None:
             raise failure(job.error, self.prompt_param)
-        if self.chat:
-            choice: dict[str, Any] = {"message": {"role": "assistant", "content": job.text, "refusal": None}}
+        if self.n == 1:
+            choices = [self._choice(0, job.text, log, job.finish_reason)]
         else:
-            choice = {"text": job.text}
+            tokens = [e for e in log if e.type == "token"]
+            choices = []
+            for k in range(self.n):
+                mine = [e for e in tokens if (e.data.get("choice") or 0) == k]
+                reasons = [r for e in mine if (r := e.data.get("finish_reason"))]
+                text = "".join(e.data["text"] for e in mine)
+                choices.append(self._choice(k, text, mine, reasons[-1] if reasons else job.finish_reason))
         return {
             **self._head("chat.completion" if self.chat else "text_completion"),
             "system_fingerprint": None,
-            "choices": [
-                {"index": 0, **choice, "logprobs": self._logprobs(log), "finish_reason": job.finish_reason}
-            ],
+            "choices": choices,
             "usage": job.usage.model_dump(),
         }
+
+    def _choice(
+        self, index: int, text: str, log: Sequence[LogEntry], finish_reason: str | None
+    ) -> dict[str, Any]:
+        if self.chat:
+            body: dict[str, Any] = {"message": {"role": "assistant", "content": text, "refusal": None}}
+        else:
+            body = {"text": text}
+        return {"index": index, **body, "logprobs": self._logprobs(log), "finish_reason": finish_reason}
 
     # -- streamed ---------------------------------------------------------------------------------
 
@@ -90,16 +110,30 @@ class View:
         """The stream chunks of one log entry (``api.sse.relay``'s ``render``)."""
         sid = str(entry.seq)
         if entry.type == "token":
-            # The first token entry opens the assistant's turn, as OpenAI's first chunk does.
+            # The first token entry opens the assistant's turn, as OpenAI's first chunk does
+            # (with n > 1 every choice's: a stream resumed later has them all from seq 1 on).
+            first = entry.data["index"] == 0
+            choice = entry.data.get("choice") or 0
+            opening = [self._chunk(sid, "", None, True, choice=k) for k in range(self.n) if k != choice]
             chunk = self._chunk(
-                sid, entry.data["text"], None, first=entry.data["index"] == 0, logprobs=[entry]
+                sid,
+                entry.data["text"],
+                entry.data.get("finish_reason"),  # n > 1: the choice's last event says why it ended
+                first=first,
+                logprobs=[entry],
+                choice=choice,
             )
-            return [chunk]
+            return [*(opening if first and self.chat else []), chunk]
         if entry.type == "error":
             err = failure(JobError.model_validate(entry.data), self.prompt_param)
             return [_event(sid, error_body(err.status, err.message, err.param, err.code)), DONE]
-        # done: a job that ended before any token (seq 1) still opens the turn.
-        events = [self._chunk(sid, "", entry.data["finish_reason"], first=entry.seq == 1)]
+        # done: a job that ended before any token (seq 1) still opens the turn. With n > 1 each
+        # choice's finish came with its last token event, unless the job had none.
+        if self.n == 1 or entry.seq == 1:
+            reason = entry.data["finish_reason"]
+            events = [self._chunk(sid, "", reason, first=entry.seq == 1, choice=k) for k in range(self.n)]
+        else:
+            events = []
         if self.include_usage:
             usage = Usage.model_validate(entry.data["usage"]).model_dump()
             events.append(_event(sid, {**self._chunk_head(), "choices": [], "usage": usage}))
@@ -112,19 +146,30 @@ class View:
         }
 
     def _chunk(
-        self, sid: str, text: str, finish_reason: str | None, first: bool, logprobs: Sequence[LogEntry] = ()
+        self,
+        sid: str,
+        text: str,
+        finish_reason: str | None,
+        first: bool,
+        logprobs: Sequence[LogEntry] = (),
+        choice: int = 0,
     ) -> ServerSentEvent:
         if self.chat:
             delta: dict[str, str] = {"role": "assistant"} if first else {}
             if text or finish_reason is None:
                 delta["content"] = text
-            choice: dict[str, Any] = {"delta": delta}
+            part: dict[str, Any] = {"delta": delta}
         else:
-            choice = {"text": text}
+            part = {"text": text}
         body = {
             **self._chunk_head(),
             "choices": [
-                {"index": 0, **choice, "logprobs": self._logprobs(logprobs), "finish_reason": finish_reason}
+                {
+                    "index": choice,
+                    **part,
+                    "logprobs": self._logprobs(logprobs),
+                    "finish_reason": finish_reason,
+                }
             ],
         }
         if self.include_usage:

@@ -7,6 +7,7 @@ names it, unless its value asks for nothing (null, or OpenAI's own neutral value
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -89,6 +90,10 @@ class OpenAIRequest(_Open):
     min_tokens: int | None = None
     logit_bias: dict[str, float] | None = None  # token id (as a string, JSON's keys) -> bias
     response_format: dict[str, Any] | None = None  # validated as JobRequest's ResponseFormat
+    # vLLM's guided decoding extras: guided_json is response_format's json_schema by another name.
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
 
     def prompt_fields(self) -> dict[str, Any]:
         raise NotImplementedError
@@ -104,14 +109,6 @@ class OpenAIRequest(_Open):
         """The job to run, with this server's ``settings`` (its default max_tokens and limits);
         ApiError 400 for what Spool refuses, RequestValidationError for bad values."""
         _refuse_extras(self.model_extra)
-        if self.n not in (None, 1):
-            raise ApiError(
-                400,
-                f"n={self.n} is not supported: Spool returns one choice per request (n=1); "
-                "send n requests instead",
-                param="n",
-                code="unsupported_parameter",
-            )
         include_usage = False
         if self.stream_options is not None:
             if not self.stream:
@@ -148,12 +145,30 @@ class OpenAIRequest(_Open):
             "min_tokens": self.min_tokens,
             "logit_bias": _logit_bias(self.logit_bias),
             "logprobs": self.logprobs_field(),
-            "response_format": self.response_format,
+            "response_format": self._response_format(),
+            "guided_regex": self.guided_regex,
+            "guided_choice": self.guided_choice,
+            "n": self.n,
         }
         try:
             return JobRequest.accept({k: v for k, v in fields.items() if v is not None}, settings)
         except ValidationError as e:
             raise body_errors(e, {"max_tokens": tokens_name}) from None
+
+    def _response_format(self) -> dict[str, Any] | None:
+        if self.guided_json is None:
+            return self.response_format
+        if self.response_format is not None:
+            raise ApiError(400, "give one of response_format or guided_json", param="guided_json")
+        schema = self.guided_json
+        if isinstance(schema, str):  # vLLM takes the schema as JSON text too
+            try:
+                schema = json.loads(schema)
+            except ValueError as e:
+                raise ApiError(400, f"guided_json is not JSON: {e}", param="guided_json") from None
+            if not isinstance(schema, dict):
+                raise ApiError(400, "guided_json must be a JSON schema (an object)", param="guided_json")
+        return {"type": "json_schema", "json_schema": {"name": "guided_json", "schema": schema}}
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:

@@ -100,7 +100,7 @@ async def _serve(body: OpenAIRequest, services: ServicesDep, http: Request) -> R
         return streamed_submit(services, job.id, view.render, not request.background, headers)
     try:
         done = await wait_for_job(services, job.id, http)
-        log = await services.store.read_log(job.id) if view.logprobs else []
+        log = await services.store.read_log(job.id) if view.needs_log else []
         return JSONResponse(view.completion(done, log), headers=headers)
     except ApiError as e:
         e.headers.update(headers)

@@ -53,7 +53,7 @@ redis.call('ZADD', KEYS[4], ARGV[5], ARGV[1])
 # also recorded in the attempts hash, which fences the step writes (APPEND_STEP_LUA). The text key
 # covers the log up to the hash's text_seq; a job whose log has no such mark (written by a worker
 # of an older version, which appended the text at every step) gets it, and one without a text key
-# gets the key, built from its log.
+# gets the key, built from its log (choice 0's tokens: records.job_text).
 TAKE_LUA = (
     """
 local status = redis.call('HGET', KEYS[1], 'status')
@@ -68,7 +68,8 @@ if #log > 0 then
     local text = {}
     for _, raw in ipairs(log) do
       local entry = cjson.decode(raw)
-      if entry.type == 'token' then text[#text + 1] = entry.data.text end
+      local choice = entry.data.choice
+      if entry.type == 'token' and (not choice or choice == 0) then text[#text + 1] = entry.data.text end
     end
     redis.call('SET', KEYS[5], table.concat(text))
     redis.call('HSET', KEYS[1], 'text_seq', #log, 'text_len', redis.call('STRLEN', KEYS[5]))

@@ -263,7 +263,9 @@ def _float_or_none(v: str | None) -> float | None:
 
 
 def job_text(log: Iterable[LogEntry]) -> str:
-    return "".join(e.data["text"] for e in log if e.type == "token")
+    """The job's text: its token events' (a job with n > 1: choice 0's, the other choices are
+    in the log only)."""
+    return "".join(e.data["text"] for e in log if e.type == "token" and not e.data.get("choice"))
 
 
 def decode_log(raw: Iterable[str | bytes]) -> list[LogEntry]:
@@ -614,8 +616,22 @@ def heartbeats_from(values: Iterable[str | bytes | None]) -> list[WorkerHeartbea
 
 
 def token_entry(
-    seq: int, index: int, text: str, token_ids: Sequence[int], logprobs: list[TokenLogprob] | None = None
+    seq: int,
+    index: int,
+    text: str,
+    token_ids: Sequence[int],
+    logprobs: list[TokenLogprob] | None = None,
+    choice: int | None = None,
+    finish_reason: str | None = None,
 ) -> LogEntry:
     return LogEntry.token(
-        seq, TokenEvent(index=index, text=text, token_ids=list(token_ids), logprobs=logprobs)
+        seq,
+        TokenEvent(
+            index=index,
+            text=text,
+            token_ids=list(token_ids),
+            logprobs=logprobs,
+            choice=choice,
+            finish_reason=finish_reason,
+        ),
     )

@@ -4,6 +4,7 @@ batch beside unconstrained greedy requests whose output is still model.generate(
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import jsonschema
@@ -13,7 +14,7 @@ from greedy import greedy
 
 from workers.engine import SamplingParams
 from workers.engine.detokenizer import IncrementalDetokenizer
-from workers.engine.grammar import GrammarError
+from workers.engine.grammar import GrammarError, matcher
 from workers.engine.request import Request
 from workers.engine.tiny import ARCHITECTURES
 
@@ -128,3 +129,29 @@ def test_a_batch_with_no_constrained_row_pays_nothing(make_engine) -> None:  # t
         Request(str(i), [1, 2], SamplingParams(), IncrementalDetokenizer(engine.tokenizer)) for i in range(2)
     ]
     assert engine.masks.apply(logits, plain) is logits  # no fill, no copy, no kernel
+
+
+def test_guided_regex_and_choice_beside_unconstrained_greedy(make_engine, llama_dir: Path) -> None:  # type: ignore[no-untyped-def]
+    engine = make_engine(max_batch_size=8)
+    pattern = r"[a-z]{2,6}-[0-9]{1,3}"
+    # Quotes, a backslash, a newline and non-ASCII: escaped into the EBNF alternation.
+    choices = ["positive", 'say "hi"\\', "two\nlines", "하늘"]
+    regex, choice = engine.grammars.regex(pattern), engine.grammars.choice(choices)
+    requests = {}
+    for i, prompt in enumerate(PROMPTS):
+        requests[f"regex-{i}"] = (prompt, SamplingParams(max_tokens=30, temperature=1.0, seed=i), regex)
+        requests[f"choice-{i}"] = (prompt, SamplingParams(max_tokens=30, temperature=1.0, seed=i), choice)
+    requests["plain"] = (PROMPTS[0], SamplingParams(max_tokens=12, temperature=0.0), None)
+    for rid, (ids, text, reason) in run(engine, requests).items():
+        if rid == "plain":
+            assert ids == greedy(llama_dir, PROMPTS[0], 12).token_ids
+            continue
+        assert reason == "stop", f"{rid}: {text!r}"
+        assert re.fullmatch(pattern, text) if rid.startswith("regex") else text in choices, (rid, text)
+    # Every choice, however escaped, is reachable: its own tokens take the matcher to its end.
+    for text in choices:
+        m = matcher(choice, engine.tokenizer.encode(text, add_special_tokens=False))
+        assert m.is_completed() or m.accept_token(engine.tokenizer.eos_token_id)
+    assert engine.grammars.regex(pattern) is regex and engine.grammars.choice(choices) is choice
+    with pytest.raises(GrammarError, match="the regex cannot be used"):
+        engine.grammars.regex("a(?=b)")

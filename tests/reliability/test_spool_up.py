@@ -49,7 +49,8 @@ def test_spool_up_names_a_child_that_dies_stops_the_others_and_exits_1(
         os.kill(children["api"], signal.SIGKILL)  # as the kernel's OOM killer would end it
         wait_until(lambda: not up.alive(), "spool up to exit", 60)
         assert up.proc.returncode == 1
-        assert f"spool: api (pid {children['api']}) was killed by SIGKILL; stopping the others" in said(up)
+        said_line = f"spool: api (pid {children['api']}) was killed by SIGKILL; stopping the others"
+        assert said_line in said(up), up.handle.log_tail()
         wait_until(lambda: pid_gone(children["worker"]), "the worker to be gone", 10)
     finally:
         up.stop()

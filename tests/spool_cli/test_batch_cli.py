@@ -54,3 +54,4 @@ def test_an_interrupted_batch_is_resumed_and_listed(cluster: Cluster, tmp_path: 
     assert [json.loads(x)["custom_id"] for x in out.read_text().splitlines()] == [
         r["custom_id"] for r in rows
     ]
+    assert (tmp_path / "resumed.errors.jsonl").read_text() == ""  # beside --out, not in the working directory

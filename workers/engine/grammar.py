@@ -49,20 +49,56 @@ class Grammars:
     def json(self, schema: str | dict[str, Any] | None) -> xgr.CompiledGrammar:
         """The grammar of JSON that validates against ``schema`` (None: any object)."""
         key = ANY_OBJECT if schema is None else schema if isinstance(schema, str) else json.dumps(schema)
+        # Compact JSON (no free whitespace): a model cannot spend its tokens on blank space.
+        return self._cached(
+            key, lambda: self._compiler.compile_json_schema(key, any_whitespace=False), "JSON schema"
+        )
+
+    def regex(self, pattern: str) -> xgr.CompiledGrammar:
+        """The grammar of text that matches the regular expression (vLLM's ``guided_regex``)."""
+        return self._cached("regex\0" + pattern, lambda: self._compiler.compile_regex(pattern), "regex")
+
+    def choice(self, choices: Sequence[str]) -> xgr.CompiledGrammar:
+        """The grammar of exactly one of ``choices`` (vLLM's ``guided_choice``): an alternation."""
+        ebnf = "root ::= " + " | ".join(map(_ebnf_string, choices))
+        return self._cached("choice\0" + ebnf, lambda: self._compiler.compile_grammar(ebnf), "choice")
+
+    def guide(self, kind: str, spec: Any) -> xgr.CompiledGrammar:
+        """The grammar of a request's guide: ("json", schema or None), ("regex", pattern) or
+        ("choice", strings)."""
+        if kind == "json":
+            return self.json(spec)
+        if kind == "regex":
+            return self.regex(spec)
+        if kind == "choice":
+            return self.choice(spec)
+        raise GrammarError(f"unknown guide {kind!r}")
+
+    def _cached(self, key: str, compile: Any, what: str) -> xgr.CompiledGrammar:
         with self._lock:
             if (hit := self._cache.get(key)) is not None:
                 self.hits += 1
                 return hit
         try:
-            # Compact JSON (no free whitespace): a model cannot spend its tokens on blank space.
-            grammar = self._compiler.compile_json_schema(key, any_whitespace=False)
+            grammar = compile()
         except RuntimeError as e:  # xgrammar's C++ errors: "...: Unsupported type "integer2""
-            raise GrammarError(
-                f"the JSON schema cannot be used: {str(e).split(': ', 1)[-1].strip()}"
-            ) from None
+            raise GrammarError(f"the {what} cannot be used: {str(e).split(': ', 1)[-1].strip()}") from None
         with self._lock:
             self.compiled += 1
             return self._cache.setdefault(key, grammar)
+
+
+def _ebnf_string(text: str) -> str:
+    """``text`` as an EBNF string literal: quotes, backslashes and control characters escaped."""
+    out = []
+    for ch in text:
+        if ch in '"\\':
+            out.append("\\" + ch)
+        elif ord(ch) < 0x20 or ch == "\x7f":
+            out.append(f"\\x{ord(ch):02x}")
+        else:
+            out.append(ch)
+    return '"' + "".join(out) + '"'
 
 
 def matcher(grammar: xgr.CompiledGrammar, resumed: Sequence[int] = ()) -> xgr.GrammarMatcher:
