@@ -56,7 +56,7 @@ from measure import (
 )
 from stack_clients import bare_request
 from transformers import AutoTokenizer
-from workload import FULL, QUICK, text_prompts
+from workload import FULL, QUICK, REPO_ROOT, text_prompts
 
 from spool_cli import procs as harness
 
@@ -323,6 +323,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
+    # The worker is the `spool` console script, which imports the installed tree: this checkout's
+    # code, first on its module path, is what is measured (the API runs from it already).
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        [str(REPO_ROOT), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    )
     sb.quiet_libraries()
     plan = sb.QUICK_STACK if args.quick else sb.FULL_STACK
     place = sb.Placement(None)
