@@ -18,6 +18,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api.hub import Hub
 from common.schemas import WorkerHeartbeat
+from common.store import BATCH_LINE_STATES, BatchCounts
 
 # Per live worker, from the engine stats in its heartbeat: (metric, help, stats key).
 _ENGINE_GAUGES = (
@@ -44,6 +45,11 @@ _ENGINE_COUNTERS = (
         "Prompt tokens found in the prefix cache (not computed)",
         "prefix_cache_hits",
     ),
+    (
+        "spool_engine_preemptions",
+        "Running requests (batch lines) whose slot went to a higher-priority request",
+        "preemptions",
+    ),
 )
 QUEUES = ("llm", "media")  # the Celery queues, by the last part of their name (Keys.queue_llm, queue_media)
 # Why a submit was refused: its error code (api/errors.py, api/served.py), 422 schema errors as
@@ -63,6 +69,18 @@ REJECT_REASONS = (
     "backend_unavailable",
     "other",
 )
+# OpenAI's batch statuses; the batches not ended yet are the ones whose lines are counted by state.
+BATCH_STATUSES = (
+    "validating",
+    "failed",
+    "in_progress",
+    "finalizing",
+    "completed",
+    "expired",
+    "cancelling",
+    "cancelled",
+)
+BATCH_LIVE = ("validating", "in_progress", "finalizing", "cancelling")  # the batches whose lines count
 SUBMIT_PATHS = frozenset({"/v1/jobs", "/v1/completions", "/v1/chat/completions"})
 
 
@@ -123,6 +141,22 @@ class Metrics:
             ["queue"],
             registry=self.registry,
         )
+        self.batches = Gauge(
+            "spool_batches",
+            "Stored batches (until they expire), by status",
+            ["status"],
+            registry=self.registry,
+        )
+        self.batch_lines = Gauge(
+            "spool_batch_lines",
+            "Request lines of the batches not ended yet, by state",
+            ["state"],
+            registry=self.registry,
+        )
+        for status in BATCH_STATUSES:
+            self.batches.labels(status)
+        for state in BATCH_LINE_STATES:
+            self.batch_lines.labels(state)
         self.workers = Gauge("spool_workers", "Workers with a live heartbeat", registry=self.registry)
         Gauge("spool_sse_streams", "Open SSE streams", registry=self.registry).set_function(
             lambda: hub.open_streams
@@ -144,6 +178,13 @@ class Metrics:
     def set_queue_depths(self, depths: Iterable[tuple[str, int]]) -> None:
         for queue, n in depths:
             self.queue_depth.labels(queue).set(n)
+
+    def set_batches(self, counts: BatchCounts) -> None:
+        """At scrape time: the batches by status, and the lines of the live ones by state."""
+        for status in BATCH_STATUSES:
+            self.batches.labels(status).set(counts.statuses.get(status, 0))
+        for state, n in counts.lines.items():
+            self.batch_lines.labels(state).set(n)
 
     def rejected(self, status: int, code: str | None) -> None:
         reason = "invalid_request" if status == 422 else code or "other"

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import torch
 from measure import loadavg
 from workload import FULL, QUICK, build_model, quiet_libraries
 
@@ -71,23 +72,34 @@ def engine_tok_s(engine: Engine, texts: list[str], max_tokens: int, batch: int) 
 
 
 def ttft_s(client: httpx.Client, prompt: str) -> float:
+    return probe(client, prompt)[0]
+
+
+def probe(client: httpx.Client, prompt: str) -> tuple[float, float]:
+    """Seconds to the first chunk with text, and of those, from the job's creation to a worker
+    taking it (its ``started_at``): the queue's part; the rest is the API's and the engine's."""
     body = {"prompt": prompt, "max_tokens": 4, "temperature": 0, "stream": True}
     start = time.perf_counter()
-    first = None
+    first, job_id = None, ""
     with client.stream("POST", "/v1/completions", json=body) as resp:
         resp.raise_for_status()
         for line in resp.iter_lines():  # read to the end: the stream closes after [DONE]
-            if first is None and line.startswith("data: {") and json.loads(line[6:])["choices"][0]["text"]:
-                first = time.perf_counter() - start
+            if first is None and line.startswith("data: {"):
+                chunk = json.loads(line[6:])
+                job_id = chunk["id"].removeprefix("cmpl-")
+                if chunk["choices"][0]["text"]:
+                    first = time.perf_counter() - start
     if first is None:
         raise RuntimeError("a probe got no token")
-    return first
+    job = client.get(f"/v1/jobs/{job_id}").json()
+    return first, job["started_at"] - job["created_at"]
 
 
 def run_batch(
     client: httpx.Client, texts: list[str], max_tokens: int, probes: int
-) -> tuple[float, dict[str, Any], list[float]]:
-    """Seconds from the upload to the batch's end, the batch, and TTFTs of probes sent during it."""
+) -> tuple[float, dict[str, Any], list[tuple[float, float]]]:
+    """Seconds from the upload to the batch's end, the batch, and the probes sent during it
+    (TTFT, queued: see ``probe``)."""
     lines = "".join(
         json.dumps({"custom_id": f"l{i}", "method": "POST", "url": "/v1/completions",
                     "body": {"prompt": t, "max_tokens": max_tokens, "temperature": 0}}) + "\n"
@@ -99,12 +111,12 @@ def run_batch(
     ).json()["id"]
     body = {"input_file_id": file_id, "endpoint": "/v1/completions", "completion_window": "24h"}
     batch = client.post("/v1/batches", json=body).json()
-    during: list[float] = []
+    during: list[tuple[float, float]] = []
     while batch["status"] not in ("completed", "failed", "expired", "cancelled"):
         counts = batch["request_counts"]
         # Probes while lines wait in the queue: the first tenth of the batch is the ramp.
         if len(during) < probes and counts["total"] and counts["completed"] > counts["total"] // 10:
-            during.append(ttft_s(client, "probe " + texts[len(during)]))
+            during.append(probe(client, "probe " + texts[len(during)]))
         else:
             time.sleep(0.05)
         batch = client.get(f"/v1/batches/{batch['id']}").json()
@@ -125,6 +137,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--model", choices=["full", "quick"], default="full",
                    help="workload.py's random Llama: full (~58M parameters) or quick (tiny, steps of about a ms)")  # fmt: skip
+    p.add_argument(
+        "--threads", type=int, default=1,
+        help="torch threads of the engine alone and of the worker (SPOOL_TORCH_THREADS); the same on both sides",
+    )  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, help="also write the figures as JSON here")
     args = p.parse_args(argv)
@@ -132,12 +148,13 @@ def main(argv: list[str] | None = None) -> int:
     texts = prompts(args.lines, args.seed)
     engine_runs: list[float] = []
     batch_runs: list[float] = []
-    during: list[float] = []
+    during: list[tuple[float, float]] = []
     with tempfile.TemporaryDirectory(prefix="spool-batch-bench-") as tmp:
         work = Path(tmp)
         model = work / "model"
         build_model(model, (FULL if args.model == "full" else QUICK).model, args.seed)
         make_eos_unreachable(model)
+        torch.set_num_threads(args.threads)
         engine = Engine(EngineConfig(model=str(model), max_batch_size=args.batch_size), seed=0)
         engine_tok_s(engine, texts[: args.batch_size], args.max_tokens, args.batch_size)  # warm-up
         procs = []
@@ -145,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
             redis, redis_url = start_redis(log_dir=work, data_dir=work)
             procs.append(redis)
             env = spool_env(redis_url, "bench-batch", model=model, max_batch_size=args.batch_size,
-                            batch_window=args.window, heartbeat_s=0.5)  # fmt: skip
+                            batch_window=args.window, heartbeat_s=0.5, torch_threads=args.threads)  # fmt: skip
             worker = start("worker", [*spool_argv(), "worker"], env=env, log_dir=work)
             procs.append(worker)
             api, url = start_api("api", env, log_dir=work)
@@ -153,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
             with httpx.Client(base_url=url, timeout=120) as client:
                 wait_until(lambda: client.get("/readyz").status_code == 200, "a worker", 180, [worker, api])
                 ttft_s(client, "warm up")
-                idle = [ttft_s(client, "probe " + t) for t in texts[: args.probes]]
+                idle = [probe(client, "probe " + t) for t in texts[: args.probes]]
                 # Alternating, so that the other load of a shared machine falls on both sides alike.
                 for _ in range(args.rounds):
                     engine_runs.append(engine_tok_s(engine, texts, args.max_tokens, args.batch_size))
@@ -166,34 +183,43 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             stop_all(procs)
     engine_median, batch_median = statistics.median(engine_runs), statistics.median(batch_runs)
-    report = {
+    report: dict[str, Any] = {
         "lines": args.lines,
         "max_tokens": args.max_tokens,
         "batch_size": args.batch_size,
         "window": args.window,
         "model": args.model,
+        "threads": args.threads,
         "engine_tok_s": engine_runs,
         "batch_tok_s": batch_runs,
         "ratio": batch_median / engine_median,
-        "ttft_idle_p50_ms": statistics.median(idle) * 1e3,
-        "ttft_during_p50_ms": statistics.median(during) * 1e3 if during else None,
+        "ttft_idle_p50_ms": p50_ms(idle, 0),
+        "ttft_during_p50_ms": p50_ms(during, 0),
+        "queued_idle_p50_ms": p50_ms(idle, 1),
+        "queued_during_p50_ms": p50_ms(during, 1),
         "loadavg": loadavg(),
     }
     print(f"batch of {args.lines} lines x {args.max_tokens} tokens, {args.model} model, "
-          f"max_batch_size {args.batch_size}, window {args.window}, {args.rounds} rounds")  # fmt: skip
+          f"max_batch_size {args.batch_size}, window {args.window}, {args.rounds} rounds, {args.threads} torch thread(s) each side")  # fmt: skip
     print(
         f"  engine alone       {engine_median:8.1f} tok/s (runs: {', '.join(f'{x:.0f}' for x in engine_runs)})"
     )
     print(f"  batch (end to end) {batch_median:8.1f} tok/s (runs: {', '.join(f'{x:.0f}' for x in batch_runs)})   "
           f"ratio {report['ratio']:.2f} (target >= {TARGET_RATIO})")  # fmt: skip
     if during:
-        factor = statistics.median(during) / statistics.median(idle)
+        factor = report["ttft_during_p50_ms"] / report["ttft_idle_p50_ms"]
         print(f"  TTFT p50 idle {report['ttft_idle_p50_ms']:.0f} ms, during the batch {report['ttft_during_p50_ms']:.0f} ms: "
               f"{factor:.2f}x (target <= {TARGET_TTFT}x; {len(during)} probes)")  # fmt: skip
+        print(f"    of which queued (created to taken by the worker) p50: idle {report['queued_idle_p50_ms']:.0f} ms, "
+              f"during {report['queued_during_p50_ms']:.0f} ms")  # fmt: skip
     print(f"  load average {report['loadavg']}")
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
     return 0
+
+
+def p50_ms(probes: list[tuple[float, float]], field: int) -> float | None:
+    return statistics.median(p[field] for p in probes) * 1e3 if probes else None
 
 
 if __name__ == "__main__":

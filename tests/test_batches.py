@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import time
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,9 @@ import openai
 import pytest
 import redis
 from procs import REDIS_URL, Cluster, Prefixes, Service, start_api, start_worker, wait_until
+from prometheus_client.parser import text_string_to_metric_families
 
+from api.metrics import BATCH_LINE_STATES, BATCH_STATUSES
 from common.keys import BATCH_PRIORITY, Keys
 
 # A batch's feeder works every 0.1 s and keeps 12 lines queued or running; the worker has 4 slots
@@ -311,6 +314,40 @@ def test_cancel_mid_run_keeps_what_finished_and_runs_nothing_after(
     keys = Keys(batch_cluster.prefix)
     assert r.llen(keys.broker_list(keys.queue_llm, BATCH_PRIORITY)) == 0
     assert not r.zrange(keys.running_jobs(), 0, -1)
+
+
+def batch_figures(api_url: str) -> tuple[dict[str, float], dict[str, float]]:
+    """The API's /metrics: batches by status, and the live batches' lines by state."""
+    families = text_string_to_metric_families(httpx.get(f"{api_url}/metrics", timeout=10).text)
+    samples = [s for f in families for s in f.samples]
+    return (
+        {s.labels["status"]: s.value for s in samples if s.name == "spool_batches"},
+        {s.labels["state"]: s.value for s in samples if s.name == "spool_batch_lines"},
+    )
+
+
+def test_metrics_count_batches_by_status_and_live_lines_by_state(
+    oai: openai.OpenAI, batch_cluster: Cluster
+) -> None:
+    statuses, lines = batch_figures(batch_cluster.url)
+    assert set(statuses) == set(BATCH_STATUSES) and set(lines) == set(BATCH_LINE_STATES)  # from the start
+    assert sum(lines.values()) == 0  # the batches before this test all ended
+    batch_id = run_batch(oai, [completion_line(i, max_tokens=24) for i in range(30)], "/v1/completions")
+    seen: list[dict[str, float]] = []
+
+    def fed() -> bool:
+        seen[:] = [batch_figures(batch_cluster.url)[1]]
+        return seen[0]["in_flight"] > 0
+
+    wait_until(fed, "lines in flight", 60)
+    # Every line in one state; never more in flight than the window (SPOOL_BATCH_WINDOW 12).
+    assert sum(seen[0].values()) == 30 and seen[0]["in_flight"] <= BATCH_SETTINGS["batch_window"]
+    assert ended(oai, batch_id).status == "completed"
+    statuses, lines = batch_figures(batch_cluster.url)
+    assert lines == dict.fromkeys(BATCH_LINE_STATES, 0)  # an ended batch's lines count no more
+    listed = Counter(b.status for b in oai.batches.list(limit=100))
+    assert statuses == {status: listed.get(status, 0) for status in BATCH_STATUSES}
+    assert statuses["completed"] >= 1
 
 
 def test_an_interactive_request_is_taken_before_the_batchs_queued_lines(

@@ -11,6 +11,10 @@ than run ahead of what is stored.
 
 The runtime is the executor of the worker's liveness (workers/liveness.py: heartbeats, leases,
 cancels, the sweep), and a watchdog (workers/watchdog.py) ends the process when a step stalls.
+
+While it holds a batch's lines, an intake thread takes queued interactive jobs itself (see
+``_intake_loop``): Celery hands a worker whose task threads all hold lines no message until one
+of those lines ends, and the engine would preempt a line for the request at once.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ log = logging.getLogger(__name__)
 
 BATCH_LINE_PRIORITY = 1  # SamplingParams.priority of a batch's line (interactive jobs: 0)
 OUTBOX_STEPS = 2  # steps whose entries may wait for the writer before the engine thread waits too
+INTAKE_S = 0.02  # how often a worker holding batch lines looks for queued interactive jobs
 
 
 class Outcome(str, enum.Enum):
@@ -279,9 +284,11 @@ class EngineRuntime:
         self.liveness = Liveness(store, settings, name, self, self._stop, requeue)
         self._watchdog = Watchdog(settings.engine_stall_s, self._stop, self.liveness.forget_heartbeat)
         self.tokenizer_digest: str | None = None  # the spec the API counts prompt tokens with, once stored
+        self._intaking: set[str] = set()  # jobs the intake thread found queued, being taken (under _lock)
         self._threads = [
             NamedThread(target=self._engine_loop, name="spool-engine", daemon=True),
             NamedThread(target=self._write_loop, name="spool-writer", daemon=True),
+            NamedThread(target=self._intake_loop, name="spool-intake", daemon=True),
         ]
 
     @classmethod
@@ -378,6 +385,54 @@ class EngineRuntime:
     def job_ids(self) -> list[str]:
         with self._lock:
             return list(self._jobs)
+
+    # -- the intake thread ------------------------------------------------------------------------
+
+    def _intake_loop(self) -> None:
+        """Take queued interactive jobs while this worker holds batch lines.
+
+        Celery reserves a message for each task thread; with every thread holding a line (in the
+        engine or waiting for a slot), an interactive message waits in the queue until some line
+        ends, however far ahead of the lines it is queued (with lines of one length that is the
+        end of a whole wave of them). So every ``INTAKE_S`` a worker that holds a line reads the
+        oldest queued jobs (the queued set holds interactive jobs and text parts, never lines)
+        and runs each as its message would, on a thread of its own, as many as its engine has
+        slots not held by interactive jobs: the engine preempts a line for it at the next step.
+        The take is the same script (one worker wins it); the message, delivered later, finds
+        the job running or ended and is dropped (``Outcome.BUSY`` / ``SKIPPED``).
+        """
+        while not self._stop.wait(INTAKE_S):
+            room = self._intake_room()
+            if room <= 0:
+                continue
+            try:
+                queued = self.store.oldest_queued(room)
+            except RedisError:
+                continue  # Redis unreachable: the messages still come through Celery
+            with self._lock:
+                new = [j for j in queued if j not in self._jobs and j not in self._intaking]
+                self._intaking.update(new)
+            for job_id in new:
+                NamedThread(target=self._intake, args=(job_id,), name="spool-intake-job", daemon=True).start()
+
+    def _intake_room(self) -> int:
+        with self._lock:
+            lines = sum(j.batch_line for j in self._jobs.values())
+            # Engine requests of interactive jobs (one per choice), and those being taken.
+            interactive = sum(len(j.choices) for j in self._jobs.values() if not j.batch_line)
+            interactive += len(self._intaking)
+        return self.engine.num_slots - interactive if lines else 0
+
+    def _intake(self, job_id: str) -> None:
+        try:
+            self.run_job(job_id)
+        except RedisError as e:  # its message, still queued, runs it
+            log.warning("intake of job %s: %s", job_id, e)
+        except Exception:
+            log.exception("intake of job %s failed", job_id)
+        finally:
+            with self._lock:
+                self._intaking.discard(job_id)
 
     # -- the executor of workers/liveness.py ------------------------------------------------------
 

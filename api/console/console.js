@@ -6,6 +6,11 @@
 // "Authorization: Bearer KEY" on every request. fetch() does not resume by itself, so follow()
 // does: it reconnects with Last-Event-ID set to the last event it showed and drops any event id
 // it has seen, so a token is never shown twice or skipped.
+//
+// A job with parts (text and image) shows each part with its own status; an image part's
+// denoising progress comes in its progress events, and its PNG is fetched (with the key) once
+// the part succeeded. Batches are listed with their live request counts, can be cancelled, and
+// their output and error files are shown in the page (fetched with the key, so no key in a URL).
 "use strict";
 
 const $ = (id) => document.getElementById(id);
@@ -18,7 +23,10 @@ const view = {
   lastId: 0, // id of the last event shown: the cursor a reconnect resumes after
   tokens: 0, // token events shown
   stream: null, // AbortController of the stream being followed
+  partTokens: new Map(), // part index -> its token events shown (a token's index counts its part's)
+  images: [], // object URLs of the images shown, revoked when another job is shown
 };
+const CANCELLABLE_BATCH = ["validating", "in_progress"];
 
 class ApiError extends Error {
   constructor(status, error) {
@@ -108,6 +116,10 @@ async function follow(jobId) {
   if (view.stream) view.stream.abort();
   const ctrl = new AbortController();
   Object.assign(view, { jobId, lastId: 0, tokens: 0, stream: ctrl });
+  view.partTokens.clear();
+  for (const u of view.images.splice(0)) URL.revokeObjectURL(u);
+  $("parts").replaceChildren();
+  $("parts").hidden = true;
   $("output").textContent = "";
   showCursor();
   $("job-id").textContent = jobId;
@@ -153,21 +165,42 @@ async function follow(jobId) {
 // Show one job event; true when it was the last.
 function show(type, data) {
   if (type === "token") {
-    if (data.index !== view.tokens) {
+    const k = data.part ?? 0;
+    const before = view.partTokens.get(k) || 0;
+    if (data.index !== before) {
       // Cannot happen while ids are consecutive; say so rather than show a garbled text.
-      banner(`token index ${data.index} arrived after ${view.tokens} tokens`);
+      banner(`token index ${data.index} arrived after ${before} tokens`);
     }
+    view.partTokens.set(k, before + 1);
     view.tokens += 1;
     $("output").append(data.text);
     showCursor();
+    setStatus("running");
+    if (data.part !== undefined) updatePart(k, { type: "text", status: "running" }, true);
+    return false;
+  }
+  if (type === "part") {
+    updatePart(data.part, data, true);
+    if (data.status === "running") setStatus("running");
+    return false;
+  }
+  if (type === "progress") {
+    updatePart(data.part, { type: "image", status: "running", step: data.step, steps: data.steps }, true);
     setStatus("running");
     return false;
   }
   if (type === "done") {
     setStatus(data.status);
-    const u = data.usage || {};
-    $("job-meta").textContent =
-      `finish_reason: ${data.finish_reason} · prompt ${u.prompt_tokens} + completion ${u.completion_tokens} tokens`;
+    if (data.parts) {
+      data.parts.forEach((summary, k) => updatePart(k, summary, true));
+      const counts = {};
+      for (const p of data.parts) counts[p.status] = (counts[p.status] || 0) + 1;
+      $("job-meta").textContent = "parts: " + Object.entries(counts).map(([st, n]) => `${n} ${st}`).join(", ");
+    } else {
+      const u = data.usage || {};
+      $("job-meta").textContent =
+        `finish_reason: ${data.finish_reason} · prompt ${u.prompt_tokens} + completion ${u.completion_tokens} tokens`;
+    }
     return true;
   }
   if (type === "error") {
@@ -176,6 +209,98 @@ function show(type, data) {
     return true;
   }
   return false;
+}
+
+// ---- parts ----------------------------------------------------------------------------------
+
+// The part's row in #parts, made on first sight: a part event or the job's parts may come first.
+function partRow(k) {
+  let li = $("parts").querySelector(`li[data-part="${k}"]`);
+  if (li) return li;
+  li = document.createElement("li");
+  li.className = "part";
+  li.dataset.part = String(k);
+  li.dataset.type = "";
+  li.dataset.tokens = "0";
+  const head = document.createElement("div");
+  head.className = "part-head";
+  const pill = document.createElement("span");
+  pill.className = "pill";
+  const name = document.createElement("b");
+  name.textContent = `part ${k}`;
+  const kind = document.createElement("span");
+  kind.className = "kind";
+  const detail = document.createElement("span");
+  detail.className = "detail";
+  head.append(pill, name, kind, detail);
+  const bar = document.createElement("progress");
+  bar.hidden = true;
+  const img = document.createElement("img");
+  img.hidden = true;
+  img.alt = `image of part ${k}`;
+  const error = document.createElement("p");
+  error.className = "part-error";
+  li.append(head, bar, img, error);
+  // Rows in part order, whichever came first.
+  const after = [...$("parts").children].find((el) => Number(el.dataset.part) > k);
+  $("parts").insertBefore(li, after || null);
+  $("parts").hidden = false;
+  return li;
+}
+
+// Show what is known of part k; from the job's GET (fromEvent false), a status only until its
+// events say more (a GET may answer after a later event was shown).
+function updatePart(k, info, fromEvent) {
+  if (k === undefined || k === null) return;
+  const li = partRow(k);
+  const type = info.type || (info.url || info.step ? "image" : li.dataset.type);
+  if (type) {
+    li.dataset.type = type;
+    li.querySelector(".kind").textContent = type;
+  }
+  if (info.status && (fromEvent || !li.dataset.fromEvents)) {
+    li.dataset.status = info.status;
+    const pill = li.querySelector(".pill");
+    pill.textContent = info.status;
+    pill.dataset.state = info.status;
+  }
+  if (fromEvent) li.dataset.fromEvents = "1";
+  if (type === "text") {
+    li.dataset.tokens = String(view.partTokens.get(k) || 0);
+    li.querySelector(".detail").textContent = `${li.dataset.tokens} tokens`;
+  }
+  if (info.steps) {
+    const bar = li.querySelector("progress");
+    bar.hidden = false;
+    bar.max = info.steps;
+    bar.value = info.step || 0;
+    li.querySelector(".detail").textContent = `step ${info.step || 0}/${info.steps}`;
+  }
+  if (info.error) li.querySelector(".part-error").textContent = `${info.error.type}: ${info.error.message}`;
+  if (info.url && info.status === "succeeded") showImage(li, info);
+}
+
+async function showImage(li, info) {
+  const img = li.querySelector("img");
+  if (img.dataset.url === info.url) return;
+  img.dataset.url = info.url;
+  const jobId = view.jobId;
+  try {
+    const blob = await (await request(info.url)).blob(); // with the key: an <img src> could not send it
+    if (view.jobId !== jobId) return;
+    const src = URL.createObjectURL(blob);
+    view.images.push(src);
+    img.onload = () => { img.dataset.loaded = "1"; };
+    img.src = src;
+    img.width = info.width || img.width;
+    img.height = info.height || img.height;
+    img.hidden = false;
+    const seed = info.seed !== undefined ? ` · seed ${info.seed}` : "";
+    li.querySelector(".detail").textContent = `${info.width}x${info.height}${seed}`;
+  } catch (err) {
+    delete img.dataset.url; // the next event or reload tries again
+    li.querySelector(".part-error").textContent = `the image could not be read: ${explain(err)}`;
+  }
 }
 
 function showCursor() {
@@ -206,7 +331,9 @@ function setStream(text) {
 async function refreshJob(jobId) {
   try {
     const job = await getJson(`/v1/jobs/${encodeURIComponent(jobId)}`);
-    if (view.jobId === jobId && ["queued", "running"].includes(job.status) && !view.tokens) setStatus(job.status);
+    if (view.jobId !== jobId) return;
+    if (["queued", "running"].includes(job.status) && !view.tokens) setStatus(job.status);
+    for (const part of job.parts || []) updatePart(part.index, part, false);
   } catch (err) {
     /* the stream reports its own errors */
   }
@@ -214,8 +341,20 @@ async function refreshJob(jobId) {
 
 // ---- submit and cancel ----------------------------------------------------------------------
 
+const num = (id) => ($(id).value === "" ? undefined : Number($(id).value));
+
+function mode() {
+  return document.querySelector("input[name=mode]:checked").value;
+}
+
+function imagePart(prompt) {
+  const part = { type: "image", size: $("image-size").value.trim() || undefined, steps: num("image-steps"), seed: num("image-seed") };
+  // No image prompt with a text part: the image takes the text part's final text.
+  return prompt ? { ...part, prompt } : { ...part, prompt_from: 0 };
+}
+
 function jobBody() {
-  const num = (id) => ($(id).value === "" ? undefined : Number($(id).value));
+  if (mode() === "image") return JSON.stringify({ parts: [imagePart($("prompt").value)] });
   const body = {
     max_tokens: num("max_tokens"),
     temperature: num("temperature"),
@@ -225,13 +364,14 @@ function jobBody() {
   };
   const stop = $("stop").value.split(",").map((s) => s.trim()).filter(Boolean);
   if (stop.length) body.stop = stop;
-  if (document.querySelector("input[name=mode]:checked").value === "chat") {
+  if (mode() === "chat") {
     const system = $("system").value.trim();
     body.messages = [...(system ? [{ role: "system", content: system }] : []), { role: "user", content: $("prompt").value }];
   } else {
     body.prompt = $("prompt").value;
   }
-  return JSON.stringify(body);
+  if (!$("with-image").checked) return JSON.stringify(body);
+  return JSON.stringify({ parts: [{ type: "text", ...body }, imagePart($("image-prompt").value.trim())] });
 }
 
 async function submit(e) {
@@ -287,7 +427,8 @@ function jobItem(job) {
   link.addEventListener("click", (e) => { e.preventDefault(); follow(job.id); });
   const when = document.createElement("span");
   when.className = "when";
-  when.textContent = `${job.usage.completion_tokens} tok · ${new Date(job.created_at * 1000).toLocaleTimeString()}`;
+  const parts = job.parts && job.parts.length ? `${job.parts.length} parts · ` : "";
+  when.textContent = `${parts}${job.usage.completion_tokens} tok · ${new Date(job.created_at * 1000).toLocaleTimeString()}`;
   li.append(status, link, when);
   return li;
 }
@@ -323,6 +464,127 @@ function workerRow(w) {
   return tr;
 }
 
+// ---- batches --------------------------------------------------------------------------------
+
+async function refreshBatches() {
+  const list = $("batches");
+  try {
+    const page = await getJson("/v1/batches?limit=10");
+    $("batches-note").textContent = page.data.length ? "" : "No batches yet.";
+    // Rows are kept and updated in place, so a button is not replaced under the pointer.
+    const rows = new Map([...list.children].map((li) => [li.dataset.batchId, li]));
+    list.replaceChildren(...page.data.map((b) => batchRow(rows.get(b.id), b)));
+  } catch (err) {
+    $("batches-note").textContent = explain(err);
+  }
+}
+
+function batchRow(li, b) {
+  if (!li) {
+    li = document.createElement("li");
+    li.dataset.batchId = b.id;
+    li.innerHTML =
+      '<div class="batch-head"><span class="pill"></span><code></code><span class="counts"></span></div>' +
+      '<progress></progress><div class="batch-actions"></div>';
+    li.querySelector("code").textContent = b.id.slice(0, 18);
+    li.querySelector("code").title = b.id;
+  }
+  const c = b.request_counts;
+  const done = c.completed + c.failed;
+  li.dataset.status = b.status;
+  li.dataset.total = String(c.total);
+  li.dataset.completed = String(c.completed);
+  li.dataset.failed = String(c.failed);
+  const pill = li.querySelector(".pill");
+  pill.textContent = b.status;
+  pill.dataset.state = b.status;
+  const bar = li.querySelector("progress");
+  bar.max = Math.max(c.total, 1);
+  bar.value = done;
+  li.querySelector(".counts").textContent =
+    `${done}/${c.total} · ${c.completed} completed · ${c.failed} failed · ${b.endpoint}`;
+  const actions = li.querySelector(".batch-actions");
+  const want = [
+    ...(CANCELLABLE_BATCH.includes(b.status) ? [["cancel", "Cancel"]] : []),
+    ...(b.output_file_id ? [["output", "output lines"]] : []),
+    ...(b.error_file_id ? [["errors", "error lines"]] : []),
+    ["input", "input lines"],
+  ];
+  if (actions.dataset.want !== JSON.stringify(want)) {
+    actions.dataset.want = JSON.stringify(want);
+    actions.replaceChildren(...want.map(([what, label]) => batchAction(b, what, label)));
+  }
+  return li;
+}
+
+function batchAction(b, what, label) {
+  if (what === "cancel") {
+    const button = document.createElement("button");
+    button.type = "button";
+    button.className = "small cancel-batch";
+    button.textContent = label;
+    button.addEventListener("click", () => cancelBatch(b.id, button));
+    return button;
+  }
+  const fileId = { output: b.output_file_id, errors: b.error_file_id, input: b.input_file_id }[what];
+  const a = document.createElement("a");
+  a.href = `/v1/files/${encodeURIComponent(fileId)}/content`; // read with fetch(), with the key
+  a.className = `file-${what}`;
+  a.textContent = label;
+  a.addEventListener("click", (e) => { e.preventDefault(); showFile(fileId, `${label} of ${b.id}`); });
+  return a;
+}
+
+async function cancelBatch(batchId, button) {
+  button.disabled = true;
+  try {
+    await request(`/v1/batches/${encodeURIComponent(batchId)}/cancel`, { method: "POST" });
+  } catch (err) {
+    banner(explain(err));
+    button.disabled = false;
+  }
+  refreshBatches();
+}
+
+async function showFile(fileId, title) {
+  try {
+    const text = await (await request(`/v1/files/${encodeURIComponent(fileId)}/content`)).text();
+    const lines = text.split("\n").filter((l) => l.trim()).length;
+    $("batch-file-title").textContent = `${title} (${lines} lines)`;
+    $("batch-lines").textContent = text;
+    $("batch-lines").dataset.fileId = fileId;
+    const download = $("batch-file-download");
+    if (download.href.startsWith("blob:")) URL.revokeObjectURL(download.href);
+    download.href = URL.createObjectURL(new Blob([text], { type: "application/jsonl" }));
+    download.download = `${fileId}.jsonl`;
+    $("batch-file-view").hidden = false;
+  } catch (err) {
+    banner(explain(err));
+  }
+}
+
+async function startBatch(e) {
+  e.preventDefault();
+  const file = $("batch-file").files[0];
+  if (!file) return;
+  $("batch-submit").disabled = true;
+  try {
+    const form = new FormData();
+    form.append("purpose", "batch");
+    form.append("file", file, file.name);
+    const uploaded = await (await request("/v1/files", { method: "POST", body: form })).json();
+    const body = { input_file_id: uploaded.id, endpoint: $("batch-endpoint").value, completion_window: "24h" };
+    await request("/v1/batches", { method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(body) });
+    banner("");
+    $("batch-form").reset();
+  } catch (err) {
+    banner(explain(err));
+  } finally {
+    $("batch-submit").disabled = false;
+  }
+  refreshBatches();
+}
+
 // ---- start ----------------------------------------------------------------------------------
 
 function start() {
@@ -333,22 +595,34 @@ function start() {
     else sessionStorage.removeItem(KEY_STORE);
     banner("");
     refreshJobs();
+    refreshBatches();
   });
-  for (const radio of document.querySelectorAll("input[name=mode]")) {
-    radio.addEventListener("change", () => {
-      const chat = radio.value === "chat" && radio.checked;
-      $("system").hidden = !chat;
-      $("prompt").placeholder = chat ? "User message" : "Prompt";
-    });
-  }
+  const showForm = () => {
+    const m = mode();
+    $("system").hidden = m !== "chat";
+    $("prompt").placeholder = { chat: "User message", image: "Image prompt" }[m] || "Prompt";
+    $("text-params").hidden = m === "image";
+    $("with-image-label").hidden = m === "image";
+    $("image-prompt-label").hidden = m === "image"; // the prompt above is the image's
+    $("image-params").hidden = m !== "image" && !$("with-image").checked;
+  };
+  for (const radio of document.querySelectorAll("input[name=mode]")) radio.addEventListener("change", showForm);
+  $("with-image").addEventListener("change", showForm);
+  showForm();
   $("job-form").addEventListener("submit", submit);
   $("cancel").addEventListener("click", cancel);
   $("refresh-jobs").addEventListener("click", refreshJobs);
+  $("refresh-batches").addEventListener("click", refreshBatches);
+  $("batch-form").addEventListener("submit", startBatch);
   const jobId = new URLSearchParams(location.search).get("job");
   if (jobId) follow(jobId); // a reload resumes the job's stream from its first event
   refreshJobs();
   refreshCluster();
-  setInterval(refreshCluster, POLL_MS);
+  refreshBatches();
+  setInterval(() => {
+    refreshCluster();
+    refreshBatches(); // their live request counts and status
+  }, POLL_MS);
 }
 
 start();

@@ -14,7 +14,7 @@ The only code of Spool that writes Redis (Celery's broker and kombu write their 
 """
 
 from common.store.aio import AsyncJobStore
-from common.store.batches import AsyncBatchStore, LineJob, LineResult
+from common.store.batches import BATCH_LINE_STATES, AsyncBatchStore, BatchCounts, LineJob, LineResult
 from common.store.errors import Conflict, IdempotencyConflict, JobNotFound, QueueFull, StoreError
 from common.store.records import (
     JOB_ID_BYTES,
@@ -67,12 +67,14 @@ __all__ = [
     "Append",
     "Appended",
     "AsyncBatchStore",
+    "BATCH_LINE_STATES",
     "AsyncJobStore",
     "Conflict",
     "Final",
     "IdempotencyConflict",
     "JobNotFound",
     "JobRecord",
+    "BatchCounts",
     "LineJob",
     "LineResult",
     "MessageFor",

@@ -32,6 +32,7 @@ from common.store.records import (
     record_from_hash,
     record_reads,
     summary_from_hash,
+    summary_with_parts,
     text_read,
     with_log_tail,
     with_parts,
@@ -178,6 +179,7 @@ class AsyncJobStore(WatcherSets):
                 raise JobNotFound(after)
             start = rank + 1
         found: list[JobSummary] = []
+        part_counts: dict[str, int] = {}  # the jobs with parts among those found: their part count
         last_read: str | None = None
         end = start + LIST_SCAN_MAX
         while len(found) <= limit and start < end:
@@ -192,14 +194,29 @@ class AsyncJobStore(WatcherSets):
                 h = dict(zip(SUMMARY_FIELDS, row, strict=True))
                 if h["id"] is not None and (status is None or h["status"] == status.value):
                     found.append(summary_from_hash(h))
+                    if h.get("parts"):
+                        part_counts[job_id] = int(str(h["parts"]))
                     if len(found) > limit:
                         break
                 last_read = job_id
             start += len(ids)
         has_more = len(found) > limit or (start >= end and last_read is not None)
-        data = found[:limit]
+        data = await self._listed_parts(found[:limit], part_counts)
         last_id = last_read if has_more and len(found) <= limit else (data[-1].id if data else None)
         return JobList(data=data, first_id=data[0].id if data else None, last_id=last_id, has_more=has_more)
+
+    async def _listed_parts(self, jobs: list[JobSummary], part_counts: dict[str, int]) -> list[JobSummary]:
+        """The listed jobs with their parts (one more round trip when any has parts)."""
+        with_parts = [j.id for j in jobs if j.id in part_counts]
+        if not with_parts:
+            return jobs
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for job_id in with_parts:
+                for k in range(part_counts[job_id]):
+                    pipe.hgetall(self.keys.job(part_id(job_id, k)))
+            replies = iter(await pipe.execute())
+        hashes = {job_id: [next(replies) for _ in range(part_counts[job_id])] for job_id in with_parts}
+        return [summary_with_parts(j, hashes[j.id]) if j.id in hashes else j for j in jobs]
 
     async def queue_depths(self) -> list[tuple[str, int]]:
         """Messages waiting in each Celery queue ("llm", "media"), every priority's list counted."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +22,7 @@ from common.keys import Keys
 from common.schemas import JobRequest
 from common.settings import Settings
 from common.store.lua import (
+    BATCH_COUNTS_LUA,
     CLAIM_FEEDER_LUA,
     COMMIT_FILE_LUA,
     END_LUA,
@@ -59,6 +60,18 @@ class LineResult:
     job_id: str = ""  # the job that leaves the window with it; empty for a line that never ran
 
 
+BATCH_LINE_STATES = ("pending", "in_flight", "completed", "failed")
+
+
+@dataclass(frozen=True)
+class BatchCounts:
+    """The stored batches by status, and the lines of those not ended yet by state
+    (BATCH_LINE_STATES: not fed yet, queued or running as jobs, with their result)."""
+
+    statuses: dict[str, int]
+    lines: dict[str, int]
+
+
 def _strs(h: dict[Any, Any]) -> dict[str, str] | None:
     """A hash as read (the client decodes replies), None when it does not exist."""
     return {str(k): str(v) for k, v in h.items()} or None
@@ -85,6 +98,7 @@ class AsyncBatchStore:
                 "finalizing": FINALIZING_LUA,
                 "finish": FINISH_LUA,
                 "resend": RESEND_LUA,
+                "counts": BATCH_COUNTS_LUA,
             }.items()
         }
 
@@ -158,6 +172,19 @@ class AsyncBatchStore:
     async def list_batches(self) -> list[dict[str, str]]:
         """Every batch's state, newest first; forgets the ids of batches that expired."""
         return await self._listed(self.keys.batches(), self.keys.batch)
+
+    async def batch_counts(self, live: Collection[str]) -> BatchCounts:
+        """For /metrics: the batches by status, and the lines of those whose status is in
+        ``live`` by state. Two round trips whatever the number of batches: the index, then one
+        script that counts (BATCH_COUNTS_LUA)."""
+        ids = [str(i) for i in await self.redis.zrange(self.keys.batches(), 0, -1)]
+        if not ids:
+            return BatchCounts({}, dict.fromkeys(BATCH_LINE_STATES, 0))
+        keys = [k for i in ids for k in (self.keys.batch(i), self.keys.batch_window(i))]
+        reply = [str(x) for x in await self._scripts["counts"](keys, list(live))]
+        cut = reply.index("")
+        statuses = {reply[i]: int(reply[i + 1]) for i in range(0, cut, 2)}
+        return BatchCounts(statuses, dict(zip(BATCH_LINE_STATES, map(int, reply[cut + 1 :]), strict=True)))
 
     async def end_batch(self, batch_id: str, ending: str) -> str:
         """Stop feeding a batch (``ending``: cancelled or expired); returns the status it had."""

@@ -432,6 +432,36 @@ for i = 1, 4 do if i ~= 2 then redis.call('EXPIRE', KEYS[i], ARGV[3]) end end
 return final
 """
 
+# KEYS: per batch, its hash and its window hash. ARGV: the statuses of the batches not ended.
+# For /metrics, in one call: the batches by status, then (after an empty string) the lines of the
+# batches not ended by state: pending (not fed), in flight (in the window), completed, failed.
+# A batch whose hash expired is skipped.
+BATCH_COUNTS_LUA = """
+local live = {}
+for _, status in ipairs(ARGV) do live[status] = true end
+local statuses, order = {}, {}
+local pending, in_flight, completed, failed = 0, 0, 0, 0
+for i = 1, #KEYS, 2 do
+  local h = redis.call('HMGET', KEYS[i], 'status', 'total', 'completed', 'failed')
+  local status = h[1]
+  if status then
+    if not statuses[status] then statuses[status] = 0; order[#order + 1] = status end
+    statuses[status] = statuses[status] + 1
+    if live[status] then
+      local window = redis.call('HLEN', KEYS[i + 1])
+      local c, f = tonumber(h[3] or '0'), tonumber(h[4] or '0')
+      pending = pending + math.max(tonumber(h[2] or '0') - c - f - window, 0)
+      in_flight, completed, failed = in_flight + window, completed + c, failed + f
+    end
+  end
+end
+local out = {}
+for _, status in ipairs(order) do out[#out + 1] = status; out[#out + 1] = statuses[status] end
+out[#out + 1] = ''
+out[#out + 1] = pending; out[#out + 1] = in_flight; out[#out + 1] = completed; out[#out + 1] = failed
+return out
+"""
+
 # KEYS: job hash, broker list. ARGV: now, min gap (s), message.
 # A batch line still queued although the batch's queue list is empty lost its message (a worker
 # died between popping it and taking the job, or Redis lost the last writes): push it again, once

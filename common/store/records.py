@@ -326,7 +326,7 @@ def with_log_tail(record: JobRecord, tail: Sequence[LogEntry]) -> JobRecord:
 
 SUMMARY_FIELDS = (
     "id", "status", "finish_reason", "prompt_tokens", "completion_tokens", "error",
-    "created_at", "started_at", "finished_at", "model",
+    "created_at", "started_at", "finished_at", "model", "parts",
 )  # fmt: skip
 LIST_SCAN_MAX = 1000  # index entries one GET /v1/jobs reads at most (a status filter skips some)
 
@@ -394,6 +394,14 @@ def part_view(h: dict[str, str], text: str | None) -> dict[str, Any]:
         summary = json.loads(h["summary"]) if h.get("summary") else {}
         view.update({k: summary[k] for k in IMAGE_RESULT if k in summary})
     return view
+
+
+def summary_with_parts(summary: JobSummary, hashes: Sequence[dict[str, str]]) -> JobSummary:
+    """A listed job's summary with its parts' views (without their texts), usage their sum."""
+    parts = [{k: v for k, v in part_view(h, None).items() if k != "text"} for h in hashes if h]
+    usages = [p["usage"] for p in parts if "usage" in p]
+    usage = Usage.of(sum(u["prompt_tokens"] for u in usages), sum(u["completion_tokens"] for u in usages))
+    return summary.model_copy(update={"parts": parts, "usage": usage})
 
 
 def with_parts(record: JobRecord, hashes: Sequence[dict[str, str]], texts: Sequence[str | None]) -> JobRecord:

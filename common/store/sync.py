@@ -158,6 +158,11 @@ class SyncJobStore:
         ids = self.redis.zrangebyscore(self.keys.queued_jobs(), "-inf", queued_before, start=0, num=limit)
         return [str(j) for j in ids]
 
+    def oldest_queued(self, limit: int) -> list[str]:
+        """The jobs (and text parts) queued longest, oldest first: interactive work only (a batch's
+        lines are never in the queued set)."""
+        return [str(j) for j in self.redis.zrange(self.keys.queued_jobs(), 0, limit - 1)]
+
     def live_workers(self, names: Iterable[str]) -> set[str]:
         """Which of these workers have a live heartbeat."""
         names = sorted(set(names))

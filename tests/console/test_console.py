@@ -1,11 +1,13 @@
 """The console in a real browser: Debian's chromium driven by Playwright, against a real uvicorn,
-Redis and worker. Each state is saved as a screenshot under the test's temporary directory.
+Redis and workers (a text worker; a media worker for the jobs with image parts). Each state is
+saved as a screenshot under the test's temporary directory.
 
 Never `playwright install` (it downloads a browser); the tests use `apt-get install chromium`.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -16,8 +18,23 @@ from typing import Any
 
 import httpx
 import pytest
-from procs import Prefixes, Service, finished_job, free_port, start_api, start_worker
+import redis
+from procs import (
+    REDIS_URL,
+    SPOOL,
+    Prefixes,
+    Service,
+    finished_job,
+    free_port,
+    spool_env,
+    start,
+    start_api,
+    start_worker,
+    wait_until,
+)
 from sse_client import read_events
+
+from common.keys import Keys
 
 sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is in the test extras")
 
@@ -35,8 +52,11 @@ CHROMIUM_ARGS = [
 ]
 KEY = "console-test-key"
 LONG_PROMPT = "once upon a time"  # the tiny model's greedy run of it never stops early (EOS)
-TERMINAL = ("succeeded", "failed", "cancelled", "error")
+TERMINAL = ("succeeded", "failed", "cancelled", "partial", "error")
 PAGE_TIMEOUT_MS = 60_000
+# The feeder looks at the batches every 0.1 s, so a batch started in the page moves on quickly.
+API_SETTINGS = {"sse_ping_s": 1, "batch_feed_s": 0.1}
+BATCH_ENDED = ("completed", "failed", "expired", "cancelled")
 
 
 @dataclass
@@ -52,10 +72,32 @@ class Stack:
 def stack(prefixes: Prefixes, tiny_model: Path, log_dir: Path) -> Iterator[Stack]:
     prefix, port = prefixes.new(), free_port()
     worker = start_worker(prefix, tiny_model, log_dir, max_batch_size=4)
-    api = start_api(prefix, log_dir, port=port, sse_ping_s=1)
+    api = start_api(prefix, log_dir, port=port, **API_SETTINGS)
     s = Stack(prefix, worker, api, port, log_dir)
     yield s
     s.api.stop()
+    worker.stop()
+
+
+@pytest.fixture(scope="session")
+def tiny_image_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from workers.media.tiny import build_tiny_image_model
+
+    return build_tiny_image_model(tmp_path_factory.mktemp("tiny-sd"))
+
+
+@pytest.fixture(scope="module")
+def media_worker(stack: Stack, tiny_image_model: Path) -> Iterator[Service]:
+    """``spool worker --kind media`` on the stack's prefix, for the jobs with image parts."""
+    name = f"{stack.prefix}-m1"
+    env = spool_env(stack.prefix, image_model=tiny_image_model, worker_name=name, heartbeat_s=0.5)
+    env["OMP_NUM_THREADS"] = "1"  # two cores shared: one thread per pipeline runs fastest
+    worker = start(f"media-{name}", [SPOOL, "worker", "--kind", "media"], env, stack.log_dir)
+    r = redis.Redis.from_url(REDIS_URL)
+    wait_until(
+        lambda: bool(r.exists(Keys(stack.prefix).worker(name))), f"{worker.name} heartbeat", 120, (worker,)
+    )
+    yield worker
     worker.stop()
 
 
@@ -167,7 +209,7 @@ def test_the_stream_resumes_after_the_api_restarts(
         assert "reconnecting" in str(page.text_content("#stream-state"))
         page.screenshot(path=tmp_path / "api-down.png")
         stack.api.stop()
-        stack.api = start_api(stack.prefix, stack.log_dir, ready=False, port=stack.port, sse_ping_s=1)
+        stack.api = start_api(stack.prefix, stack.log_dir, ready=False, port=stack.port, **API_SETTINGS)
     finally:
         signal_group(stack.worker, signal.SIGCONT)
     assert wait_terminal(page) == "succeeded"
@@ -203,6 +245,7 @@ def test_with_api_keys_a_key_works_and_none_says_so(
 ) -> None:
     open_console(page, keyed_api.url)
     page.wait_for_selector("#jobs-note:text('needs a key')")
+    page.wait_for_selector("#batches-note:text('needs a key')")
     page.fill("#prompt", "hello")
     page.click("#submit")
     page.wait_for_selector("#banner:not([hidden])")
@@ -254,3 +297,308 @@ def test_the_root_links_to_the_console(stack: Stack, client: httpx.Client) -> No
     for asset in ("console.js", "console.css"):
         assert client.get(f"{stack.api.url}/console/{asset}").status_code == 200
     assert client.get(f"{stack.api.url}/console/..%2Fmain.py").status_code == 404
+
+
+# ---- jobs with image parts ---------------------------------------------------------------------
+
+
+def part(page: Any, k: int) -> Any:
+    return page.locator(f"#parts li[data-part='{k}']")
+
+
+def part_status(page: Any, k: int) -> str:
+    return str(part(page, k).get_attribute("data-status"))
+
+
+def image_bytes(page: Any, k: int) -> bytes:
+    """The bytes of the image the page shows for part k (read back from its object URL)."""
+    data = page.evaluate(
+        """async (k) => {
+            const img = document.querySelector(`#parts li[data-part="${k}"] img`);
+            const buf = await (await fetch(img.src)).arrayBuffer();
+            return Array.from(new Uint8Array(buf));
+        }""",
+        k,
+    )
+    return bytes(data)
+
+
+def wait_image(page: Any, k: int) -> tuple[int, int]:
+    """Once part k's image loaded in the page: its natural size."""
+    img = f"#parts li[data-part='{k}'] img"
+    page.wait_for_selector(f"{img}[data-loaded='1']")
+    size = page.evaluate(
+        f"(() => {{ const i = document.querySelector({img!r}); return [i.naturalWidth, i.naturalHeight]; }})()"
+    )
+    return int(size[0]), int(size[1])
+
+
+def progress(page: Any, k: int) -> tuple[float, float]:
+    bar = part(page, k).locator("progress")
+    return float(bar.evaluate("b => b.value")), float(bar.evaluate("b => b.max"))
+
+
+def test_a_text_and_image_job_shows_each_part_and_the_image_when_done(
+    stack: Stack, media_worker: Service, page: Any, client: httpx.Client, tmp_path: Path
+) -> None:
+    open_console(page, stack.api.url)
+    page.check("#with-image")
+    page.fill("#image-prompt", "a lighthouse at dusk")
+    page.fill("#image-size", "64x32")
+    page.fill("#image-steps", "60")
+    page.fill("#image-seed", "3")
+    page.screenshot(path=tmp_path / "image-form.png")
+    for _ in range(5):
+        job_id = submit(page, "the quick brown fox", 8)
+        # The denoising progress while the part runs, and no image yet: the media worker is
+        # stopped (SIGSTOP) once the page showed a step, so the part stays mid-way.
+        page.wait_for_function(
+            "(() => { const b = document.querySelector(\"#parts li[data-part='1'] progress\");"
+            " return b && !b.hidden && b.value >= 1; })()"
+        )
+        signal_group(media_worker, signal.SIGSTOP)
+        try:
+            job = client.get(f"{stack.api.url}/v1/jobs/{job_id}").json()
+            if job["parts"][1]["status"] != "running":
+                continue  # it outran the check: again
+            page.wait_for_selector("#parts li[data-part='1'][data-status='running']")
+            step, steps = progress(page, 1)
+            assert 1 <= step < steps == 60
+            assert part(page, 1).locator("img").is_hidden()
+            assert str(part(page, 1).locator(".detail").text_content()).startswith("step ")
+            page.screenshot(path=tmp_path / "image-progress.png")
+            break
+        finally:
+            signal_group(media_worker, signal.SIGCONT)
+            wait_terminal(page)
+    else:
+        pytest.fail("every image part ended before its worker could be stopped")
+    assert wait_terminal(page) == "succeeded"
+    job = finished_job(client, stack.api.url, job_id)
+    assert [part_status(page, k) for k in (0, 1)] == ["succeeded", "succeeded"]
+    assert part(page, 0).get_attribute("data-type") == "text"
+    assert part(page, 1).get_attribute("data-type") == "image"
+    assert wait_image(page, 1) == (64, 32)
+    assert progress(page, 1) == (60, 60)
+    png = client.get(f"{stack.api.url}/v1/jobs/{job_id}/parts/1/content")
+    assert png.status_code == 200 and image_bytes(page, 1) == png.content
+    text, tokens = shown(page)
+    assert text == job["text"] == job["parts"][0]["text"]
+    assert tokens == token_events(client, stack.api.url, job_id)
+    assert part(page, 0).get_attribute("data-tokens") == str(tokens)
+    assert "2 succeeded" in str(page.text_content("#job-meta"))
+    # Listed with its parts (without their texts), its usage theirs; so in the recent jobs.
+    [listed] = [
+        j for j in client.get(f"{stack.api.url}/v1/jobs?limit=20").json()["data"] if j["id"] == job_id
+    ]
+    assert [(p["type"], p["status"]) for p in listed["parts"]] == [
+        ("text", "succeeded"),
+        ("image", "succeeded"),
+    ]
+    assert "text" not in listed["parts"][0] and listed["parts"][1]["width"] == 64
+    assert listed["usage"]["completion_tokens"] == job["usage"]["completion_tokens"] == tokens
+    page.click("#refresh-jobs")
+    page.wait_for_selector(f"#jobs li:has(a[title='{job_id}']) .when:text('2 parts · {tokens} tok')")
+    page.screenshot(path=tmp_path / "image-done.png", full_page=True)
+
+    page.reload()  # the parts come back from the job's stream, the image from its content
+    assert wait_terminal(page) == "succeeded"
+    assert wait_image(page, 1) == (64, 32) and image_bytes(page, 1) == png.content
+
+
+def test_an_image_only_job_from_the_page(
+    stack: Stack, media_worker: Service, page: Any, client: httpx.Client, tmp_path: Path
+) -> None:
+    open_console(page, stack.api.url)
+    page.check("input[name=mode][value=image]")
+    assert page.is_hidden("#text-params") and page.is_visible("#image-size")
+    job_id = submit_image(page, "a red kite", "32x32", 2, 5)
+    assert wait_terminal(page) == "succeeded"
+    job = finished_job(client, stack.api.url, job_id)
+    assert [p["type"] for p in job["parts"]] == ["image"] and job["parts"][0]["seed"] == 5
+    assert wait_image(page, 0) == (32, 32)
+    assert image_bytes(page, 0) == client.get(f"{stack.api.url}/v1/jobs/{job_id}/parts/0/content").content
+    assert "seed 5" in str(part(page, 0).locator(".detail").text_content())
+    page.screenshot(path=tmp_path / "image-only.png")
+
+
+def submit_image(page: Any, prompt: str, size: str, steps: int, seed: int) -> str:
+    """An image-only job from the page's Image mode; its id."""
+    page.check("input[name=mode][value=image]")
+    page.fill("#image-size", size)
+    page.fill("#image-steps", str(steps))
+    page.fill("#image-seed", str(seed))
+    before = page.text_content("#job-id")
+    page.fill("#prompt", prompt)
+    page.click("#submit")
+    page.wait_for_function(f"document.querySelector('#job-id').textContent !== {before!r}")
+    return str(page.text_content("#job-id"))
+
+
+def test_cancel_an_image_from_the_page(
+    stack: Stack, media_worker: Service, page: Any, client: httpx.Client, tmp_path: Path
+) -> None:
+    open_console(page, stack.api.url)
+    job_id = submit_image(page, "a long one", "64x64", 60, 1)
+    page.wait_for_function(
+        "(() => { const b = document.querySelector(\"#parts li[data-part='0'] progress\");"
+        " return b && b.value >= 1; })()"
+    )
+    signal_group(media_worker, signal.SIGSTOP)  # so that it cannot end by itself first
+    try:
+        assert client.get(f"{stack.api.url}/v1/jobs/{job_id}").json()["status"] == "running"
+        page.click("#cancel")
+        page.wait_for_selector("#stream-state:text('cancel requested')")
+    finally:
+        signal_group(media_worker, signal.SIGCONT)
+    assert wait_terminal(page) == "cancelled"
+    assert part_status(page, 0) == "cancelled"
+    assert finished_job(client, stack.api.url, job_id)["parts"][0]["status"] == "cancelled"
+    step, steps = progress(page, 0)
+    assert step < steps == 60  # stopped, not run to the end
+    assert part(page, 0).locator("img").is_hidden()
+    page.screenshot(path=tmp_path / "image-cancelled.png")
+
+
+def test_with_api_keys_an_image_is_read_with_the_key(
+    keyed_api: Service, media_worker: Service, page: Any, client: httpx.Client, tmp_path: Path
+) -> None:
+    open_console(page, keyed_api.url)
+    page.fill("#api-key", KEY)
+    page.dispatch_event("#api-key", "change")
+    job_id = submit_image(page, "a keyed kite", "32x32", 2, 5)
+    assert wait_terminal(page) == "succeeded"
+    assert wait_image(page, 0) == (32, 32)
+    url = f"{keyed_api.url}/v1/jobs/{job_id}/parts/0/content"
+    assert client.get(url).status_code == 401  # an <img src> without the header would get this
+    png = client.get(url, headers={"Authorization": f"Bearer {KEY}"})
+    assert png.status_code == 200 and image_bytes(page, 0) == png.content
+    assert KEY not in page.url and KEY not in keyed_api.log_tail()
+    page.screenshot(path=tmp_path / "image-with-key.png")
+
+
+def test_a_partial_job_shows_which_part_failed(
+    stack: Stack, media_worker: Service, page: Any, client: httpx.Client, tmp_path: Path
+) -> None:
+    parts = [
+        {"type": "text", "prompt": "Hello", "max_tokens": 4, "temperature": 0},
+        {"type": "image", "prompt": "slow", "size": "64x64", "steps": 100, "timeout_s": 0.5},
+    ]
+    r = client.post(f"{stack.api.url}/v1/jobs", json={"parts": parts})
+    assert r.status_code == 202, r.text
+    job_id = r.json()["id"]
+    open_console(page, stack.api.url, f"?job={job_id}")  # as a reload of a page that showed it
+    assert wait_terminal(page) == "partial"
+    job = finished_job(client, stack.api.url, job_id)
+    assert job["status"] == "partial"
+    assert [part_status(page, k) for k in (0, 1)] == ["succeeded", "failed"]
+    assert "timeout" in str(part(page, 1).locator(".part-error").text_content())
+    assert part(page, 1).locator("img").is_hidden()
+    assert shown(page)[0] == job["text"]
+    assert "1 succeeded, 1 failed" in str(page.text_content("#job-meta"))
+    page.screenshot(path=tmp_path / "partial.png")
+
+
+# ---- batches -----------------------------------------------------------------------------------
+
+
+def batch_input(tmp_path: Path, n: int, prompt: str, max_tokens: int) -> Path:
+    path = tmp_path / f"batch-{n}x{max_tokens}.jsonl"
+    lines = [
+        {
+            "custom_id": f"line-{i}",
+            "method": "POST",
+            "url": "/v1/completions",
+            "body": {"prompt": f"{prompt} {i}", "max_tokens": max_tokens, "temperature": 0},
+        }
+        for i in range(n)
+    ]
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    return path
+
+
+def start_batch_in_page(page: Any, client: httpx.Client, url: str, path: Path) -> str:
+    """Upload the file and start its batch from the page's form; the new batch's id."""
+    before = {b["id"] for b in client.get(f"{url}/v1/batches?limit=100").json()["data"]}
+    page.set_input_files("#batch-file", str(path))
+    page.select_option("#batch-endpoint", "/v1/completions")
+    page.click("#batch-submit")
+    page.wait_for_function(
+        f"[...document.querySelectorAll('#batches li')].some(li => !{sorted(before)}.includes(li.dataset.batchId))"
+    )
+    ids = page.eval_on_selector_all("#batches li", "lis => lis.map(li => li.dataset.batchId)")
+    [batch_id] = [i for i in ids if i not in before]
+    return str(batch_id)
+
+
+def batch_row(page: Any, batch_id: str) -> Any:
+    return page.locator(f"#batches li[data-batch-id='{batch_id}']")
+
+
+def wait_batch(page: Any, batch_id: str, statuses: tuple[str, ...]) -> str:
+    page.wait_for_function(
+        f"{list(statuses)}.includes(document.querySelector(\"#batches li[data-batch-id='{batch_id}']\")?.dataset.status)"
+    )
+    return str(batch_row(page, batch_id).get_attribute("data-status"))
+
+
+def row_counts(page: Any, batch_id: str) -> dict[str, int]:
+    row = batch_row(page, batch_id)
+    return {k: int(row.get_attribute(f"data-{k}") or -1) for k in ("total", "completed", "failed")}
+
+
+def test_a_batch_from_the_page_shows_its_progress_and_its_output_lines(
+    stack: Stack, page: Any, client: httpx.Client, tmp_path: Path
+) -> None:
+    open_console(page, stack.api.url)
+    batch_id = start_batch_in_page(
+        page, client, stack.api.url, batch_input(tmp_path, 6, "the quick brown fox", 6)
+    )
+    assert wait_batch(page, batch_id, BATCH_ENDED) == "completed"
+    batch = client.get(f"{stack.api.url}/v1/batches/{batch_id}").json()
+    assert row_counts(page, batch_id) == {"total": 6, "completed": 6, "failed": 0} == batch["request_counts"]
+    bar = batch_row(page, batch_id).locator("progress")
+    assert (bar.evaluate("b => b.value"), bar.evaluate("b => b.max")) == (6, 6)
+    assert "6/6" in str(batch_row(page, batch_id).locator(".counts").text_content())
+    assert batch_row(page, batch_id).locator(".cancel-batch").count() == 0  # it ended
+    batch_row(page, batch_id).locator("a.file-output").click()
+    page.wait_for_selector(f"#batch-lines[data-file-id='{batch['output_file_id']}']")
+    output = client.get(f"{stack.api.url}/v1/files/{batch['output_file_id']}/content").text
+    assert page.text_content("#batch-lines") == output
+    assert sorted(json.loads(x)["custom_id"] for x in output.splitlines()) == [f"line-{i}" for i in range(6)]
+    assert "(6 lines)" in str(page.text_content("#batch-file-title"))
+    page.screenshot(path=tmp_path / "batch-done.png", full_page=True)
+
+
+def test_cancel_a_batch_from_the_page(stack: Stack, page: Any, client: httpx.Client, tmp_path: Path) -> None:
+    open_console(page, stack.api.url)
+    # Long lines (the prompt never stops early), so the batch is still running when cancelled.
+    path = batch_input(tmp_path, 24, LONG_PROMPT, 400)
+    batch_id = start_batch_in_page(page, client, stack.api.url, path)
+    wait_batch(page, batch_id, ("in_progress",))
+    page.wait_for_function(
+        f"document.querySelector(\"#batches li[data-batch-id='{batch_id}']\").dataset.total === '24'"
+    )
+    # Nothing ends while the page cancels (the worker stopped): the batch is mid-way for sure,
+    # and its running lines keep it cancelling until the worker goes on and stops them.
+    signal_group(stack.worker, signal.SIGSTOP)
+    try:
+        assert client.get(f"{stack.api.url}/v1/batches/{batch_id}").json()["status"] == "in_progress"
+        page.screenshot(path=tmp_path / "batch-running.png")
+        batch_row(page, batch_id).locator(".cancel-batch").click()
+        wait_batch(page, batch_id, ("cancelling", "cancelled"))
+        page.screenshot(path=tmp_path / "batch-cancelling.png")
+    finally:
+        signal_group(stack.worker, signal.SIGCONT)
+    assert wait_batch(page, batch_id, ("cancelled",)) == "cancelled"
+    batch = client.get(f"{stack.api.url}/v1/batches/{batch_id}").json()
+    assert batch["status"] == "cancelled"
+    counts = row_counts(page, batch_id)
+    assert counts == batch["request_counts"] and counts["completed"] < 24
+    assert batch_row(page, batch_id).locator(".cancel-batch").count() == 0
+    if batch["error_file_id"]:  # the lines cancelled before they ended
+        batch_row(page, batch_id).locator("a.file-errors").click()
+        page.wait_for_selector(f"#batch-lines[data-file-id='{batch['error_file_id']}']")
+        errors = client.get(f"{stack.api.url}/v1/files/{batch['error_file_id']}/content").text
+        assert page.text_content("#batch-lines") == errors
+    page.screenshot(path=tmp_path / "batch-cancelled.png", full_page=True)

@@ -100,3 +100,39 @@ def test_a_waiting_request_of_a_lower_priority_value_is_admitted_first() -> None
         order.append(chunk.request.request_id)
         s.remove(chunk.request)
     assert order == ["chat0", "chat1", "line0", "line1", "line2"]  # FCFS within a priority
+
+
+def decoding(r: Request) -> Request:
+    r.num_computed = r.num_tokens
+    r.output_token_ids.append(7)  # one token to feed
+    return r
+
+
+def test_a_higher_priority_request_preempts_the_last_arrived_line_of_the_lowest_priority() -> None:
+    s = Scheduler(num_slots=2, prefill_chunk_size=8, max_prefill_tokens_per_step=64)
+    line0, line1, line2 = (
+        Request(f"line{i}", [1, 2, 3], SamplingParams(priority=1), _NoDetok()) for i in range(3)
+    )  # type: ignore[arg-type]
+    chat = Request("chat", [4, 5], SamplingParams(), _NoDetok())  # type: ignore[arg-type]
+    s.add(line0)
+    s.add(line1)
+    s.schedule()
+    decoding(line0), decoding(line1)
+    s.add(line2)  # same priority: it waits, nothing is preempted
+    plan = s.schedule()
+    assert plan.preempted == [] and plan.decodes == [line0, line1]
+    s.add(chat)
+    plan = s.schedule()
+    # line1 (the later arrival) gives its slot to the chat in this very step.
+    assert plan.preempted == [line1] and chat.slot == 1 and s.running == [line0, chat]
+    assert [(c.request, c.start, c.length) for c in plan.prefills] == [(chat, 0, 2)]
+    assert plan.decodes == [line0]
+    # It keeps its generated token and waits ahead of line2 (which arrived after it), to be
+    # prefilled again from prompt + generated tokens.
+    assert line1.status is RequestStatus.WAITING and line1.slot is None and line1.num_computed == 0
+    assert line1.output_token_ids == [7] and line1.num_preemptions == 1 and s.preemptions == 1
+    assert list(s.waiting) == [line1, line2]
+    s.remove(chat)
+    plan = s.schedule()
+    assert [(c.request, c.start, c.length) for c in plan.prefills] == [(line1, 0, 4)]
+    assert plan.preempted == []

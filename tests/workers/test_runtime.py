@@ -251,3 +251,26 @@ def test_the_worker_sets_its_torch_threads(prefixes, tiny_model) -> None:  # typ
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_worker_holding_batch_lines_takes_a_queued_interactive_job_itself(
+    runtime: EngineRuntime, store: StoreForTests, reference: Engine
+) -> None:
+    # A batch's line (FEED_LUA marks its hash with the batch), run as its Celery task would.
+    line = store.create_job(JobRequest(prompt=LONG_PROMPT, max_tokens=400, temperature=0))
+    store.redis.zrem(store.keys.queued_jobs(), line.id)  # lines are never in the queued set
+    store.redis.hset(store.keys.job(line.id), "batch", "batch_test")
+    thread, outcomes = run_in_thread(runtime, line.id)
+    poll(lambda: store.read_log(line.id), "the line's first token")
+    # An interactive job whose message no task thread takes (all of them hold lines, as far as
+    # Celery is concerned): the runtime's intake takes it from the queued set.
+    job = store.create_job(JobRequest(prompt="hello", max_tokens=8, temperature=0))
+    done = poll(lambda: (j := store.get_job(job.id)).status.terminal and j, "the interactive job to end")
+    assert done.status is JobStatus.SUCCEEDED  # type: ignore[attr-defined]
+    assert done.text == greedy(reference, "hello", 8)[0]  # type: ignore[attr-defined]
+    assert store.get_job(line.id).status is JobStatus.RUNNING  # taken while the line ran
+    assert runtime.run_job(job.id) is Outcome.SKIPPED  # its message, delivered later, is dropped
+    store.request_cancel(line.id)
+    thread.join(30)
+    assert outcomes == [Outcome.FINISHED] and store.get_job(line.id).status is JobStatus.CANCELLED
+    check_log(store, store.get_job(job.id))

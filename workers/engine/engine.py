@@ -1,7 +1,8 @@
 """The engine: continuous batching over a KV-cached Hugging Face model.
 
-One ``step()`` applies aborts, admits waiting requests, runs one packed forward over the decode
-rows and the planned prefill chunks, samples every row that is due a token (one host transfer
+One ``step()`` applies aborts, admits waiting requests (preempting lower-priority running ones
+when a higher-priority request finds every slot held: scheduler.py), runs one packed forward
+over the decode rows and the planned prefill chunks, samples every row that is due a token (one host transfer
 per step), detokenizes, and retires finished requests at once so their slots serve the next step.
 """
 
@@ -151,6 +152,7 @@ class Engine:
             **vars(self._stats),
             "prefix_cache_queries": self.scheduler.prefix_cache_queries,
             "prefix_cache_hits": self.scheduler.prefix_cache_hits,
+            "preemptions": self.scheduler.preemptions,
         }
 
     def kv_cache_usage(self) -> float:
@@ -163,6 +165,8 @@ class Engine:
         aborted, self._aborted = self._aborted, set()
         deltas = [self._finish(self._requests[rid], FinishReason.CANCELLED) for rid in aborted]
         plan = self.scheduler.schedule()
+        for request in plan.preempted:  # re-made from its tokens when it is due one again
+            self.processors.release(request.request_id)
         if plan.empty:
             return deltas
         self._stats.steps += 1

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 
 
 class RequestStatus(enum.Enum):
-    WAITING = "waiting"  # queued, holds no slot
+    WAITING = "waiting"  # queued (or preempted), holds no slot
     RUNNING = "running"  # holds a KV slot (prefilling or decoding)
     FINISHED = "finished"
 
@@ -35,6 +35,8 @@ class Request:
     cache_salt: str = ""  # prefix caching: only requests with the same salt share cached blocks
     block_hashes: list[bytes] = field(default_factory=list)  # see prefix_cache.block_hashes
     matcher: xgrammar.GrammarMatcher | None = None  # structured outputs: the grammar it follows (grammar.py)
+    arrival: int = 0  # the scheduler's count at add(): first come, first served within a priority
+    num_preemptions: int = 0  # times its slot went to a request of a higher priority (scheduler.py)
 
     @property
     def num_tokens(self) -> int:

@@ -7,6 +7,15 @@ still has prompt tokens to feed (within a per-step token budget, so a long
 prompt never stalls decode rows for more than one chunk); decode every request that has
 exactly one token to feed.
 
+Preemption (vLLM's recompute mode): when every slot is held and the first waiting request has a
+higher priority (a lower value) than some running one, the running request of the lowest
+priority, the last to arrive among those, gives its slot up in this very step. It keeps its
+generated tokens and goes back to the waiting queue ahead of the requests of its priority that
+arrived after it; admitted again, it prefills prompt + generated tokens (its slot went to the
+request that preempted it, so only blocks another slot holds, such as a shared prompt prefix, are
+copied instead of computed) and samples its next token as if it had never left. Nothing it
+already emitted is emitted again. Requests of one priority never preempt each other.
+
 With prefix caching the free slots ``n..`` keep what finished requests computed
 (``cached``), and the plan starts with the slot copies (``cache_ops``) that give a request the
 blocks some slot already holds: an admitted request takes over the free slot holding its longest
@@ -64,6 +73,9 @@ class SchedulerOutput:
     cache_ops: list[CacheOp] = field(default_factory=list)
     prefills: list[PrefillChunk] = field(default_factory=list)
     decodes: list[Request] = field(default_factory=list)  # requests with one token to feed
+    # Sent back to the waiting queue in this step (their slots went to higher priorities): the
+    # engine drops their per-slot state; their tokens are kept.
+    preempted: list[Request] = field(default_factory=list)
 
     @property
     def empty(self) -> bool:
@@ -89,12 +101,20 @@ class Scheduler:
         self._clock = 0  # LRU order of the cached prefixes
         self.prefix_cache_queries = 0  # tokens looked up at admission
         self.prefix_cache_hits = 0  # of those, tokens found cached (not computed again)
+        self.preemptions = 0  # running requests sent back to the waiting queue
+        self._arrivals = 0
 
     def add(self, request: Request) -> None:
+        self._arrivals += 1
+        request.arrival = self._arrivals
+        self._enqueue(request)
+
+    def _enqueue(self, request: Request) -> None:
         # By priority (lower first), first come first served within one: an interactive request
-        # gets the next free slot ahead of the batch lines already waiting.
+        # gets the next free slot ahead of the batch lines already waiting, and a preempted one
+        # goes back ahead of those of its priority that arrived after it.
         at = len(self.waiting)
-        while at and self.waiting[at - 1].params.priority > request.params.priority:
+        while at and _order(self.waiting[at - 1]) > _order(request):
             at -= 1
         self.waiting.insert(at, request)
 
@@ -106,7 +126,13 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        while self.waiting and self.can_admit():
+        while self.waiting:
+            if not self.can_admit():
+                victim = self._victim(self.waiting[0])
+                if victim is None:
+                    break
+                out.cache_ops += self._preempt(victim)
+                out.preempted.append(victim)
             out.cache_ops += self._admit(self.waiting.popleft())
 
         budget = self.max_prefill_tokens
@@ -140,6 +166,30 @@ class Scheduler:
         if request.slot is None:
             self.waiting.remove(request)
             return []
+        return self._vacate(request, keep_cache)
+
+    # -- preemption ----------------------------------------------------------------------------
+
+    def _victim(self, waiting: Request) -> Request | None:
+        """The running request that gives its slot to ``waiting``: of the lowest priority below
+        its, the last to arrive (the least work lost); None when every one is at least as high."""
+        lower = [r for r in self.running if r.params.priority > waiting.params.priority]
+        return max(lower, key=_order, default=None)
+
+    def _preempt(self, request: Request) -> list[CacheOp]:
+        """Free a running request's slot and queue it again, its generated tokens kept: admitted
+        again, it is prefilled from prompt + generated tokens (none of them emitted again)."""
+        ops = self._vacate(request, keep_cache=True)
+        request.status = RequestStatus.WAITING
+        request.num_computed = 0
+        request.num_preemptions += 1
+        self.preemptions += 1
+        self._enqueue(request)
+        return ops
+
+    def _vacate(self, request: Request, keep_cache: bool) -> list[CacheOp]:
+        """Take a running request out of its slot; the last slot's request fills the hole."""
+        assert request.slot is not None
         hole, request.slot = request.slot, None
         left = self._leave(request) if keep_cache else None
         last = self.running.pop()
@@ -242,3 +292,8 @@ class Scheduler:
             return False
         wanted = prefix_cache.known_blocks(request)
         return start // BLOCK_SIZE < len(wanted) and wanted[start // BLOCK_SIZE] in computing
+
+
+def _order(request: Request) -> tuple[int, int]:
+    """The waiting queue's order: priority (lower first), then arrival."""
+    return request.params.priority, request.arrival
