@@ -2,8 +2,8 @@
 
 On a private redis-server, the script takes ``--jobs`` jobs (the API's create script, then the
 worker's take) and writes ``--tokens`` steps for all of them as the worker's writer thread does
-(``SyncJobStore.append_batch``, one call per step: one token event per job, the last step with
-its ``done``), while one pub/sub connection subscribes to every job's channel, as an API's hub
+(``Publisher.prepare`` then ``SyncJobStore.append_batch``, one call per step: one token event
+per job, the last step with its ``done``), while one pub/sub connection subscribes to every job's channel, as an API's hub
 streaming them would, and reads what is published. ``CONFIG RESETSTAT`` comes after the takes,
 so the figures are the writes' alone: ``INFO commandstats`` (every command, those a script runs
 included) per generated token, script calls per step, Redis's CPU per token (``INFO cpu``) and
@@ -34,10 +34,12 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:  # this tree's store, whatever is installed
     sys.path.insert(0, str(REPO_ROOT))
 
-from common.schemas import DoneEvent, JobRequest, JobStatus, LogEntry, Usage
+from common.schemas import JobRequest
 from common.settings import Settings
-from common.store import Append, Appended, AsyncJobStore, Final, SyncJobStore, token_entry
+from common.store import Append, Appended, AsyncJobStore, SyncJobStore
 from spool_cli import procs as harness
+from workers.engine import Delta, FinishReason
+from workers.publisher import JobCursor, Publisher
 
 PREFIX = "redisbench"
 
@@ -62,21 +64,12 @@ def drain(pubsub: redis.client.PubSub, stop: threading.Event, seen: list[int]) -
             seen[0] += 1
 
 
-def step_appends(jobs: dict[str, int], step: int, last: bool) -> list[Append]:
-    appends = []
-    for job_id, attempt in jobs.items():
-        entries = [token_entry(step, step - 1, " word", [1000 + step])]
-        final = None
-        if last:
-            usage = Usage.of(16, step)
-            entries.append(
-                LogEntry.done(
-                    step + 1, DoneEvent(status=JobStatus.SUCCEEDED, finish_reason="length", usage=usage)
-                )
-            )
-            final = Final(JobStatus.SUCCEEDED, "length")
-        appends.append(Append(job_id, attempt, entries, 16, step, final))
-    return appends
+def step_appends(cursors: dict[str, JobCursor], step: int, last: bool) -> list[Append]:
+    """One step's appends as the writer builds them (``build_append``: the text key and counts
+    at a checkpoint only, every ``TEXT_CHECKPOINT_EVENTS`` events and at a job's first and last)."""
+    reason = FinishReason.LENGTH if last else None
+    deltas = [Delta(j, (1000 + step,), " word", reason, 16, step) for j in cursors]
+    return Publisher.prepare(deltas, cursors)
 
 
 def run(jobs_n: int, tokens: int, log_dir: Path) -> dict[str, Any]:
@@ -85,7 +78,7 @@ def run(jobs_n: int, tokens: int, log_dir: Path) -> dict[str, Any]:
         settings = settings_for(url)
         store = SyncJobStore.from_settings(settings)
         ids = asyncio.run(create_jobs(settings, jobs_n))
-        jobs = {j: store.take_job(j, "bench", "bench").attempt for j in ids}
+        cursors = {j: JobCursor(j, store.take_job(j, "bench", "bench").attempt, 1, 0) for j in ids}
         admin = redis.Redis.from_url(url, decode_responses=True)
         pubsub = admin.pubsub()
         pubsub.subscribe(*(settings.keys.job_events(j) for j in ids))
@@ -98,7 +91,7 @@ def run(jobs_n: int, tokens: int, log_dir: Path) -> dict[str, Any]:
         cpu0 = _redis_cpu(admin)
         thread0 = time.thread_time()
         for step in range(1, tokens + 1):
-            replies = store.append_batch(step_appends(jobs, step, step == tokens))
+            replies = store.append_batch(step_appends(cursors, step, step == tokens))
             assert replies == [Appended.WRITTEN] * jobs_n, replies
         thread_s = time.thread_time() - thread0
         redis_s = _redis_cpu(admin) - cpu0

@@ -61,10 +61,15 @@ class Received:
 
 
 async def bare_request(
-    url: httpx.URL, path: str, json_body: dict[str, Any] | None = None, expect: int = 200
+    url: httpx.URL,
+    path: str,
+    json_body: dict[str, Any] | None = None,
+    expect: int = 200,
+    first_mark: bytes = FIRST_TOKEN_MARK,
 ) -> Received:
     """GET ``path`` (POST ``json_body``, when given) on a connection of its own, and read the
-    answer (an event stream, say) until the server closes it.
+    answer (an event stream, say) until the server closes it; ``first_token`` is when
+    ``first_mark`` first arrived.
 
     NOTE: a plain asyncio connection, not httpx: httpx took about 0.15 ms of CPU per event, more
     in all than the API spent relaying them, and the clients share their CPU with the API and
@@ -94,9 +99,9 @@ async def bare_request(
             raw.append(chunk)
             if first is None:
                 # One SSE event is one HTTP chunk, so the mark is never cut by the chunk framing.
-                if FIRST_TOKEN_MARK in tail + chunk:
+                if first_mark in tail + chunk:
                     first, wall_first = time.perf_counter(), time.time()
-                tail = chunk[-len(FIRST_TOKEN_MARK) :]
+                tail = chunk[-len(first_mark) :]
     finally:
         writer.close()
     http.receive_data(b"".join(raw))

@@ -41,7 +41,8 @@ class Keys:
         return f"{self.prefix}:job:{job_id}:log"
 
     def job_text(self, job_id: str) -> str:
-        """String: the concatenated text of the job's token events, so reading the text is O(1)."""
+        """String: the concatenated text of the job's token events up to the hash's ``text_seq``
+        (every few events), so reading the text is O(1) plus at most a few log entries."""
         return f"{self.prefix}:job:{job_id}:text"
 
     def job_events(self, job_id: str) -> str:
@@ -108,6 +109,11 @@ class Keys:
     def running_jobs(self) -> str:
         """Sorted set of running job ids (score: lease deadline); scanned for crashed workers."""
         return f"{self.prefix}:running"
+
+    def attempts(self) -> str:
+        """Hash: running text job id -> the attempt that holds it (TAKE_LUA writes it, the job's
+        last append drops it), so one step's writes are fenced with one HMGET for all its jobs."""
+        return f"{self.prefix}:attempts"
 
     def cancelled(self) -> str:
         """Pub/sub channel: ids of jobs cancelled by a client, for the worker that runs them."""

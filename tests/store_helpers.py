@@ -25,6 +25,8 @@ from common.store import (
     job_text,
     record_from_hash,
     record_reads,
+    text_read,
+    with_log_tail,
     worker_keys,
 )
 from common.store.lua import CANCEL_LUA, CREATE_LUA
@@ -58,9 +60,10 @@ class StoreForTests(SyncJobStore):
         h, text, logged = record_reads(pipe, self.keys, job_id).execute()
         if not h:
             raise JobNotFound(job_id)
-        if text is None and logged:  # cancelled while queued, or written by a worker of an older version
-            text = job_text(self.read_log(job_id))
-        return record_from_hash(h, text or "")
+        if (read := text_read(h, text, logged)) is None:  # cancelled while queued, or its text key lost
+            return record_from_hash(h, job_text(self.read_log(job_id)))
+        record = record_from_hash(h, read[0])
+        return with_log_tail(record, self.read_log(job_id, after=read[1])) if read[1] else record
 
     def get_job(self, job_id: str) -> Job:
         return self.get_record(job_id).job

@@ -18,7 +18,7 @@ from common.schemas import (
     TopLogprob,
     Usage,
 )
-from common.store import Append, Appended, Final, SyncJobStore, token_entry
+from common.store import TEXT_CHECKPOINT_EVENTS, Append, Appended, Final, SyncJobStore, token_entry
 from workers.engine import Delta, FinishReason
 from workers.engine.types import Logprob, TokenLogprobs
 
@@ -45,6 +45,9 @@ class JobCursor:
     reasons: dict[int, str] = field(default_factory=dict)  # choice -> why it ended
     ending: Delta | None = None  # the first choice that failed (else was cancelled): the job's end
     ended: bool = False  # the terminal event is built
+    # Since the last checkpoint of the text key (Append.checkpoint): the events and their text.
+    unsaved: int = 0
+    unsaved_text: str = ""
 
     def next(self) -> int:
         seq, self.next_seq = self.next_seq, self.next_seq + 1
@@ -102,8 +105,21 @@ def build_append(delta: Delta, cursor: JobCursor) -> Append | None:
         )
     if not entries:
         return None
+    cursor.unsaved += len(entries)
+    cursor.unsaved_text += delta.text
+    checkpoint = final is not None or entries[0].seq == 1 or cursor.unsaved >= TEXT_CHECKPOINT_EVENTS
+    unsaved_text = cursor.unsaved_text
+    if checkpoint:
+        cursor.unsaved, cursor.unsaved_text = 0, ""
     return Append(
-        cursor.job_id, cursor.attempt, entries, cursor.prompt_tokens, cursor.completion_tokens, final
+        cursor.job_id,
+        cursor.attempt,
+        entries,
+        cursor.prompt_tokens,
+        cursor.completion_tokens,
+        final,
+        checkpoint=checkpoint,
+        unsaved_text=unsaved_text,
     )
 
 

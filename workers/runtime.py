@@ -34,7 +34,7 @@ from redis.exceptions import RedisError
 from common.process import NamedThread
 from common.schemas import JobError, JobRequest, LogEntry
 from common.settings import Settings
-from common.store import Append, SyncJobStore, TakeResult, TakeStatus
+from common.store import Append, SyncJobStore, TakeResult, TakeStatus, job_text
 from workers.engine import Delta, Engine, EngineConfig, FinishReason, RequestTooLongError, SamplingParams
 from workers.engine.grammar import GrammarError
 from workers.engine.tiny import default_model_path
@@ -190,6 +190,8 @@ def new_job(taken: TakeResult) -> _Job:
         next_index=len(tokens),
         prompt_tokens=record.job.usage.prompt_tokens,
         completion_tokens=sum(len(c.resume_token_ids) for c in choices),
+        unsaved=len(taken.log) - taken.text_seq,
+        unsaved_text=job_text(taken.log[taken.text_seq :]),
     )
     if record.request.n > 1:
         cursor.choice_of = {c.engine_id: c.index for c in choices}

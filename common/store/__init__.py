@@ -18,6 +18,7 @@ from common.store.batches import BATCH_LINE_STATES, AsyncBatchStore, BatchCounts
 from common.store.errors import Conflict, IdempotencyConflict, JobNotFound, QueueFull, StoreError
 from common.store.records import (
     JOB_ID_BYTES,
+    TEXT_CHECKPOINT_EVENTS,
     WORKER_FORGET_S,
     Append,
     Appended,
@@ -51,7 +52,9 @@ from common.store.records import (
     record_from_hash,
     record_reads,
     take_args,
+    text_read,
     token_entry,
+    with_log_tail,
     with_parts,
     worker_keys,
 )
@@ -79,6 +82,7 @@ __all__ = [
     "QueueMessage",
     "ScriptCall",
     "StoreError",
+    "TEXT_CHECKPOINT_EVENTS",
     "StreamState",
     "SyncJobStore",
     "TakeResult",
@@ -106,8 +110,10 @@ __all__ = [
     "record_from_hash",
     "record_reads",
     "take_args",
+    "text_read",
     "token_entry",
     "watching",
+    "with_log_tail",
     "with_parts",
     "worker_keys",
 ]

@@ -33,6 +33,8 @@ from common.store.records import (
     record_reads,
     summary_from_hash,
     summary_with_parts,
+    text_read,
+    with_log_tail,
     with_parts,
     worker_keys,
 )
@@ -100,9 +102,14 @@ class AsyncJobStore(WatcherSets):
             h, text, logged = await record_reads(pipe, self.keys, job_id).execute()
         if not h:
             raise JobNotFound(job_id)
-        if text is None and logged and "parts" not in h:  # cancelled while queued, or an older worker's
-            text = job_text(await self.read_log(job_id))
-        record = record_from_hash(h, text or "")
+        if "parts" in h:  # its text key is its text parts' (PART_APPEND_LUA), at every append
+            record = record_from_hash(h, text or "")
+        elif (read := text_read(h, text, logged)) is None:
+            record = record_from_hash(h, job_text(await self.read_log(job_id)))
+        else:
+            record = record_from_hash(h, read[0])
+            if read[1]:  # a running job's events after its last checkpoint
+                record = with_log_tail(record, await self.read_log(job_id, after=read[1]))
         if "parts" in h:
             async with self.redis.pipeline(transaction=False) as pipe:
                 replies = await part_reads(pipe, self.keys, job_id, int(h["parts"])).execute()

@@ -47,10 +47,13 @@ redis.call('ZREM', KEYS[3], ARGV[1])
 redis.call('ZADD', KEYS[4], ARGV[5], ARGV[1])
 """
 
-# KEYS: job hash, log, queued zset, running zset, text. ARGV: job id, worker, model, now, lease deadline.
-# A running job is taken over only when its lease lapsed (its worker died or hung). A job taken
-# over from a worker that kept no text key (an older version) gets one, built from its log
-# (choice 0's tokens: records.job_text).
+# KEYS: job hash, log, queued zset, running zset, text, attempts hash. ARGV: job id, worker, model,
+# now, lease deadline.
+# A running job is taken over only when its lease lapsed (its worker died or hung). The attempt is
+# also recorded in the attempts hash, which fences the step writes (APPEND_STEP_LUA). The text key
+# covers the log up to the hash's text_seq; a job whose log has no such mark (written by a worker
+# of an older version, which appended the text at every step) gets it, and one without a text key
+# gets the key, built from its log (choice 0's tokens: records.job_text).
 TAKE_LUA = (
     """
 local status = redis.call('HGET', KEYS[1], 'status')
@@ -58,29 +61,42 @@ if not status then return {'missing'} end
 if redis.call('HEXISTS', KEYS[1], 'parts') == 1 then return {'finished', status} end
 """
     + _TAKE_LEASE
-    + """local log = redis.call('LRANGE', KEYS[2], 0, -1)
-if #log > 0 and redis.call('EXISTS', KEYS[5]) == 0 then
-  local text = {}
-  for _, raw in ipairs(log) do
-    local entry = cjson.decode(raw)
-    local choice = entry.data.choice
-    if entry.type == 'token' and (not choice or choice == 0) then text[#text + 1] = entry.data.text end
+    + """redis.call('HSET', KEYS[6], ARGV[1], attempt)
+local log = redis.call('LRANGE', KEYS[2], 0, -1)
+if #log > 0 then
+  if redis.call('EXISTS', KEYS[5]) == 0 then
+    local text = {}
+    for _, raw in ipairs(log) do
+      local entry = cjson.decode(raw)
+      local choice = entry.data.choice
+      if entry.type == 'token' and (not choice or choice == 0) then text[#text + 1] = entry.data.text end
+    end
+    redis.call('SET', KEYS[5], table.concat(text))
+    redis.call('HSET', KEYS[1], 'text_seq', #log, 'text_len', redis.call('STRLEN', KEYS[5]))
+  elseif redis.call('HEXISTS', KEYS[1], 'text_seq') == 0 then
+    redis.call('HSET', KEYS[1], 'text_seq', #log, 'text_len', redis.call('STRLEN', KEYS[5]))
   end
-  redis.call('SET', KEYS[5], table.concat(text))
 end
 return {'taken', tostring(attempt), redis.call('HGETALL', KEYS[1]), log}
 """
 )
 
 # One engine step's writes, for every job in it (several steps' when the writer fell behind).
-# KEYS: running zset, then for each append: job hash, log, job channel, text.
+# KEYS: running zset, attempts hash, then for each append: job hash, log, job channel, text.
 # ARGV: ttl, finished_at, then for each append: attempt, first seq, prompt tokens, completion
-#       tokens, final status ('' if not final), finish reason, error JSON, job id, the entries'
-#       text, the number of entries n, then its n entries.
+#       tokens, final status ('' if not final), finish reason, error JSON, job id, '1' for a
+#       checkpoint ('' if not), the text since the last checkpoint, the number of entries n, then
+#       its n entries.
 # Returns one answer per append, in order: 1 written, 2 written by an earlier try (a retried
 # call after a dropped connection: a no-op, not a duplicate), 0 fenced (another attempt holds
 # the job), -1 a gap (the log does not end just before the first entry). Appends of one job
 # follow each other in seq order, so each finds the log as the one before it left it.
+# A step costs, per token, RPUSH and PUBLISH; the fencing is one HMGET of the attempts hash for
+# the whole call (a job missing there, whose last append is written already or that an older
+# worker took, is fenced by its hash's attempt); the text key and the hash's counts are written
+# at a checkpoint only (the writer sends one every few events, with the first and the last):
+# APPEND, then HSET of the counts, text_seq (the log length the text covers) and text_len (its
+# bytes), so a reader takes text_len bytes of the text and the log after text_seq.
 # NOTE: the log's length is checked with RPUSH's answer rather than an LLEN first (one command
 # per token fewer); a push that finds the log elsewhere than expected is undone at once, inside
 # the script, so nobody sees it. A script's writes are refused as a whole (out of memory or a
@@ -95,23 +111,30 @@ local function push(log, expected_len, from, to)
   return -1
 end
 
-local function append(job, log, channel, text, a)
-  local n = tonumber(ARGV[a + 9])
-  if redis.call('HGET', job, 'attempt') ~= ARGV[a] then return 0 end
-  local first = tonumber(ARGV[a + 1])
+local function append(job, log, channel, text, a, held)
+  local n = tonumber(ARGV[a + 10])
+  if not held then held = redis.call('HGET', job, 'attempt') end
+  if held ~= ARGV[a] then return 0 end
+  local last = tonumber(ARGV[a + 1]) - 1 + n
   if n == 0 then
-    if redis.call('LLEN', log) ~= first - 1 then return -1 end
+    if redis.call('LLEN', log) ~= last then return -1 end
   else
-    local pushed = push(log, first - 1 + n, a + 10, a + 9 + n)
+    local pushed = push(log, last, a + 11, a + 10 + n)
     if pushed ~= 1 then return pushed end
-    for i = a + 10, a + 9 + n do redis.call('PUBLISH', channel, ARGV[i]) end
-    if ARGV[a + 8] ~= '' then redis.call('APPEND', text, ARGV[a + 8]) end
+    for i = a + 11, a + 10 + n do redis.call('PUBLISH', channel, ARGV[i]) end
   end
-  redis.call('HSET', job, 'prompt_tokens', ARGV[a + 2], 'completion_tokens', ARGV[a + 3])
-  if ARGV[a + 4] ~= '' then
-    redis.call('HSET', job, 'status', ARGV[a + 4], 'finish_reason', ARGV[a + 5], 'finished_at', ARGV[2],
-               'error', ARGV[a + 6])
+  local final = ARGV[a + 4] ~= ''
+  if ARGV[a + 8] == '' and not final then return 1 end
+  local fields = {'prompt_tokens', ARGV[a + 2], 'completion_tokens', ARGV[a + 3], 'text_seq', last,
+                  'text_len', redis.call('APPEND', text, ARGV[a + 9])}
+  if final then
+    for _, v in ipairs({'status', ARGV[a + 4], 'finish_reason', ARGV[a + 5], 'finished_at', ARGV[2],
+                        'error', ARGV[a + 6]}) do fields[#fields + 1] = v end
+  end
+  redis.call('HSET', job, unpack(fields))
+  if final then
     redis.call('ZREM', KEYS[1], ARGV[a + 7])
+    redis.call('HDEL', KEYS[2], ARGV[a + 7])
     redis.call('EXPIRE', job, ARGV[1])
     redis.call('EXPIRE', log, ARGV[1])
     redis.call('EXPIRE', text, ARGV[1])
@@ -119,10 +142,18 @@ local function append(job, log, channel, text, a)
   return 1
 end
 
-local answers, a = {}, 3
-for k = 2, #KEYS, 4 do
-  answers[#answers + 1] = append(KEYS[k], KEYS[k + 1], KEYS[k + 2], KEYS[k + 3], a)
-  a = a + 10 + tonumber(ARGV[a + 9])
+local ids, a = {}, 3
+for _ = 3, #KEYS, 4 do
+  ids[#ids + 1] = ARGV[a + 7]
+  a = a + 11 + tonumber(ARGV[a + 10])
+end
+if #ids == 0 then return {} end
+local held = redis.call('HMGET', KEYS[2], unpack(ids))
+local answers = {}
+a = 3
+for k = 3, #KEYS, 4 do
+  answers[#answers + 1] = append(KEYS[k], KEYS[k + 1], KEYS[k + 2], KEYS[k + 3], a, held[#answers + 1])
+  a = a + 11 + tonumber(ARGV[a + 10])
 end
 return answers
 """

@@ -8,7 +8,7 @@ import json
 import secrets
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 import redis
@@ -79,6 +79,7 @@ class TakeResult:
     attempt: int = 0  # the fencing token for every later write (TAKEN)
     record: JobRecord | None = None  # TAKEN
     log: list[LogEntry] = field(default_factory=list)  # TAKEN: events written by earlier attempts
+    text_seq: int = 0  # TAKEN: how many of them the text key covers (the writer's last checkpoint)
 
 
 @dataclass(frozen=True)
@@ -101,6 +102,12 @@ class Append:
     completion_tokens: int
     final: Final | None = None
     content: bytes = b""  # a part's artifact (an image's PNG), stored with its final append
+    # A checkpoint writes the text key and the hash's counts (APPEND_STEP_LUA); the writer sends
+    # one every TEXT_CHECKPOINT_EVENTS events, with a job's first and last append. ``unsaved_text``
+    # is then the text of every token event since the last checkpoint, these included (None:
+    # these entries' own). Parts ignore both (PART_APPEND_LUA writes at every append).
+    checkpoint: bool = True
+    unsaved_text: str | None = None
 
 
 class Appended(str, enum.Enum):
@@ -116,6 +123,11 @@ class Appended(str, enum.Enum):
 
 
 ScriptCall = tuple[list[str], list[Any]]  # (KEYS, ARGV) of one Lua script call
+
+# How many log entries a text job's writer lets pass between two checkpoints of its text key and
+# counts: a reader of a running job decodes at most this many entries of its log, and the
+# checkpoints cost 2 Redis commands per this many events (docs/internals.md, "Redis").
+TEXT_CHECKPOINT_EVENTS = 16
 
 
 JOB_ID_BYTES = 16  # 128 random bits: a job id is its own capability, so it must not be guessable
@@ -274,13 +286,48 @@ def record_reads(pipe: P, keys: Keys, job_id: str) -> P:
 
     In this order, in a pipeline without MULTI: Redis out of memory refuses every command
     queued in a MULTI, reads included, and reads must go on then. The order makes the reads
-    consistent enough: the script that ends a job writes its last text and its status at once,
-    so a hash read as ended is followed by its whole text (a running job's may be ahead of it).
+    consistent: a checkpoint (APPEND_STEP_LUA) writes the text and the hash's ``text_seq`` and
+    ``text_len`` at once, and the text only grows, so the hash's ``text_len`` bytes of a text
+    read after it are the text of the log's first ``text_seq`` entries, and a log read after
+    both holds at least those (``text_read``).
     """
     pipe.hgetall(keys.job(job_id))
     pipe.get(keys.job_text(job_id))
     pipe.llen(keys.job_log(job_id))
     return pipe
+
+
+def text_read(h: Mapping[str, str], text: str | None, logged: int) -> tuple[str, int] | None:
+    """A text job's text from the reads of ``record_reads``, and from which seq its log must be
+    read for the rest (0: nothing to read); None when it has no text key to start from (cancelled
+    while queued: its log is the one done event; or its key was lost) and the whole log is read.
+
+    The text key covers the log's first ``text_seq`` entries with its first ``text_len`` bytes;
+    a job written before checkpoints (no ``text_seq``) appended its text at every event.
+    """
+    if text is None:
+        return None if logged else ("", 0)
+    if "text_seq" not in h:
+        return text, 0
+    covered, size = int(h["text_seq"]), int(h["text_len"])
+    raw = text.encode()
+    if len(raw) > size:
+        text = raw[:size].decode()
+    return text, covered if logged > covered else 0
+
+
+def with_log_tail(record: JobRecord, tail: Sequence[LogEntry]) -> JobRecord:
+    """A running job's record with the events after its last checkpoint: their text, and their
+    tokens in its usage (the hash's counts are the checkpoint's). An ended job's last append is
+    a checkpoint, so its record needs none."""
+    if not tail:
+        return record
+    job = record.job
+    added = sum(len(e.data["token_ids"]) for e in tail if e.type == "token")
+    update: dict[str, Any] = {"text": job.text + job_text(tail)}
+    if job.status in (JobStatus.QUEUED, JobStatus.RUNNING):
+        update["usage"] = Usage.of(job.usage.prompt_tokens, job.usage.completion_tokens + added)
+    return replace(record, job=job.model_copy(update=update))
 
 
 SUMMARY_FIELDS = (
@@ -383,6 +430,7 @@ def take_args(keys: Keys, job_id: str, worker: str, model: str, now: float, leas
             keys.queued_jobs(),
             keys.running_jobs(),
             keys.job_text(job_id),
+            keys.attempts(),
         ],
         [job_id, worker, model, repr(now), repr(now + lease_s)],
     )
@@ -417,12 +465,16 @@ def parse_take(reply: list[Any], part_index: int | None = None) -> TakeResult:
     status = TakeStatus(reply[0])
     if status is not TakeStatus.TAKEN:
         return TakeResult(status)
-    flat = reply[2]
+    h = _pairs(reply[2])
     log = decode_log(reply[3])
     if part_index is not None:
         log = own_events(log, part_index)
     return TakeResult(
-        status, attempt=int(reply[1]), record=record_from_hash(_pairs(flat), job_text(log)), log=log
+        status,
+        attempt=int(reply[1]),
+        record=record_from_hash(h, job_text(log)),
+        log=log,
+        text_seq=int(h.get("text_seq") or 0) if part_index is None else 0,
     )
 
 
@@ -491,7 +543,7 @@ def part_append_args(keys: Keys, a: Append, ttl_s: int, now: float) -> ScriptCal
 
 def append_step_args(keys: Keys, appends: Sequence[Append], ttl_s: int, now: float) -> ScriptCall:
     """APPEND_STEP_LUA's call: every append of a step (or of several steps, in order) at once."""
-    script_keys, args = [keys.running_jobs()], [ttl_s, repr(now)]
+    script_keys, args = [keys.running_jobs(), keys.attempts()], [ttl_s, repr(now)]
     for a in appends:
         script_keys += [
             keys.job(a.job_id),
@@ -514,7 +566,8 @@ def _append_args(a: Append) -> list[Any]:
         (final.finish_reason or "") if final else "",
         final.error.model_dump_json() if final and final.error else "",
         a.job_id,
-        job_text(a.entries),
+        "1" if a.checkpoint or final else "",
+        job_text(a.entries) if a.unsaved_text is None else a.unsaved_text,
         len(a.entries),
         *(e.encode() for e in a.entries),
     ]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import replace
 
 import pytest
 import redis
@@ -213,6 +214,7 @@ def test_a_step_for_many_jobs_is_one_script_call(settings: Settings, tmp_path) -
         assert store.append_batch(step) == [written, written, fenced, gap, written]
         calls = {k: v["calls"] for k, v in store.redis.info("commandstats").items()}
         assert calls["cmdstat_evalsha"] == 1
+        assert calls["cmdstat_hmget"] == 1 and "cmdstat_hget" not in calls  # fenced at once, all jobs
         assert [store.get_job(j).text for j in jobs] == ["ab", "", "x"]
         assert [store.redis.llen(store.keys.job_log(j)) for j in jobs] == [2, 0, 1]
         store.close()
@@ -248,6 +250,26 @@ def test_text_of_a_job_an_older_worker_wrote(store: StoreForTests) -> None:
     assert store.redis.get(store.keys.job_text(job.id)) == "aü"
     assert store.append_batch([run_job(store, ["c"], 2, job.id, first_seq=4)]) == [Appended.WRITTEN]
     assert store.get_job(job.id).text == "aüc"
+
+
+def test_text_of_a_job_written_before_checkpoints(store: StoreForTests) -> None:
+    """Workers from before the checkpoints appended the text at every event and kept no text_seq:
+    the text key is the whole text, and a take-over marks how much of the log it covers."""
+    job = store.create_job(JobRequest(prompt="hello"))
+    store.take_job(job.id, "w1", "tiny")
+    store.append_batch([run_job(store, ["a", "ü"], 1, job.id)])
+    store.redis.hdel(store.keys.job(job.id), "text_seq", "text_len")
+    store.redis.rpush(store.keys.job_log(job.id), token_entry(3, 2, "b", [2]).encode())
+    store.redis.append(store.keys.job_text(job.id), "b")
+    assert store.get_job(job.id).text == "aüb"
+    store.redis.zadd(store.keys.running_jobs(), {job.id: time.time() - 1})
+    taken = store.take_job(job.id, "w2", "tiny")
+    assert taken.text_seq == 3 and store.redis.hget(store.keys.job(job.id), "text_len") == str(
+        len("aüb".encode())
+    )
+    later = run_job(store, ["c"], 2, job.id, first_seq=4)
+    assert store.append_batch([replace(later, checkpoint=False)]) == [Appended.WRITTEN]
+    assert store.get_job(job.id).text == "aübc"
 
 
 def test_renew_leases_keeps_the_job(store: StoreForTests) -> None:
