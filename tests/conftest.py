@@ -51,6 +51,14 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_image_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny diffusers pipeline (workers/media/tiny.py), for media workers."""
+    from workers.media.tiny import build_tiny_image_model
+
+    return build_tiny_image_model(tmp_path_factory.mktemp("tiny-sd"))
+
+
+@pytest.fixture(scope="session")
 def cluster(prefixes: Prefixes, tiny_model: Path, log_dir: Path) -> Iterator[Cluster]:
     """One worker (32 slots) and one API on a prefix of their own."""
     prefix = prefixes.new()

@@ -19,6 +19,7 @@ import httpx
 import openai
 import pytest
 import redis
+from dashboard import MEDIA_PREFIX, dashboard_metrics
 from greedy import greedy
 from PIL import Image
 from procs import (
@@ -44,13 +45,6 @@ from common.keys import Keys
 LIVENESS = {"heartbeat_s": 0.5, "heartbeat_ttl_s": 2, "lease_s": 2}
 # Media workers cancel a foreground job nobody has watched for a second (the abandoned-job test).
 MEDIA_GRACE_S = 1
-
-
-@pytest.fixture(scope="session")
-def tiny_image_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from workers.media.tiny import build_tiny_image_model
-
-    return build_tiny_image_model(tmp_path_factory.mktemp("tiny-sd"))
 
 
 class Media:
@@ -325,6 +319,9 @@ def test_the_media_workers_metrics_count_parts_steps_and_waits(client: httpx.Cli
     assert value(after, "spool_image_parts_running") == 0
     for status in ("failed", "cancelled"):  # every status shown from the start
         assert ("spool_image_parts_total", status) in {(n, dict(ls).get("status")) for n, ls in after}
+    named = {m for m in dashboard_metrics() if m.startswith(MEDIA_PREFIX)}
+    assert named, "the dashboard shows no image metric"
+    assert named <= {n for n, _ in after}, sorted(named - {n for n, _ in after})
 
 
 def test_resume_at_random_drops_equals_the_full_stream(client: httpx.Client, media: Media) -> None:

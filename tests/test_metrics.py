@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import re
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -12,6 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
+from dashboard import DEPLOY, MEDIA_PREFIX, dashboard_exprs, dashboard_metrics
 from procs import Prefixes, Service, finished_job, free_port, start_api, start_worker, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 from sse_client import Event, iter_sse
@@ -156,15 +155,6 @@ def test_api_counts_routes_refusals_and_resumes(stack: Stack, client: httpx.Clie
     )
 
 
-DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
-METRIC_NAME = re.compile(r"\bspool_[a-z_]+\b")
-
-
-def dashboard_exprs() -> list[str]:
-    dashboard = json.loads((DEPLOY / "grafana/dashboards/spool.json").read_text())
-    return [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
-
-
 def test_monitoring_files_parse_and_point_at_the_services() -> None:
     compose = yaml.safe_load((DEPLOY.parent / "docker-compose.yml").read_text())["services"]
     for name in ("prometheus", "grafana"):
@@ -189,7 +179,7 @@ def test_every_metric_the_dashboard_names_is_exported(stack: Stack) -> None:
     exported = {name for name, _ in scrape(stack.worker_metrics)} | {
         name for name, _ in scrape(f"{stack.api.url}/metrics")
     }
-    named = {m for expr in dashboard_exprs() for m in METRIC_NAME.findall(expr)}
+    named = {m for m in dashboard_metrics() if not m.startswith(MEDIA_PREFIX)}
     assert named, "the dashboard names no metric"
     assert named <= exported, sorted(named - exported)
     # The labels its queries group and filter by are the exported ones.

@@ -79,13 +79,6 @@ def stack(prefixes: Prefixes, tiny_model: Path, log_dir: Path) -> Iterator[Stack
     worker.stop()
 
 
-@pytest.fixture(scope="session")
-def tiny_image_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from workers.media.tiny import build_tiny_image_model
-
-    return build_tiny_image_model(tmp_path_factory.mktemp("tiny-sd"))
-
-
 @pytest.fixture(scope="module")
 def media_worker(stack: Stack, tiny_image_model: Path) -> Iterator[Service]:
     """``spool worker --kind media`` on the stack's prefix, for the jobs with image parts."""

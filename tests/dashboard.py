@@ -1,0 +1,21 @@
+"""The metric names the provisioned Grafana dashboard (deploy/grafana) queries."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
+METRIC_NAME = re.compile(r"\bspool_[a-z_]+\b")
+MEDIA_PREFIX = "spool_image_"  # the media worker's (tests/test_media.py checks those)
+
+
+def dashboard_exprs() -> list[str]:
+    dashboard = json.loads((DEPLOY / "grafana/dashboards/spool.json").read_text())
+    return [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+
+
+def dashboard_metrics() -> set[str]:
+    """Every metric a query names, histograms by their ``_bucket`` series."""
+    return {m for expr in dashboard_exprs() for m in METRIC_NAME.findall(expr)}
