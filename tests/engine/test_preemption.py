@@ -51,7 +51,8 @@ def test_a_chat_preempts_a_batch_line_which_goes_on_without_repeats(  # type: ig
     collect(out, deltas)
     # The chat got a slot and its first token at the next step: line1 (the later line) gave it up.
     assert [d.token_ids != () for d in deltas if d.request_id == "chat"] == [True]
-    assert "line1" not in {d.request_id for d in deltas}
+    # line0 kept its slot but sat the step out: the chat's first token came from a step of its own.
+    assert {d.request_id for d in deltas} == {"chat"}
     stats = engine.stats()
     assert (stats["running"], stats["waiting"], stats["preemptions"]) == (2, 1, 1)
     while engine.has_unfinished():
@@ -81,3 +82,32 @@ def test_lines_never_preempt_each_other_and_a_chat_beyond_the_lines_waits(make_e
     # One preemption ("a"); chat2 waits for chat1 (same priority), then "a" goes on before "b".
     assert finished == ["chat1", "chat2", "a", "b"]
     assert engine.stats()["preemptions"] == 1
+
+
+def test_lines_sit_out_a_chats_prefill_steps_and_decode_beside_it_after(  # type: ignore[no-untyped-def]
+    make_engine, llama_dir: Path
+) -> None:
+    line = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, priority=1)
+    expected = unpreempted(make_engine, line)
+    # A slot free for the chat (nothing preempted) and a chunk of 4, so its prompt takes 2 steps.
+    engine: Engine = make_engine(max_batch_size=3, prefill_chunk_size=4, max_prefill_tokens_per_step=4)
+    out: dict[str, list[tuple[tuple[int, ...], str]]] = {}
+    for rid, prompt in LINES.items():
+        engine.add_request(rid, prompt, line)
+    while len(out) < len(LINES):  # both lines decoding
+        collect(out, engine.step())
+    chat_len = engine.add_request("chat", CHAT, SamplingParams(max_tokens=8, temperature=0.0))
+    assert 4 < chat_len <= 8
+    steps = [engine.step(), engine.step()]
+    for deltas in steps:  # the chat's two chunks, the lines' rows left out of both
+        collect(out, deltas)
+    assert [[d.request_id for d in deltas] for deltas in steps] == [[], ["chat"]]
+    collect(out, deltas := engine.step())
+    assert {d.request_id for d in deltas} == {"chat", *LINES}  # its decode steps batch with them
+    assert engine.stats()["preemptions"] == 0
+    while engine.has_unfinished():
+        collect(out, engine.step())
+    assert [t for ids, _ in out["chat"] for t in ids] == greedy(llama_dir, CHAT, 8).token_ids
+    for rid in LINES:
+        assert [t for ids, _ in out[rid] for t in ids] == expected[rid]
+        assert len(out[rid]) == 24

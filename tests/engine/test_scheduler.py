@@ -126,7 +126,7 @@ def test_a_higher_priority_request_preempts_the_last_arrived_line_of_the_lowest_
     # line1 (the later arrival) gives its slot to the chat in this very step.
     assert plan.preempted == [line1] and chat.slot == 1 and s.running == [line0, chat]
     assert [(c.request, c.start, c.length) for c in plan.prefills] == [(chat, 0, 2)]
-    assert plan.decodes == [line0]
+    assert plan.decodes == [] and plan.skipped == [line0]  # the chat's first token: a step of its own
     # It keeps its generated token and waits ahead of line2 (which arrived after it), to be
     # prefilled again from prompt + generated tokens.
     assert line1.status is RequestStatus.WAITING and line1.slot is None and line1.num_computed == 0
@@ -136,3 +136,51 @@ def test_a_higher_priority_request_preempts_the_last_arrived_line_of_the_lowest_
     plan = s.schedule()
     assert [(c.request, c.start, c.length) for c in plan.prefills] == [(line1, 0, 4)]
     assert plan.preempted == []
+
+
+def test_lower_priorities_sit_out_the_steps_of_a_higher_ones_first_token() -> None:
+    s = Scheduler(num_slots=4, prefill_chunk_size=8, max_prefill_tokens_per_step=8)
+    lines = [Request(f"line{i}", [1, 2, 3], SamplingParams(priority=1), _NoDetok()) for i in range(2)]  # type: ignore[arg-type]
+    for r in lines:
+        s.add(r)
+    s.schedule()
+    for r in lines:
+        decoding(r)
+    chat = Request("chat", list(range(10, 22)), SamplingParams(), _NoDetok())  # type: ignore[arg-type]
+    s.add(chat)  # 12 tokens: two chunks of at most 8
+    for start, length in [(0, 8), (8, 4)]:
+        plan = s.schedule()
+        # Every chunk of its prompt runs alone: the lines feed nothing, their tokens as they were.
+        assert [(c.request, c.start, c.length) for c in plan.prefills] == [(chat, start, length)]
+        assert plan.decodes == [] and plan.skipped == lines and plan.preempted == []
+        chat.num_computed += length
+    assert [r.num_computed for r in lines] == [3, 3]
+    chat.output_token_ids.append(7)  # its first token: it decodes with the lines again
+    plan = s.schedule()
+    assert plan.decodes == [*lines, chat] and plan.skipped == [] and plan.prefills == []
+    # A line's own prefill (priority 1) holds nothing back: the chat decodes beside it.
+    late = Request("line2", [1, 2], SamplingParams(priority=1), _NoDetok())  # type: ignore[arg-type]
+    s.add(late)
+    plan = s.schedule()
+    assert plan.decodes == [*lines, chat] and [c.request for c in plan.prefills] == [late]
+    assert plan.skipped == []
+
+
+def test_a_prompt_found_whole_in_the_prefix_cache_gets_its_first_token_alone() -> None:
+    s = Scheduler(num_slots=3, prefill_chunk_size=64, max_prefill_tokens_per_step=64, prefix_caching=True)
+    first = prompt_request("first", list(range(100, 133)))
+    s.add(first)
+    s.schedule()
+    decoding(first)
+    s.remove(first)  # its two whole blocks stay cached in slot 0
+    line = Request("line", [1, 2, 3], SamplingParams(priority=1), _NoDetok())  # type: ignore[arg-type]
+    s.add(line)
+    s.schedule()
+    decoding(line)
+    again = prompt_request("again", list(range(100, 132)))  # 32 tokens: all cached but the last
+    s.add(again)
+    plan = s.schedule()
+    assert again.num_computed == 31 and again.is_decoding
+    assert plan.decodes == [again] and plan.skipped == [line]
+    plan = s.schedule()
+    assert plan.decodes == [line, again] and plan.skipped == []

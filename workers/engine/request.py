@@ -36,6 +36,9 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)  # see prefix_cache.block_hashes
     matcher: xgrammar.GrammarMatcher | None = None  # structured outputs: the grammar it follows (grammar.py)
     arrival: int = 0  # the scheduler's count at add(): first come, first served within a priority
+    # Admitted and not yet given its first token of this admission: lower priorities sit its
+    # steps out (scheduler.py, "Priority steps").
+    starting: bool = False
     num_preemptions: int = 0  # times its slot went to a request of a higher priority (scheduler.py)
 
     @property

@@ -16,6 +16,13 @@ request that preempted it, so only blocks another slot holds, such as a shared p
 copied instead of computed) and samples its next token as if it had never left. Nothing it
 already emitted is emitted again. Requests of one priority never preempt each other.
 
+Priority steps: while a running request is still to get its first token since it was admitted
+(prompt tokens left to feed, or a prompt found whole in the prefix cache), the step runs only the
+requests of its priority or higher; the lower ones feed nothing in it, their KV and tokens as
+they were, and go on at the next step. So the step that answers an interactive request's first
+token is a lone prefill, not one beside 32 batch lines' decode rows; the lines lose one step per
+prefill chunk of a higher priority (its decode steps batch with them again).
+
 With prefix caching the free slots ``n..`` keep what finished requests computed
 (``cached``), and the plan starts with the slot copies (``cache_ops``) that give a request the
 blocks some slot already holds: an admitted request takes over the free slot holding its longest
@@ -76,6 +83,9 @@ class SchedulerOutput:
     # Sent back to the waiting queue in this step (their slots went to higher priorities): the
     # engine drops their per-slot state; their tokens are kept.
     preempted: list[Request] = field(default_factory=list)
+    # Running requests that sit this step out (a higher priority's request is due its first
+    # token): nothing is fed for them, their cache is kept.
+    skipped: list[Request] = field(default_factory=list)
 
     @property
     def empty(self) -> bool:
@@ -135,18 +145,29 @@ class Scheduler:
                 out.preempted.append(victim)
             out.cache_ops += self._admit(self.waiting.popleft())
 
+        # A request still to get its first token (prompt left to feed, or admitted this step with
+        # all of it cached) runs without the lower priorities' rows: they sit this step out, their
+        # KV kept, so the step that gives an interactive request its first token is as cheap as
+        # on an idle engine. Once it decodes they share the steps again.
+        top = min((r.params.priority for r in self.running if r.starting), default=None)
         budget = self.max_prefill_tokens
         computing: set[bytes] = set()  # blocks this step's chunks compute
         for request in self.running:
+            if top is not None and request.params.priority > top:
+                out.skipped.append(request)
+                continue
             if self.prefix_caching and not request.is_decoding:
                 out.cache_ops += self._copy_cached(request)
                 if not request.is_decoding and self._computed_by_another(request, computing):
                     continue  # next step copies the block instead of computing it twice
             if request.is_decoding:
                 out.decodes.append(request)
+                request.starting = False
             elif budget > 0:
                 length = min(request.num_uncomputed, self.prefill_chunk_size, budget)
-                out.prefills.append(PrefillChunk(request, request.num_computed, length))
+                chunk = PrefillChunk(request, request.num_computed, length)
+                out.prefills.append(chunk)
+                request.starting = not chunk.completes_prompt
                 budget -= length
                 if self.prefix_caching:
                     end = (request.num_computed + length) // BLOCK_SIZE
@@ -224,6 +245,7 @@ class Scheduler:
         slot = len(self.running)
         request.slot = slot
         request.status = RequestStatus.RUNNING
+        request.starting = True
         self.running.append(request)
         if not self.prefix_caching:
             return []
