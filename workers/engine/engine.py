@@ -2,7 +2,8 @@
 
 One ``step()`` applies aborts, admits waiting requests (preempting lower-priority running ones
 when a higher-priority request finds every slot held: scheduler.py), runs one packed forward
-over the decode rows and the planned prefill chunks, samples every row that is due a token (one host transfer
+over the decode rows and the planned prefill chunks (without the lower priorities' rows while a
+higher-priority request is due its first token: scheduler.py, "Priority steps"), samples every row that is due a token (one host transfer
 per step), detokenizes, and retires finished requests at once so their slots serve the next step.
 """
 
