@@ -359,6 +359,8 @@ class EngineRuntime:
         if taken.record is not None and taken.record.cancel_requested:
             self._inbox.put(_Abort(job_id, None))  # cancelled while an earlier attempt ran it
         self._inbox.put(_Add(job_id))
+        if not job.batch_line:  # a step of batch lines in flight stops for it (Engine.interrupt)
+            self.engine.interrupt(0)
         job.done.wait()
         return job.outcome
 

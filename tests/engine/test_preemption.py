@@ -111,3 +111,39 @@ def test_lines_sit_out_a_chats_prefill_steps_and_decode_beside_it_after(  # type
     for rid in LINES:
         assert [t for ids, _ in out[rid] for t in ids] == expected[rid]
         assert len(out[rid]) == 24
+
+
+def test_an_interrupt_drops_a_step_of_lower_priorities_only(make_engine, llama_dir: Path) -> None:  # type: ignore[no-untyped-def]
+    line = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, priority=1)
+    expected = unpreempted(make_engine, line)
+    engine: Engine = make_engine(max_batch_size=3)
+    out: dict[str, list[tuple[tuple[int, ...], str]]] = {}
+    for rid, prompt in LINES.items():
+        engine.add_request(rid, prompt, line)
+    collect(out, engine.step())
+    arriving: list[int] = []
+    # As the worker's task thread would, mid-forward: a torch hook on the first layer calls it.
+    layer = engine.runner.model.model.layers[0]
+    hook = layer.register_forward_pre_hook(lambda *_: engine.interrupt(arriving[-1]) if arriving else None)
+    try:
+        arriving.append(1)  # not above the lines' priority: the step runs
+        collect(out, engine.step())
+        assert engine.stats()["interrupted_steps"] == 0 and len(out["line0"]) == 2
+        arriving.append(0)  # an interactive request: the lines' step stops and is dropped
+        assert engine.step() == [] and engine.stats()["interrupted_steps"] == 1
+        assert [len(out[rid]) for rid in LINES] == [2, 2]
+        engine.add_request("chat", CHAT, SamplingParams(max_tokens=8, temperature=0.0))
+        # A step with a request of that priority in it is never interrupted for it.
+        collect(out, deltas := engine.step())
+        assert [d.request_id for d in deltas] == ["chat"]
+        collect(out, deltas := engine.step())
+        assert {d.request_id for d in deltas} == {"chat", *LINES}
+        assert engine.stats()["interrupted_steps"] == 1
+    finally:
+        hook.remove()
+    while engine.has_unfinished():
+        collect(out, engine.step())
+    assert [t for ids, _ in out["chat"] for t in ids] == greedy(llama_dir, CHAT, 8).token_ids
+    for rid in LINES:
+        assert [t for ids, _ in out[rid] for t in ids] == expected[rid]
+        assert len(out[rid]) == 24

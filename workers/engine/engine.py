@@ -20,6 +20,7 @@ import xgrammar
 from workers.engine import grammar
 from workers.engine.detokenizer import IncrementalDetokenizer
 from workers.engine.grammar import Grammars, Masks
+from workers.engine.kv_cache import StepInterrupted
 from workers.engine.model_runner import ModelRunner
 from workers.engine.processors import LogitsProcessors
 from workers.engine.request import Request
@@ -49,6 +50,7 @@ class EngineStats:
     prompt_tokens: int = 0  # prefilled, resumed tokens included
     peak_batch_size: int = 0  # most requests that got a token in one step
     peak_running: int = 0  # most requests holding a slot at once
+    interrupted_steps: int = 0  # forwards stopped between layers for a higher priority (interrupt())
 
 
 class Engine:
@@ -76,6 +78,8 @@ class Engine:
         self._generators: dict[str, torch.Generator] = {}
         self._aborted: set[str] = set()
         self._stats = EngineStats()
+        # Set by interrupt() from any thread: the priority of a request on its way.
+        self._arriving: int | None = None
 
     # -- public API -----------------------------------------------------------------------------
 
@@ -140,6 +144,15 @@ class Engine:
         if request_id in self._requests:
             self._aborted.add(request_id)
 
+    def interrupt(self, priority: int) -> None:
+        """Thread-safe (the one call another thread may make): a request of ``priority`` is on
+        its way (its ``add_request`` comes next, on the engine's thread). The step in flight, if
+        every request in it is of a lower priority, stops at its next layer and is dropped: its
+        requests are as they were before it and run again at the next step, which admits the new
+        one and gives it its first token alone (scheduler.py, "Priority steps"). The step that
+        starts next ignores an interrupt that came before it."""
+        self._arriving = priority  # one attribute store: atomic
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
@@ -164,6 +177,7 @@ class Engine:
 
     def step(self) -> list[Delta]:
         aborted, self._aborted = self._aborted, set()
+        self._arriving = None  # its request was added before this step, or never comes
         deltas = [self._finish(self._requests[rid], FinishReason.CANCELLED) for rid in aborted]
         plan = self.scheduler.schedule()
         for request in plan.preempted:  # re-made from its tokens when it is due one again
@@ -175,6 +189,11 @@ class Engine:
         try:
             self.runner.cache.apply(plan.cache_ops)
             due, logits = self._run(plan)
+        except StepInterrupted:
+            self._stats.interrupted_steps += 1
+            for request in plan.started:
+                request.starting = True
+            return deltas
         except Exception as e:  # NOTE: a failed forward fails its requests, not the engine.
             log.exception("engine step failed")
             failed = [c.request for c in plan.prefills] + plan.decodes
@@ -238,7 +257,14 @@ class Engine:
         ]
         # Logits come for the decode rows, then for each chunk that completes its prompt: `due`'s order.
         due = plan.decodes + [c.request for c in plan.prefills if c.completes_prompt]
-        logits = self.runner.forward(decode, prefills)
+        rows = plan.decodes + [c.request for c in plan.prefills]
+        floor = min(r.params.priority for r in rows)  # the step's highest priority
+
+        def stop() -> bool:
+            arriving = self._arriving
+            return arriving is not None and arriving < floor
+
+        logits = self.runner.forward(decode, prefills, stop)
         for r in plan.decodes:
             # A prompt's last token takes this path when chunking left it alone.
             self._stats.prompt_tokens += r.num_computed < len(r.prompt_token_ids)

@@ -16,7 +16,7 @@ layer for ``packed_attention`` to read.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +24,10 @@ import torch
 from workers.engine.attention import PackedBatch, PrefillSegment
 from workers.engine.device import to_device
 from workers.engine.scheduler import CacheOp, Copy
+
+
+class StepInterrupted(Exception):  # noqa: N818 (not an error: the engine asked for it)
+    """Raised between layers when the forward's ``stop`` says so: the step's work is dropped."""
 
 
 @dataclass(frozen=True)
@@ -72,11 +76,15 @@ class SlotKVCache:
         self._device = device
         self._positions = torch.arange(max_len, device=device)
         self._batch: PackedBatch | None = None  # set by begin() for the next forward
+        self._stop: Callable[[], bool] | None = None  # likewise
 
     # -- set-up before a forward ------------------------------------------------------------
 
     def begin(
-        self, decode: Sequence[tuple[int, int, int]], prefills: Sequence[tuple[int, int, list[int], bool]]
+        self,
+        decode: Sequence[tuple[int, int, int]],
+        prefills: Sequence[tuple[int, int, list[int], bool]],
+        stop: Callable[[], bool] | None = None,
     ) -> PackedBatch:
         """Lay out one packed forward: ``decode`` is (slot, position, token id) per decoding
         request, ``prefills`` is (slot, start, token ids, wants logits) per prefill chunk; the
@@ -84,8 +92,11 @@ class SlotKVCache:
         last token of each chunk that wants them.
 
         Everything here is known on the host, so it goes to the device in one copy and nothing
-        reads back from it.
+        reads back from it. ``stop``, asked before each layer writes, raises ``StepInterrupted``
+        when true: the positions written so far lie past every request's computed ones, and the
+        step that runs them again overwrites them.
         """
+        self._stop = stop
         tokens = [t for _, _, t in decode]
         slots = [s for s, _, _ in decode]
         positions = [p for _, p, _ in decode]
@@ -137,6 +148,8 @@ class SlotKVCache:
         ``packed_attention`` reads each request's part of the layer as a view.
         """
         assert self._batch is not None, "begin() sets up a forward before the model runs"
+        if self._stop is not None and self._stop():
+            raise StepInterrupted
         k_layer, v_layer = self.keys[layer_idx], self.values[layer_idx]  # [slots, H, max_len, D]
         # index_put_ with the slot and position index on dims 0 and 2: values come as [T, H, D].
         k_layer[self._batch.slots, :, self._batch.positions] = key[0].transpose(0, 1)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any, cast
 
 import torch
@@ -104,16 +105,20 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(
-        self, decode: list[tuple[int, int, int]], prefills: list[tuple[int, int, list[int], bool]]
+        self,
+        decode: list[tuple[int, int, int]],
+        prefills: list[tuple[int, int, list[int], bool]],
+        stop: Callable[[], bool] | None = None,
     ) -> torch.Tensor:
         """One packed forward over every token of a step.
 
         ``decode``: (slot, position, token id) per decoding request; ``prefills``: (slot, start,
         token ids, wants logits) per prefill chunk. Returns logits [rows, V]: one row per decode
         row, then one per chunk that wants them (its last token's; a chunk that does not end its
-        prompt needs none, and the output layer skips it).
+        prompt needs none, and the output layer skips it). ``stop``: asked before each layer;
+        true raises ``kv_cache.StepInterrupted`` (the step is dropped).
         """
-        batch = self.cache.begin(decode, prefills)
+        batch = self.cache.begin(decode, prefills, stop)
         with attention.active(batch):
             out = self.model(
                 input_ids=batch.input_ids,

@@ -86,6 +86,9 @@ class SchedulerOutput:
     # Running requests that sit this step out (a higher priority's request is due its first
     # token): nothing is fed for them, their cache is kept.
     skipped: list[Request] = field(default_factory=list)
+    # Requests this step gives their first token since admission (``starting`` cleared): an
+    # interrupted step sets it back.
+    started: list[Request] = field(default_factory=list)
 
     @property
     def empty(self) -> bool:
@@ -160,20 +163,24 @@ class Scheduler:
                 out.cache_ops += self._copy_cached(request)
                 if not request.is_decoding and self._computed_by_another(request, computing):
                     continue  # next step copies the block instead of computing it twice
+            due = False  # whether this step samples a token for it
             if request.is_decoding:
                 out.decodes.append(request)
-                request.starting = False
+                due = True
             elif budget > 0:
                 length = min(request.num_uncomputed, self.prefill_chunk_size, budget)
                 chunk = PrefillChunk(request, request.num_computed, length)
                 out.prefills.append(chunk)
-                request.starting = not chunk.completes_prompt
+                due = chunk.completes_prompt
                 budget -= length
                 if self.prefix_caching:
                     end = (request.num_computed + length) // BLOCK_SIZE
                     computing.update(
                         prefix_cache.block_hashes(request, end)[request.num_computed // BLOCK_SIZE :]
                     )
+            if due and request.starting:
+                request.starting = False
+                out.started.append(request)
         return out
 
     def remove(self, request: Request, keep_cache: bool = True) -> list[CacheOp]:
