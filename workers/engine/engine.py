@@ -5,6 +5,8 @@ when a higher-priority request finds every slot held: scheduler.py), runs one pa
 over the decode rows and the planned prefill chunks (without the lower priorities' rows while a
 higher-priority request is due its first token: scheduler.py, "Priority steps"), samples every row that is due a token (one host transfer
 per step), detokenizes, and retires finished requests at once so their slots serve the next step.
+A step of lower priorities only is dropped between two layers when ``interrupt()`` (from any
+thread) says a request of a higher priority is on its way.
 """
 
 from __future__ import annotations
