@@ -19,7 +19,6 @@ import httpx
 import openai
 import pytest
 import redis
-from dashboard import MEDIA_PREFIX, dashboard_metrics
 from greedy import greedy
 from PIL import Image
 from procs import (
@@ -36,7 +35,7 @@ from procs import (
     start_worker,
     wait_until,
 )
-from prometheus_client.parser import text_string_to_metric_families
+from prom import MEDIA_PREFIX, Samples, dashboard_metrics, scrape
 from sse_client import Event, check_full_stream, iter_sse, read_events
 
 from common.keys import Keys
@@ -104,18 +103,6 @@ def content(client: httpx.Client, media: Media, job_id: str, k: int) -> bytes:
     assert r.status_code == 200, r.text
     assert r.headers["content-type"] == "image/png"
     return r.content
-
-
-Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
-
-
-def scrape(url: str) -> Samples:
-    text = httpx.get(url, timeout=10).text
-    return {
-        (s.name, frozenset(s.labels.items())): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
 
 
 def value(samples: Samples, name: str, **labels: str) -> float:

@@ -10,14 +10,11 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
-from dashboard import DEPLOY, MEDIA_PREFIX, dashboard_exprs, dashboard_metrics
 from procs import Prefixes, Service, finished_job, free_port, start_api, start_worker, wait_until
-from prometheus_client.parser import text_string_to_metric_families
+from prom import DEPLOY, MEDIA_PREFIX, Samples, dashboard_exprs, dashboard_metrics, scrape
 from sse_client import Event, iter_sse
 
 from api.metrics import REJECT_REASONS
-
-Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
 
 @dataclass(frozen=True)
@@ -36,15 +33,6 @@ def stack(prefixes: Prefixes, tiny_model: Path, log_dir: Path) -> Iterator[Stack
     yield Stack(worker, f"http://127.0.0.1:{port}/metrics", api, tiny_model)
     api.stop()
     worker.stop()
-
-
-def scrape(url: str) -> Samples:
-    text = httpx.get(url, timeout=10).text
-    return {
-        (s.name, frozenset(s.labels.items())): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
 
 
 def value(samples: Samples, name: str, **labels: str) -> float:
