@@ -80,7 +80,7 @@ def test_serve_reaches_ready_and_prints_the_url_only_then(prefixes, tmp_path: Pa
 
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
-    deadline_s = 600 if fresh else 240  # spool up loads a text and a media worker: minutes on 2 busy cores
+    deadline_s = 600 if fresh else 420  # spool up loads a text and a media worker: minutes on 2 busy cores
     try:
         deadline = time.monotonic() + deadline_s
         while not readyz_when_printed and proc.poll() is None and time.monotonic() < deadline:
