@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import openai
 import pytest
 import redis
 from procs import REDIS_URL, Cluster, Prefixes, Service, running, start_api, start_worker
@@ -48,6 +49,20 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from workers.engine.tiny import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"), "llama")
+
+
+@pytest.fixture(scope="session")
+def oai(cluster: Cluster) -> Iterator[openai.OpenAI]:
+    """The official openai client on the session's cluster (a module may aim it elsewhere)."""
+    with openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="unused", max_retries=0) as c:
+        yield c
+
+
+@pytest.fixture(scope="session")
+def model(oai: openai.OpenAI) -> str:
+    """The served model's id, as the client lists it."""
+    [served] = oai.models.list().data
+    return served.id
 
 
 @pytest.fixture(scope="session")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -53,18 +53,6 @@ def chat_ids(
     plain = [{"role": str(m["role"]), "content": str(m.get("content"))} for m in messages]
     ids = tokenizer.apply_chat_template(plain, add_generation_prompt=True, tokenize=True, return_dict=False)
     return tuple(ids)
-
-
-@pytest.fixture(scope="module")
-def oai(cluster: Cluster) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="unused", max_retries=0) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def model(oai: openai.OpenAI) -> str:
-    [served] = oai.models.list().data
-    return served.id
 
 
 def test_models(oai: openai.OpenAI, model: str, tiny_model: Path) -> None:

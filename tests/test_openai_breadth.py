@@ -6,7 +6,6 @@ from __future__ import annotations
 import math
 import re
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
 
@@ -27,18 +26,6 @@ MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "In th
 @pytest.fixture(scope="module")
 def tokenizer(tiny_model: Path) -> PreTrainedTokenizerBase:
     return AutoTokenizer.from_pretrained(tiny_model)
-
-
-@pytest.fixture(scope="module")
-def oai(cluster: Cluster) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="unused", max_retries=0) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def model(oai: openai.OpenAI) -> str:
-    [served] = oai.models.list().data
-    return served.id
 
 
 def test_logit_bias_forces_a_token_and_logprobs_show_it(
