@@ -391,9 +391,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                     rounds.append(r)
                 stack.stop()
             except BaseException:
-                for p in procs:
-                    if p.name != "redis":
-                        print(f"--- {p.name} log tail\n{p.log_tail()}", file=sys.stderr)
+                print(harness.log_tails(p for p in procs if p.name != "redis"), file=sys.stderr)
                 raise
             finally:
                 harness.stop_all(procs)

@@ -753,9 +753,7 @@ def main(argv: Sequence[str] | None = None) -> Report:
                 if "connections" in parts:
                     report.connections = connections(args, plan, place, procs, log_dir, redis_url)
             except BaseException:
-                for p in procs:
-                    if p.name != "redis":
-                        print(f"--- {p.name} log tail\n{p.log_tail()}", file=sys.stderr)
+                print(harness.log_tails(p for p in procs if p.name != "redis"), file=sys.stderr)
                 raise
             finally:
                 harness.stop_all(procs)

@@ -109,6 +109,11 @@ def stop_all(procs: Iterable[Proc], grace_s: float = STOP_GRACE_S) -> None:
             p.popen.wait()
 
 
+def log_tails(procs: Iterable[Proc]) -> str:
+    """Each child's name and the end of its log, for a failure's message."""
+    return "\n".join(f"--- {p.name}\n{p.log_tail()}" for p in procs)
+
+
 def wait_any(procs: Sequence[Proc]) -> Proc:
     """Block until one of ``procs`` exits and return it; ``procs`` must be all of this process's
     children (the wait is for any child, and leaves it to its Popen to reap)."""
@@ -129,8 +134,7 @@ def wait_until(check: Callable[[], bool], what: str, timeout: float, watch: Iter
             if not p.alive():
                 raise HarnessError(f"{p.name} {p.exit_status()} while waiting for {what}:\n{p.log_tail()}")
         if time.monotonic() > deadline:
-            tails = "\n".join(f"--- {p.name}\n{p.log_tail()}" for p in watch)
-            raise HarnessError(f"timed out after {timeout:.0f}s waiting for {what}\n{tails}")
+            raise HarnessError(f"timed out after {timeout:.0f}s waiting for {what}\n{log_tails(watch)}")
         time.sleep(POLL_S)
 
 
