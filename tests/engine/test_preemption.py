@@ -19,6 +19,21 @@ def collect(out: dict[str, list[tuple[tuple[int, ...], str]]], deltas: list[Delt
         out.setdefault(d.request_id, []).append((d.token_ids, d.text))
 
 
+def run_out(
+    engine: Engine,
+    out: dict[str, list[tuple[tuple[int, ...], str]]],
+    expected: dict[str, list[int]],
+    llama_dir: Path,
+) -> None:
+    """Step to the end: the chat is greedy, each line what an unpreempted run gives, a delta a token."""
+    while engine.has_unfinished():
+        collect(out, engine.step())
+    assert [t for ids, _ in out["chat"] for t in ids] == greedy(llama_dir, CHAT, 8).token_ids
+    for rid in LINES:
+        assert [t for ids, _ in out[rid] for t in ids] == expected[rid]
+        assert len(out[rid]) == 24
+
+
 def unpreempted(make_engine, params: SamplingParams) -> dict[str, list[int]]:  # type: ignore[no-untyped-def]
     engine: Engine = make_engine(max_batch_size=2)
     outputs = engine.generate(list(LINES.values()), params)
@@ -105,12 +120,7 @@ def test_lines_sit_out_a_chats_prefill_steps_and_decode_beside_it_after(  # type
     collect(out, deltas := engine.step())
     assert {d.request_id for d in deltas} == {"chat", *LINES}  # its decode steps batch with them
     assert engine.stats()["preemptions"] == 0
-    while engine.has_unfinished():
-        collect(out, engine.step())
-    assert [t for ids, _ in out["chat"] for t in ids] == greedy(llama_dir, CHAT, 8).token_ids
-    for rid in LINES:
-        assert [t for ids, _ in out[rid] for t in ids] == expected[rid]
-        assert len(out[rid]) == 24
+    run_out(engine, out, expected, llama_dir)
 
 
 def test_an_interrupt_drops_a_step_of_lower_priorities_only(make_engine, llama_dir: Path) -> None:  # type: ignore[no-untyped-def]
@@ -141,9 +151,4 @@ def test_an_interrupt_drops_a_step_of_lower_priorities_only(make_engine, llama_d
         assert engine.stats()["interrupted_steps"] == 1
     finally:
         hook.remove()
-    while engine.has_unfinished():
-        collect(out, engine.step())
-    assert [t for ids, _ in out["chat"] for t in ids] == greedy(llama_dir, CHAT, 8).token_ids
-    for rid in LINES:
-        assert [t for ids, _ in out[rid] for t in ids] == expected[rid]
-        assert len(out[rid]) == 24
+    run_out(engine, out, expected, llama_dir)
