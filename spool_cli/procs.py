@@ -115,13 +115,17 @@ def log_tails(procs: Iterable[Proc]) -> str:
 
 
 def wait_any(procs: Sequence[Proc]) -> Proc:
-    """Block until one of ``procs`` exits and return it; ``procs`` must be all of this process's
-    children (the wait is for any child, and leaves it to its Popen to reap)."""
+    """Block until one of ``procs`` exits and return it (the wait is for any child, and leaves
+    ``procs`` to their Popen to reap; any other child that exits is reaped here)."""
     while True:
         for p in procs:
             if not p.alive():
                 return p
-        os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOWAIT)
+        exited = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOWAIT)
+        if exited is not None and exited.si_pid not in {p.pid for p in procs}:
+            # A child that is not one of ours (serve.sh's ready watcher becomes this process's
+            # child when the shell execs `spool up`): reap it, or waitid answers it forever.
+            os.waitpid(exited.si_pid, 0)
 
 
 def wait_until(check: Callable[[], bool], what: str, timeout: float, watch: Iterable[Proc] = ()) -> None:
