@@ -70,7 +70,9 @@ def test_serve_reaches_ready_and_prints_the_url_only_then(prefixes, tmp_path: Pa
         assert proc.stderr is not None
         for line in proc.stderr:
             output.append(line)
-            if line.startswith("spool: "):
+            # A child's progress bar (tqdm, no newline) may stand before a line on the shared stderr.
+            if (at := line.find("spool: ")) >= 0:
+                line = line[at:]
                 lines.append(line.strip())
                 if "ready at" in line:
                     try:
