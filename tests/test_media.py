@@ -20,6 +20,7 @@ import openai
 import pytest
 import redis
 from greedy import greedy
+from openai.types import ImageGenCompletedEvent, ImageGenPartialImageEvent
 from PIL import Image
 from procs import (
     REDIS_URL,
@@ -348,6 +349,81 @@ def test_images_generate_with_the_openai_client(media: Media) -> None:
         client.images.generate(prompt="x", size="32x32", style="vivid")
     with pytest.raises(openai.BadRequestError, match="limit of 8"):
         client.images.generate(prompt="x", size="32x32", n=10**7)
+
+
+def test_images_generate_streams_partial_images_with_the_openai_client(
+    client: httpx.Client, media: Media
+) -> None:
+    oai = openai.OpenAI(base_url=f"{media.url}/v1", api_key="unused", max_retries=0)
+    kite = {"prompt": "a red kite", "size": "32x32", "extra_body": {"steps": 4, "seed": 5}}
+    events = list(oai.images.generate(**kite, stream=True, partial_images=2))  # type: ignore[call-overload]
+    assert [e.type for e in events] == ["image_generation.partial_image"] * 2 + ["image_generation.completed"]
+    *partials, completed = events
+    assert isinstance(completed, ImageGenCompletedEvent)
+    assert all(isinstance(e, ImageGenPartialImageEvent) for e in partials)
+    assert [e.partial_image_index for e in partials] == [0, 1]  # type: ignore[union-attr]
+    for e in events:
+        assert (e.size, e.output_format, e.quality, e.background) == ("32x32", "png", "auto", "opaque")
+        assert png_size(base64.b64decode(e.b64_json)) == (32, 32)
+    assert completed.usage.total_tokens == 0  # Spool counts no image tokens
+    # The image is the one the same request makes unstreamed.
+    plain = oai.images.generate(**kite, response_format="b64_json")  # type: ignore[call-overload]
+    assert plain.data is not None and plain.data[0].b64_json == completed.b64_json
+    # Resumed with Last-Event-ID: exactly the events after it, with the same ids.
+    body = {
+        "prompt": "a red kite",
+        "size": "32x32",
+        "steps": 4,
+        "seed": 5,
+        "stream": True,
+        "partial_images": 2,
+    }
+    with client.stream("POST", f"{media.url}/v1/images/generations", json=body) as r:
+        assert r.status_code == 200, r.read()
+        job_id = r.headers["X-Spool-Job-Id"]
+        full = [e for e in iter_sse(r) if isinstance(e, Event)]
+    assert [e.event for e in full] == [e.type for e in events]
+    assert [e.data for e in full] == [
+        {**e.to_dict(), "created_at": full[0].data["created_at"]} for e in events
+    ]
+    url = f"{media.url}/v1/jobs/{job_id}/events?format=openai"
+    assert read_events(client, url) == full
+    assert read_events(client, url, last_event_id=full[0].id) == full[1:]
+
+
+def test_a_streamed_image_that_does_not_complete_ends_with_an_error_event(
+    client: httpx.Client, media: Media
+) -> None:
+    body = {"prompt": "long", "size": "64x64", "steps": 60, "stream": True, "partial_images": 3}
+    with client.stream("POST", f"{media.url}/v1/images/generations", json=body) as r:
+        assert r.status_code == 200, r.read()
+        job_id = r.headers["X-Spool-Job-Id"]
+        events = iter_sse(r)
+        first = next(e for e in events if isinstance(e, Event))  # its first partial image, at step 15
+        assert first.event == "image_generation.partial_image"
+        assert client.post(f"{media.url}/v1/jobs/{job_id}/cancel").status_code == 200
+        rest = [e for e in events if isinstance(e, Event)]
+    assert [e.event for e in rest][-1:] == ["error"]
+    assert rest[-1].data["error"]["code"] == "cancelled"
+    assert {e.event for e in rest[:-1]} <= {"image_generation.partial_image"}
+
+
+@pytest.mark.parametrize(
+    ("params", "names"),
+    [
+        ({"stream": True, "response_format": "url"}, "response_format"),
+        ({"stream": True, "n": 2}, "n"),
+        ({"partial_images": 2}, "partial_images"),  # without stream
+        ({"stream": True, "partial_images": 4}, "partial_images"),
+    ],
+)
+def test_images_stream_refuses_what_it_cannot_do_by_name(
+    media: Media, params: dict[str, Any], names: str
+) -> None:
+    oai = openai.OpenAI(base_url=f"{media.url}/v1", api_key="unused", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.images.generate(prompt="x", size="32x32", **params)
+    assert e.value.param == names, e.value.message
 
 
 @pytest.mark.parametrize(
