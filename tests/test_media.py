@@ -286,6 +286,93 @@ def test_an_abandoned_foreground_job_is_cancelled_by_its_media_worker(
     assert finished_job(client, media.url, nxt, timeout=30)["status"] == "succeeded"
 
 
+# The text part of the abandoned-job test: a model with no EOS it can emit and room for a long
+# answer, so the part runs for seconds (1 to 5 ms a token on a 2-core CPU), past the grace.
+LONG_LEN = 16384
+ENDLESS_TEXT = {"type": "text", "prompt": "In the beginning", "max_tokens": 16000, "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def endless_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from workers.engine.tiny import build_tiny_model, make_eos_unreachable
+
+    path = build_tiny_model(
+        tmp_path_factory.mktemp("tiny-endless"), "llama", max_position_embeddings=LONG_LEN
+    )
+    make_eos_unreachable(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def endless(
+    prefixes: Prefixes, endless_model: Path, tiny_image_model: Path, log_dir: Path
+) -> Iterator[tuple[Media, Service]]:
+    """A media worker, a text worker on the endless model (short grace), an API that stays; and
+    the text worker."""
+    m = Media(prefixes.new(), tiny_image_model, log_dir)
+    lease = {k: v for k, v in LIVENESS.items() if k != "heartbeat_s"}
+    text = start_worker(
+        m.prefix, endless_model, log_dir, max_model_len=LONG_LEN, detach_grace_s=MEDIA_GRACE_S, **lease
+    )
+    m.start_media_worker("m1")
+    m.api = start_api(m.prefix, log_dir, max_tokens_cap=LONG_LEN)
+    yield m, text
+    m.api.stop()
+    for w in m.workers:
+        w.stop()
+    text.stop()
+
+
+@pytest.mark.parametrize(
+    ("image", "image_ends"),
+    [
+        # Made while the text part runs: it keeps its image.
+        ({"type": "image", "prompt": "quick", "size": "32x32", "steps": 2, "seed": 2}, "succeeded"),
+        # Waiting for the text part's text: cancelled with the job, at once.
+        ({"type": "image", "prompt_from": 0, "size": "32x32", "steps": 2}, "cancelled"),
+    ],
+)
+def test_an_abandoned_foreground_job_is_cancelled_by_its_text_parts_worker(
+    client: httpx.Client, endless: tuple[Media, Service], image: dict[str, Any], image_ends: str
+) -> None:
+    """As the image part's test, with the text part the one still running once its API process
+    stopped: its text worker cancels the whole job."""
+    m, text = endless
+    doomed = start_api(
+        m.prefix, m.log_dir, detach_grace_s=MEDIA_GRACE_S, shutdown_timeout_s=0, max_tokens_cap=LONG_LEN
+    )
+    body = {"parts": [ENDLESS_TEXT, image], "background": False, "stream": True}
+    seen: list[Event] = []
+    with client.stream("POST", f"{doomed.url}/v1/jobs", json=body) as r:
+        assert r.status_code == 200, r.read()
+        job_id = r.headers["Location"].rsplit("/", 1)[1]
+        for item in iter_sse(r):
+            if isinstance(item, Event):
+                seen.append(item)
+                if image_ends == "succeeded" and item.data == {**item.data, "part": 1, "status": "succeeded"}:
+                    break  # the image is made; the text part runs on
+                if image_ends == "cancelled" and len(seen) == 4:  # running, 3 tokens
+                    break
+        doomed.stop()  # its watcher becomes a ghost for the grace; its own check dies with it
+    assert any(e.event == "token" for e in seen)
+    job = finished_job(client, m.url, job_id)  # polled: a stream would watch it
+    assert job["status"] == "cancelled"
+    t, i = job["parts"]
+    assert t["status"] == "cancelled" and 0 < t["usage"]["completion_tokens"] < ENDLESS_TEXT["max_tokens"]
+    assert i["status"] == image_ends
+    if image_ends == "succeeded":
+        assert png_size(content(client, m, job_id, 1)) == (32, 32)
+    events = events_of(client, m, job_id)
+    check_full_stream(events)
+    assert events[: len(seen)] == seen
+    assert [e.data["status"] for e in events if e.event == "part" and e.data["part"] == 1][-1] == image_ends
+    assert events[-1].event == "done" and events[-1].data["status"] == "cancelled"
+    assert f"cancelling foreground job {job_id} of part" in text.log_tail()
+    # Its slot is free: the next text part runs to its end.
+    nxt = submit(client, m, [{"type": "text", "prompt": "Hi", "max_tokens": 4}])
+    assert finished_job(client, m.url, nxt, timeout=30)["status"] == "succeeded"
+
+
 def test_the_media_workers_metrics_count_parts_steps_and_waits(client: httpx.Client, media: Media) -> None:
     url = f"http://127.0.0.1:{media.metrics_port}/metrics"
     before = scrape(url)
