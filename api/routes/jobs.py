@@ -64,7 +64,7 @@ async def create_job(
     models = await services.served.get()
     check_with_live_workers(models, body)
     await services.context.check_live(body, models)
-    await check_media_workers(services.store, body)
+    await check_media_workers(services.served, body)
     job = await submit_job(services, body, idempotency_key)
     # A job is queued whether or not a worker is live (it waits for one); this says which.
     headers = {"Location": f"/v1/jobs/{job.id}", READY_HEADER: "true" if models else "false"}

@@ -18,7 +18,7 @@ from api.errors import ApiError
 from api.openai_compat.chunks import View
 from api.openai_compat.images import ImageGenerationRequest, ImageStreamView, failure, image_data
 from api.openai_compat.requests import ChatCompletionRequest, CompletionRequest, OpenAIRequest
-from api.served import check_media_workers, check_servable, media_models, resolve_model, served_models
+from api.served import check_media_workers, check_servable, resolve_model, served_models
 from api.submission import streamed_submit, submit_job, wait_for_job
 from common.schemas import JobStatus, WorkerHeartbeat
 
@@ -43,9 +43,9 @@ async def images_generations(body: ImageGenerationRequest, services: ServicesDep
     they are done (``b64_json``, or ``url``: the parts' content on this API, until the job expires),
     or with ``stream`` as its events (partial images, then the image)."""
     request = body.to_job_request(services.settings)
-    await check_media_workers(services.store, request)  # it waits for the images
+    await check_media_workers(services.served, request)  # it waits for the images
     if body.model is not None:
-        models = await media_models(services.store)
+        models = sorted(await services.served.media())
         if body.model not in models:
             raise ApiError(
                 404,
