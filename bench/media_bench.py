@@ -13,10 +13,14 @@ ttft    Time to first token of a text part (``--text-jobs`` jobs, one at a time,
         running the tiny model), in a text-only job and in a job with a text part and an image
         part (target: at most +10%), from the POST to the first ``token`` event of the stream,
         and where it went (api / queue / engine, from the job's own timestamps: ``first_token_s``).
-        The jobs with an image part alternate between the media worker at niceness 0 and at
-        ``--nice`` (``SPOOL_IMAGE_NICE``, 10 as ``spool up`` sets it; the script renices its
-        threads, which needs root to go back to 0), and every job starts with the media worker
-        idle.
+        The jobs with an image part alternate between the media worker at the niceness of the
+        other processes (the script's own, which they inherit: under ``nice -n 5`` it is 5) and
+        ``--nice`` above it (``SPOOL_IMAGE_NICE``, 10 as ``spool up`` sets it; the script renices
+        its threads, which needs root to go back); every job starts with the media worker idle
+        and ends before the next starts. A fourth job per iteration has its image part take its
+        prompt from the text part (``prompt_from``): the same two parts, POST and create script,
+        but the image runs only after the text part ended, so what the other image jobs add
+        beyond it is what the image's work running beside the text part's first forward costs.
 
 Both workers and the direct pipeline run the torch threads ``spool up`` gives its workers
 (``SPOOL_TORCH_THREADS``: the CPUs minus one; this process's ``torch.set_num_threads``).
@@ -121,7 +125,13 @@ def renice(pid: int, nice: int) -> None:
 def ttft(url: str, jobs: int, size: int, steps: int, media_pid: int, nice: int) -> dict[str, float]:
     text = {"type": "text", "prompt": "Once upon a time", "max_tokens": 16, "temperature": 0}
     image = {"type": "image", "prompt": "a lighthouse", "size": f"{size}x{size}", "steps": steps}
-    runs: dict[str, list[float]] = {"text": [], "text+image": [], "text+image niced": []}
+    runs: dict[str, list[float]] = {
+        "text": [],
+        "text+image": [],
+        "text+image niced": [],
+        "text+image after": [],
+    }
+    base = os.getpriority(os.PRIO_PROCESS, 0)  # the niceness the workers started with
     phases: dict[str, list[dict[str, float]]] = {k: [] for k in runs}
 
     def timed(kind: str, body: dict[str, Any]) -> None:
@@ -138,10 +148,12 @@ def ttft(url: str, jobs: int, size: int, steps: int, media_pid: int, nice: int) 
         for i in range(jobs):  # alternated, so a slow moment of a shared machine hits every variant
             timed("text", {"parts": [text]})
             wait_until(idle, "the media worker idle", 120)
-            renice(media_pid, 0)
+            renice(media_pid, base)
             timed("text+image", {"parts": [text, {**image, "seed": i}]})
             wait_until(idle, "the media worker idle", 120)
-            renice(media_pid, nice)  # SPOOL_IMAGE_NICE, as `spool up` sets it
+            timed("text+image after", {"parts": [text, {**image, "prompt": None, "prompt_from": 0}]})
+            wait_until(idle, "the media worker idle", 120)
+            renice(media_pid, base + nice)  # SPOOL_IMAGE_NICE, as `spool up` sets it
             timed("text+image niced", {"parts": [text, {**image, "seed": i}]})
             wait_until(idle, "the media worker idle", 120)
     medians = {k: statistics.median(v) for k, v in runs.items()}
@@ -150,7 +162,7 @@ def ttft(url: str, jobs: int, size: int, steps: int, media_pid: int, nice: int) 
             medians[f"{k} {phase}"] = statistics.median(p[phase] for p in ps)
     # Paired: each job with an image part against the text-only job of its own iteration, so a
     # slow minute of a shared machine weighs on both sides of a ratio.
-    for k in ("text+image", "text+image niced"):
+    for k in ("text+image", "text+image niced", "text+image after"):
         medians[f"{k} paired"] = statistics.median(b / a for a, b in zip(runs["text"], runs[k], strict=True))
     return medians
 
@@ -216,9 +228,12 @@ def main() -> None:
         "ttft_added_niced_pct": (first["text+image niced"] / first["text"] - 1) * 100,
         "ttft_added_paired_pct": (first["text+image paired"] - 1) * 100,
         "ttft_added_niced_paired_pct": (first["text+image niced paired"] - 1) * 100,
+        "ttft_text_with_image_after_ms": first["text+image after"] * 1000,
+        "ttft_added_after_pct": (first["text+image after"] / first["text"] - 1) * 100,
+        "ttft_added_after_paired_pct": (first["text+image after paired"] - 1) * 100,
         "ttft_phases_ms": {
             k: {phase: first[f"{k} {phase}"] * 1000 for phase in PHASES}
-            for k in ("text", "text+image", "text+image niced")
+            for k in ("text", "text+image", "text+image niced", "text+image after")
         },
     }
     print(
@@ -227,9 +242,12 @@ def main() -> None:
         f"   stack/direct {result['stack_over_direct']:.2f} (target >= 0.9)\n"
         f"ttft    text-only {result['ttft_text_only_ms']:.1f} ms   with an image part "
         f"{result['ttft_text_with_image_ms']:.1f} ms   ({result['ttft_added_pct']:+.0f}%; target <= +10%; paired {result['ttft_added_paired_pct']:+.0f}%)\n"
-        f"        with an image part, the media worker at nice {args.nice} "
+        f"        with an image part, the media worker at nice +{args.nice} "
         f"{result['ttft_text_with_image_niced_ms']:.1f} ms   ({result['ttft_added_niced_pct']:+.0f}%; "
-        f"paired {result['ttft_added_niced_paired_pct']:+.0f}%)"
+        f"paired {result['ttft_added_niced_paired_pct']:+.0f}%)\n"
+        f"        with an image part that runs after the text (prompt_from) "
+        f"{result['ttft_text_with_image_after_ms']:.1f} ms   ({result['ttft_added_after_pct']:+.0f}%; "
+        f"paired {result['ttft_added_after_paired_pct']:+.0f}%)"
     )
     for k, ms in result["ttft_phases_ms"].items():
         print(f"        phases, {k}: " + " / ".join(f"{p} {v:.1f}" for p, v in ms.items()) + " ms")
