@@ -134,9 +134,7 @@ class ImageStreamView:
 
     store: AsyncJobStore  # the completed event reads the image
     job_id: str
-    created: (
-        int  # the job's creation, unix seconds: every event's created_at, so a resumed stream is the same
-    )
+    created: int  # the job's creation (unix s): every event's created_at, the same when resumed
     sizes: tuple[str, ...]  # each part's WxH
 
     @classmethod
@@ -172,27 +170,29 @@ class ImageStreamView:
 
     async def _end(self, entry: LogEntry) -> list[Chunk]:
         status, parts = entry.data.get("status", ""), entry.data.get("parts", [])
-        if entry.type == "done" and status == JobStatus.SUCCEEDED.value:
-            events: list[Chunk] = []
-            for p in parts:
-                png = await self.store.part_content(self.job_id, p["part"])
-                if png is None:  # expired between its done and this read
-                    break
-                b64 = base64.b64encode(png).decode("ascii")
-                events.append(
-                    self._event(
-                        entry.seq, "image_generation.completed", p["part"], b64_json=b64, usage=_NO_USAGE
-                    )
-                )
-            else:
-                return events
-            err = ApiError(404, f"job {self.job_id!r} expired", code="content_not_found")
-        elif entry.type == "error":
+        if entry.type == "error":
             err = ApiError(500, f"Image generation failed: {entry.data['message']}", code=entry.data["type"])
-        else:
+        elif status != JobStatus.SUCCEEDED.value:
             err = _failure(status, parts)
+        elif (completed := await self._completed(entry.seq, parts)) is not None:
+            return completed
+        else:  # expired between its done and this read
+            err = ApiError(404, f"job {self.job_id!r} expired", code="content_not_found")
         body = error_body(err.status, err.message, err.param, err.code)
         return [ServerSentEvent(id=str(entry.seq), event="error", raw_data=json.dumps(body))]
+
+    async def _completed(self, seq: int, parts: Sequence[Mapping[str, Any]]) -> list[Chunk] | None:
+        """Each image's completed event (with the done's id); None once an image has expired."""
+        events: list[Chunk] = []
+        for p in parts:
+            png = await self.store.part_content(self.job_id, p["part"])
+            if png is None:
+                return None
+            b64 = base64.b64encode(png).decode("ascii")
+            events.append(
+                self._event(seq, "image_generation.completed", p["part"], b64_json=b64, usage=_NO_USAGE)
+            )
+        return events
 
     def _event(self, seq: int, kind: str, part: int, **fields: Any) -> ServerSentEvent:
         body = {
