@@ -111,9 +111,10 @@ class SyncJobStore:
 
     def wait_text_parts(
         self, job_id: str, indices: Iterable[int], until: float, interrupted: Callable[[], bool]
-    ) -> set[int]:
+    ) -> tuple[set[int], bool]:
         """Wait until each of the job's text parts ``indices`` has its first token or has ended,
-        until the unix time ``until`` or ``interrupted()``; returns those still waiting.
+        until the unix time ``until`` or ``interrupted()``; returns those still waiting, and
+        whether any was crossed off by an event while it waited (not already at the read).
 
         Subscribes to the job's channel (confirmed before anything is read, so no event falls
         between the read and the subscription), reads the parts' hashes once (one round trip),
@@ -121,16 +122,16 @@ class SyncJobStore:
         off. Nothing is polled; a job whose text parts all started costs the subscription and one
         read.
         """
-        waiting = set(indices)
+        waiting, heard = set(indices), False
         if not waiting or time.time() >= until:
-            return waiting
+            return waiting, heard
         pubsub = self.redis.pubsub()
         try:
             pubsub.subscribe(self.keys.job_events(job_id))
             confirmed = None  # a connection's first reply: its SUBSCRIBE's
             while confirmed is None:
                 if interrupted() or (left := until - time.time()) <= 0:
-                    return waiting
+                    return waiting, heard
                 confirmed = pubsub.get_message(timeout=min(left, TEXT_WAIT_SLICE_S))
             pipe = self.redis.pipeline(transaction=False)
             order = sorted(waiting)
@@ -141,9 +142,14 @@ class SyncJobStore:
                     waiting.discard(k)
             while waiting and not interrupted() and (left := until - time.time()) > 0:
                 msg = pubsub.get_message(timeout=min(left, TEXT_WAIT_SLICE_S))
-                if msg is not None and msg["type"] == "message":
-                    waiting -= started_by(msg["data"], waiting)
-            return waiting
+                if (
+                    msg is not None
+                    and msg["type"] == "message"
+                    and (started := started_by(msg["data"], waiting))
+                ):
+                    waiting -= started
+                    heard = True
+            return waiting, heard
         finally:
             pubsub.close()
 

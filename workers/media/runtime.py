@@ -38,6 +38,13 @@ from workers.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
 
+# NOTE: a text part's first token is written to Redis before its client has it: the API's hub
+# and relay still carry it (a few ms). A hold that ends on the token's event goes on this much
+# longer, so the image's start does not take the CPU from that relay: on 2 shared cores, ending
+# at the event still added +17% and +41% to the text part's TTFT at its client; 30 to 50 ms
+# more brought it within the noise (docs/benchmarks.md "Media", the image hold).
+TOKEN_DELIVERY_S = 0.03
+
 
 @dataclass
 class _Part:
@@ -223,8 +230,9 @@ class MediaRuntime:
     def _hold(self, part: _Part, job_id: str) -> None:
         """Hold the first denoising step until the job's text parts have their first token (or
         ended), at most until ``SPOOL_IMAGE_HOLD_S`` after the job's creation (and its
-        ``timeout_s``), so that on shared CPUs the image does not slow their prefill. A cancel,
-        a lost lease or the worker's stop ends the hold within ``TEXT_WAIT_SLICE_S``. The part is
+        ``timeout_s``), so that on shared CPUs the image does not slow their prefill; once the
+        last first token comes (an event) it goes on ``TOKEN_DELIVERY_S`` more. A cancel, a lost
+        lease or the worker's stop ends the hold within ``TEXT_WAIT_SLICE_S``. The part is
         running meanwhile (taken, its lease renewed), with no event of its own."""
         if self.hold_s <= 0 or not part.text_parts:
             return
@@ -232,17 +240,21 @@ class MediaRuntime:
         if part.deadline is not None:
             until = min(until, part.deadline)
         started = time.time()
+
+        def interrupted() -> bool:
+            return part.aborted or self._stop.is_set()
+
         try:
-            waiting = self.store.wait_text_parts(
-                job_id, part.text_parts, until, lambda: part.aborted or self._stop.is_set()
-            )
+            waiting, heard = self.store.wait_text_parts(job_id, part.text_parts, until, interrupted)
         except RedisError as e:  # not the image's failure: its writes find out what Redis is up to
             log.warning(
                 "part %s: could not wait for its text parts' first tokens (%s); going on", part.part_id, e
             )
             return
+        if heard and not waiting and not interrupted():
+            self._stop.wait(max(min(TOKEN_DELIVERY_S, until - time.time()), 0.0))  # the token's relay
         self.metrics.held(time.time() - started)
-        if waiting and not (part.aborted or self._stop.is_set()) and self._in_time(part):
+        if waiting and not interrupted() and self._in_time(part):
             log.info(
                 "part %s: text part(s) %s had no first token %.1fs after the job's creation; going on",
                 part.part_id,
