@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from api.errors import ApiError
 from common.schemas import JobRequest, WorkerHeartbeat
@@ -21,20 +21,18 @@ NO_WORKER_RETRY_S = 2
 
 async def served_models(store: AsyncJobStore) -> dict[str, WorkerHeartbeat]:
     """One heartbeat per served (text) model name, from the workers that are alive now."""
-    workers = sorted(await store.list_workers(), key=lambda w: w.name)
-    return {w.model: w for w in workers if w.kind == "text"}
+    return _text_models(await store.list_workers())
 
 
-async def media_models(store: AsyncJobStore) -> set[str]:
-    """The image pipelines the live media workers serve."""
-    return {w.model for w in await store.list_workers() if w.kind == "media"}
+def _text_models(workers: list[WorkerHeartbeat]) -> dict[str, WorkerHeartbeat]:
+    return {w.model: w for w in sorted(workers, key=lambda w: w.name) if w.kind == "text"}
 
 
-async def check_media_workers(store: AsyncJobStore, request: JobRequest) -> None:
+async def check_media_workers(served: ServedModels, request: JobRequest) -> None:
     """A request that waits for image parts (``background: false``, or a stream) needs a live
     media worker: without one it would wait for good (a background job is queued, as any job)."""
     has_images = any(p.type == "image" for p in request.parts or ())
-    if has_images and (not request.background or request.stream) and not await media_models(store):
+    if has_images and (not request.background or request.stream) and not await served.media():
         raise ApiError(
             503,
             "No media worker is running (no live heartbeat of `spool worker --kind media`); retry later",
@@ -44,31 +42,44 @@ async def check_media_workers(store: AsyncJobStore, request: JobRequest) -> None
 
 
 class ServedModels:
-    """``served_models`` for the submit paths, read from Redis at most once per ``ttl_s`` per API
-    process while a worker is live: a burst of submissions reads the heartbeats once, not once
+    """What the live workers serve, for the submit paths: the text models (``served_models``) and
+    the image pipelines, read from Redis at most once per ``ttl_s`` per API process while a worker
+    of the kind asked about is live: a burst of submissions reads the heartbeats once, not once
     per request (two Redis round trips and a parse of every heartbeat).
 
-    An empty answer is never kept, so the first worker to start is seen at once; any other change
-    among the live workers (one more, one fewer) within ``ttl_s``. A request checked against a
-    worker that just died is queued, as it would have been a moment earlier, and the next worker
-    takes it (or refuses what its model cannot take).
+    An empty answer is never kept, so the first worker of a kind to start is seen at once; any
+    other change among the live workers (one more, one fewer) within ``ttl_s``. A request checked
+    against a worker that just died is queued, as it would have been a moment earlier, and the
+    next worker takes it (or refuses what its model cannot take).
     """
 
     def __init__(self, store: AsyncJobStore, ttl_s: float = 1.0) -> None:
         self._store = store
         self._ttl_s = ttl_s
-        self._models: dict[str, WorkerHeartbeat] = {}
+        self._text: dict[str, WorkerHeartbeat] = {}  # one heartbeat per text model, as served_models
+        self._media: frozenset[str] = frozenset()  # the media workers' pipelines
         self._until = 0.0  # monotonic time the kept answer expires
         self._lock = asyncio.Lock()  # one read at a time: a burst waits for it, not reads too
 
     async def get(self) -> dict[str, WorkerHeartbeat]:
-        if time.monotonic() < self._until:
-            return self._models
+        """The text models."""
+        await self._read_unless(lambda: bool(self._text))
+        return self._text
+
+    async def media(self) -> frozenset[str]:
+        """The image pipelines."""
+        await self._read_unless(lambda: bool(self._media))
+        return self._media
+
+    async def _read_unless(self, kept: Callable[[], bool]) -> None:
+        if time.monotonic() < self._until and kept():
+            return
         async with self._lock:
-            if time.monotonic() >= self._until:
-                self._models = await served_models(self._store)
-                self._until = time.monotonic() + self._ttl_s if self._models else 0.0
-        return self._models
+            if time.monotonic() >= self._until or not kept():
+                workers = await self._store.list_workers()
+                self._text = _text_models(workers)
+                self._media = frozenset(w.model for w in workers if w.kind == "media")
+                self._until = time.monotonic() + self._ttl_s
 
 
 def resolve_model(models: Mapping[str, WorkerHeartbeat], requested: str | None) -> WorkerHeartbeat:

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
 from contextlib import aclosing
+from dataclasses import dataclass
+from typing import TypeVar
 
 from fastapi.sse import EventSourceResponse, ServerSentEvent, format_sse_event
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -27,6 +29,16 @@ from common.store import AsyncJobStore
 # the wire format (a job's own events: ``job_event``).
 Chunk = ServerSentEvent | bytes
 Render = Callable[[LogEntry], Sequence[Chunk]]  # a log entry as the events a client gets
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class AsyncRender:
+    """A view whose events need reads of their own (the Images API's completed event carries its
+    image): a batch of entries (and the relay's own events, passed on) in, the chunks out."""
+
+    render: Callable[[Sequence[LogEntry | ServerSentEvent]], Awaitable[list[Chunk]]]
+
 
 # As FastAPI's own SSE responses: no caching, and no buffering by a proxy (nginx) in between.
 NO_BUFFERING = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -145,9 +157,10 @@ async def relay(
     job_id: str,
     after: int,
     ping_s: float,
-    render: Render = to_sse_list,
-) -> AsyncGenerator[list[Chunk], None]:
-    """Yield the job's events with seq > ``after``, then close after the terminal one.
+    render: Callable[[LogEntry], Sequence[T]],
+) -> AsyncGenerator[list[T | ServerSentEvent], None]:
+    """Yield the job's events with seq > ``after`` (each as ``render`` makes it), then close after
+    the terminal one.
 
     Events come in batches of what is at hand: the log read, or every live event already waiting
     in the inbox. A stream that fell behind (a busy API process) thus catches up in fewer, larger
@@ -176,7 +189,7 @@ async def relay(
                 await asyncio.sleep(REDIS_RETRY_S)
                 continue
             outage = None
-            batch: list[Chunk] = []
+            batch: list[T | ServerSentEvent] = []
             ended = False
             for entry in entries:
                 if entry.seq > last:
@@ -214,3 +227,25 @@ async def relay(
                     break
     finally:
         keepalive.close()
+
+
+def _as_is(entry: LogEntry) -> tuple[LogEntry]:
+    return (entry,)
+
+
+def rendered(
+    store: AsyncJobStore, inbox: Inbox, job_id: str, after: int, ping_s: float, render: Render | AsyncRender
+) -> AsyncGenerator[list[Chunk], None]:
+    """``relay`` through either kind of view (a plain one straight: no generator in between)."""
+    if isinstance(render, AsyncRender):
+        return _expanded(relay(store, inbox, job_id, after, ping_s, _as_is), render)
+    return relay(store, inbox, job_id, after, ping_s, render)
+
+
+async def _expanded(
+    entries: AsyncGenerator[list[LogEntry | ServerSentEvent], None], render: AsyncRender
+) -> AsyncGenerator[list[Chunk], None]:
+    async with aclosing(entries):
+        async for items in entries:
+            if chunks := await render.render(items):
+                yield chunks

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncGenerator, Mapping, Sequence
+from contextlib import aclosing
 
 from fastapi import Request
 from fastapi.sse import EventSourceResponse
@@ -17,8 +18,8 @@ from fastapi.sse import EventSourceResponse
 from api.auth import current_owner
 from api.errors import ApiError
 from api.services import Services
-from api.sse import Chunk, Render, event_stream, relay
-from common.schemas import Job, JobRequest
+from api.sse import AsyncRender, Chunk, Render, event_stream, relay, rendered
+from common.schemas import Job, JobRequest, LogEntry
 from common.store import IdempotencyConflict, QueueFull
 
 RETRY_AFTER_S = 2  # a full queue drains at the workers' pace; retrying sooner only adds load
@@ -63,7 +64,7 @@ async def wait_for_job(services: Services, job_id: str, request: Request) -> Job
     async def final() -> None:
         # relay() ends after the terminal event whatever the timing, so the job is then final.
         async with services.follow(job_id, watch=False) as inbox:
-            async for _ in relay(services.store, inbox, job_id, 0, services.settings.sse_ping_s):
+            async for _ in relay(services.store, inbox, job_id, 0, services.settings.sse_ping_s, _nothing):
                 pass
 
     async def hung_up() -> None:
@@ -86,8 +87,16 @@ async def wait_for_job(services: Services, job_id: str, request: Request) -> Job
     return await services.store.get_job(job_id)
 
 
+def _nothing(entry: LogEntry) -> tuple[()]:
+    return ()
+
+
 def streamed_submit(
-    services: Services, job_id: str, render: Render, foreground: bool, headers: Mapping[str, str]
+    services: Services,
+    job_id: str,
+    render: Render | AsyncRender,
+    foreground: bool,
+    headers: Mapping[str, str],
 ) -> EventSourceResponse:
     """The answer to a streamed submit: every event of the job from the first. A foreground job's
     client counts as its watcher while it reads (closed with the response, so a client that hangs
@@ -97,7 +106,9 @@ def streamed_submit(
 
     async def events() -> AsyncGenerator[list[Chunk], None]:
         async with services.follow(job_id, watch=foreground) as inbox:
-            async for batch in relay(services.store, inbox, job_id, 0, services.settings.sse_ping_s, render):
-                yield batch
+            events = rendered(services.store, inbox, job_id, 0, services.settings.sse_ping_s, render)
+            async with aclosing(events):
+                async for batch in events:
+                    yield batch
 
     return event_stream(events(), headers)

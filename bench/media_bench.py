@@ -11,11 +11,16 @@ images  ``--images`` images (``--size``, ``--steps``, one seed each) made by the
         the medians of images/s are reported, and their ratio (target >= 0.9).
 ttft    Time to first token of a text part (``--text-jobs`` jobs, one at a time, on a text worker
         running the tiny model), in a text-only job and in a job with a text part and an image
-        part (target: at most +10%), from the POST to the first ``token`` event of the stream.
-        The jobs with an image part alternate between the media worker at niceness 0 and at
-        ``--nice`` (``SPOOL_IMAGE_NICE``, 10 as ``spool up`` sets it; the script renices its
-        threads, which needs root to go back to 0), and every job starts with the media worker
-        idle.
+        part (target: at most +10%), from the POST to the first ``token`` event of the stream,
+        and where it went (api / queue / engine, from the job's own timestamps: ``first_token_s``).
+        The jobs with an image part alternate between the media worker at the niceness of the
+        other processes (the script's own, which they inherit: under ``nice -n 5`` it is 5) and
+        ``--nice`` above it (``SPOOL_IMAGE_NICE``, 10 as ``spool up`` sets it; the script renices
+        its threads, which needs root to go back); every job starts with the media worker idle
+        and ends before the next starts. A fourth job per iteration has its image part take its
+        prompt from the text part (``prompt_from``): the same two parts, POST and create script,
+        but the image runs only after the text part ended, so what the other image jobs add
+        beyond it is what the image's work running beside the text part's first forward costs.
 
 Both workers and the direct pipeline run the torch threads ``spool up`` gives its workers
 (``SPOOL_TORCH_THREADS``: the CPUs minus one; this process's ``torch.set_num_threads``).
@@ -80,13 +85,33 @@ async def stack_images_per_s(url: str, n: int, size: int, steps: int) -> float:
     return n / elapsed
 
 
-def first_token_s(client: httpx.Client, body: dict[str, Any]) -> float:
-    t0 = time.perf_counter()
+PHASES = ("api", "queue", "engine")
+
+
+def first_token_s(client: httpx.Client, body: dict[str, Any]) -> tuple[float, dict[str, float]]:
+    """The time to the first token, and where it went (``PHASES``), from the job's own timestamps
+    (read after the stream, untimed): ``api`` = the POST's start to the job's ``created_at``
+    (HTTP, validation, the checks; the API stamps it just before its create script), ``queue`` =
+    ``created_at`` to the text part's ``started_at`` (the create script, its message delivered,
+    the part taken), ``engine`` = ``started_at`` to the first token at this client (the engine
+    thread, prefill, the step's write, the relay)."""
+    wall0, t0 = time.time(), time.perf_counter()
+    first = wall = None
     with client.stream("POST", "/v1/jobs", json={**body, "stream": True}) as r:
-        for line in r.iter_lines():
-            if line == "event: token":
-                return time.perf_counter() - t0
-    raise RuntimeError("the stream ended without a token")
+        job_id = r.headers["Location"].rsplit("/", 1)[1]
+        for line in r.iter_lines():  # to its end, so the job has ended when it is read
+            if first is None and line == "event: token":
+                first, wall = time.perf_counter() - t0, time.time()
+    if first is None or wall is None:
+        raise RuntimeError("the stream ended without a token")
+    job = client.get(f"/v1/jobs/{job_id}").json()
+    started = job["parts"][0]["started_at"]
+    phases = {
+        "api": job["created_at"] - wall0,
+        "queue": started - job["created_at"],
+        "engine": wall - started,
+    }
+    return first, phases
 
 
 def renice(pid: int, nice: int) -> None:
@@ -100,7 +125,20 @@ def renice(pid: int, nice: int) -> None:
 def ttft(url: str, jobs: int, size: int, steps: int, media_pid: int, nice: int) -> dict[str, float]:
     text = {"type": "text", "prompt": "Once upon a time", "max_tokens": 16, "temperature": 0}
     image = {"type": "image", "prompt": "a lighthouse", "size": f"{size}x{size}", "steps": steps}
-    runs: dict[str, list[float]] = {"text": [], "text+image": [], "text+image niced": []}
+    runs: dict[str, list[float]] = {
+        "text": [],
+        "text+image": [],
+        "text+image niced": [],
+        "text+image after": [],
+    }
+    base = os.getpriority(os.PRIO_PROCESS, 0)  # the niceness the workers started with
+    phases: dict[str, list[dict[str, float]]] = {k: [] for k in runs}
+
+    def timed(kind: str, body: dict[str, Any]) -> None:
+        first, where = first_token_s(c, body)
+        runs[kind].append(first)
+        phases[kind].append(where)
+
     with httpx.Client(base_url=url, timeout=120) as c:
 
         def idle() -> bool:
@@ -108,18 +146,23 @@ def ttft(url: str, jobs: int, size: int, steps: int, media_pid: int, nice: int) 
             return not any(w["engine"].get("running") for w in workers if w.get("kind") == "media")
 
         for i in range(jobs):  # alternated, so a slow moment of a shared machine hits every variant
-            runs["text"].append(first_token_s(c, {"parts": [text]}))
+            timed("text", {"parts": [text]})
             wait_until(idle, "the media worker idle", 120)
-            renice(media_pid, 0)
-            runs["text+image"].append(first_token_s(c, {"parts": [text, {**image, "seed": i}]}))
+            renice(media_pid, base)
+            timed("text+image", {"parts": [text, {**image, "seed": i}]})
             wait_until(idle, "the media worker idle", 120)
-            renice(media_pid, nice)  # SPOOL_IMAGE_NICE, as `spool up` sets it
-            runs["text+image niced"].append(first_token_s(c, {"parts": [text, {**image, "seed": i}]}))
+            timed("text+image after", {"parts": [text, {**image, "prompt": None, "prompt_from": 0}]})
+            wait_until(idle, "the media worker idle", 120)
+            renice(media_pid, base + nice)  # SPOOL_IMAGE_NICE, as `spool up` sets it
+            timed("text+image niced", {"parts": [text, {**image, "seed": i}]})
             wait_until(idle, "the media worker idle", 120)
     medians = {k: statistics.median(v) for k, v in runs.items()}
+    for k, ps in phases.items():
+        for phase in PHASES:
+            medians[f"{k} {phase}"] = statistics.median(p[phase] for p in ps)
     # Paired: each job with an image part against the text-only job of its own iteration, so a
     # slow minute of a shared machine weighs on both sides of a ratio.
-    for k in ("text+image", "text+image niced"):
+    for k in ("text+image", "text+image niced", "text+image after"):
         medians[f"{k} paired"] = statistics.median(b / a for a, b in zip(runs["text"], runs[k], strict=True))
     return medians
 
@@ -185,6 +228,13 @@ def main() -> None:
         "ttft_added_niced_pct": (first["text+image niced"] / first["text"] - 1) * 100,
         "ttft_added_paired_pct": (first["text+image paired"] - 1) * 100,
         "ttft_added_niced_paired_pct": (first["text+image niced paired"] - 1) * 100,
+        "ttft_text_with_image_after_ms": first["text+image after"] * 1000,
+        "ttft_added_after_pct": (first["text+image after"] / first["text"] - 1) * 100,
+        "ttft_added_after_paired_pct": (first["text+image after paired"] - 1) * 100,
+        "ttft_phases_ms": {
+            k: {phase: first[f"{k} {phase}"] * 1000 for phase in PHASES}
+            for k in ("text", "text+image", "text+image niced", "text+image after")
+        },
     }
     print(
         f"images  {args.images} x {args.size}x{args.size}, {args.steps} steps, {args.rounds} rounds\n"
@@ -192,10 +242,15 @@ def main() -> None:
         f"   stack/direct {result['stack_over_direct']:.2f} (target >= 0.9)\n"
         f"ttft    text-only {result['ttft_text_only_ms']:.1f} ms   with an image part "
         f"{result['ttft_text_with_image_ms']:.1f} ms   ({result['ttft_added_pct']:+.0f}%; target <= +10%; paired {result['ttft_added_paired_pct']:+.0f}%)\n"
-        f"        with an image part, the media worker at nice {args.nice} "
+        f"        with an image part, the media worker at nice +{args.nice} "
         f"{result['ttft_text_with_image_niced_ms']:.1f} ms   ({result['ttft_added_niced_pct']:+.0f}%; "
-        f"paired {result['ttft_added_niced_paired_pct']:+.0f}%)"
+        f"paired {result['ttft_added_niced_paired_pct']:+.0f}%)\n"
+        f"        with an image part that runs after the text (prompt_from) "
+        f"{result['ttft_text_with_image_after_ms']:.1f} ms   ({result['ttft_added_after_pct']:+.0f}%; "
+        f"paired {result['ttft_added_after_paired_pct']:+.0f}%)"
     )
+    for k, ms in result["ttft_phases_ms"].items():
+        print(f"        phases, {k}: " + " / ".join(f"{p} {v:.1f}" for p, v in ms.items()) + " ms")
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
 

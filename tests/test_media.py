@@ -20,6 +20,7 @@ import openai
 import pytest
 import redis
 from greedy import greedy
+from openai.types import ImageGenCompletedEvent, ImageGenPartialImageEvent
 from PIL import Image
 from procs import (
     REDIS_URL,
@@ -285,6 +286,93 @@ def test_an_abandoned_foreground_job_is_cancelled_by_its_media_worker(
     assert finished_job(client, media.url, nxt, timeout=30)["status"] == "succeeded"
 
 
+# The text part of the abandoned-job test: a model with no EOS it can emit and room for a long
+# answer, so the part runs for seconds (1 to 5 ms a token on a 2-core CPU), past the grace.
+LONG_LEN = 16384
+ENDLESS_TEXT = {"type": "text", "prompt": "In the beginning", "max_tokens": 16000, "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def endless_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from workers.engine.tiny import build_tiny_model, make_eos_unreachable
+
+    path = build_tiny_model(
+        tmp_path_factory.mktemp("tiny-endless"), "llama", max_position_embeddings=LONG_LEN
+    )
+    make_eos_unreachable(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def endless(
+    prefixes: Prefixes, endless_model: Path, tiny_image_model: Path, log_dir: Path
+) -> Iterator[tuple[Media, Service]]:
+    """A media worker, a text worker on the endless model (short grace), an API that stays; and
+    the text worker."""
+    m = Media(prefixes.new(), tiny_image_model, log_dir)
+    lease = {k: v for k, v in LIVENESS.items() if k != "heartbeat_s"}
+    text = start_worker(
+        m.prefix, endless_model, log_dir, max_model_len=LONG_LEN, detach_grace_s=MEDIA_GRACE_S, **lease
+    )
+    m.start_media_worker("m1")
+    m.api = start_api(m.prefix, log_dir, max_tokens_cap=LONG_LEN)
+    yield m, text
+    m.api.stop()
+    for w in m.workers:
+        w.stop()
+    text.stop()
+
+
+@pytest.mark.parametrize(
+    ("image", "image_ends"),
+    [
+        # Made while the text part runs: it keeps its image.
+        ({"type": "image", "prompt": "quick", "size": "32x32", "steps": 2, "seed": 2}, "succeeded"),
+        # Waiting for the text part's text: cancelled with the job, at once.
+        ({"type": "image", "prompt_from": 0, "size": "32x32", "steps": 2}, "cancelled"),
+    ],
+)
+def test_an_abandoned_foreground_job_is_cancelled_by_its_text_parts_worker(
+    client: httpx.Client, endless: tuple[Media, Service], image: dict[str, Any], image_ends: str
+) -> None:
+    """As the image part's test, with the text part the one still running once its API process
+    stopped: its text worker cancels the whole job."""
+    m, text = endless
+    doomed = start_api(
+        m.prefix, m.log_dir, detach_grace_s=MEDIA_GRACE_S, shutdown_timeout_s=0, max_tokens_cap=LONG_LEN
+    )
+    body = {"parts": [ENDLESS_TEXT, image], "background": False, "stream": True}
+    seen: list[Event] = []
+    with client.stream("POST", f"{doomed.url}/v1/jobs", json=body) as r:
+        assert r.status_code == 200, r.read()
+        job_id = r.headers["Location"].rsplit("/", 1)[1]
+        for item in iter_sse(r):
+            if isinstance(item, Event):
+                seen.append(item)
+                if image_ends == "succeeded" and item.data == {**item.data, "part": 1, "status": "succeeded"}:
+                    break  # the image is made; the text part runs on
+                if image_ends == "cancelled" and len(seen) == 4:  # running, 3 tokens
+                    break
+        doomed.stop()  # its watcher becomes a ghost for the grace; its own check dies with it
+    assert any(e.event == "token" for e in seen)
+    job = finished_job(client, m.url, job_id)  # polled: a stream would watch it
+    assert job["status"] == "cancelled"
+    t, i = job["parts"]
+    assert t["status"] == "cancelled" and 0 < t["usage"]["completion_tokens"] < ENDLESS_TEXT["max_tokens"]
+    assert i["status"] == image_ends
+    if image_ends == "succeeded":
+        assert png_size(content(client, m, job_id, 1)) == (32, 32)
+    events = events_of(client, m, job_id)
+    check_full_stream(events)
+    assert events[: len(seen)] == seen
+    assert [e.data["status"] for e in events if e.event == "part" and e.data["part"] == 1][-1] == image_ends
+    assert events[-1].event == "done" and events[-1].data["status"] == "cancelled"
+    assert f"cancelling foreground job {job_id} of part" in text.log_tail()
+    # Its slot is free: the next text part runs to its end.
+    nxt = submit(client, m, [{"type": "text", "prompt": "Hi", "max_tokens": 4}])
+    assert finished_job(client, m.url, nxt, timeout=30)["status"] == "succeeded"
+
+
 def test_the_media_workers_metrics_count_parts_steps_and_waits(client: httpx.Client, media: Media) -> None:
     url = f"http://127.0.0.1:{media.metrics_port}/metrics"
     before = scrape(url)
@@ -348,6 +436,81 @@ def test_images_generate_with_the_openai_client(media: Media) -> None:
         client.images.generate(prompt="x", size="32x32", style="vivid")
     with pytest.raises(openai.BadRequestError, match="limit of 8"):
         client.images.generate(prompt="x", size="32x32", n=10**7)
+
+
+def test_images_generate_streams_partial_images_with_the_openai_client(
+    client: httpx.Client, media: Media
+) -> None:
+    oai = openai.OpenAI(base_url=f"{media.url}/v1", api_key="unused", max_retries=0)
+    kite = {"prompt": "a red kite", "size": "32x32", "extra_body": {"steps": 4, "seed": 5}}
+    events = list(oai.images.generate(**kite, stream=True, partial_images=2))  # type: ignore[call-overload]
+    assert [e.type for e in events] == ["image_generation.partial_image"] * 2 + ["image_generation.completed"]
+    *partials, completed = events
+    assert isinstance(completed, ImageGenCompletedEvent)
+    assert all(isinstance(e, ImageGenPartialImageEvent) for e in partials)
+    assert [e.partial_image_index for e in partials] == [0, 1]  # type: ignore[union-attr]
+    for e in events:
+        assert (e.size, e.output_format, e.quality, e.background) == ("32x32", "png", "auto", "opaque")
+        assert png_size(base64.b64decode(e.b64_json)) == (32, 32)
+    assert completed.usage.total_tokens == 0  # Spool counts no image tokens
+    # The image is the one the same request makes unstreamed.
+    plain = oai.images.generate(**kite, response_format="b64_json")  # type: ignore[call-overload]
+    assert plain.data is not None and plain.data[0].b64_json == completed.b64_json
+    # Resumed with Last-Event-ID: exactly the events after it, with the same ids.
+    body = {
+        "prompt": "a red kite",
+        "size": "32x32",
+        "steps": 4,
+        "seed": 5,
+        "stream": True,
+        "partial_images": 2,
+    }
+    with client.stream("POST", f"{media.url}/v1/images/generations", json=body) as r:
+        assert r.status_code == 200, r.read()
+        job_id = r.headers["X-Spool-Job-Id"]
+        full = [e for e in iter_sse(r) if isinstance(e, Event)]
+    assert [e.event for e in full] == [e.type for e in events]
+    assert [e.data for e in full] == [
+        {**e.to_dict(), "created_at": full[0].data["created_at"]} for e in events
+    ]
+    url = f"{media.url}/v1/jobs/{job_id}/events?format=openai"
+    assert read_events(client, url) == full
+    assert read_events(client, url, last_event_id=full[0].id) == full[1:]
+
+
+def test_a_streamed_image_that_does_not_complete_ends_with_an_error_event(
+    client: httpx.Client, media: Media
+) -> None:
+    body = {"prompt": "long", "size": "64x64", "steps": 60, "stream": True, "partial_images": 3}
+    with client.stream("POST", f"{media.url}/v1/images/generations", json=body) as r:
+        assert r.status_code == 200, r.read()
+        job_id = r.headers["X-Spool-Job-Id"]
+        events = iter_sse(r)
+        first = next(e for e in events if isinstance(e, Event))  # its first partial image, at step 15
+        assert first.event == "image_generation.partial_image"
+        assert client.post(f"{media.url}/v1/jobs/{job_id}/cancel").status_code == 200
+        rest = [e for e in events if isinstance(e, Event)]
+    assert [e.event for e in rest][-1:] == ["error"]
+    assert rest[-1].data["error"]["code"] == "cancelled"
+    assert {e.event for e in rest[:-1]} <= {"image_generation.partial_image"}
+
+
+@pytest.mark.parametrize(
+    ("params", "names"),
+    [
+        ({"stream": True, "response_format": "url"}, "response_format"),
+        ({"stream": True, "n": 2}, "n"),
+        ({"partial_images": 2}, "partial_images"),  # without stream
+        ({"stream": True, "partial_images": 4}, "partial_images"),
+    ],
+)
+def test_images_stream_refuses_what_it_cannot_do_by_name(
+    media: Media, params: dict[str, Any], names: str
+) -> None:
+    oai = openai.OpenAI(base_url=f"{media.url}/v1", api_key="unused", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.images.generate(prompt="x", size="32x32", **params)
+    assert e.value.param == names, e.value.message
 
 
 @pytest.mark.parametrize(

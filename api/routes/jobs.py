@@ -21,9 +21,10 @@ from api.deps import (
 )
 from api.errors import ApiError
 from api.openai_compat.chunks import View
+from api.openai_compat.images import ImageStreamView
 from api.served import check_media_workers, check_with_live_workers, served_models
 from api.services import Services
-from api.sse import event_stream, relay, to_sse_list
+from api.sse import AsyncRender, Render, event_stream, rendered, to_sse_list
 from api.submission import streamed_submit, submit_job, wait_for_job
 from common.schemas import Job, JobList, JobStatus
 from common.store import JobNotFound, StreamState
@@ -63,7 +64,7 @@ async def create_job(
     models = await services.served.get()
     check_with_live_workers(models, body)
     await services.context.check_live(body, models)
-    await check_media_workers(services.store, body)
+    await check_media_workers(services.served, body)
     job = await submit_job(services, body, idempotency_key)
     # A job is queued whether or not a worker is live (it waits for one); this says which.
     headers = {"Location": f"/v1/jobs/{job.id}", READY_HEADER: "true" if models else "false"}
@@ -139,16 +140,20 @@ async def job_events(
 ) -> EventSourceResponse:
     """Events after the cursor (``Last-Event-ID`` or ``?after=``), ending with done or error.
 
-    ``?format=openai``: the same ids, as OpenAI stream chunks ending with ``data: [DONE]``.
+    ``?format=openai``: the same ids, as OpenAI stream chunks ending with ``data: [DONE]`` (a job
+    of image parts: as the Images API's stream events).
     """
-    render = to_sse_list if format == "spool" else (await _openai_view(services, job)).render
+    render = to_sse_list if format == "spool" else await _openai_render(services, job)
     return event_stream(
-        relay(services.store, inbox, job.job_id, cursor, services.settings.sse_ping_s, render)
+        rendered(services.store, inbox, job.job_id, cursor, services.settings.sse_ping_s, render)
     )
 
 
-async def _openai_view(services: Services, job: StreamState) -> View:
-    """How an existing job looks in the OpenAI format."""
+async def _openai_render(services: Services, job: StreamState) -> Render | AsyncRender:
+    """How an existing job streams in the OpenAI format."""
+    parts = job.request.parts
+    if parts and all(p.type == "image" for p in parts):
+        return ImageStreamView.of(services.store, job.job_id, job.created_at, job.request).stream
     # The worker that took the job wrote its model's name; a queued job gets the served one's.
     model = job.model or min(await served_models(services.store), default="")
-    return View.of(job.job_id, job.created_at, job.request, model)
+    return View.of(job.job_id, job.created_at, job.request, model).render

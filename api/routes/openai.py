@@ -16,9 +16,9 @@ from fastapi.responses import JSONResponse, Response
 from api.deps import ServicesDep, StoreDep
 from api.errors import ApiError
 from api.openai_compat.chunks import View
-from api.openai_compat.images import ImageGenerationRequest, failure, image_data
+from api.openai_compat.images import ImageGenerationRequest, ImageStreamView, failure, image_data
 from api.openai_compat.requests import ChatCompletionRequest, CompletionRequest, OpenAIRequest
-from api.served import check_media_workers, check_servable, media_models, resolve_model, served_models
+from api.served import check_media_workers, check_servable, resolve_model, served_models
 from api.submission import streamed_submit, submit_job, wait_for_job
 from common.schemas import JobStatus, WorkerHeartbeat
 
@@ -40,11 +40,12 @@ async def chat_completions(body: ChatCompletionRequest, services: ServicesDep, h
 @router.post("/images/generations")
 async def images_generations(body: ImageGenerationRequest, services: ServicesDep, http: Request) -> Response:
     """Images from a prompt, as OpenAI's Images API: one job with ``n`` image parts, answered once
-    they are done (``b64_json``, or ``url``: the parts' content on this API, until the job expires)."""
+    they are done (``b64_json``, or ``url``: the parts' content on this API, until the job expires),
+    or with ``stream`` as its events (partial images, then the image)."""
     request = body.to_job_request(services.settings)
-    await check_media_workers(services.store, request)  # it waits for the images
+    await check_media_workers(services.served, request)  # it waits for the images
     if body.model is not None:
-        models = await media_models(services.store)
+        models = sorted(await services.served.media())
         if body.model not in models:
             raise ApiError(
                 404,
@@ -55,6 +56,9 @@ async def images_generations(body: ImageGenerationRequest, services: ServicesDep
             )
     job = await submit_job(services, request)
     headers = {JOB_ID_HEADER: job.id}
+    if body.stream:
+        view = ImageStreamView.of(services.store, job.id, job.created_at, request)
+        return streamed_submit(services, job.id, view.stream, True, headers)
     job = await wait_for_job(services, job.id, http)
     if job.status is not JobStatus.SUCCEEDED:
         err = failure(job)

@@ -47,3 +47,29 @@ def test_served_models_are_kept_while_a_worker_lives_and_never_while_none_does(
             store.close()
 
     asyncio.run(scenario())
+
+
+def test_media_pipelines_are_kept_as_the_text_models_are(prefixes, redis_url: str) -> None:  # type: ignore[no-untyped-def]
+    settings = Settings(redis_url=redis_url, redis_prefix=prefixes.new())
+    store = SyncJobStore.from_settings(settings)
+    text = WorkerHeartbeat(name="w1", ts=time.time(), engine={}, model="tiny")
+    media = WorkerHeartbeat(name="m1", ts=time.time(), engine={}, model="tiny-sd", kind="media")
+
+    async def scenario() -> None:
+        astore = AsyncJobStore.from_settings(settings)
+        served = ServedModels(astore, ttl_s=3600)
+        try:
+            store.beat(text)
+            assert await served.get() == {"tiny": text}
+            assert await served.media() == frozenset()
+            store.beat(media)
+            # Seen at once, though the text models read with "no media worker" are still kept.
+            assert await served.media() == {"tiny-sd"}
+            assert await served.get() == {"tiny": text}  # a media worker is no text model
+            store.remove_heartbeat("m1")
+            assert await served.media() == {"tiny-sd"}  # kept for its ttl
+        finally:
+            await astore.close()
+            store.close()
+
+    asyncio.run(scenario())
