@@ -63,6 +63,10 @@ class Settings(BaseSettings):
     max_n: int = Field(16, ge=1)  # choices (n) of one text request, each its own sequence in the batch
     max_image_pixels: int = Field(1024 * 1024, ge=64)  # width x height of an image part
     max_image_steps: int = Field(100, ge=1)  # denoising steps of an image part
+    # A guide's size in characters: a guided_regex, a guided_choice (all its strings) or a
+    # response_format JSON schema (as compact JSON). Its grammar is compiled before the job runs,
+    # in time that grows with it (a 29,000-character schema took 2.7 s, one of 116,000 170 s).
+    max_guide_chars: int = Field(16_384, ge=1)
     detach_grace_s: float = Field(30.0, ge=0)
     sse_ping_s: float = Field(15.0, gt=0)
     api_keys: str = ""  # comma-separated; empty disables authentication (blank entries are refused)
