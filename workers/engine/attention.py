@@ -11,6 +11,10 @@ It is registered with transformers' ``AttentionInterface`` under the name ``"spo
 model is loaded with ``attn_implementation="spool"``, so any model whose attention layers
 dispatch through that interface (Llama, Qwen2, GPT-2, OPT, ...) runs packed. Outside a packed
 forward (no ``PackedBatch`` active) it is plain SDPA.
+
+A compiled forward (``EngineConfig.compile``) passes the model no cache: each layer's key/value
+write and its packed attention are then the custom op ``spool::attend``, opaque to
+``torch.compile``, so what changes shape every step stays out of the graph.
 """
 
 from __future__ import annotations
