@@ -7,6 +7,8 @@ alternating for ``--rounds`` rounds, medians reported:
 
 engine     Spool's engine alone in this process (``stack_bench.engine_run``: every request added
            at once, then ``Engine.step`` until done; TTFT from the moment all are added).
+compiled   with ``--compile``: the same with ``EngineConfig(compile=True)``, a second engine (its
+           compile time, at load, is printed), and the stack's worker too (``SPOOL_COMPILE``).
 stack      Spool's stack (``stack_bench.start_stack``: one ``spool worker``, one API, a private
            redis-server), 32 concurrent streamed ``POST /v1/completions``; TTFT from each POST to
            its first chunk. Also: Redis commands per generated token (``INFO commandstats`` over
@@ -142,6 +144,11 @@ def engine_side(sides: sb.Sides, prompts: Sequence[str], max_tokens: int) -> Sid
     return Side(r.tok_s, r.seconds, percentile(r.ttft_ms, 50), r.texts)
 
 
+def compiled_side(engine: sb.Engine, prompts: Sequence[str], max_tokens: int) -> Side:
+    r = sb.engine_run(engine, prompts, max_tokens)
+    return Side(r.tok_s, r.seconds, percentile(r.ttft_ms, 50), r.texts)
+
+
 def stack_side(stack: sb.Stack, prompts: Sequence[str], max_tokens: int, timeout: float) -> Side:
     pids = stack.pids()
     with redis_lib.Redis.from_url(stack.redis_url) as r:
@@ -223,7 +230,7 @@ def median_side(sides: Sequence[Side]) -> Side:
 
 
 def print_report(rounds: list[dict[str, Side]], meta: dict[str, Any]) -> dict[str, Any]:
-    names = [n for n in ("engine", "stack", "llama.cpp") if n in rounds[0]]
+    names = [n for n in ("engine", "compiled", "stack", "llama.cpp") if n in rounds[0]]
     med = {n: median_side([r[n] for r in rounds]) for n in names}
     print(f"\nSpool against its peers: {meta['workload']}")
     print(
@@ -235,13 +242,20 @@ def print_report(rounds: list[dict[str, Side]], meta: dict[str, Any]) -> dict[st
     for n in names:
         per = ", ".join(fmt(r[n].tok_s, ".1f") for r in rounds)
         print(f"  {n:<10} {per:<28} {fmt(med[n].tok_s, '.1f'):>8} {fmt(med[n].ttft_p50_ms, '.0f'):>12}")
-    e, s, lc = med["engine"], med["stack"], med.get("llama.cpp")
+    e, c, s, lc = med["engine"], med.get("compiled"), med["stack"], med.get("llama.cpp")
     ratios = {
-        "stack / engine": ratio(s.tok_s, e.tok_s),
+        "stack / engine": ratio(s.tok_s, (c or e).tok_s),
         "engine / llama.cpp": ratio(e.tok_s, lc.tok_s) if lc else None,
         "stack / llama.cpp": ratio(s.tok_s, lc.tok_s) if lc else None,
     }
-    targets = {"engine / llama.cpp": TARGET_ENGINE_VS_LLAMA, "stack / llama.cpp": TARGET_STACK_VS_LLAMA}
+    if c:
+        ratios["compiled / engine"] = ratio(c.tok_s, e.tok_s)
+        ratios["compiled / llama.cpp"] = ratio(c.tok_s, lc.tok_s) if lc else None
+    targets = {
+        "engine / llama.cpp": TARGET_ENGINE_VS_LLAMA,
+        "compiled / llama.cpp": TARGET_ENGINE_VS_LLAMA,
+        "stack / llama.cpp": TARGET_STACK_VS_LLAMA,
+    }
     print("\n  ratios of the medians (tok/s):")
     for k, v in ratios.items():
         target = targets.get(k)
@@ -292,6 +306,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         metavar="N",
         help="compute threads of every side: torch's in this process (the engine alone), the worker's "
         "SPOOL_TORCH_THREADS and llama-server's -t (default: torch's own, the CPUs here)",
+    )
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="also the engine with its compiled forward (side 'compiled'); the stack's worker compiles too",
     )
     p.add_argument("--llama-server", type=Path, metavar="PATH", help="llama.cpp's llama-server binary")
     p.add_argument("--gguf", type=Path, metavar="PATH", help="this script's model as GGUF (see --model-dir)")
@@ -363,6 +382,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 )
                 stack = sb.start_stack(args, place, procs, log_dir, redis, redis_url, model_dir, w)
                 engine = sb.load_engine(args, model_dir, w)
+                compiled = sb.load_engine(args, model_dir, w, compile=True) if args.compile else None
                 sides = sb.Sides(engine, stack.urls, place, False)
                 llama = None
                 if args.llama_server is not None:
@@ -372,12 +392,16 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 warm = min(new, (FULL if not args.quick else QUICK).warmup_tokens)
                 log(f"warm-up: every side, {len(prompts)} prompts of {warm} new tokens")
                 engine_side(sides, prompts, warm)
+                if compiled:
+                    sb.engine_run(compiled, prompts, warm)
                 completions_run(stack.urls[0], prompts, warm, {}, 300)
                 if llama:
                     completions_run(llama[1], prompts, warm, LLAMA_EXTRA, 300)
                 for i in range(args.rounds):
                     r: dict[str, Side] = {}
                     r["engine"] = engine_side(sides, prompts, new)
+                    if compiled:
+                        r["compiled"] = compiled_side(compiled, prompts, new)
                     timeout = max(120.0, 20 * r["engine"].seconds)
                     r["stack"] = stack_side(stack, prompts, new, timeout)
                     if llama:

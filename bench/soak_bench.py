@@ -18,7 +18,8 @@ prefix with ``SPOOL_JOB_TTL_S`` short enough that finished jobs expire during th
 Every ten rounds it samples the API's and the worker's resident memory (``/proc``), Redis's key
 count and memory, and the API's open streams (``spool_sse_streams``). At the end it waits for the
 last streams to close and checks that nothing is left behind: no open stream in the API, no
-job channel still subscribed in Redis, no key of a job (all have ended) without an expiry. It prints the samples, the growth of each process's
+job channel still subscribed in Redis, no key of a job (all have ended) without an expiry, no field
+left in ``{p}:attempts`` (a job's last append drops its own). It prints the samples, the growth of each process's
 memory from the end of the first minute (the warm-up: allocator pools, caches) to the end, and
 every failed check, and exits 1 if there was one. Memory figures are printed, never asserted.
 """
@@ -41,6 +42,7 @@ import httpx
 import redis
 from measure import log, rss_kib
 
+from common.keys import Keys
 from spool_cli import procs as harness
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -180,6 +182,8 @@ async def soak(
             "job_keys_without_expiry": sum(
                 r.ttl(k) == -1 for k in r.scan_iter(f"{PREFIX}:job:*", count=1000)
             ),
+            # ... and its last append dropped its field of the fencing hash (one HLEN).
+            "attempts_fields": r.hlen(Keys(PREFIX).attempts()),
         }
     return {"rounds": rounds, "tally": tally, "samples": samples, "left": left}
 
@@ -245,7 +249,8 @@ def main() -> int:
     print(
         f"left at the end: {left['api_open_streams']:g} open streams in the API, "
         f"{left['job_channels_subscribed']} job channels subscribed, "
-        f"{left['job_keys_without_expiry']} job keys without an expiry"
+        f"{left['job_keys_without_expiry']} job keys without an expiry, "
+        f"{left['attempts_fields']} fields in the attempts hash"
     )
     leaks = [f"{k}: {v}" for k, v in left.items() if v]
     for failure in tally.failures[:20] + leaks:

@@ -240,6 +240,8 @@ def start_stack(
     )
     argv = [*harness.spool_argv(), "worker"]
     worker_env = {**env, **place.worker_env(), **worker_threads(args)}
+    if args.compile:
+        worker_env["SPOOL_COMPILE"] = "true"
     worker = harness.start("worker", argv, env=worker_env, log_dir=log_dir, cwd=REPO_ROOT, cpus=place.engine)
     procs.append(worker)
     # The clients' replicas (round-robin, as behind a load balancer), and one that no client uses:
@@ -381,9 +383,11 @@ def engine_settings(w: Workload) -> dict[str, int]:
     return {"max_prefill_tokens_per_step": w.max_prefill_tokens_per_step}
 
 
-def load_engine(args: argparse.Namespace, model_dir: Path, w: Workload) -> Engine:
-    log(f"engine: loading (max_batch_size={w.batch}, max_model_len={w.max_model_len})")
-    engine = spool_engine(model_dir, args, w.batch, w.max_model_len, **engine_settings(w))
+def load_engine(args: argparse.Namespace, model_dir: Path, w: Workload, compile: bool = False) -> Engine:
+    log(f"engine: loading (max_batch_size={w.batch}, max_model_len={w.max_model_len}, compile={compile})")
+    started = time.perf_counter()
+    engine = spool_engine(model_dir, args, w.batch, w.max_model_len, compile=compile, **engine_settings(w))
+    log(f"engine: loaded in {time.perf_counter() - started:.1f} s")
     if any(i < engine.runner.vocab_size for i in engine.eos_token_ids):
         raise RuntimeError(
             f"EOS {sorted(engine.eos_token_ids)} is reachable (vocab {engine.runner.vocab_size})"
@@ -460,7 +464,7 @@ def throughput(
     prompts = text_prompts(plan.engine, args.seed, tokenizer)
     w = workload_of(args, plan, [len(tokenizer.encode(p)) for p in prompts])
     stack = start_stack(args, place, procs, log_dir, redis, redis_url, model_dir, w)
-    engine = load_engine(args, model_dir, w)
+    engine = load_engine(args, model_dir, w, compile=args.compile)
     sides = Sides(engine, stack.urls, place, args.streamed_submit)
 
     warm_new = min(w.new_tokens_each, plan.engine.warmup_tokens)  # every prompt: every prefill shape
@@ -622,6 +626,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", type=Path, metavar="PATH", help="also write the figures as JSON to PATH")
     p.add_argument("--device", default="cpu", help="torch device of the engine and the worker")
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    p.add_argument(
+        "--compile", action="store_true", help="the engine alone and the worker with the compiled forward"
+    )
     p.add_argument(
         "--seed", type=int, default=0, help="seed for the weights and the prompts (as engine_bench)"
     )

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import enum
+import json
 import math
 import re
 from typing import Annotated, Any, Literal, Self
@@ -81,6 +82,19 @@ def _server_settings(info: ValidationInfo) -> Settings | None:
     return settings
 
 
+def _guide_size(name: str, size: int, info: ValidationInfo, detail: str = "") -> None:
+    """A guide above SPOOL_MAX_GUIDE_CHARS: a 400 with its size and the limit (a huge one would
+    hold the grammar compiler for minutes)."""
+    settings = _server_settings(info)
+    if settings is not None and size > (limit := settings.max_guide_chars):
+        # NOTE: not "value" and "cap": api/errors.py reads those as a max_tokens past the context.
+        raise PydanticCustomError(
+            LIMIT_EXCEEDED,
+            "{name} is {size} characters{detail}, above this server's limit of {limit} (SPOOL_MAX_GUIDE_CHARS)",
+            {"name": name, "size": size, "detail": detail, "limit": limit},
+        )
+
+
 def _finite(v: float | None) -> float | None:
     # NOTE: pydantic accepts "nan" and "inf" for floats; a NaN temperature would reach the sampler.
     if v is not None and not math.isfinite(v):
@@ -105,7 +119,13 @@ class JsonSchemaFormat(BaseModel):
 
     @field_validator("schema_")
     @classmethod
-    def _is_a_schema(cls, v: dict[str, Any]) -> dict[str, Any]:
+    def _is_a_schema(cls, v: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        _guide_size(
+            "the JSON schema",
+            len(json.dumps(v, separators=(",", ":"), ensure_ascii=False)),
+            info,
+            " as compact JSON",
+        )
         # NOTE: jsonschema, not the grammar compiler: the API imports no torch. What is a valid
         # schema the compiler still cannot use fails the job with invalid_request (a 400 too).
         try:
@@ -188,13 +208,14 @@ class TextParams(BaseModel):
 
     @field_validator("guided_regex")
     @classmethod
-    def _guided_regex(cls, v: str | None) -> str | None:
+    def _guided_regex(cls, v: str | None, info: ValidationInfo) -> str | None:
         # NOTE: Python's re, not the grammar compiler (the API imports no torch): a pattern both
         # accept almost always; one xgrammar alone refuses fails the job with invalid_request.
         if v is None:
             return v
         if not v:
             raise PydanticCustomError(INVALID_GUIDED, "guided_regex is empty")
+        _guide_size("guided_regex", len(v), info)
         try:
             re.compile(v)
         except re.error as e:
@@ -205,7 +226,7 @@ class TextParams(BaseModel):
 
     @field_validator("guided_choice")
     @classmethod
-    def _guided_choice(cls, v: list[str] | None) -> list[str] | None:
+    def _guided_choice(cls, v: list[str] | None, info: ValidationInfo) -> list[str] | None:
         if v is None:
             return v
         if not v:
@@ -214,6 +235,7 @@ class TextParams(BaseModel):
             raise PydanticCustomError(
                 INVALID_GUIDED, "guided_choice has an empty string; each must be non-empty"
             )
+        _guide_size("guided_choice", sum(map(len, v)), info, f" in its {len(v)} strings")
         return _encodable(v)  # type: ignore[no-any-return]
 
     @model_validator(mode="after")

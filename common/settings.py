@@ -41,6 +41,7 @@ class Settings(BaseSettings):
     prefill_chunk_size: int = Field(512, ge=16)
     max_prefill_tokens_per_step: int = Field(2048, ge=16)
     enable_prefix_caching: bool = True  # reuse cached prompt prefixes, per owner (the engine's EngineConfig)
+    compile: bool = False  # the engine's forward through torch.compile, compiled at load (EngineConfig)
     # The worker's torch threads (torch.set_num_threads); unset: torch's own default, a thread per
     # core. `spool up` sets it to the cores minus one, so the API and Redis beside it keep a core.
     torch_threads: int | None = Field(None, ge=1)
@@ -67,6 +68,10 @@ class Settings(BaseSettings):
     max_n: int = Field(16, ge=1)  # choices (n) of one text request, each its own sequence in the batch
     max_image_pixels: int = Field(1024 * 1024, ge=64)  # width x height of an image part
     max_image_steps: int = Field(100, ge=1)  # denoising steps of an image part
+    # A guide's size in characters: a guided_regex, a guided_choice (all its strings) or a
+    # response_format JSON schema (as compact JSON). Its grammar is compiled before the job runs,
+    # in time that grows with it (a 29,000-character schema took 2.7 s, one of 116,000 170 s).
+    max_guide_chars: int = Field(16_384, ge=1)
     detach_grace_s: float = Field(30.0, ge=0)
     sse_ping_s: float = Field(15.0, gt=0)
     api_keys: str = ""  # comma-separated; empty disables authentication (blank entries are refused)

@@ -7,14 +7,15 @@
 #                                  # ignored through .git/info/exclude) with the wheels the device
 #                                  # lacks, pinned to .venv's versions, and Debian's redis-server
 #   device run: command "bash scripts/gpu_check.sh run", carry [".gpu"], timeout_s 600
-#                (the stages' limits add up to 520 s, leaving the rest for the install)
+#                (the stages' limits add up to 550 s, leaving the rest for the install)
 #
 # run: installs the wheels into /tmp/site, puts the carried redis-server on PATH, then runs, each
 # under its own time limit and whatever the previous one did, the open service issue's figures
-# first: (1) the stack benchmark with the worker on the GPU (4 cores) and the API, Redis and
-# clients on the other cores, (2) its throughput part again with the clients spread over 4 API
-# replicas, each submitting with "stream": true, (3) the engine tests with the engine on the GPU,
-# (4) the engine benchmark's uniform and decode sections (bfloat16). Logs and JSON go to $OUT.
+# first: (1) issue 21's peers benchmark in bfloat16, the engine eager and compiled, and the stack
+# with a compiled worker, (2) the engine tests with the engine on the GPU (the compiled parity
+# included), (3) the stack benchmark with the worker on the GPU (4 cores) and the API, Redis and
+# clients on the other cores, (4) the engine benchmark's uniform and decode sections (bfloat16).
+# Logs and JSON go to $OUT.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -77,11 +78,11 @@ print(sys.version.split()[0], "torch", torch.__version__, "transformers", transf
       torch.cuda.get_device_name(), "cpus", len(__import__("os").sched_getaffinity(0)))' | tee "$OUT/versions.txt"
   redis-server --version | tee -a "$OUT/versions.txt"
   local cuda=(--device cuda --dtype bfloat16)
+  stage peers_compile 150 python3 bench/peers_bench.py "${cuda[@]}" --compile --rounds 2 --deadline-s 140 \
+    --json "$OUT/peers_cuda.json"
+  stage engine_tests 110 env TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider tests/engine
   stage stack_bench 180 python3 bench/stack_bench.py "${cuda[@]}" --engine-cpus 4 --deadline-s 170 \
     --json "$OUT/stack_cuda.json"
-  stage stack_replicas 120 python3 bench/stack_bench.py "${cuda[@]}" --engine-cpus 4 --only throughput \
-    --api-replicas 4 --streamed-submit --deadline-s 110 --json "$OUT/stack_cuda_replicas.json"
-  stage engine_tests 110 env TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider tests/engine
   stage engine_bench 110 python3 bench/engine_bench.py "${cuda[@]}" --only uniform --only decode \
     --json "$OUT/engine_cuda.json"
 }

@@ -176,3 +176,20 @@ def test_readyz_follows_the_workers(
         wait_until(lambda: client.get(f"{api.url}/readyz").status_code == 503, "not ready without one", 30)
     finally:
         api.stop()
+
+
+def test_a_worker_with_the_compiled_forward_serves_the_same_tokens(
+    prefixes: Prefixes, tiny_model: Path, log_dir: Path, client: httpx.Client, reference: Reference
+) -> None:
+    prefix = prefixes.new()
+    worker = start_worker(prefix, tiny_model, log_dir, compile=True)
+    api = start_api(prefix, log_dir)
+    try:
+        assert "compiled the forward in" in worker.log_path.read_text()  # at load, before its first heartbeat
+        jobs = [submit(client, api.url, p, 24) for p in ("the quick brown fox", "over the lazy dog " * 5)]
+        for job, prompt in zip(jobs, ("the quick brown fox", "over the lazy dog " * 5), strict=True):
+            done = wait_finished(client, api.url, job["id"])
+            assert done["status"] == "succeeded" and done["text"] == reference(prompt, 24)
+    finally:
+        api.stop()
+        worker.stop()

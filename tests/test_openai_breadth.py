@@ -396,6 +396,47 @@ def test_invalid_guides_are_400s(
     assert isinstance(e.value.body, dict) and e.value.body["param"] == param
 
 
+# Each one character past SPOOL_MAX_GUIDE_CHARS (16384 by default): its size counted as the API does.
+_HUGE_SCHEMA = {"type": "object", "description": "x" * (16385 - 34)}  # 16385 as compact JSON
+_TOO_LARGE_GUIDES = [
+    ({"guided_regex": "a" * 16385}, "guided_regex", "guided_regex is 16385 characters,"),
+    (
+        {"guided_choice": ["a" * 8192, "b" * 8193]},
+        "guided_choice",
+        "guided_choice is 16385 characters in its 2 strings,",
+    ),
+    (
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": _HUGE_SCHEMA}}},
+        "response_format.json_schema.schema",
+        "the JSON schema is 16385 characters as compact JSON,",
+    ),
+]
+
+
+@pytest.mark.parametrize("extra, param, message", _TOO_LARGE_GUIDES, ids=["regex", "choice", "schema"])
+def test_a_guide_above_the_servers_limit_is_a_400_with_its_size(
+    oai: openai.OpenAI,
+    model: str,
+    cluster: Cluster,
+    client: httpx.Client,
+    extra: dict[str, Any],
+    param: str,
+    message: str,
+) -> None:
+    limit = "above this server's limit of 16384 (SPOOL_MAX_GUIDE_CHARS)"
+    with pytest.raises(openai.BadRequestError, match=re.escape(f"{message} {limit}")) as e:
+        oai.chat.completions.create(model=model, messages=MESSAGES, max_tokens=4, extra_body=extra)
+    assert isinstance(e.value.body, dict) and e.value.body["param"] == param
+    assert e.value.code == "limit_exceeded"
+    r = client.post(f"{cluster.url}/v1/jobs", json={"prompt": PROMPT, "max_tokens": 4, **extra})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert f"{message} {limit}" in error["message"] and (error["param"], error["code"]) == (
+        param,
+        "limit_exceeded",
+    )
+
+
 def test_a_regex_the_grammar_compiler_refuses_fails_the_job_with_a_400(
     oai: openai.OpenAI, model: str
 ) -> None:

@@ -23,4 +23,5 @@ def test_soak_bench_short_run(tmp_path: Path) -> None:
         "api_open_streams": 0,
         "job_channels_subscribed": 0,
         "job_keys_without_expiry": 0,
+        "attempts_fields": 0,
     }

@@ -24,6 +24,12 @@ ended (or expired), does nothing, and is acknowledged, which removes its record.
 often would pile records up for that hour (117 after 7 kills), so once a lease the sweep drops the
 records of jobs that have ended or expired itself (``drop_ended_deliveries``); a record of a job
 still running or queued stays, for the restore as a last resort.
+
+``{p}:attempts`` (the fencing of text jobs' appends) loses a job's field with its last append. A
+job whose hash went while it ran (lost, deleted, expired) or that ended without that append (a
+worker of an older version) would keep its field for good, so the text workers' sweep goes
+through the hash in pages, one page of ``ATTEMPTS_PAGE`` fields per sweep and a pass at most once
+a lease, dropping the fields of jobs that no longer run (``drop_stale_attempts``).
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ from common.store import SyncJobStore
 log = logging.getLogger(__name__)
 
 Requeue = Callable[[str], None]  # sends the job's task message (Celery's send_task, by name)
+ATTEMPTS_PAGE = 200  # fields of {p}:attempts read (HSCAN's COUNT) and checked per sweep
 
 
 @dataclass(frozen=True)
@@ -59,6 +66,8 @@ class Reaper:
         self.queue = queue
         self.settings = store.settings
         self._deliveries_swept = 0.0  # monotonic time of the last drop_ended_deliveries
+        self._attempts_cursor = 0  # HSCAN cursor of the pass over {p}:attempts; 0: between passes
+        self._attempts_pass = 0.0  # monotonic time the last pass began
 
     def sweep(self, mine: Collection[str], others_too: bool) -> list[Requeued]:
         """Requeue what lost its worker; ``mine``: the jobs this process runs now.
@@ -82,7 +91,21 @@ class Reaper:
             if time.monotonic() - self._deliveries_swept >= self.settings.lease_s:
                 self._deliveries_swept = time.monotonic()
                 self.drop_ended_deliveries()
+        if not self.queue:
+            self.drop_stale_attempts()
         return done
+
+    def drop_stale_attempts(self) -> int:
+        """One page of the pass over ``{p}:attempts``: drop the fields of jobs that no longer run.
+        A pass starts at most once a lease; returns how many fields this page dropped."""
+        if self._attempts_cursor == 0:
+            if time.monotonic() - self._attempts_pass < self.settings.lease_s:
+                return 0
+            self._attempts_pass = time.monotonic()
+        self._attempts_cursor, dropped = self.store.drop_stale_attempts(self._attempts_cursor, ATTEMPTS_PAGE)
+        if dropped:
+            log.info("dropped %d attempts field(s) of jobs that no longer run", dropped)
+        return dropped
 
     def drop_ended_deliveries(self) -> int:
         """Drop kombu's unacknowledged records whose job has ended or expired; returns how many."""

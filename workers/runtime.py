@@ -308,6 +308,7 @@ class EngineRuntime:
                     prefill_chunk_size=settings.prefill_chunk_size,
                     max_prefill_tokens_per_step=settings.max_prefill_tokens_per_step,
                     enable_prefix_caching=settings.enable_prefix_caching,
+                    compile=settings.compile,
                 )
             )
         except Exception as e:

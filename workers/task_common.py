@@ -49,6 +49,9 @@ def start_or_exit(settings: Settings, start: Callable[[str], Runtime]) -> Runtim
     SystemExit(EXIT_CANNOT_SERVE) when either fails."""
     # NOTE: Celery logs what a worker_init handler raises and starts consuming anyway; SystemExit
     # is no Exception, so it ends a worker that cannot serve here, before it takes any job.
+    # Celery sets its logging up after worker_init: until then the runtime's INFO lines (the KV
+    # cache's size, the compile's time) would go nowhere. Celery replaces this handler later.
+    logging.basicConfig(level=logging.INFO, format="[%(asctime)s: %(levelname)s/%(processName)s] %(message)s")
     try:
         name = settings.worker_name or default_worker_name()
         claim(settings, name)

@@ -452,15 +452,33 @@ async function refreshCluster() {
   }
 }
 
+// A text worker: its engine's requests, slots and KV usage. A media worker runs one image part
+// at a time and has neither: its part's denoising step instead (or idle, with the images made).
 function workerRow(w) {
   const tr = document.createElement("tr");
   const e = w.engine;
-  const kv = typeof e.kv_cache_usage === "number" ? `${Math.round(e.kv_cache_usage * 100)}%` : "–";
-  for (const v of [`${w.name} (${w.model})`, e.running, e.waiting, e.slots, kv]) {
+  const kind = w.kind || "text";
+  tr.dataset.kind = kind;
+  const cell = (v, span = 1) => {
     const td = document.createElement("td");
     td.textContent = v ?? "–";
+    td.colSpan = span;
     tr.append(td);
+    return td;
+  };
+  cell(`${w.name} (${w.model})`);
+  cell(kind);
+  cell(e.running);
+  if (kind === "media") {
+    cell(null);
+    const made = e.images ?? 0;
+    const image = e.part ? `image step ${e.step}/${e.steps}` : `idle · ${made} image${made === 1 ? "" : "s"} made`;
+    cell(image, 2).className = "media";
+    if (e.part) tr.title = e.part;
+    return tr;
   }
+  const kv = typeof e.kv_cache_usage === "number" ? `${Math.round(e.kv_cache_usage * 100)}%` : "–";
+  for (const v of [e.waiting, e.slots, kv]) cell(v);
   return tr;
 }
 

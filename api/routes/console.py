@@ -42,11 +42,15 @@ async def console_asset(name: str) -> FileResponse:
 
 @router.get("/console-status")
 async def console_status(store: StoreDep) -> dict[str, Any]:
-    """What the console shows about the cluster: live workers with their engine figures, and the
-    queue depths. Public like /readyz; a 503 envelope when Redis is unreachable."""
+    """What the console shows about the cluster: live workers with their kind (text, media) and
+    engine figures (a text worker's engine stats; a media worker's part and step), and the queue
+    depths. Public like /readyz; a 503 envelope when Redis is unreachable."""
     workers = await store.list_workers()
     return {
-        "workers": [{"name": w.name, "model": w.model, "ts": w.ts, "engine": w.engine} for w in workers],
+        "workers": [
+            {"name": w.name, "model": w.model, "kind": w.kind, "ts": w.ts, "engine": w.engine}
+            for w in workers
+        ],
         "queued_jobs": await store.queued_count(),
         "queues": dict(await store.queue_depths()),
     }

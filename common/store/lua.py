@@ -286,6 +286,22 @@ return 1
 """
 
 
+# KEYS: attempts hash, then the hash of each job. ARGV: the job ids, in the same order.
+# Drops the attempts fields of the jobs that no longer run: their hash went while they ran (lost,
+# deleted, or expired) or they ended without their last append dropping the field (a worker of an
+# older version). A field is written only with `running` (TAKE_LUA) and a job never runs again
+# once ended, so a job read here as not running has no use for it: its hash's attempt fences it.
+# Returns how many fields it dropped.
+DROP_ATTEMPTS_LUA = """
+local dropped = 0
+for i = 2, #KEYS do
+  if redis.call('HGET', KEYS[i], 'status') ~= 'running' then
+    dropped = dropped + redis.call('HDEL', KEYS[1], ARGV[i - 1])
+  end
+end
+return dropped
+"""
+
 # -- files and batches (common/store/batches.py) ----------------------------------------------------
 
 # KEYS: upload list, lines list, file hash, files zset. ARGV: ttl, created_at, file id, field, value, ...

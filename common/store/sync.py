@@ -18,6 +18,7 @@ from common.store.clients import sync_client
 from common.store.lua import (
     APPEND_STEP_LUA,
     CANCEL_LUA,
+    DROP_ATTEMPTS_LUA,
     PART_APPEND_LUA,
     PART_TAKE_LUA,
     RENEW_LUA,
@@ -71,6 +72,7 @@ class SyncJobStore:
         self._renew = client.register_script(RENEW_LUA)
         self._requeue = client.register_script(REQUEUE_LUA)
         self._cancel = client.register_script(CANCEL_LUA)
+        self._drop_attempts = client.register_script(DROP_ATTEMPTS_LUA)
 
     @classmethod
     def from_settings(cls, settings: Settings) -> Self:
@@ -260,6 +262,17 @@ class SyncJobStore:
         pipe.zrem(names["unacked_index_key"], *tags)
         pipe.hdel(names["unacked_key"], *tags)
         pipe.execute()
+
+    def drop_stale_attempts(self, cursor: int, count: int) -> tuple[int, int]:
+        """One page of a pass over ``{p}:attempts`` (HSCAN from ``cursor``, about ``count``
+        fields): drop the fields of jobs that no longer run (their hash is gone, or they ended).
+        Returns (the next cursor, 0 once the pass is over; how many fields it dropped)."""
+        name = self.keys.attempts()
+        cursor, fields = self.redis.hscan(name, cursor, count=count)
+        ids = [str(j) for j in fields]
+        if not ids:
+            return int(cursor), 0
+        return int(cursor), int(self._drop_attempts([name, *(self.keys.job(j) for j in ids)], ids))
 
     def _queued_set(self, queue: str) -> str:
         return self.keys.queued_media() if queue == self.keys.queue_media else self.keys.queued_jobs()

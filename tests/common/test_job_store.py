@@ -316,6 +316,28 @@ def test_requeue_claim_is_once_per_gap(store: StoreForTests) -> None:
     assert not store.claim_requeue(job.id, now + 30, 10)
 
 
+def test_attempts_fields_of_jobs_that_no_longer_run_are_dropped_in_pages(store: StoreForTests) -> None:
+    """A running job's field stays; those of jobs whose hash went while they ran, and of a job
+    that ended without its last append dropping it (an older worker), go, a page at a time."""
+    running, lost, ended = (store.create_job(JobRequest(prompt="hello")) for _ in range(3))
+    for job in (running, lost, ended):
+        store.take_job(job.id, "w1", "tiny")
+    store.redis.delete(store.keys.job(lost.id))  # its hash went (expired, lost) while it ran
+    store.append_batch([Append(ended.id, 1, [done(1)], 1, 0, Final(JobStatus.SUCCEEDED, "stop"))])
+    name = store.keys.attempts()
+    store.redis.hset(name, ended.id, "1")  # as a worker of an older version leaves it
+    store.redis.hset(name, mapping={f"gone-{i}": "1" for i in range(1000)})  # a hashtable, not a listpack
+
+    cursor, dropped = store.drop_stale_attempts(0, 50)
+    assert cursor != 0 and 0 < dropped < 1000  # one page, not the whole hash
+    while cursor:
+        cursor, more = store.drop_stale_attempts(cursor, 50)
+        dropped += more
+    assert dropped == 1002 and store.redis.hgetall(name) == {running.id: "1"}
+    store.append_batch([run_job(store, ["hi"], 1, running.id)])  # still fenced by its field
+    assert store.get_job(running.id).text == "hi"
+
+
 @pytest.mark.parametrize("priority_list", [0, 1], ids=["requeues", "first-messages"])
 def test_stale_queued_only_with_an_empty_celery_queue(store: StoreForTests, priority_list: int) -> None:
     job = store.create_job(JobRequest(prompt="hello"))

@@ -415,6 +415,69 @@ def test_an_image_only_job_from_the_page(
     page.screenshot(path=tmp_path / "image-only.png")
 
 
+def worker_row(page: Any, kind: str) -> list[str]:
+    """The cells of the workers table's row of the worker of this kind (one of each here)."""
+    row = page.locator(f"#workers tbody tr[data-kind='{kind}']")
+    return [str(c) for c in row.locator("td").all_text_contents()]
+
+
+def test_a_media_workers_row_shows_its_kind_and_its_image_part(
+    stack: Stack, media_worker: Service, page: Any, client: httpx.Client, tmp_path: Path
+) -> None:
+    """Not the slots and KV of a text worker (a "–" each before): the running part's step, from
+    its heartbeat, and idle with the images it made once it ended."""
+    r = redis.Redis.from_url(REDIS_URL, decode_responses=True)
+    beat = Keys(stack.prefix).worker(f"{stack.prefix}-m1")
+    row = "#workers tbody tr[data-kind='media']"
+
+    def engine() -> dict[str, Any]:
+        return dict(json.loads(str(r.get(beat)))["engine"])
+
+    def ended(job_id: str) -> bool:
+        return client.get(f"{stack.api.url}/v1/jobs/{job_id}").json()["status"] not in ("queued", "running")
+
+    def shows(text: str) -> None:
+        page.wait_for_function(
+            "([row, text]) => document.querySelector(row)?.textContent.includes(text)", arg=[row, text]
+        )
+
+    open_console(page, stack.api.url)
+    page.wait_for_selector(row)
+    assert worker_row(page, "text")[1:2] == ["text"]
+    for _ in range(5):
+        job_id = submit_image(page, "a slow one", "64x64", 100, 2)
+        part_id = f"{job_id}:part:0"
+        # Until its heartbeat shows the part under way, or the part ended first (then again).
+        wait_until(
+            lambda: (engine().get("part") == part_id and engine()["step"] >= 1) or ended(job_id),  # noqa: B023
+            "the part in a heartbeat",
+            60,
+            (media_worker,),
+        )
+        signal_group(media_worker, signal.SIGSTOP)  # its heartbeat stays as it was, for its TTL
+        try:
+            beaten = engine()  # the last beat before the stop
+            if beaten.get("part") != part_id:
+                continue
+            want = f"image step {beaten['step']}/100"
+            shows(want)
+            assert worker_row(page, "media")[1:] == ["media", "1", "–", want]
+            assert page.get_attribute(row, "title") == part_id
+            page.screenshot(path=tmp_path / "media-worker-running.png")
+            break
+        finally:
+            signal_group(media_worker, signal.SIGCONT)
+            wait_terminal(page)
+    else:
+        pytest.fail("every image part ended before its heartbeat showed it")
+    shows("idle")
+    images = engine()["images"]
+    made = f"idle · {images} image{'' if images == 1 else 's'} made"
+    assert images >= 1 and worker_row(page, "media")[1:] == ["media", "0", "–", made]
+    page.screenshot(path=tmp_path / "media-worker-idle.png")
+    r.close()
+
+
 def submit_image(page: Any, prompt: str, size: str, steps: int, seed: int) -> str:
     """An image-only job from the page's Image mode; its id."""
     page.check("input[name=mode][value=image]")

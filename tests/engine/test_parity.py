@@ -52,12 +52,15 @@ def make_prompts(n: int, seed: int = 0) -> list[str]:
     return [" ".join(rng.choice(WORDS) for _ in range(rng.choice([1, 3, 8, 20, 45]))) for _ in range(n)]
 
 
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_greedy_parity_with_continuous_batching(
-    arch: str, tiny_model_dirs: dict[str, Path], make_engine
+    arch: str, compile: bool, tiny_model_dirs: dict[str, Path], make_engine
 ) -> None:  # type: ignore[no-untyped-def]
     model_dir = tiny_model_dirs[arch]
-    engine = make_engine(model=str(model_dir), prefill_chunk_size=16, max_prefill_tokens_per_step=32)
+    engine = make_engine(
+        model=str(model_dir), prefill_chunk_size=16, max_prefill_tokens_per_step=32, compile=compile
+    )
     prompts = make_prompts(18, seed=len(arch))
     max_tokens = [4 + (i * 7) % 20 for i in range(len(prompts))]
     params = [SamplingParams(max_tokens=m, temperature=0.0) for m in max_tokens]

@@ -5,6 +5,9 @@ A worker killed mid-job leaves its message recorded in ``{p}.unacked`` and ``{p}
 (the delivery was never acknowledged); another worker's sweep requeues the job and finishes it.
 kombu hands such a record out again once the visibility timeout (an hour) passed; until then,
 every kill added records (117 after 7 kills).
+
+The same goes for a dead worker's field in ``{p}:attempts`` when its job's hash went meanwhile
+(lost, expired): no take-over, so no last append, ever drops it; the sweep does.
 """
 
 from __future__ import annotations
@@ -106,3 +109,24 @@ def test_the_restore_of_an_ended_jobs_message_does_nothing_but_drop_its_record(
     with httpx.Client(base_url=unacked_api.url, timeout=30) as client:
         assert client.get(f"/v1/jobs/{job_id}").json() == before
     assert watch.log() == log_before and watch.field("attempt") == "1"
+
+
+def test_the_attempts_field_of_a_job_lost_with_its_worker_goes(
+    worker_pool: Workers, unacked_api: Service, r: redis.Redis
+) -> None:
+    keys = Keys(worker_pool.prefix)
+    with httpx.Client(base_url=unacked_api.url, timeout=30) as client:
+        job_id = client.post(
+            "/v1/jobs", json={"prompt": "the quick brown fox", "max_tokens": MAX_TOKENS, "temperature": 0}
+        ).json()["id"]
+    watch = JobWatch(r, keys, job_id)
+    poll(lambda: watch.tokens() >= 5, "the job under way", 60)
+    assert r.hget(keys.attempts(), job_id) == "1"
+    victim = worker_pool.by_full_name(watch.field("worker"))
+    worker_pool.kill(victim, signal.SIGKILL)
+    # Gone with its worker, before any sweep could requeue it (its heartbeat lives a TTL longer).
+    r.delete(keys.job(job_id), keys.job_log(job_id), keys.job_text(job_id))
+    # Before: the field stayed for good; now the other worker's sweep drops it.
+    poll(lambda: not r.hexists(keys.attempts(), job_id), "its attempts field to go", 30)
+    poll(lambda: r.zscore(keys.running_jobs(), job_id) is None, "its lease to go too", 30)
+    worker_pool.start(victim)  # the pool as it was, for the next test

@@ -11,6 +11,10 @@ It is registered with transformers' ``AttentionInterface`` under the name ``"spo
 model is loaded with ``attn_implementation="spool"``, so any model whose attention layers
 dispatch through that interface (Llama, Qwen2, GPT-2, OPT, ...) runs packed. Outside a packed
 forward (no ``PackedBatch`` active) it is plain SDPA.
+
+A compiled forward (``EngineConfig.compile``) passes the model no cache: each layer's key/value
+write and its packed attention are then the custom op ``spool::attend``, opaque to
+``torch.compile``, so what changes shape every step stays out of the graph.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -42,10 +46,13 @@ class PrefillSegment:
 class PackedBatch:
     """One packed forward, set up by ``SlotKVCache.begin``: its tokens, and where each goes."""
 
-    input_ids: torch.Tensor  # [1, T] the tokens
-    logits_rows: torch.Tensor  # [rows] the tokens whose logits the step needs
+    input_ids: torch.Tensor  # [1, T'] the tokens, then T' - T of padding (a compiled forward's)
+    position_ids: torch.Tensor  # [1, T'] the position of each (0 for padding)
+    logits_rows: torch.Tensor  # [rows] the tokens whose logits the step needs (repeated: padding)
     slots: torch.Tensor  # [T] the KV slot of each token
     positions: torch.Tensor  # [T] the position of each token
+    num_tokens: int  # T
+    num_rows: int  # the rows of logits_rows that are not padding
     num_decode: int  # tokens 0..num_decode-1 are decode rows, one per request
     decode_slots: torch.Tensor | None  # [num_decode]; None when the rows are slots 0..num_decode-1
     decode_mask: torch.Tensor | None  # [num_decode, 1, 1, decode_kv_len]
@@ -53,17 +60,27 @@ class PackedBatch:
     prefills: tuple[PrefillSegment, ...]
 
 
+class KVWriter(Protocol):
+    def update(
+        self, key: torch.Tensor, value: torch.Tensor, layer_idx: int
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
 _current: ContextVar[PackedBatch | None] = ContextVar("spool_packed_batch", default=None)
+_writer: ContextVar[KVWriter | None] = ContextVar("spool_kv_writer", default=None)
 calls = 0  # attention calls seen; the model runner checks that a model dispatches here
 
 
 @contextmanager
-def active(batch: PackedBatch) -> Iterator[None]:
-    token = _current.set(batch)
+def active(batch: PackedBatch, writer: KVWriter | None = None) -> Iterator[None]:
+    """Run a forward packed as ``batch``. ``writer``: only for a compiled forward, which passes the
+    model no cache: the attention op writes each layer's keys and values itself (``attend``)."""
+    token, writer_token = _current.set(batch), _writer.set(writer)
     try:
         yield
     finally:
         _current.reset(token)
+        _writer.reset(writer_token)
 
 
 def _repeat_heads(x: torch.Tensor, groups: int) -> torch.Tensor:
@@ -78,13 +95,15 @@ def _repeat_heads(x: torch.Tensor, groups: int) -> torch.Tensor:
 def packed_attention(
     module: torch.nn.Module,
     query: torch.Tensor,  # [1, Hq, T, D]
-    key: torch.Tensor,  # packed: the layer's whole cache [slots, Hkv, max_len, D]
+    key: torch.Tensor,  # packed: the layer's whole cache [slots, Hkv, max_len, D]; compiled: [1, Hkv, T, D]
     value: torch.Tensor,
     attention_mask: torch.Tensor | None,
     scaling: float | None = None,
     dropout: float = 0.0,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
+    if torch.compiler.is_compiling():  # the model runs with no cache: the op writes the layer
+        return attend(query, key, value, module.layer_idx, scaling).unsqueeze(0), None
     global calls
     calls += 1
     batch = _current.get()
@@ -92,11 +111,43 @@ def packed_attention(
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
         )
+    return _packed(batch, query, key, value, scaling).unsqueeze(0), None
+
+
+@torch.library.custom_op("spool::attend", mutates_args=())
+def attend(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_idx: int, scaling: float | None
+) -> torch.Tensor:
+    """A compiled forward's attention layer: write the step's keys and values [1, Hkv, T, D] into
+    the cache, then attend as ``packed_attention`` does; [T, Hq, D]. One opaque op to
+    ``torch.compile``: its shapes change every step (the requests' lengths), so it runs as it does
+    eagerly, and what the compiler fuses is the rest of the layer."""
+    batch, writer = _current.get(), _writer.get()
+    assert batch is not None and writer is not None, "a compiled forward runs inside active(batch, writer)"
+    k_layer, v_layer = writer.update(key, value, layer_idx)
+    return _packed(batch, query, k_layer, v_layer, scaling)
+
+
+@attend.register_fake
+def _(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_idx: int, scaling: float | None
+) -> torch.Tensor:
+    return query.new_empty(query.shape[2], query.shape[1], query.shape[3])
+
+
+def _packed(
+    batch: PackedBatch, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None
+) -> torch.Tensor:
+    """The packed attention of ``query`` [1, Hq, T, D] over the layer's cache ``key``/``value``
+    [slots, Hkv, max_len, D]: [T, Hq, D]. Rows past the batch's tokens (a compiled forward's
+    padding) are zeros."""
     # NOTE: grouped-query attention (fewer key/value heads than query heads) never goes to SDPA
     # with both a mask and enable_gqa: on CUDA that pair falls back to the slow math kernel.
-    _, heads, _, dim = query.shape
+    _, heads, length, dim = query.shape
     groups = heads // key.shape[1]  # query heads per key/value head
-    out = query.new_empty(query.shape[2], heads, dim)  # [T, Hq, D]
+    out = query.new_empty(length, heads, dim)  # [T, Hq, D]
+    if length > batch.num_tokens:
+        out[batch.num_tokens :] = 0
     n = batch.num_decode
     if n:
         kv = batch.decode_kv_len
@@ -119,7 +170,7 @@ def packed_attention(
             k, v = _repeat_heads(k, groups), _repeat_heads(v, groups)
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=seg.mask, scale=scaling)
         out[seg.offset : seg.offset + seg.length] = o[0].transpose(0, 1)
-    return out.unsqueeze(0), None  # [1, T, Hq, D], as transformers' attention functions return
+    return out
 
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, packed_attention)

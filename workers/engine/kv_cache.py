@@ -85,6 +85,7 @@ class SlotKVCache:
         decode: Sequence[tuple[int, int, int]],
         prefills: Sequence[tuple[int, int, list[int], bool]],
         stop: Callable[[], bool] | None = None,
+        pad: Callable[[int], int] | None = None,
     ) -> PackedBatch:
         """Lay out one packed forward: ``decode`` is (slot, position, token id) per decoding
         request, ``prefills`` is (slot, start, token ids, wants logits) per prefill chunk; the
@@ -94,7 +95,8 @@ class SlotKVCache:
         Everything here is known on the host, so it goes to the device in one copy and nothing
         reads back from it. ``stop``, asked before each layer writes, raises ``StepInterrupted``
         when true: the positions written so far lie past every request's computed ones, and the
-        step that runs them again overwrites them.
+        step that runs them again overwrites them. ``pad`` (a compiled forward's) gives the token
+        count to pad the model's input to, and the number of logits rows.
         """
         self._stop = stop
         tokens = [t for _, _, t in decode]
@@ -114,16 +116,24 @@ class SlotKVCache:
                 query_pos = self._positions[start : start + length]
                 mask = (self._positions[None, : start + length] <= query_pos[:, None])[None, None]
             segments.append(PrefillSegment(offset, slot, start, length, mask))
-        num_rows = len(rows)
-        rows += [0] * (len(tokens) - num_rows)  # (padding: the copy is one rectangular tensor)
+        num_tokens, num_rows = len(tokens), len(rows)
+        padded, padded_rows = (num_tokens, num_rows) if pad is None else (pad(num_tokens), pad(num_rows))
+        tokens += [0] * (padded - num_tokens)
+        positions += [0] * (padded - num_tokens)
+        slots += [0] * (padded - num_tokens)
+        rows += [rows[-1] if rows else 0] * (padded_rows - num_rows)
+        rows += [0] * (padded - padded_rows)  # (not rows: the copy is one rectangular tensor)
         layout = to_device([tokens, rows, slots, positions], torch.long, self._device)
         n = len(decode)
         kv_len = max(positions[:n], default=-1) + 1
         self._batch = PackedBatch(
             input_ids=layout[0:1],
-            logits_rows=layout[1, :num_rows],
-            slots=layout[2],
-            positions=layout[3],
+            position_ids=layout[3:4],
+            logits_rows=layout[1, :padded_rows],
+            slots=layout[2, :num_tokens],
+            positions=layout[3, :num_tokens],
+            num_tokens=num_tokens,
+            num_rows=num_rows,
             num_decode=n,
             decode_slots=None if slots[:n] == list(range(n)) else layout[2, :n],
             decode_mask=(self._positions[None, :kv_len] <= layout[3, :n, None])[:, None, None, :]
@@ -151,6 +161,8 @@ class SlotKVCache:
         if self._stop is not None and self._stop():
             raise StepInterrupted
         k_layer, v_layer = self.keys[layer_idx], self.values[layer_idx]  # [slots, H, max_len, D]
+        if key.shape[2] > self._batch.num_tokens:  # a compiled forward's padding is not written
+            key, value = key[:, :, : self._batch.num_tokens], value[:, :, : self._batch.num_tokens]
         # index_put_ with the slot and position index on dims 0 and 2: values come as [T, H, D].
         k_layer[self._batch.slots, :, self._batch.positions] = key[0].transpose(0, 1)
         v_layer[self._batch.slots, :, self._batch.positions] = value[0].transpose(0, 1)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -87,7 +88,14 @@ class ModelRunner:
         # meet its sizes now rather than in the first burst's time to first token, and a model too
         # big for its activations fails here. What it writes, any later prefill overwrites first.
         budget = min(config.max_prefill_tokens_per_step, self.max_model_len)
+        self._compiled: Callable[..., torch.Tensor] | None = None
+        if config.compile:
+            self._compiled = torch.compile(self._logits, dynamic=True)
+        started = time.perf_counter()
         self.forward([(slot, 0, 0) for slot in range(1, num_slots)], [(0, 0, [0] * budget, True)])
+        if config.compile:
+            self.forward([(0, 0, 0)], [])  # the smallest: one decode row
+            log.info("compiled the forward in %.1f s", time.perf_counter() - started)
 
     @torch.inference_mode()
     def _probe_cache_shape(self) -> Any:
@@ -118,14 +126,38 @@ class ModelRunner:
         prompt needs none, and the output layer skips it). ``stop``: asked before each layer;
         true raises ``kv_cache.StepInterrupted`` (the step is dropped).
         """
+        if self._compiled is not None:
+            batch = self.cache.begin(decode, prefills, stop, pad=_at_least_two)
+            with attention.active(batch, self.cache):
+                return self._compiled(batch.input_ids, batch.position_ids, batch.logits_rows)[
+                    : batch.num_rows
+                ]
         batch = self.cache.begin(decode, prefills, stop)
         with attention.active(batch):
             out = self.model(
                 input_ids=batch.input_ids,
-                position_ids=batch.positions[None, :],
+                position_ids=batch.position_ids,
                 attention_mask=None,
                 cache=self.cache,
                 use_cache=True,
                 logits_to_keep=batch.logits_rows,
             )
         return out.logits[0]  # [rows, V]
+
+    def _logits(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, rows: torch.Tensor
+    ) -> torch.Tensor:
+        """The compiled forward: no cache object (the attention op writes the layers)."""
+        out = self.model(
+            input_ids=input_ids,
+            position_ids=position_ids,
+            attention_mask=None,
+            use_cache=False,
+            logits_to_keep=rows,
+        )
+        return out.logits[0]
+
+
+def _at_least_two(n: int) -> int:
+    """A compiled forward's token and row counts: sizes 0 and 1 would each compile a graph of their own."""
+    return max(n, 2)

@@ -63,6 +63,8 @@ class _Part:
     lost: bool = False  # an append was refused: another worker runs it now
     taken_at: float = 0.0  # unix seconds
     begun_at: float = 0.0  # unix seconds: its pipeline called (after the hold)
+    step: int = 0  # denoising steps done (its last progress event's), for the heartbeat
+    steps: int = 0  # of the part's request
 
     def seq(self) -> int:
         seq, self.next_seq = self.next_seq, self.next_seq + 1
@@ -134,9 +136,14 @@ class MediaRuntime:
                 self._part.aborted = True
 
     def heartbeat_fields(self) -> dict[str, Any]:
+        """``engine``: ``running`` (0 or 1 part), ``images`` (made since the start) and, while a
+        part runs, its id and its denoising ``step`` of ``steps`` (the console shows them)."""
         with self._lock:
-            running = int(self._part is not None)
-        return {"engine": {"running": running, "images": self._images}, "model": self.model, "kind": "media"}
+            p = self._part
+            engine: dict[str, Any] = {"running": int(p is not None), "images": self._images}
+            if p is not None:
+                engine |= {"part": p.part_id, "step": p.step, "steps": p.steps}
+        return {"engine": engine, "model": self.model, "kind": "media"}
 
     # -- task threads ----------------------------------------------------------------------------
 
@@ -163,6 +170,7 @@ class MediaRuntime:
             text_parts=taken.record.text_parts,
             aborted=taken.record.cancel_requested,
             taken_at=time.time(),
+            steps=request.steps,
         )
         self.metrics.taken(created, taken.attempt, part.taken_at)
         with self._lock:
@@ -295,6 +303,7 @@ class MediaRuntime:
         if not self._in_time(part):
             part.timed_out = True
             return False
+        part.step = step
         entries = [LogEntry.progress(part.seq(), part.index, step, steps)]
         if preview is not None:
             index = previews.index(step) if step in previews else len(previews)

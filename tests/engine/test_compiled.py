@@ -1,0 +1,62 @@
+"""The compiled forward (``EngineConfig(compile=True)``): compiled once at load, never again as the
+batch changes, and a dropped step leaves it as it was. Its greedy parity is in test_parity.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from greedy import greedy
+
+from workers.engine import SamplingParams
+from workers.engine.kv_cache import StepInterrupted
+
+PROMPTS = ["a", "the quick brown fox", "over the lazy dog " * 6, "rivers run to the sea " * 14]
+
+
+def run_all(engine, prompts: list[str], max_tokens: list[int]) -> dict[str, list[int]]:  # type: ignore[no-untyped-def]
+    tokens: dict[str, list[int]] = {}
+    for i, (prompt, m) in enumerate(zip(prompts, max_tokens, strict=True)):
+        engine.add_request(str(i), prompt, SamplingParams(max_tokens=m, temperature=0.0))
+        for d in engine.step():  # arrivals one step apart: every step has another shape
+            tokens.setdefault(d.request_id, []).extend(d.token_ids)
+    while engine.has_unfinished():
+        for d in engine.step():
+            tokens.setdefault(d.request_id, []).extend(d.token_ids)
+    return tokens
+
+
+def test_steps_of_every_shape_after_the_load_compile_nothing(make_engine, llama_dir: Path) -> None:  # type: ignore[no-untyped-def]
+    engine = make_engine(compile=True, prefill_chunk_size=16, max_prefill_tokens_per_step=32)
+    max_tokens = [1, 9, 4, 12]
+    with torch._dynamo.config.patch(error_on_recompile=True):  # a recompile raises
+        tokens = run_all(engine, PROMPTS, max_tokens)
+        # A single decode row and a step of no logits (a chunk that does not end its prompt) too.
+        tail = run_all(engine, ["x " * 40], [2])
+    for i, prompt in enumerate(PROMPTS):
+        assert tokens[str(i)] == greedy(llama_dir, prompt, max_tokens[i]).token_ids, prompt
+    assert tail["0"] == greedy(llama_dir, "x " * 40, 2).token_ids
+
+
+def test_an_interrupted_compiled_step_is_dropped_and_the_next_runs_it_again(
+    make_engine, llama_dir: Path
+) -> None:  # type: ignore[no-untyped-def]
+    engine = make_engine(compile=True)
+    runner = engine.runner
+    expected = greedy(llama_dir, PROMPTS[2], 6).token_ids
+    engine.add_request("r", PROMPTS[2], SamplingParams(max_tokens=6, temperature=0.0))
+    out = [t for d in engine.step() for t in d.token_ids]
+    calls = 0
+
+    def stop() -> bool:  # the second layer's write stops the step
+        nonlocal calls
+        calls += 1
+        return calls == 2
+
+    with pytest.raises(StepInterrupted):
+        runner.forward([(0, len(engine.tokenizer.encode(PROMPTS[2])), out[0])], [], stop)
+    assert calls == 2
+    while engine.has_unfinished():
+        out += [t for d in engine.step() for t in d.token_ids]
+    assert out == expected
