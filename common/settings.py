@@ -53,6 +53,10 @@ class Settings(BaseSettings):
     # The media worker's CPU niceness (os.nice at its start, so every thread has it): above 0 its
     # pipeline gives way to a text worker on the same CPUs. `spool up` sets it to 10.
     image_nice: int = Field(0, ge=0, le=19)
+    # How long an image part's first denoising step waits, from its job's creation, for the job's
+    # text parts to have their first token (or end), so that on shared CPUs the image does not
+    # slow their prefill (workers/media/runtime.py, docs/internals.md "Parts"). 0: no wait.
+    image_hold_s: float = Field(2.0, ge=0)
 
     # Jobs (API)
     max_queued_jobs: int = Field(1000, ge=1)

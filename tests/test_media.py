@@ -155,6 +155,24 @@ def test_text_and_image_both_succeed(client: httpx.Client, media: Media, tiny_mo
     assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "job_not_found"
 
 
+def first_id(events: list[Event], kind: str, part: int, **data: object) -> int:
+    return next(e.id for e in events if e.event == kind and e.data == {**e.data, "part": part, **data})
+
+
+def test_an_image_parts_first_step_comes_after_its_text_parts_first_token(
+    client: httpx.Client, media: Media
+) -> None:
+    """SPOOL_IMAGE_HOLD_S (2 s by default): the image's denoising leaves the text part's prefill alone."""
+    text = {"type": "text", "prompt": "Once upon a time", "max_tokens": 6, "temperature": 0}
+    image = {"type": "image", "prompt": "a lighthouse", "size": "32x32", "steps": 2, "seed": 5}
+    for parts, t, i in (([text, image], 0, 1), ([image, text], 1, 0)):
+        job_id = submit(client, media, parts)
+        events = events_of(client, media, job_id)
+        check_full_stream(events)
+        assert finished_job(client, media.url, job_id)["status"] == "succeeded"
+        assert first_id(events, "token", t) < first_id(events, "progress", i)
+
+
 def test_previews_while_denoising_leave_the_image_as_it_is(client: httpx.Client, media: Media) -> None:
     image = {"type": "image", "prompt": "a harbour", "size": "64x32", "steps": 4, "seed": 11}
     job_id = submit(client, media, [{**image, "partial_images": 2}])
@@ -631,3 +649,87 @@ def test_a_media_worker_whose_pipeline_step_stalls_exits_70(client: httpx.Client
     # Its part passes to the next media worker.
     bare.start_media_worker("m2")
     assert finished_job(client, bare.url, job_id, timeout=60)["status"] == "succeeded"
+
+
+HELD = [
+    {"type": "text", "prompt": "Far away", "max_tokens": 4, "temperature": 0},
+    {"type": "image", "prompt": "held", "size": "32x32", "steps": 2, "seed": 8},
+]
+
+
+def part_status(r: redis.Redis, media: Media, job_id: str, k: int) -> str | None:
+    status = r.hget(media.keys.job(f"{job_id}:part:{k}"), "status")
+    return None if status is None else str(status)
+
+
+def test_a_held_image_part_starts_once_its_text_part_has_its_first_token(
+    client: httpx.Client, bare: Media, tiny_model: Path
+) -> None:
+    """No text worker yet: the image part is taken and held (no step) until one starts and the
+    text part streams its first token."""
+    r = redis.Redis.from_url(REDIS_URL, decode_responses=True)
+    bare.start_media_worker("m1", image_hold_s=120)
+    job_id = submit(client, bare, HELD)
+    wait_until(lambda: part_status(r, bare, job_id, 1) == "running", "the image part taken", 30)
+    text = start_worker(bare.prefix, tiny_model, bare.log_dir)
+    try:
+        events = events_of(client, bare, job_id)
+    finally:
+        text.stop()
+    check_full_stream(events)
+    assert finished_job(client, bare.url, job_id)["status"] == "succeeded"
+    taken, token = first_id(events, "part", 1, status="running"), first_id(events, "token", 0)
+    assert taken < token < first_id(events, "progress", 1)
+
+
+@pytest.mark.parametrize("hold_s", [1.5, 0])
+def test_an_image_part_whose_text_part_cannot_start_is_held_at_most_the_bound(
+    client: httpx.Client, bare: Media, hold_s: float
+) -> None:
+    """No text worker on the prefix: the image is made about SPOOL_IMAGE_HOLD_S after the job's
+    creation (0: at once), its text part still queued."""
+    bare.start_media_worker("m1", image_hold_s=hold_s)
+    job_id = submit(client, bare, HELD)
+    job: dict[str, Any] = {}
+
+    def image_ended() -> bool:
+        job.update(client.get(f"{bare.url}/v1/jobs/{job_id}").json())
+        return job["parts"][1]["status"] not in ("queued", "running")
+
+    wait_until(image_ended, "the image part to end", 60)
+    t, i = job["parts"]
+    assert (t["status"], i["status"]) == ("queued", "succeeded")
+    took = i["finished_at"] - job["created_at"]
+    assert (took >= hold_s) if hold_s else (took < 1.5), took
+    assert took < hold_s + 10, took
+    assert client.post(f"{bare.url}/v1/jobs/{job_id}/cancel").json()["status"] == "cancelled"
+
+
+@pytest.mark.parametrize("ends", ["cancel", "timeout"])
+def test_a_cancel_or_timeout_ends_a_held_image_part_as_a_running_one(
+    client: httpx.Client, bare: Media, ends: str
+) -> None:
+    """Held (no text worker, a long bound): a cancel ends the part at once (as mid-image: at
+    the latest at its next step), its timeout_s (which the hold counts toward, as it counts from
+    the job's creation) fails it before any step; the media worker is free for the next part."""
+    r = redis.Redis.from_url(REDIS_URL, decode_responses=True)
+    bare.start_media_worker("m1", image_hold_s=120)
+    image = {**HELD[1], "timeout_s": 2} if ends == "timeout" else HELD[1]
+    job_id = submit(client, bare, [HELD[0], image])
+    wait_until(lambda: part_status(r, bare, job_id, 1) == "running", "the image part taken", 30)
+    if ends == "cancel":
+        assert client.post(f"{bare.url}/v1/jobs/{job_id}/cancel").status_code == 200
+        job = finished_job(client, bare.url, job_id, timeout=10)
+        assert job["status"] == "cancelled"
+        assert [p["status"] for p in job["parts"]] == ["cancelled", "cancelled"]
+    else:
+        wait_until(lambda: part_status(r, bare, job_id, 1) == "failed", "the image part to time out", 30)
+        i = client.get(f"{bare.url}/v1/jobs/{job_id}").json()["parts"][1]
+        assert i["error"]["type"] == "timeout"
+        assert client.post(f"{bare.url}/v1/jobs/{job_id}/cancel").status_code == 200
+        # Out of time while held: failed before its first step.
+        events = events_of(client, bare, job_id)  # to its done: the cancel ended the text part
+        check_full_stream(events)
+        assert not [e for e in events if e.event == "progress"]
+    nxt = submit(client, bare, [{"type": "image", "prompt": "next", "size": "32x32", "steps": 2}])
+    assert finished_job(client, bare.url, nxt, timeout=30)["status"] == "succeeded"

@@ -8,6 +8,7 @@ import json
 import secrets
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
@@ -47,6 +48,8 @@ class JobRecord:
     batch: str = ""  # the batch whose line it is (api/batch_feeder.py); empty for any other job
     # A part of a foreground job: its worker cancels the job once nobody watches it (workers/liveness.py).
     foreground_parent: bool = False
+    # An image part: the indices of its job's text parts (their first tokens hold its first step).
+    text_parts: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -216,6 +219,7 @@ def create_parts_call(
     fields["parts"] = str(len(ids))
     fields["part_keys"] = json.dumps([[keys.job(i), keys.job_text(i), keys.part_content(i)] for i in ids])
     dependents: dict[int, list[int]] = {}
+    text_parts = json.dumps([k for k, part in enumerate(request.parts) if part.type == "text"])
     for k, part in enumerate(request.parts):
         if isinstance(part, ImagePart) and part.prompt_from is not None:
             dependents.setdefault(part.prompt_from, []).append(k)
@@ -228,6 +232,8 @@ def create_parts_call(
             pf["foreground"] = "1"
         if k in dependents:
             pf["dependents"] = json.dumps(dependents[k])
+        if not text and text_parts != "[]":
+            pf["text_parts"] = text_parts
         build = message_for if text else media_message_for
         message = build(pid) if build else None
         waits = isinstance(part, ImagePart) and part.prompt_from is not None
@@ -369,6 +375,7 @@ def record_from_hash(h: dict[str, str], text: str) -> JobRecord:
         cancel_requested=h.get("cancel_requested") == "1",
         batch=h.get("batch", ""),
         foreground_parent=h.get("foreground") == "1",
+        text_parts=tuple(json.loads(h.get("text_parts") or "[]")),
     )
 
 
@@ -459,6 +466,24 @@ def own_events(log: Iterable[LogEntry], index: int) -> list[LogEntry]:
     what its worker resumes from, as a text job's worker does from its log."""
     mine = [e for e in log if e.type in ("token", "progress", "preview") and e.data.get("part") == index]
     return [e.model_copy(update={"seq": n}) for n, e in enumerate(mine, 1)]
+
+
+def text_part_started(status: str | None, logged: str | None) -> bool:
+    """Whether a text part, by its hash's ``status`` and ``logged``, has its first token or has
+    ended (or is gone): its worker's first event is its first token (or its end)."""
+    return status not in ("queued", "running") or int(logged or 0) > 0
+
+
+def started_by(raw: str | bytes, waiting: AbstractSet[int]) -> set[int]:
+    """Which of the text parts ``waiting`` the job's event ``raw`` (as published on its channel)
+    shows started: a token of one, its end, or the job's ``done`` (all of them)."""
+    entry = json.loads(raw)
+    kind, data = entry.get("type"), entry.get("data") or {}
+    if kind == "done":
+        return set(waiting)
+    k = data.get("part")
+    ended = kind == "part" and data.get("status") in ("succeeded", "failed", "cancelled")
+    return {k} if isinstance(k, int) and k in waiting and (kind == "token" or ended) else set()
 
 
 def parse_take(reply: list[Any], part_index: int | None = None) -> TakeResult:

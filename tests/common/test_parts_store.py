@@ -4,9 +4,11 @@ by its own attempt, the job's status from its parts, dependencies, cancel, expir
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from typing import Any, TypeVar
 
+from procs import wait_until
 from store_helpers import StoreForTests
 
 from common.keys import part_id
@@ -231,3 +233,42 @@ def test_the_parts_of_a_foreground_job_say_so(store: StoreForTests, settings: Se
     assert store.unwatched([part_id(job.id, 1)], now, 0.0) == [part_id(job.id, 1)]
     store.redis.zadd(settings.keys.job_watchers(job.id), {"w1": now + 30})
     assert store.unwatched([part_id(job.id, 1)], now, 0.0) == []
+
+
+def test_an_image_part_waits_for_its_jobs_text_parts_first_tokens(
+    store: StoreForTests, settings: Settings
+) -> None:
+    """``wait_text_parts`` (the media worker's hold): until each text part has its first token
+    or ended, heard on the job's channel; at most until its bound; at once when interrupted."""
+    job = create(settings, [TEXT, IMAGE, TEXT])
+    texts = [part_id(job.id, 0), part_id(job.id, 2)]
+    image = store.take_job(part_id(job.id, 1), "m1", "sd")
+    assert image.record is not None and image.record.text_parts == (0, 2)
+    never = lambda: False  # noqa: E731
+    # Neither started: the bound.
+    t0 = time.time()
+    assert store.wait_text_parts(job.id, (0, 2), t0 + 0.2, never) == ({0, 2}, False)
+    assert time.time() - t0 >= 0.2
+    assert store.wait_text_parts(job.id, (0, 2), t0 + 60, lambda: True) == ({0, 2}, False)
+    # Heard: part 0's first token, part 2's end (a failure before any token).
+    got: list[tuple[set[int], bool]] = []
+    waiter = threading.Thread(
+        target=lambda: got.append(store.wait_text_parts(job.id, (0, 2), time.time() + 60, never))
+    )
+    waiter.start()
+    channel = settings.keys.job_events(job.id)
+    wait_until(lambda: store.redis.pubsub_numsub(channel)[0][1] == 1, "the wait subscribed", 10)
+    first = store.take_job(texts[0], "w", "m")
+    assert store.append_batch([Append(texts[0], first.attempt, [token_entry(1, 0, "tok", [7])], 2, 1)]) == [
+        Appended.WRITTEN
+    ]
+    assert waiter.is_alive()  # part 2 still has none
+    other = store.take_job(texts[1], "w", "m")
+    error = LogEntry.error(1, ErrorEvent(message="boom", type="engine_error"))
+    assert store.append_batch(
+        [Append(texts[1], other.attempt, [error], 2, 0, Final(JobStatus.FAILED, "error"))]
+    )
+    waiter.join(10)
+    assert got == [(set(), True)]
+    # Started before the wait: found at the read, nothing heard.
+    assert store.wait_text_parts(job.id, (0, 2), time.time() + 60, never) == (set(), False)

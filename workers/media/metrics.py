@@ -37,8 +37,13 @@ class MediaMetrics:
             "spool_image_queue_time_seconds", "Image part created to taken by this worker (first attempt)"
         )
         self.step_time = histogram("spool_image_denoise_step_seconds", "One denoising step of the pipeline")
+        self.hold_time = histogram(
+            "spool_image_hold_seconds",
+            "Image part's first step held for its job's text parts' first tokens (parts of jobs with text parts)",
+        )
         self.generation_time = histogram(
-            "spool_image_generation_seconds", "Image part taken to its image made (succeeded parts)"
+            "spool_image_generation_seconds",
+            "Image part's pipeline called (after any hold) to its image made (succeeded parts)",
         )
         self.e2e = histogram(
             "spool_image_e2e_seconds", "Image part created to its end written (succeeded parts)"
@@ -76,16 +81,20 @@ class MediaMetrics:
         else:
             self.queue_time.observe(max(now - created_at, 0.0))
 
+    def held(self, seconds: float) -> None:
+        self.hold_time.observe(max(seconds, 0.0))
+
     def step(self, seconds: float) -> None:
         self.steps.inc()
         self.step_time.observe(max(seconds, 0.0))
 
-    def ended(self, status: str, created_at: float, taken_at: float, now: float) -> None:
-        """The part's end was written (``status``: succeeded, failed or cancelled)."""
+    def ended(self, status: str, created_at: float, begun_at: float, now: float) -> None:
+        """The part's end was written (``status``: succeeded, failed or cancelled; ``begun_at``:
+        its pipeline called)."""
         self.running.set(0)
         self.parts.get(status, self.parts["failed"]).inc()
         if status == "succeeded":
-            self.generation_time.observe(max(now - taken_at, 0.0))
+            self.generation_time.observe(max(now - begun_at, 0.0))
             self.e2e.observe(max(now - created_at, 0.0))
 
     def left(self) -> None:

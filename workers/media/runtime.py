@@ -2,8 +2,9 @@
 liveness of every worker (workers/liveness.py: heartbeat, leases fenced by attempt, cancels,
 the sweep that requeues a dead worker's parts).
 
-A Celery task thread calls ``run_part``: take the part (a new attempt), run the pipeline from
-step 0, append a ``progress`` event after every step (and a ``preview`` at the steps a part
+A Celery task thread calls ``run_part``: take the part (a new attempt), hold it while its
+job's text parts have no first token yet (at most ``SPOOL_IMAGE_HOLD_S`` from the job's
+creation: ``_hold``), run the pipeline from step 0, append a ``progress`` event after every step (and a ``preview`` at the steps a part
 with ``partial_images`` asks for; one round trip each, fenced: a worker that was taken over
 stops at its next step), and end the part with one append that carries its
 ``part`` event, its PNG and its status. A cancel or the part's timeout stops the pipeline at
@@ -37,6 +38,13 @@ from workers.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
 
+# NOTE: a text part's first token is written to Redis before its client has it: the API's hub
+# and relay still carry it (a few ms). A hold that ends on the token's event goes on this much
+# longer, so the image's start does not take the CPU from that relay: on 2 shared cores, ending
+# at the event still added +17% and +41% to the text part's TTFT at its client; 30 to 50 ms
+# more brought it within the noise (docs/benchmarks.md "Media", the image hold).
+TOKEN_DELIVERY_S = 0.03
+
 
 @dataclass
 class _Part:
@@ -49,10 +57,12 @@ class _Part:
     deadline: float | None  # created_at + timeout_s
     next_seq: int  # the part's own count of events + 1 (earlier attempts' included)
     foreground: bool = False  # its job's: aborted (the job cancelled) once nobody watches it
+    text_parts: tuple[int, ...] = ()  # its job's text parts: its first step waits for their first tokens
     aborted: bool = False  # a cancel, or its lease lost: stop at the next step
     timed_out: bool = False
     lost: bool = False  # an append was refused: another worker runs it now
     taken_at: float = 0.0  # unix seconds
+    begun_at: float = 0.0  # unix seconds: its pipeline called (after the hold)
     step: int = 0  # denoising steps done (its last progress event's), for the heartbeat
     steps: int = 0  # of the part's request
 
@@ -79,6 +89,7 @@ class MediaRuntime:
         self.store = store
         self.name = name  # heartbeat key and the part hash's `worker`
         self.model = model
+        self.hold_s = settings.image_hold_s
         self._stop = threading.Event()
         self._lock = threading.Lock()  # guards _part: the task thread sets it, liveness reads it
         self._part: _Part | None = None
@@ -156,6 +167,7 @@ class MediaRuntime:
             created + request.timeout_s if request.timeout_s else None,
             len(taken.log) + 1,
             foreground=taken.record.foreground_parent,
+            text_parts=taken.record.text_parts,
             aborted=taken.record.cancel_requested,
             taken_at=time.time(),
             steps=request.steps,
@@ -173,10 +185,14 @@ class MediaRuntime:
         return outcome
 
     def _run(self, part: _Part, job_id: str, request: ImagePart) -> Outcome:
-        if not part.aborted and not self._in_time(part):
-            return self._fail(part, timeout_error(request))
-        if part.aborted:
-            return self._end(part, JobStatus.CANCELLED, {})
+        if (ended := self._ended_before_start(part, request)) is not None:
+            return ended
+        self._hold(part, job_id)
+        if self._stop.is_set():
+            return Outcome.SHUTDOWN  # another worker runs it (its lease lapses), as mid-pipeline
+        if (ended := self._ended_before_start(part, request)) is not None:
+            return ended
+        part.begun_at = time.time()
         prompt = request.prompt if request.prompt is not None else self._prompt_from(job_id, request)
         seed = request.seed if request.seed is not None else default_seed(part.part_id)
         spec = ImageSpec(
@@ -210,6 +226,49 @@ class MediaRuntime:
             return self._end(part, JobStatus.CANCELLED, {})
         self._images += 1
         return self._succeed(part, job_id, seed, image)
+
+    def _ended_before_start(self, part: _Part, request: ImagePart) -> Outcome | None:
+        """End a part cancelled or out of time before its first step; None: run it."""
+        if not part.aborted and not self._in_time(part):
+            return self._fail(part, timeout_error(request))
+        if part.aborted:
+            return self._end(part, JobStatus.CANCELLED, {})
+        return None
+
+    def _hold(self, part: _Part, job_id: str) -> None:
+        """Hold the first denoising step until the job's text parts have their first token (or
+        ended), at most until ``SPOOL_IMAGE_HOLD_S`` after the job's creation (and its
+        ``timeout_s``), so that on shared CPUs the image does not slow their prefill; once the
+        last first token comes (an event) it goes on ``TOKEN_DELIVERY_S`` more. A cancel, a lost
+        lease or the worker's stop ends the hold within ``TEXT_WAIT_SLICE_S``. The part is
+        running meanwhile (taken, its lease renewed), with no event of its own."""
+        if self.hold_s <= 0 or not part.text_parts:
+            return
+        until = part.created_at + self.hold_s
+        if part.deadline is not None:
+            until = min(until, part.deadline)
+        started = time.time()
+
+        def interrupted() -> bool:
+            return part.aborted or self._stop.is_set()
+
+        try:
+            waiting, heard = self.store.wait_text_parts(job_id, part.text_parts, until, interrupted)
+        except RedisError as e:  # not the image's failure: its writes find out what Redis is up to
+            log.warning(
+                "part %s: could not wait for its text parts' first tokens (%s); going on", part.part_id, e
+            )
+            return
+        if heard and not waiting and not interrupted():
+            self._stop.wait(max(min(TOKEN_DELIVERY_S, until - time.time()), 0.0))  # the token's relay
+        self.metrics.held(time.time() - started)
+        if waiting and not interrupted() and self._in_time(part):
+            log.info(
+                "part %s: text part(s) %s had no first token %.1fs after the job's creation; going on",
+                part.part_id,
+                sorted(waiting),
+                self.hold_s,
+            )
 
     def _prompt_from(self, job_id: str, request: ImagePart) -> str:
         assert request.prompt_from is not None
@@ -280,7 +339,7 @@ class MediaRuntime:
         final = Final(status, None, error)
         ok = self._send(part, Append(part.part_id, part.attempt, [entry], 0, 0, final, png))
         if ok:
-            self.metrics.ended(status.value, part.created_at, part.taken_at, time.time())
+            self.metrics.ended(status.value, part.created_at, part.begun_at or part.taken_at, time.time())
         return Outcome.FINISHED if ok else Outcome.LOST
 
     def _send(self, part: _Part, append: Append) -> bool:
