@@ -161,8 +161,10 @@ def main(argv: list[str] | None = None) -> int:
         try:
             redis, redis_url = start_redis(log_dir=work, data_dir=work)
             procs.append(redis)
+            # compile=False: the eager forward, as the engine alone it is compared with
             env = spool_env(redis_url, "bench-batch", model=model, max_batch_size=args.batch_size,
-                            batch_window=args.window, heartbeat_s=0.5, torch_threads=args.threads)  # fmt: skip
+                            batch_window=args.window, heartbeat_s=0.5, torch_threads=args.threads,
+                            compile=False)  # fmt: skip
             worker = start("worker", [*spool_argv(), "worker"], env=env, log_dir=work)
             procs.append(worker)
             api, url = start_api("api", env, log_dir=work)

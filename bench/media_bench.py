@@ -188,7 +188,11 @@ def main() -> None:
         procs.append(redis_proc)
         r = redis.Redis.from_url(redis_url)
         keys = Keys(PREFIX)
-        common = {"heartbeat_s": 0.5, "max_image_steps": 1000}
+        common = {
+            "heartbeat_s": 0.5,
+            "max_image_steps": 1000,
+            "compile": False,
+        }  # the figures' eager text worker
         workers = {**common, "torch_threads": threads}  # as `spool up` gives both workers
         text_env = spool_env(redis_url, PREFIX, model=text_model, worker_name="text", **workers)
         media_env = spool_env(redis_url, PREFIX, image_model=image_model, worker_name="media", **workers)

@@ -236,12 +236,11 @@ def start_stack(
         max_batch_size=w.batch,
         max_model_len=w.max_model_len,
         worker_name=f"{PREFIX}-w1",
+        compile=args.compile,  # as the engine alone, whatever the worker's default
         **engine_settings(w),
     )
     argv = [*harness.spool_argv(), "worker"]
     worker_env = {**env, **place.worker_env(), **worker_threads(args)}
-    if args.compile:
-        worker_env["SPOOL_COMPILE"] = "true"
     worker = harness.start("worker", argv, env=worker_env, log_dir=log_dir, cwd=REPO_ROOT, cpus=place.engine)
     procs.append(worker)
     # The clients' replicas (round-robin, as behind a load balancer), and one that no client uses:

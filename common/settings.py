@@ -41,7 +41,10 @@ class Settings(BaseSettings):
     prefill_chunk_size: int = Field(512, ge=16)
     max_prefill_tokens_per_step: int = Field(2048, ge=16)
     enable_prefix_caching: bool = True  # reuse cached prompt prefixes, per owner (the engine's EngineConfig)
-    compile: bool = False  # the engine's forward through torch.compile, compiled at load (EngineConfig)
+    # The engine's forward through torch.compile, compiled at load (EngineConfig.compile); unset:
+    # on for SPOOL_DEVICE=cpu, where it pays (docs/benchmarks.md), falling back to eager if the
+    # compiler fails on the model; off elsewhere (not measured on a GPU yet).
+    compile: bool | None = None
     # The worker's torch threads (torch.set_num_threads); unset: torch's own default, a thread per
     # core. `spool up` sets it to the cores minus one, so the API and Redis beside it keep a core.
     torch_threads: int | None = Field(None, ge=1)

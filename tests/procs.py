@@ -70,7 +70,13 @@ class Service:
 
 
 def spool_env(prefix: str, **settings: object) -> dict[str, str]:
-    """This environment minus any SPOOL_* of the caller, plus the test Redis and the settings."""
+    """This environment minus any SPOOL_* of the caller, plus the test Redis and the settings.
+
+    Workers run the eager forward unless a test gives ``compile`` (a compile at every worker's
+    start would cost each test seconds); ``compile=None`` leaves the service's default."""
+    settings.setdefault("compile", False)
+    if settings["compile"] is None:
+        del settings["compile"]
     return harness.spool_env(REDIS_URL, prefix, **settings)
 
 

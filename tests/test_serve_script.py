@@ -49,7 +49,9 @@ FRESH = pytest.mark.skipif(
 def test_serve_reaches_ready_and_prints_the_url_only_then(prefixes, tmp_path: Path, fresh: bool) -> None:  # type: ignore[no-untyped-def]
     tree = copy_of_the_tree(tmp_path / "spool")
     port = free_port()
-    env = spool_env(prefixes.new(), port=port)  # the default heartbeat: a loaded machine keeps it live
+    env = spool_env(
+        prefixes.new(), port=port, compile=None
+    )  # the default heartbeat: a loaded machine keeps it live
     if not fresh:
         env["VENV"] = sys.prefix
     proc = subprocess.Popen(

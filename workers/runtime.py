@@ -296,21 +296,21 @@ class EngineRuntime:
         path = settings.model or str(default_model_path())
         if settings.torch_threads is not None:
             torch.set_num_threads(settings.torch_threads)  # before the engine's first op
+        config = EngineConfig(
+            model=path,
+            device=settings.device,
+            dtype=settings.dtype,
+            max_batch_size=settings.max_batch_size,
+            max_model_len=settings.max_model_len,
+            kv_cache_memory_bytes=settings.kv_cache_memory_bytes,
+            prefill_chunk_size=settings.prefill_chunk_size,
+            max_prefill_tokens_per_step=settings.max_prefill_tokens_per_step,
+            enable_prefix_caching=settings.enable_prefix_caching,
+            # Unset: where it was measured to pay, a CPU (docs/benchmarks.md); not yet on a GPU.
+            compile=settings.compile if settings.compile is not None else settings.device == "cpu",
+        )
         try:
-            engine = Engine(
-                EngineConfig(
-                    model=path,
-                    device=settings.device,
-                    dtype=settings.dtype,
-                    max_batch_size=settings.max_batch_size,
-                    max_model_len=settings.max_model_len,
-                    kv_cache_memory_bytes=settings.kv_cache_memory_bytes,
-                    prefill_chunk_size=settings.prefill_chunk_size,
-                    max_prefill_tokens_per_step=settings.max_prefill_tokens_per_step,
-                    enable_prefix_caching=settings.enable_prefix_caching,
-                    compile=settings.compile,
-                )
-            )
+            engine = cls._load(config, fall_back=settings.compile is None)
         except Exception as e:
             model = repr(settings.model) if settings.model else f"unset (the default model, {path})"
             raise ModelLoadError(f"SPOOL_MODEL={model} did not load: {type(e).__name__}: {e}") from e
@@ -320,6 +320,17 @@ class EngineRuntime:
             runtime.metrics.serve(settings.worker_metrics_port)
         runtime.start()
         return runtime
+
+    @staticmethod
+    def _load(config: EngineConfig, fall_back: bool) -> Engine:
+        """The engine; ``fall_back`` (SPOOL_COMPILE unset): a model the compiler fails on runs eagerly."""
+        try:
+            return Engine(config)
+        except Exception:
+            if not (fall_back and config.compile):
+                raise
+            log.warning("the compiled forward failed at load; the engine runs eagerly", exc_info=True)
+            return Engine(replace(config, compile=False))
 
     def start(self) -> None:
         # Liveness beats once first: the worker is ready before Celery consumes a message. Its

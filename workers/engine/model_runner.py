@@ -88,14 +88,22 @@ class ModelRunner:
         # meet its sizes now rather than in the first burst's time to first token, and a model too
         # big for its activations fails here. What it writes, any later prefill overwrites first.
         budget = min(config.max_prefill_tokens_per_step, self.max_model_len)
+        largest = ([(slot, 0, 0) for slot in range(1, num_slots)], [(0, 0, [0] * budget, True)])
         self._compiled: Callable[..., torch.Tensor] | None = None
-        if config.compile:
-            self._compiled = torch.compile(self._logits, dynamic=True)
+        if not config.compile:
+            self.forward(*largest)
+            return
+        from torch._inductor import config as inductor
+
         started = time.perf_counter()
-        self.forward([(slot, 0, 0) for slot in range(1, num_slots)], [(0, 0, [0] * budget, True)])
-        if config.compile:
+        self._compiled = torch.compile(self._logits, dynamic=True)
+        # Compiled at its first call. Freezing: the weights are constants to the compiler, so on a
+        # CPU it packs them for oneDNN's matmuls (a second copy of them) and folds what depends on
+        # them only. (torch.compile's options= does not reach it; the config does.)
+        with inductor.patch(freezing=True):
+            self.forward(*largest)
             self.forward([(0, 0, 0)], [])  # the smallest: one decode row
-            log.info("compiled the forward in %.1f s", time.perf_counter() - started)
+        log.info("compiled the forward in %.1f s", time.perf_counter() - started)
 
     @torch.inference_mode()
     def _probe_cache_shape(self) -> Any:

@@ -92,7 +92,9 @@ class EngineConfig:
     # request's slot, or a finished one's not yet reused, already holds: see prefix_cache.py.
     enable_prefix_caching: bool = True
     trust_remote_code: bool = False
-    compile: bool = False  # run the forward through torch.compile (model_runner.py), compiled at load
+    # Run the forward through torch.compile (model_runner.py), compiled at load; the worker's
+    # SPOOL_COMPILE turns it on for a CPU unless set.
+    compile: bool = False
 
     def __post_init__(self) -> None:
         if self.prefill_chunk_size < 1 or self.max_prefill_tokens_per_step < self.prefill_chunk_size:
