@@ -4,10 +4,10 @@ the sweep that requeues a dead worker's parts).
 
 A Celery task thread calls ``run_part``: take the part (a new attempt), hold it while its
 job's text parts have no first token yet (at most ``SPOOL_IMAGE_HOLD_S`` from the job's
-creation: ``_hold``), run the pipeline from step 0, append a ``progress`` event after every step (and a ``preview`` at the steps a part
-with ``partial_images`` asks for; one round trip each, fenced: a worker that was taken over
-stops at its next step), and end the part with one append that carries its
-``part`` event, its PNG and its status. A cancel or the part's timeout stops the pipeline at
+creation: ``_hold``), run the pipeline from step 0, append a ``progress`` event after every
+step (and a ``preview`` at the steps a part with ``partial_images`` asks for; one round trip
+each, fenced: a worker that was taken over stops at its next step), and end the part with one
+append that carries its ``part`` event, its PNG and its status. A cancel or the part's timeout stops the pipeline at
 the next step (workers/media/pipeline.py), so the worker is free for the next part at once.
 """
 
