@@ -139,12 +139,7 @@ def completions_run(
 # -- the sides ------------------------------------------------------------------------------------
 
 
-def engine_side(sides: sb.Sides, prompts: Sequence[str], max_tokens: int) -> Side:
-    r = sides.run_engine(prompts, max_tokens)
-    return Side(r.tok_s, r.seconds, percentile(r.ttft_ms, 50), r.texts)
-
-
-def compiled_side(engine: sb.Engine, prompts: Sequence[str], max_tokens: int) -> Side:
+def engine_side(engine: sb.Engine, prompts: Sequence[str], max_tokens: int) -> Side:
     r = sb.engine_run(engine, prompts, max_tokens)
     return Side(r.tok_s, r.seconds, percentile(r.ttft_ms, 50), r.texts)
 
@@ -383,7 +378,6 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 stack = sb.start_stack(args, place, procs, log_dir, redis, redis_url, model_dir, w)
                 engine = sb.load_engine(args, model_dir, w)
                 compiled = sb.load_engine(args, model_dir, w, compile=True) if args.compile else None
-                sides = sb.Sides(engine, stack.urls, place, False)
                 llama = None
                 if args.llama_server is not None:
                     slot_ctx = max(w.prompt_tokens) + new + 16
@@ -391,17 +385,16 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                     procs.append(llama[0])
                 warm = min(new, (FULL if not args.quick else QUICK).warmup_tokens)
                 log(f"warm-up: every side, {len(prompts)} prompts of {warm} new tokens")
-                engine_side(sides, prompts, warm)
-                if compiled:
-                    sb.engine_run(compiled, prompts, warm)
+                for e in filter(None, (engine, compiled)):
+                    sb.engine_run(e, prompts, warm)
                 completions_run(stack.urls[0], prompts, warm, {}, 300)
                 if llama:
                     completions_run(llama[1], prompts, warm, LLAMA_EXTRA, 300)
                 for i in range(args.rounds):
                     r: dict[str, Side] = {}
-                    r["engine"] = engine_side(sides, prompts, new)
+                    r["engine"] = engine_side(engine, prompts, new)
                     if compiled:
-                        r["compiled"] = compiled_side(compiled, prompts, new)
+                        r["compiled"] = engine_side(compiled, prompts, new)
                     timeout = max(120.0, 20 * r["engine"].seconds)
                     r["stack"] = stack_side(stack, prompts, new, timeout)
                     if llama:
