@@ -256,6 +256,17 @@ def _per_job(deltas: list[Delta], cursors: dict[str, JobCursor]) -> list[Delta]:
     return list(by_job.values())
 
 
+def _job_counts(running: list[str], waiting: list[str], cursors: dict[str, JobCursor]) -> dict[str, int]:
+    """The engine's running and waiting requests as the metrics count them: per job. A job runs
+    while any of its choices holds a slot, and waits while none does yet."""
+
+    def job_of(engine_id: str) -> str:
+        return cursors[engine_id].job_id if engine_id in cursors else engine_id
+
+    jobs_running = set(map(job_of, running))
+    return {"running": len(jobs_running), "waiting": len(set(map(job_of, waiting)) - jobs_running)}
+
+
 class EngineRuntime:
     def __init__(
         self,
@@ -480,7 +491,8 @@ class EngineRuntime:
                     cursors = {eid: j.cursor for j in self._jobs.values() for eid in j.engine_ids}
                 self._end_siblings(deltas, cursors)
                 appends = self._publisher.prepare(deltas, cursors)
-                self.metrics.step(started, _per_job(deltas, cursors), appends, self._stats)
+                counts = _job_counts(*self.engine.request_ids(), cursors)
+                self.metrics.step(started, _per_job(deltas, cursors), appends, {**self._stats, **counts})
                 if appends:
                     self._outbox.put(appends)  # waits while the writer is OUTBOX_STEPS behind
             except Exception:

@@ -110,3 +110,32 @@ def test_takeover_resumes_each_choice_from_its_own_tokens(
     assert len(choices[1]) == len(whole_choices[1])  # ended: not run again
     assert got.usage.completion_tokens == sum(map(len, want.values()))
     assert got.status is JobStatus.SUCCEEDED and store.get_record(job.id).attempt == 2
+
+
+def test_the_request_gauges_count_a_job_with_choices_once(
+    runtime: EngineRuntime, store: StoreForTests
+) -> None:
+    """spool_num_requests_running / _waiting count jobs, not their choices (docs/metrics.md)."""
+    slots = runtime.engine.num_slots
+    first = store.create_job(JobRequest(prompt=LONG_PROMPT, max_tokens=400, temperature=0, n=slots))
+    second = store.create_job(JobRequest(prompt=LONG_PROMPT, max_tokens=400, temperature=0, n=2))
+    threads = [run_in_thread(runtime, first.id)[0]]
+    poll(lambda: len(store.read_log(first.id)) >= slots, "the first job's tokens")  # every slot held
+    threads.append(run_in_thread(runtime, second.id)[0])
+
+    def gauges() -> tuple[float | None, float | None]:
+        return tuple(  # type: ignore[return-value]
+            runtime.metrics.registry.get_sample_value(
+                f"spool_num_requests_{g}", {"model_name": runtime.metrics.model_name}
+            )
+            for g in ("running", "waiting")
+        )
+
+    # The engine holds 8 + 2 requests: the first job's choices in every slot, the second's waiting.
+    poll(lambda: runtime.engine.stats()["waiting"] == 2, "the second job in the engine")
+    assert poll(lambda: gauges() == (1, 1) or None, "one job running and one waiting")
+    for job in (first, second):
+        store.request_cancel(job.id)
+    for t in threads:
+        t.join(30)
+    assert poll(lambda: gauges() == (0, 0) or None, "no job left")

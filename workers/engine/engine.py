@@ -158,6 +158,11 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def request_ids(self) -> tuple[list[str], list[str]]:
+        """The ids of the requests holding a slot and of those waiting for one (what ``stats()``
+        counts as "running" and "waiting")."""
+        return [r.request_id for r in self.scheduler.running], [r.request_id for r in self.scheduler.waiting]
+
     def stats(self) -> dict[str, int | float]:
         return {
             "running": len(self.scheduler.running),
