@@ -42,14 +42,20 @@ class Enqueuer:
         (at ``priority``: a batch's lines go at BATCH_PRIORITY, behind interactive jobs)."""
         return self._message(GENERATE_TASK, self._keys.queue_llm, job_id, priority)
 
-    def media(self, part_id: str) -> QueueMessage:
-        """The message of the media workers' task for an image part (``common.keys.part_id``)."""
-        return self._message(MEDIA_TASK, self._keys.queue_media, part_id, JOB_PRIORITY)
+    def media(self, part_id: str, held: bool = False) -> QueueMessage:
+        """The message of the media workers' task for an image part (``common.keys.part_id``);
+        ``held``: one the store sends at its text parts' first tokens (docs/internals.md "Parts")."""
+        kwargs: dict[str, object] | None = {"held": True} if held else None
+        return self._message(MEDIA_TASK, self._keys.queue_media, part_id, JOB_PRIORITY, kwargs)
 
-    def _message(self, task: str, queue: str, job_id: str, priority: int) -> QueueMessage:
+    def _message(
+        self, task: str, queue: str, job_id: str, priority: int, kwargs: dict[str, object] | None = None
+    ) -> QueueMessage:
         task_id = uuid()
         # ignore_result None: the task's own setting decides, as with send_task.
-        headers, properties, body, _ = self._amqp.as_task_v2(task_id, task, args=[job_id], ignore_result=None)
+        headers, properties, body, _ = self._amqp.as_task_v2(
+            task_id, task, args=[job_id], kwargs=kwargs, ignore_result=None
+        )
         content_type, content_encoding, data = serialize(body, serializer="json")
         raw = data.encode(content_encoding) if isinstance(data, str) else data
         properties.update(

@@ -106,6 +106,11 @@ class Keys:
         workers' sweep to send a lost one again; not counted for backpressure."""
         return f"{self.prefix}:queued_media"
 
+    def held_media(self) -> str:
+        """Sorted set of image parts held for their job's text parts' first tokens, their message
+        not sent yet (score: the latest it is sent, unix seconds); the media workers send those due."""
+        return f"{self.prefix}:held_media"
+
     def running_jobs(self) -> str:
         """Sorted set of running job ids (score: lease deadline); scanned for crashed workers."""
         return f"{self.prefix}:running"

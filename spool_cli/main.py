@@ -239,8 +239,7 @@ def parser() -> argparse.ArgumentParser:
         "Settings: SPOOL_REDIS_URL, SPOOL_REDIS_PREFIX, SPOOL_MODEL, SPOOL_DEVICE, SPOOL_DTYPE, the "
         "engine's (SPOOL_MAX_BATCH_SIZE, SPOOL_MAX_MODEL_LEN, ...) and the liveness ones "
         "(SPOOL_HEARTBEAT_S, SPOOL_LEASE_S, SPOOL_WORKER_NAME, ...); with --kind media "
-        "SPOOL_IMAGE_MODEL, SPOOL_IMAGE_DEVICE, SPOOL_IMAGE_DTYPE, SPOOL_IMAGE_NICE and SPOOL_IMAGE_HOLD_S "
-        "(how long an image part waits for its job's text parts' first tokens) instead of the "
+        "SPOOL_IMAGE_MODEL, SPOOL_IMAGE_DEVICE, SPOOL_IMAGE_DTYPE and SPOOL_IMAGE_NICE instead of the "
         "model and engine's.",
         "SPOOL_MODEL=Qwen/Qwen2.5-0.5B-Instruct SPOOL_DEVICE=cuda spool worker",
     )

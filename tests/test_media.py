@@ -62,6 +62,12 @@ class Media:
         assert self.api is not None
         return self.api.url
 
+    def start_api(self, **settings: object) -> None:
+        """(Re)start the API, with these settings."""
+        if self.api is not None:
+            self.api.stop()
+        self.api = start_api(self.prefix, self.log_dir, ready=False, **settings)
+
     def start_media_worker(self, name: str, **settings: object) -> Service:
         settings = {**LIVENESS, "detach_grace_s": MEDIA_GRACE_S, **settings}
         env = spool_env(self.prefix, image_model=self.model, worker_name=f"{self.prefix}-{name}", **settings)
@@ -410,6 +416,15 @@ def test_the_media_workers_metrics_count_parts_steps_and_waits(client: httpx.Cli
     assert delta(before, after, "spool_image_e2e_seconds_count") == 1
     assert 0 < delta(before, after, "spool_image_denoise_step_seconds_sum") < 60
     assert value(after, "spool_image_parts_running") == 0
+    assert delta(before, after, "spool_image_hold_seconds_count") == 0  # no text part: never held
+    # With a text part: held until its first token, within the bound (SPOOL_IMAGE_HOLD_S, 2 s).
+    text = {"type": "text", "prompt": "Hi", "max_tokens": 2}
+    both = submit(client, media, [text, {"type": "image", "prompt": "m", "size": "32x32", "steps": 1}])
+    assert finished_job(client, media.url, both)["status"] == "succeeded"
+    wait_until(
+        lambda: delta(after, scrape(url), "spool_image_hold_seconds_count") == 1, "the hold counted", 10
+    )
+    assert 0 < delta(after, scrape(url), "spool_image_hold_seconds_sum") < 2
     for status in ("failed", "cancelled"):  # every status shown from the start
         assert ("spool_image_parts_total", status) in {(n, dict(ls).get("status")) for n, ls in after}
     named = {m for m in dashboard_metrics() if m.startswith(MEDIA_PREFIX)}
@@ -614,7 +629,7 @@ def test_without_a_media_worker_a_request_that_waits_for_images_is_a_503(
 def bare(prefixes: Prefixes, tiny_image_model: Path, log_dir: Path) -> Iterator[Media]:
     """An API on a prefix of its own, and no worker yet."""
     m = Media(prefixes.new(), tiny_image_model, log_dir)
-    m.api = start_api(m.prefix, log_dir, ready=False)
+    m.start_api()
     yield m
     m.api.stop()
     for w in m.workers:
@@ -662,15 +677,21 @@ def part_status(r: redis.Redis, media: Media, job_id: str, k: int) -> str | None
     return None if status is None else str(status)
 
 
+def held(r: redis.Redis, media: Media, job_id: str) -> bool:
+    return r.zscore(media.keys.held_media(), f"{job_id}:part:1") is not None
+
+
 def test_a_held_image_part_starts_once_its_text_part_has_its_first_token(
     client: httpx.Client, bare: Media, tiny_model: Path
 ) -> None:
-    """No text worker yet: the image part is taken and held (no step) until one starts and the
-    text part streams its first token."""
+    """No text worker yet: the image part stays queued, its message unsent, until one starts and
+    the text part streams its first token; then a media worker takes it."""
     r = redis.Redis.from_url(REDIS_URL, decode_responses=True)
-    bare.start_media_worker("m1", image_hold_s=120)
+    bare.start_api(image_hold_s=120)
+    bare.start_media_worker("m1")
     job_id = submit(client, bare, HELD)
-    wait_until(lambda: part_status(r, bare, job_id, 1) == "running", "the image part taken", 30)
+    assert held(r, bare, job_id)
+    assert sum(r.llen(k) for k in bare.keys.queue_lists(bare.keys.queue_media)) == 0
     text = start_worker(bare.prefix, tiny_model, bare.log_dir)
     try:
         events = events_of(client, bare, job_id)
@@ -678,8 +699,9 @@ def test_a_held_image_part_starts_once_its_text_part_has_its_first_token(
         text.stop()
     check_full_stream(events)
     assert finished_job(client, bare.url, job_id)["status"] == "succeeded"
-    taken, token = first_id(events, "part", 1, status="running"), first_id(events, "token", 0)
-    assert taken < token < first_id(events, "progress", 1)
+    token, taken = first_id(events, "token", 0), first_id(events, "part", 1, status="running")
+    assert token < taken < first_id(events, "progress", 1)
+    assert not held(r, bare, job_id)
 
 
 @pytest.mark.parametrize("hold_s", [1.5, 0])
@@ -688,7 +710,8 @@ def test_an_image_part_whose_text_part_cannot_start_is_held_at_most_the_bound(
 ) -> None:
     """No text worker on the prefix: the image is made about SPOOL_IMAGE_HOLD_S after the job's
     creation (0: at once), its text part still queued."""
-    bare.start_media_worker("m1", image_hold_s=hold_s)
+    bare.start_api(image_hold_s=hold_s)
+    bare.start_media_worker("m1")
     job_id = submit(client, bare, HELD)
     job: dict[str, Any] = {}
 
@@ -706,22 +729,22 @@ def test_an_image_part_whose_text_part_cannot_start_is_held_at_most_the_bound(
 
 
 @pytest.mark.parametrize("ends", ["cancel", "timeout"])
-def test_a_cancel_or_timeout_ends_a_held_image_part_as_a_running_one(
-    client: httpx.Client, bare: Media, ends: str
-) -> None:
-    """Held (no text worker, a long bound): a cancel ends the part at once (as mid-image: at
-    the latest at its next step), its timeout_s (which the hold counts toward, as it counts from
-    the job's creation) fails it before any step; the media worker is free for the next part."""
+def test_a_cancel_or_timeout_ends_a_held_image_part(client: httpx.Client, bare: Media, ends: str) -> None:
+    """Held (no text worker, a long bound): a cancel ends the part at once, as any queued part;
+    its timeout_s (which the hold counts toward, as it counts from the job's creation) sends it
+    at that time, and it fails before any step; the media worker is free for the next part."""
     r = redis.Redis.from_url(REDIS_URL, decode_responses=True)
-    bare.start_media_worker("m1", image_hold_s=120)
+    bare.start_api(image_hold_s=120)
+    bare.start_media_worker("m1")
     image = {**HELD[1], "timeout_s": 2} if ends == "timeout" else HELD[1]
     job_id = submit(client, bare, [HELD[0], image])
-    wait_until(lambda: part_status(r, bare, job_id, 1) == "running", "the image part taken", 30)
+    assert held(r, bare, job_id)
     if ends == "cancel":
         assert client.post(f"{bare.url}/v1/jobs/{job_id}/cancel").status_code == 200
         job = finished_job(client, bare.url, job_id, timeout=10)
         assert job["status"] == "cancelled"
         assert [p["status"] for p in job["parts"]] == ["cancelled", "cancelled"]
+        assert not held(r, bare, job_id)
     else:
         wait_until(lambda: part_status(r, bare, job_id, 1) == "failed", "the image part to time out", 30)
         i = client.get(f"{bare.url}/v1/jobs/{job_id}").json()["parts"][1]

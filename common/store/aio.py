@@ -17,6 +17,7 @@ from common.store.records import (
     LIST_SCAN_MAX,
     SUMMARY_FIELDS,
     JobRecord,
+    MediaMessageFor,
     MessageFor,
     StreamState,
     cancel_args,
@@ -72,7 +73,7 @@ class AsyncJobStore(WatcherSets):
         owner: str = "",
         message_for: MessageFor | None = None,
         idempotency_key: str | None = None,
-        media_message_for: MessageFor | None = None,
+        media_message_for: MediaMessageFor | None = None,
     ) -> Job:
         """Store a queued job, and with ``message_for`` its broker message in the same script.
 

@@ -192,9 +192,28 @@ local function finish_job(job, log, chan, text, now, ttl)
   end
   return true
 end
+-- Send the messages of the job's held image parts (``held_parts``) still queued: its text parts
+-- have their first tokens (PART_APPEND_LUA), or the hold's bound passed (RELEASE_HELD_LUA).
+local function release_held(job, queued_media, held_media, now)
+  local held = redis.call('HGET', job, 'held_parts')
+  if not held then return end
+  redis.call('HDEL', job, 'held_parts')
+  local pk = cjson.decode(redis.call('HGET', job, 'part_keys'))
+  for _, d in ipairs(cjson.decode(held)) do
+    local key = pk[d + 1][1]
+    local status, list, message, id = unpack(redis.call('HMGET', key, 'status', 'list_key', 'message', 'id'))
+    redis.call('ZREM', held_media, id)
+    if status == 'queued' then
+      redis.call('LPUSH', list, message)
+      redis.call('ZADD', queued_media, now, id)
+      redis.call('HSET', key, 'released_at', now)
+    end
+  end
+end
 """
 
-# KEYS: job hash, log, job channel, queued zset, cancel channel, running zset, text, queued media zset.
+# KEYS: job hash, log, job channel, queued zset, cancel channel, running zset, text, queued media zset,
+#       held media zset.
 # ARGV: job id, now, ttl, the done entry (seq 1: a queued job's log is empty).
 # A job with parts: each queued part is cancelled at once (its part event), each running one is
 # told (as a running job is); the job ends once its last part has.
@@ -214,6 +233,7 @@ if redis.call('HEXISTS', KEYS[1], 'parts') == 1 then
                  'cancel_requested', '1', 'summary', summary)
       redis.call('ZREM', KEYS[4], id)
       redis.call('ZREM', KEYS[8], id)
+      redis.call('ZREM', KEYS[9], id)
       part_event(KEYS[2], KEYS[3], summary)
     elseif st == 'running' then
       redis.call('HSET', k[1], 'cancel_requested', '1')
@@ -496,13 +516,14 @@ return 1
 
 # KEYS: queued zset, job hash, owner's job index[, idempotency key].
 # ARGV: max queued, job id, now, idempotency TTL ('' for none), the job's fields (JSON object),
-#       its parts (JSON array of {id, key, fields, queued, list, message, push}),
+#       its parts (JSON array of {id, key, fields, zset, score, push, list, message}),
 #       index max age (s), index max length.
 # CREATE_LUA for a job with parts: the job and every part's hash, and the messages of the parts
-# that can start now (a part with prompt_from keeps its message until its text part succeeded).
+# that can start now (a part with prompt_from keeps its message until its text part succeeded, a
+# held one until its job's text parts have their first tokens: PARTS_LIB's release_held).
 # Text parts are queued jobs (backpressure, the sweep's lost messages); an image part whose
-# message is sent goes into the queued media zset (``zset``: the sweep's lost messages only);
-# the job itself never is queued.
+# message is sent goes into the queued media zset (the sweep's lost messages only), a held one
+# into the held media zset (scored with the latest it is sent); the job itself never is queued.
 CREATE_PARTS_LUA = """
 local idem = ARGV[4] ~= '' and KEYS[4]
 if idem then
@@ -518,7 +539,7 @@ end
 hset(KEYS[2], cjson.decode(ARGV[5]))
 for _, p in ipairs(cjson.decode(ARGV[6])) do
   hset(p.key, p.fields)
-  if p.zset ~= '' then redis.call('ZADD', p.zset, ARGV[3], p.id) end
+  if p.zset ~= '' then redis.call('ZADD', p.zset, p.score, p.id) end
   if p.push then redis.call('LPUSH', p.list, p.message) end
 end
 redis.call('ZADD', KEYS[3], ARGV[3], ARGV[2])
@@ -550,15 +571,16 @@ return {'taken', tostring(attempt), redis.call('HGETALL', KEYS[1]), redis.call('
 )
 
 # KEYS: part hash, job log, job channel, running zset, part text, job hash, job text, part content,
-#       queued media zset.
+#       queued media zset, held media zset.
 # ARGV: attempt, first seq (the part's own count of events), prompt tokens, completion tokens,
 #       final status ('' if not final), finish reason, finished_at, error JSON, ttl, part id,
 #       the entries' text, the summary (JSON: the last entry's data, when final), content ('' for
 #       none), part index, entry, entry, ...
 # APPEND_LUA for a part: fenced by the part's attempt and idempotent by its own event count
-# (``logged``); each entry gets the job log's next seq. The part's last append stores its
-# summary and content, starts or fails the parts that take their prompt from it, and ends the
-# job when no part is left.
+# (``logged``); each entry gets the job log's next seq. A text part's first append (its first
+# token, or its end) counts toward sending its job's held image parts. The part's last append
+# stores its summary and content, starts or fails the parts that take their prompt from it, and
+# ends the job when no part is left.
 PART_APPEND_LUA = (
     PARTS_LIB
     + """
@@ -575,6 +597,10 @@ for i = 15, #ARGV do
   redis.call('PUBLISH', KEYS[3], entry)
 end
 redis.call('HSET', KEYS[1], 'logged', logged + n, 'prompt_tokens', ARGV[3], 'completion_tokens', ARGV[4])
+if logged == 0 and n > 0 and redis.call('HGET', KEYS[1], 'holds') == '1'
+   and redis.call('HINCRBY', KEYS[6], 'text_waiting', -1) <= 0 then
+  release_held(KEYS[6], KEYS[9], KEYS[10], ARGV[7])
+end
 if ARGV[11] ~= '' then
   redis.call('APPEND', KEYS[5], ARGV[11])
   redis.call('APPEND', KEYS[7], ARGV[11])
@@ -607,5 +633,19 @@ if deps then
 end
 finish_job(KEYS[6], KEYS[2], KEYS[3], KEYS[7], ARGV[7], ARGV[9])
 return 1
+"""
+)
+
+# KEYS: held media zset, queued media zset, job hash, job hash, ... ARGV: now, part id, part id, ...
+# The hold's bound: the held parts due (read by the caller) are sent, with every other held part
+# of their jobs (one bound per job); a job gone or ended leaves nothing to send. Returns the next
+# held part's bound (unix seconds), or false when none is held.
+RELEASE_HELD_LUA = (
+    PARTS_LIB
+    + """
+for i = 2, #ARGV do redis.call('ZREM', KEYS[1], ARGV[i]) end
+for i = 3, #KEYS do release_held(KEYS[i], KEYS[2], KEYS[1], ARGV[1]) end
+local nxt = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
+return nxt[2] or false
 """
 )

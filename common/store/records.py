@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import enum
 import json
+import math
 import secrets
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
@@ -48,8 +48,8 @@ class JobRecord:
     batch: str = ""  # the batch whose line it is (api/batch_feeder.py); empty for any other job
     # A part of a foreground job: its worker cancels the job once nobody watches it (workers/liveness.py).
     foreground_parent: bool = False
-    # An image part: the indices of its job's text parts (their first tokens hold its first step).
-    text_parts: tuple[int, ...] = ()
+    # A held image part: when its message was sent (unix s; its job's text parts' first tokens, or the bound).
+    released_at: float | None = None
 
 
 @dataclass(frozen=True)
@@ -162,6 +162,8 @@ class QueueMessage:
 
 
 MessageFor = Callable[[str], QueueMessage]  # a job id -> the message that hands it to the workers
+# An image part's id, and whether it is held (``held_parts``) -> its message.
+MediaMessageFor = Callable[[str, bool], QueueMessage]
 
 
 def create_call(
@@ -201,13 +203,22 @@ def owner_index_age_s(settings: Settings) -> int:
     return 2 * settings.job_ttl_s
 
 
+def held_parts(parts: Sequence[Any], hold_s: float) -> list[int]:
+    """The image parts whose message waits for their job's text parts' first tokens (or their end),
+    at most ``hold_s`` (SPOOL_IMAGE_HOLD_S): those with a prompt of their own in a job with text
+    parts (a ``prompt_from`` part waits for its text part's end anyway)."""
+    if hold_s <= 0 or not any(p.type == "text" for p in parts):
+        return []
+    return [k for k, p in enumerate(parts) if isinstance(p, ImagePart) and p.prompt_from is None]
+
+
 def create_parts_call(
     keys: Keys,
     settings: Settings,
     request: JobRequest,
     owner: str,
     message_for: MessageFor | None,
-    media_message_for: MessageFor | None,
+    media_message_for: MediaMessageFor | None,
     idempotency_key: str | None,
 ) -> tuple[dict[str, str], ScriptCall]:
     """A new job with parts: its fields, and the call of CREATE_PARTS_LUA that stores it with its
@@ -219,10 +230,13 @@ def create_parts_call(
     fields["parts"] = str(len(ids))
     fields["part_keys"] = json.dumps([[keys.job(i), keys.job_text(i), keys.part_content(i)] for i in ids])
     dependents: dict[int, list[int]] = {}
-    text_parts = json.dumps([k for k, part in enumerate(request.parts) if part.type == "text"])
     for k, part in enumerate(request.parts):
         if isinstance(part, ImagePart) and part.prompt_from is not None:
             dependents.setdefault(part.prompt_from, []).append(k)
+    held = held_parts(request.parts, settings.image_hold_s)
+    if held:
+        fields["held_parts"] = json.dumps(held)
+        fields["text_waiting"] = str(sum(part.type == "text" for part in request.parts))
     parts = []
     for k, (pid, part) in enumerate(zip(ids, request.parts, strict=True)):
         text = part.type == "text"
@@ -232,13 +246,18 @@ def create_parts_call(
             pf["foreground"] = "1"
         if k in dependents:
             pf["dependents"] = json.dumps(dependents[k])
-        if not text and text_parts != "[]":
-            pf["text_parts"] = text_parts
-        build = message_for if text else media_message_for
-        message = build(pid) if build else None
-        waits = isinstance(part, ImagePart) and part.prompt_from is not None
+        if text and held:
+            pf["holds"] = "1"  # its first event (token or end) counts toward sending the held parts
+        if text:
+            message = message_for(pid) if message_for else None
+        else:
+            message = media_message_for(pid, k in held) if media_message_for else None
+        waits = (isinstance(part, ImagePart) and part.prompt_from is not None) or k in held
         push = message is not None and not waits
-        zset = keys.queued_jobs() if text else keys.queued_media() if push else ""
+        zset, score = keys.queued_jobs() if text else keys.queued_media() if push else "", now
+        if k in held and message is not None:
+            assert isinstance(part, ImagePart)
+            zset, score = keys.held_media(), now + min(settings.image_hold_s, part.timeout_s or math.inf)
         if message is not None:
             pf.update(list_key=message.list_key, message=message.payload)
         parts.append(
@@ -247,6 +266,7 @@ def create_parts_call(
                 "key": keys.job(pid),
                 "fields": pf,
                 "zset": zset,
+                "score": repr(score),
                 "push": push,
                 "list": message.list_key if message else "",
                 "message": message.payload if message else "",
@@ -375,7 +395,7 @@ def record_from_hash(h: dict[str, str], text: str) -> JobRecord:
         cancel_requested=h.get("cancel_requested") == "1",
         batch=h.get("batch", ""),
         foreground_parent=h.get("foreground") == "1",
-        text_parts=tuple(json.loads(h.get("text_parts") or "[]")),
+        released_at=float(h["released_at"]) if h.get("released_at") else None,
     )
 
 
@@ -468,24 +488,6 @@ def own_events(log: Iterable[LogEntry], index: int) -> list[LogEntry]:
     return [e.model_copy(update={"seq": n}) for n, e in enumerate(mine, 1)]
 
 
-def text_part_started(status: str | None, logged: str | None) -> bool:
-    """Whether a text part, by its hash's ``status`` and ``logged``, has its first token or has
-    ended (or is gone): its worker's first event is its first token (or its end)."""
-    return status not in ("queued", "running") or int(logged or 0) > 0
-
-
-def started_by(raw: str | bytes, waiting: AbstractSet[int]) -> set[int]:
-    """Which of the text parts ``waiting`` the job's event ``raw`` (as published on its channel)
-    shows started: a token of one, its end, or the job's ``done`` (all of them)."""
-    entry = json.loads(raw)
-    kind, data = entry.get("type"), entry.get("data") or {}
-    if kind == "done":
-        return set(waiting)
-    k = data.get("part")
-    ended = kind == "part" and data.get("status") in ("succeeded", "failed", "cancelled")
-    return {k} if isinstance(k, int) and k in waiting and (kind == "token" or ended) else set()
-
-
 def parse_take(reply: list[Any], part_index: int | None = None) -> TakeResult:
     status = TakeStatus(reply[0])
     if status is not TakeStatus.TAKEN:
@@ -545,6 +547,7 @@ def part_append_args(keys: Keys, a: Append, ttl_s: int, now: float) -> ScriptCal
             keys.job_text(job_id),
             keys.part_content(a.job_id),
             keys.queued_media(),
+            keys.held_media(),
         ],
         [
             str(a.attempt),
@@ -616,6 +619,7 @@ def cancel_args(keys: Keys, job_id: str, ttl_s: int, now: float) -> ScriptCall:
             keys.running_jobs(),
             keys.job_text(job_id),
             keys.queued_media(),
+            keys.held_media(),
         ],
         [job_id, repr(now), ttl_s, cancelled_done_entry().encode()],
     )

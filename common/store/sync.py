@@ -21,6 +21,7 @@ from common.store.lua import (
     DROP_ATTEMPTS_LUA,
     PART_APPEND_LUA,
     PART_TAKE_LUA,
+    RELEASE_HELD_LUA,
     RENEW_LUA,
     REQUEUE_LUA,
     TAKE_LUA,
@@ -36,9 +37,7 @@ from common.store.records import (
     parse_take,
     part_append_args,
     part_take_args,
-    started_by,
     take_args,
-    text_part_started,
 )
 from common.store.watchers import watching
 
@@ -48,9 +47,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 CANCEL_POLL_S = 1.0  # how long the cancel listener blocks for a message before checking for stop
-# How long a wait for text parts' first tokens blocks on its subscription before it checks its
-# ``interrupted`` again (a cancel, a lost lease, the worker's stop): a socket wait, no command.
-TEXT_WAIT_SLICE_S = 0.05
 
 
 class SyncJobStore:
@@ -73,6 +69,7 @@ class SyncJobStore:
         self._requeue = client.register_script(REQUEUE_LUA)
         self._cancel = client.register_script(CANCEL_LUA)
         self._drop_attempts = client.register_script(DROP_ATTEMPTS_LUA)
+        self._release_held = client.register_script(RELEASE_HELD_LUA)
 
     @classmethod
     def from_settings(cls, settings: Settings) -> Self:
@@ -111,49 +108,20 @@ class SyncJobStore:
         """The text of a job's text part so far (its final text once it succeeded)."""
         return str(self.redis.get(self.keys.job_text(part_id(job_id, index))) or "")
 
-    def wait_text_parts(
-        self, job_id: str, indices: Iterable[int], until: float, interrupted: Callable[[], bool]
-    ) -> tuple[set[int], bool]:
-        """Wait until each of the job's text parts ``indices`` has its first token or has ended,
-        until the unix time ``until`` or ``interrupted()``; returns those still waiting, and
-        whether any was crossed off by an event while it waited (not already at the read).
-
-        Subscribes to the job's channel (confirmed before anything is read, so no event falls
-        between the read and the subscription), reads the parts' hashes once (one round trip),
-        then only listens: each event that starts one of them (``records.started_by``) crosses it
-        off. Nothing is polled; a job whose text parts all started costs the subscription and one
-        read.
-        """
-        waiting, heard = set(indices), False
-        if not waiting or time.time() >= until:
-            return waiting, heard
-        pubsub = self.redis.pubsub()
-        try:
-            pubsub.subscribe(self.keys.job_events(job_id))
-            confirmed = None  # a connection's first reply: its SUBSCRIBE's
-            while confirmed is None:
-                if interrupted() or (left := until - time.time()) <= 0:
-                    return waiting, heard
-                confirmed = pubsub.get_message(timeout=min(left, TEXT_WAIT_SLICE_S))
-            pipe = self.redis.pipeline(transaction=False)
-            order = sorted(waiting)
-            for k in order:
-                pipe.hmget(self.keys.job(part_id(job_id, k)), ["status", "logged"])
-            for k, (status, logged) in zip(order, pipe.execute(), strict=True):
-                if text_part_started(status, logged):
-                    waiting.discard(k)
-            while waiting and not interrupted() and (left := until - time.time()) > 0:
-                msg = pubsub.get_message(timeout=min(left, TEXT_WAIT_SLICE_S))
-                if (
-                    msg is not None
-                    and msg["type"] == "message"
-                    and (started := started_by(msg["data"], waiting))
-                ):
-                    waiting -= started
-                    heard = True
-            return waiting, heard
-        finally:
-            pubsub.close()
+    def release_held(self, now: float, limit: int = 100) -> float | None:
+        """Send the messages of the held image parts whose bound (SPOOL_IMAGE_HOLD_S after their
+        job's creation) passed by ``now``, as their text parts' first tokens would (RELEASE_HELD_LUA);
+        returns the next held part's bound, or None when no part is held."""
+        held = self.keys.held_media()
+        earliest: list[Any] = self.redis.zrange(held, 0, limit - 1, withscores=True)
+        due = [(str(m), float(s)) for m, s in earliest]
+        ids = [m for m, score in due if score <= now]
+        if not ids:
+            return due[0][1] if due else None
+        jobs = sorted({split[0] for split in map(split_part_id, ids) if split is not None})
+        keys = [held, self.keys.queued_media(), *(self.keys.job(j) for j in jobs)]
+        nxt = self._release_held(keys, [repr(now), *ids])
+        return None if nxt is None else float(nxt)
 
     def renew_leases(self, held: Mapping[str, int]) -> list[str]:
         """Extend the leases of the jobs this worker holds (job id -> attempt); returns those it lost.

@@ -16,7 +16,7 @@ from celery import Celery
 from procs import REDIS_URL, Prefixes, Service, start_api
 
 from api.enqueue import Enqueuer
-from common.keys import GENERATE_TASK, JOB_PRIORITY, Keys
+from common.keys import GENERATE_TASK, JOB_PRIORITY, MEDIA_TASK, Keys
 from common.settings import Settings
 
 BURST = 48
@@ -65,14 +65,6 @@ def test_a_jobs_message_is_the_one_celery_would_send(prefixes: Prefixes) -> None
     ``send_task`` writes, whatever Celery and kombu versions are installed."""
     settings = Settings.model_validate({"redis_url": REDIS_URL, "redis_prefix": prefixes.new()})
     keys = settings.keys
-    ours = Enqueuer(settings).generate("job-1")
-    celery = Celery("reference", broker=REDIS_URL, set_as_current=False)
-    try:
-        celery.send_task(GENERATE_TASK, args=["job-1"], queue=keys.queue_llm, priority=JOB_PRIORITY)
-    finally:
-        celery.close()
-    (theirs,) = prefixes.client.lrange(keys.broker_list(keys.queue_llm, JOB_PRIORITY), 0, -1)
-    assert ours.list_key == keys.broker_list(keys.queue_llm, JOB_PRIORITY)
 
     def per_message_fields_blanked(raw: str | bytes) -> dict[str, object]:
         message = json.loads(raw)
@@ -83,9 +75,29 @@ def test_a_jobs_message_is_the_one_celery_would_send(prefixes: Prefixes) -> None
             message["properties"][field] = None
         return message
 
-    assert per_message_fields_blanked(ours.payload) == per_message_fields_blanked(theirs)
-    mine = json.loads(ours.payload)
-    assert mine["headers"]["id"] == mine["headers"]["root_id"] == mine["properties"]["correlation_id"]
+    # A job's, and a held image part's (its task's keyword argument).
+    enqueuer = Enqueuer(settings)
+    cases = [
+        (enqueuer.generate("job-1"), GENERATE_TASK, "job-1", keys.queue_llm, {}),
+        (
+            enqueuer.media("job-1:part:1", held=True),
+            MEDIA_TASK,
+            "job-1:part:1",
+            keys.queue_media,
+            {"held": True},
+        ),
+    ]
+    for ours, task, arg, queue, kwargs in cases:
+        celery = Celery("reference", broker=REDIS_URL, set_as_current=False)
+        try:
+            celery.send_task(task, args=[arg], kwargs=kwargs, queue=queue, priority=JOB_PRIORITY)
+        finally:
+            celery.close()
+        (theirs,) = prefixes.client.lrange(keys.broker_list(queue, JOB_PRIORITY), 0, -1)
+        assert ours.list_key == keys.broker_list(queue, JOB_PRIORITY)
+        assert per_message_fields_blanked(ours.payload) == per_message_fields_blanked(theirs)
+        mine = json.loads(ours.payload)
+        assert mine["headers"]["id"] == mine["headers"]["root_id"] == mine["properties"]["correlation_id"]
 
 
 def test_a_submit_repeated_with_its_idempotency_key_is_the_same_job(

@@ -4,11 +4,9 @@ by its own attempt, the job's status from its parts, dependencies, cancel, expir
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 from typing import Any, TypeVar
 
-from procs import wait_until
 from store_helpers import StoreForTests
 
 from common.keys import part_id
@@ -41,8 +39,8 @@ def create(settings: Settings, parts: list[dict[str, Any]]) -> Job:
     def llm(i):
         return QueueMessage(settings.keys.queue_llm, f"text {i}")
 
-    def media(i):
-        return QueueMessage(settings.keys.queue_media, f"image {i}")
+    def media(i, held):
+        return QueueMessage(settings.keys.queue_media, f"image {i}" + " held" * held)
 
     job: Job = run(settings, lambda s: s.create_job(request, "", llm, None, media))
     return job
@@ -77,19 +75,74 @@ def test_messages_go_to_each_kind_and_a_dependent_waits(store: StoreForTests, se
     job = create(settings, [TEXT, IMAGE, {**IMAGE, "prompt": None, "prompt_from": 0}])
     r, keys = store.redis, settings.keys
     assert r.lrange(keys.queue_llm, 0, -1) == [f"text {part_id(job.id, 0)}"]
-    assert r.lrange(keys.queue_media, 0, -1) == [f"image {part_id(job.id, 1)}"]
+    # The image is held for the text part's first token (SPOOL_IMAGE_HOLD_S: 2 s by default).
+    assert r.lrange(keys.queue_media, 0, -1) == []
     # The text part counts as a queued job (backpressure, the sweep); the job itself never does.
     assert r.zrange(keys.queued_jobs(), 0, -1) == [part_id(job.id, 0)]
     assert [p["status"] for p in job.parts] == ["queued"] * 3
-    # The text part succeeds: the dependent's message is sent then.
+    # The text part's one append (its token and its end): the held part's message is sent, and
+    # the dependent's.
     taken = store.take_job(part_id(job.id, 0), "w", "m")
     assert taken.status is TakeStatus.TAKEN and taken.log == []
     assert end_text(store, part_id(job.id, 0), taken.attempt, 1, JobStatus.SUCCEEDED)
     assert r.lrange(keys.queue_media, 0, -1) == [
         f"image {part_id(job.id, 2)}",
-        f"image {part_id(job.id, 1)}",
+        f"image {part_id(job.id, 1)} held",
     ]
     assert store.part_text(job.id, 0) == "tok"
+
+
+def test_a_held_image_part_is_sent_once_every_text_part_has_its_first_token(
+    store: StoreForTests, settings: Settings
+) -> None:
+    """Its message waits for each text part's first event (a token, or its end before any)."""
+    job = create(settings, [TEXT, IMAGE, TEXT, {**IMAGE, "prompt": None, "prompt_from": 0}])
+    r, keys = store.redis, settings.keys
+    texts, image = [part_id(job.id, 0), part_id(job.id, 2)], part_id(job.id, 1)
+    assert r.zrange(keys.held_media(), 0, -1, withscores=True) == [(image, job.created_at + 2.0)]
+    first = store.take_job(texts[0], "w", "m")
+    token = token_entry(1, 0, "tok", [7])
+    assert store.append_batch([Append(texts[0], first.attempt, [token], 2, 1)]) == [Appended.WRITTEN]
+    assert r.llen(keys.queue_media) == 0  # part 2 has none yet
+    # Part 0's next tokens, and a take-over of it, count nothing more.
+    more = token_entry(2, 1, "tok", [7])
+    assert store.append_batch([Append(texts[0], first.attempt, [more], 2, 2)]) == [Appended.WRITTEN]
+    other = store.take_job(texts[1], "w", "m")
+    error = LogEntry.error(1, ErrorEvent(message="boom", type="engine_error"))
+    assert store.append_batch(
+        [Append(texts[1], other.attempt, [error], 2, 0, Final(JobStatus.FAILED, "error"))]
+    )
+    assert r.lrange(keys.queue_media, 0, -1) == [f"image {image} held"]
+    assert r.zcard(keys.held_media()) == 0 and r.zrange(keys.queued_media(), 0, -1) == [image]
+    assert get(settings, job.id).parts[1]["status"] == "queued"  # queued until a media worker takes it
+    taken = store.take_job(image, "m1", "sd")
+    assert taken.record is not None and taken.record.released_at is not None
+    assert taken.record.released_at >= job.created_at
+    assert store.release_held(time.time() + 60) is None  # nothing left to send
+    assert r.llen(keys.queue_media) == 1
+
+
+def test_a_held_image_part_is_sent_at_its_bound(store: StoreForTests, settings: Settings) -> None:
+    """No first token: the media workers' check sends it SPOOL_IMAGE_HOLD_S after the job's
+    creation, or at its timeout_s when that comes first; a cancelled one is never sent."""
+    r, keys = store.redis, settings.keys
+    job = create(settings, [TEXT, IMAGE])
+    soon = create(settings, [TEXT, {**IMAGE, "timeout_s": 0.5}])
+    gone = create(settings, [TEXT, IMAGE])
+    run(settings, lambda s: s.request_cancel(gone.id))
+    image, early = part_id(job.id, 1), part_id(soon.id, 1)
+    assert r.zrange(keys.held_media(), 0, -1) == [early, image]  # the cancel took its own out
+    bound = job.created_at + 2.0
+    assert store.release_held(soon.created_at + 0.4) == soon.created_at + 0.5  # none due yet
+    assert r.llen(keys.queue_media) == 0
+    assert store.release_held(soon.created_at + 0.5) == bound
+    assert r.lrange(keys.queue_media, 0, -1) == [f"image {early} held"]
+    assert store.release_held(bound) is None
+    assert r.lrange(keys.queue_media, 0, -1) == [f"image {image} held", f"image {early} held"]
+    # Its text part's first token then sends nothing more.
+    t = store.take_job(part_id(job.id, 0), "w", "m")
+    assert end_text(store, part_id(job.id, 0), t.attempt, 1, JobStatus.SUCCEEDED)
+    assert r.llen(keys.queue_media) == 2
 
 
 def test_one_log_consecutive_ids_and_the_job_status_from_its_parts(
@@ -197,6 +250,7 @@ def test_image_parts_whose_message_was_sent_are_swept_for_a_lost_one(
 ) -> None:
     """{p}:queued_media holds an image part from its message's push to its take (or cancel); the
     media sweep finds it stale only while the media queue is empty (its message was lost)."""
+    settings = settings.model_copy(update={"image_hold_s": 0.0})  # no hold: sent at once
     job = create(settings, [TEXT, IMAGE, {**IMAGE, "prompt": None, "prompt_from": 0}])
     r, keys, media = store.redis, settings.keys, settings.keys.queue_media
     text, image, dependent = (part_id(job.id, k) for k in range(3))
@@ -233,42 +287,3 @@ def test_the_parts_of_a_foreground_job_say_so(store: StoreForTests, settings: Se
     assert store.unwatched([part_id(job.id, 1)], now, 0.0) == [part_id(job.id, 1)]
     store.redis.zadd(settings.keys.job_watchers(job.id), {"w1": now + 30})
     assert store.unwatched([part_id(job.id, 1)], now, 0.0) == []
-
-
-def test_an_image_part_waits_for_its_jobs_text_parts_first_tokens(
-    store: StoreForTests, settings: Settings
-) -> None:
-    """``wait_text_parts`` (the media worker's hold): until each text part has its first token
-    or ended, heard on the job's channel; at most until its bound; at once when interrupted."""
-    job = create(settings, [TEXT, IMAGE, TEXT])
-    texts = [part_id(job.id, 0), part_id(job.id, 2)]
-    image = store.take_job(part_id(job.id, 1), "m1", "sd")
-    assert image.record is not None and image.record.text_parts == (0, 2)
-    never = lambda: False  # noqa: E731
-    # Neither started: the bound.
-    t0 = time.time()
-    assert store.wait_text_parts(job.id, (0, 2), t0 + 0.2, never) == ({0, 2}, False)
-    assert time.time() - t0 >= 0.2
-    assert store.wait_text_parts(job.id, (0, 2), t0 + 60, lambda: True) == ({0, 2}, False)
-    # Heard: part 0's first token, part 2's end (a failure before any token).
-    got: list[tuple[set[int], bool]] = []
-    waiter = threading.Thread(
-        target=lambda: got.append(store.wait_text_parts(job.id, (0, 2), time.time() + 60, never))
-    )
-    waiter.start()
-    channel = settings.keys.job_events(job.id)
-    wait_until(lambda: store.redis.pubsub_numsub(channel)[0][1] == 1, "the wait subscribed", 10)
-    first = store.take_job(texts[0], "w", "m")
-    assert store.append_batch([Append(texts[0], first.attempt, [token_entry(1, 0, "tok", [7])], 2, 1)]) == [
-        Appended.WRITTEN
-    ]
-    assert waiter.is_alive()  # part 2 still has none
-    other = store.take_job(texts[1], "w", "m")
-    error = LogEntry.error(1, ErrorEvent(message="boom", type="engine_error"))
-    assert store.append_batch(
-        [Append(texts[1], other.attempt, [error], 2, 0, Final(JobStatus.FAILED, "error"))]
-    )
-    waiter.join(10)
-    assert got == [(set(), True)]
-    # Started before the wait: found at the read, nothing heard.
-    assert store.wait_text_parts(job.id, (0, 2), time.time() + 60, never) == (set(), False)

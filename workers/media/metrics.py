@@ -39,11 +39,11 @@ class MediaMetrics:
         self.step_time = histogram("spool_image_denoise_step_seconds", "One denoising step of the pipeline")
         self.hold_time = histogram(
             "spool_image_hold_seconds",
-            "Image part's first step held for its job's text parts' first tokens (parts of jobs with text parts)",
+            "Held image part created to its message sent, at its job's text parts' first tokens or the bound",
         )
         self.generation_time = histogram(
             "spool_image_generation_seconds",
-            "Image part's pipeline called (after any hold) to its image made (succeeded parts)",
+            "Image part's pipeline called to its image made (succeeded parts)",
         )
         self.e2e = histogram(
             "spool_image_e2e_seconds", "Image part created to its end written (succeeded parts)"

@@ -2,9 +2,8 @@
 liveness of every worker (workers/liveness.py: heartbeat, leases fenced by attempt, cancels,
 the sweep that requeues a dead worker's parts).
 
-A Celery task thread calls ``run_part``: take the part (a new attempt), hold it while its
-job's text parts have no first token yet (at most ``SPOOL_IMAGE_HOLD_S`` from the job's
-creation: ``_hold``), run the pipeline from step 0, append a ``progress`` event after every
+A Celery task thread calls ``run_part``: take the part (a new attempt), run the pipeline from
+step 0, append a ``progress`` event after every
 step (and a ``preview`` at the steps a part with ``partial_images`` asks for; one round trip
 each, fenced: a worker that was taken over stops at its next step), and end the part with one
 append that carries its ``part`` event, its PNG and its status. A cancel or the part's timeout stops the pipeline at
@@ -24,6 +23,7 @@ import torch
 from redis.exceptions import RedisError
 
 from common.keys import split_part_id
+from common.process import NamedThread
 from common.schemas import ImagePart, JobError, JobStatus, LogEntry
 from common.settings import Settings
 from common.store import Append, Final, SyncJobStore, TakeStatus
@@ -38,11 +38,11 @@ from workers.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
 
-# NOTE: a text part's first token is written to Redis before its client has it: the API's hub
-# and relay still carry it (a few ms). A hold that ends on the token's event goes on this much
-# longer, so the image's start does not take the CPU from that relay: on 2 shared cores, ending
-# at the event still added +17% and +41% to the text part's TTFT at its client; 30 to 50 ms
-# more brought it within the noise (docs/benchmarks.md "Media", the image hold).
+# NOTE: a held part's message is sent by the script that writes its text parts' first token, before
+# its client has it: the API's hub and relay still carry it (a few ms). The part is taken this
+# much later, so the image's start does not take the CPU from that relay: on 2 shared cores,
+# starting at the token's write still added +17% and +41% to the text part's TTFT at its client;
+# 30 to 50 ms more brought it within the noise (docs/benchmarks.md "Media", the image hold).
 TOKEN_DELIVERY_S = 0.03
 
 
@@ -57,12 +57,11 @@ class _Part:
     deadline: float | None  # created_at + timeout_s
     next_seq: int  # the part's own count of events + 1 (earlier attempts' included)
     foreground: bool = False  # its job's: aborted (the job cancelled) once nobody watches it
-    text_parts: tuple[int, ...] = ()  # its job's text parts: its first step waits for their first tokens
     aborted: bool = False  # a cancel, or its lease lost: stop at the next step
     timed_out: bool = False
     lost: bool = False  # an append was refused: another worker runs it now
     taken_at: float = 0.0  # unix seconds
-    begun_at: float = 0.0  # unix seconds: its pipeline called (after the hold)
+    begun_at: float = 0.0  # unix seconds: its pipeline called
     step: int = 0  # denoising steps done (its last progress event's), for the heartbeat
     steps: int = 0  # of the part's request
 
@@ -89,7 +88,10 @@ class MediaRuntime:
         self.store = store
         self.name = name  # heartbeat key and the part hash's `worker`
         self.model = model
-        self.hold_s = settings.image_hold_s
+        # How long the bound's thread sleeps with no part held: a part held just after a check
+        # is due SPOOL_IMAGE_HOLD_S later (a heartbeat at most: the API's setting may differ).
+        hold_s = settings.image_hold_s
+        self._idle_s = min(hold_s, settings.heartbeat_s) if hold_s > 0 else settings.heartbeat_s
         self._stop = threading.Event()
         self._lock = threading.Lock()  # guards _part: the task thread sets it, liveness reads it
         self._part: _Part | None = None
@@ -101,6 +103,7 @@ class MediaRuntime:
         # A pipeline step past SPOOL_ENGINE_STALL_S ends the process, as an engine step does.
         self._watchdog = Watchdog(settings.engine_stall_s, self._stop, self.liveness.forget_heartbeat)
         self._step_started = 0.0  # perf_counter at the start of the running denoising step
+        self._releaser = NamedThread(target=self._release_held, name="spool-held-parts", daemon=True)
 
     @classmethod
     def from_settings(cls, settings: Settings, name: str, requeue: Requeue | None = None) -> MediaRuntime:
@@ -115,13 +118,28 @@ class MediaRuntime:
             runtime.metrics.serve(settings.worker_metrics_port)
         runtime.liveness.start()
         runtime._watchdog.start()
+        runtime._releaser.start()
         return runtime
 
     def close(self) -> None:
         self._stop.set()  # a part running stops at its next step, released (its lease lapses)
         self.liveness.join(timeout=10)
         self._watchdog.join(timeout=10)
+        if self._releaser.is_alive():
+            self._releaser.join(timeout=10)
         self.store.close()
+
+    def _release_held(self) -> None:
+        """The hold's bound: send the held parts due (``SyncJobStore.release_held``), then sleep
+        until the next one is (every media worker runs one; the script sends each part once)."""
+        wait = 0.0
+        while not self._stop.wait(wait):
+            try:
+                nxt = self.store.release_held(time.time())
+            except RedisError as e:  # the next check sends them
+                log.warning("could not send the held image parts due: %s", e)
+                nxt = None
+            wait = self._idle_s if nxt is None else min(max(nxt - time.time(), 0.0), self._idle_s)
 
     # -- the executor of workers/liveness.py ------------------------------------------------------
 
@@ -147,8 +165,11 @@ class MediaRuntime:
 
     # -- task threads ----------------------------------------------------------------------------
 
-    def run_part(self, part_id: str) -> Outcome:
-        """Take the part, run it, and return once its end is written (or it was lost)."""
+    def run_part(self, part_id: str, held: bool = False) -> Outcome:
+        """Take the part, run it, and return once its end is written (or it was lost). ``held``:
+        its message was sent at its job's text parts' first tokens (``TOKEN_DELIVERY_S``)."""
+        if held:
+            self._stop.wait(TOKEN_DELIVERY_S)
         if self._stop.is_set():
             return Outcome.SHUTDOWN
         taken = self.store.take_job(part_id, self.name, self.model)
@@ -167,12 +188,13 @@ class MediaRuntime:
             created + request.timeout_s if request.timeout_s else None,
             len(taken.log) + 1,
             foreground=taken.record.foreground_parent,
-            text_parts=taken.record.text_parts,
             aborted=taken.record.cancel_requested,
             taken_at=time.time(),
             steps=request.steps,
         )
         self.metrics.taken(created, taken.attempt, part.taken_at)
+        if taken.record.released_at is not None and taken.attempt == 1:
+            self.metrics.held(taken.record.released_at - created)
         with self._lock:
             self._part = part
         try:
@@ -185,11 +207,6 @@ class MediaRuntime:
         return outcome
 
     def _run(self, part: _Part, job_id: str, request: ImagePart) -> Outcome:
-        if (ended := self._ended_before_start(part, request)) is not None:
-            return ended
-        self._hold(part, job_id)
-        if self._stop.is_set():
-            return Outcome.SHUTDOWN  # another worker runs it (its lease lapses), as mid-pipeline
         if (ended := self._ended_before_start(part, request)) is not None:
             return ended
         part.begun_at = time.time()
@@ -234,41 +251,6 @@ class MediaRuntime:
         if part.aborted:
             return self._end(part, JobStatus.CANCELLED, {})
         return None
-
-    def _hold(self, part: _Part, job_id: str) -> None:
-        """Hold the first denoising step until the job's text parts have their first token (or
-        ended), at most until ``SPOOL_IMAGE_HOLD_S`` after the job's creation (and its
-        ``timeout_s``), so that on shared CPUs the image does not slow their prefill; once the
-        last first token comes (an event) it goes on ``TOKEN_DELIVERY_S`` more. A cancel, a lost
-        lease or the worker's stop ends the hold within ``TEXT_WAIT_SLICE_S``. The part is
-        running meanwhile (taken, its lease renewed), with no event of its own."""
-        if self.hold_s <= 0 or not part.text_parts:
-            return
-        until = part.created_at + self.hold_s
-        if part.deadline is not None:
-            until = min(until, part.deadline)
-        started = time.time()
-
-        def interrupted() -> bool:
-            return part.aborted or self._stop.is_set()
-
-        try:
-            waiting, heard = self.store.wait_text_parts(job_id, part.text_parts, until, interrupted)
-        except RedisError as e:  # not the image's failure: its writes find out what Redis is up to
-            log.warning(
-                "part %s: could not wait for its text parts' first tokens (%s); going on", part.part_id, e
-            )
-            return
-        if heard and not waiting and not interrupted():
-            self._stop.wait(max(min(TOKEN_DELIVERY_S, until - time.time()), 0.0))  # the token's relay
-        self.metrics.held(time.time() - started)
-        if waiting and not interrupted() and self._in_time(part):
-            log.info(
-                "part %s: text part(s) %s had no first token %.1fs after the job's creation; going on",
-                part.part_id,
-                sorted(waiting),
-                self.hold_s,
-            )
 
     def _prompt_from(self, job_id: str, request: ImagePart) -> str:
         assert request.prompt_from is not None

@@ -44,8 +44,8 @@ def stop_runtime(**_: Any) -> None:
 
 
 @app.task(name=MEDIA_TASK, **TASK_OPTIONS)
-def generate_image(self: Task, part_id: str) -> None:
+def generate_image(self: Task, part_id: str, held: bool = False) -> None:
     if _runtime is None:
         raise RuntimeError("the media runtime starts with the worker (worker_init); none is running")
-    if _runtime.run_part(part_id) is Outcome.SHUTDOWN:
+    if _runtime.run_part(part_id, held) is Outcome.SHUTDOWN:
         raise self.retry(countdown=_settings.lease_s + RETRY_MARGIN_S)
