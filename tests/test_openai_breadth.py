@@ -15,7 +15,7 @@ import pytest
 from greedy import greedy
 from openai.types.chat import ChatCompletionMessageParam
 from openai_stream import read_stream
-from procs import Cluster
+from procs import Cluster, wait_until
 from pydantic import BaseModel, Field
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
@@ -446,3 +446,50 @@ def test_a_regex_the_grammar_compiler_refuses_fails_the_job_with_a_400(
             model=model, prompt=PROMPT, max_tokens=4, extra_body={"guided_regex": "a(?=b)"}
         )
     assert e.value.code == "invalid_request"
+
+
+def test_a_guide_too_slow_to_mask_fails_its_job_and_not_its_neighbours(
+    oai: openai.OpenAI, model: str, cluster: Cluster, client: httpx.Client, tiny_model: Path
+) -> None:
+    # Short and compiled at once, yet each step's mask takes longer as the output grows: past the
+    # worker's default SPOOL_MAX_GUIDE_MASK_MS (50 ms) within a few tokens, then failed 3 steps on.
+    expensive = {"guided_regex": r"(.{1,5}){100}"}
+    message = "took more than 50 ms to compute the allowed tokens on 3 steps in a row"
+    job = client.post(
+        f"{cluster.url}/v1/jobs",
+        json={"prompt": PROMPT, "max_tokens": 400, "temperature": 0, "background": True, **expensive},
+    ).json()
+    # Beside it, a plain greedy request and a cheap guide run to their ends as they would alone.
+    plain = oai.completions.create(model=model, prompt=PROMPT, max_tokens=30, temperature=0)
+    assert plain.choices[0].text == greedy(tiny_model, PROMPT, 30).text
+    cheap = oai.completions.create(
+        model=model,
+        prompt=PROMPT,
+        max_tokens=30,
+        temperature=0,
+        extra_body={"guided_regex": r"(\w{1,8} ){100}"},
+    )
+    assert cheap.choices[0].finish_reason == "length"
+    url = f"{cluster.url}/v1/jobs/{job['id']}"
+    wait_until(lambda: client.get(url).json()["status"] == "failed", "the job failed", 30, (cluster.worker,))
+    failed = client.get(url).json()
+    assert failed["status"] == "failed" and failed["error"]["type"] == "guide_too_expensive", failed
+    assert message in failed["error"]["message"] and "SPOOL_MAX_GUIDE_MASK_MS" in failed["error"]["message"]
+    assert 0 < failed["usage"]["completion_tokens"] < 100
+    # The openai client's: a 400 guide_too_expensive, streamed (after the tokens it had) or not.
+    with pytest.raises(openai.BadRequestError, match=message) as e:
+        oai.completions.create(
+            model=model, prompt=PROMPT, max_tokens=400, temperature=0, extra_body=expensive
+        )
+    assert e.value.code == "guide_too_expensive"
+    stream = read_stream(
+        client,
+        "POST",
+        f"{cluster.url}/v1/chat/completions",
+        body={"model": model, "messages": MESSAGES, "max_tokens": 400, "stream": True, **expensive},
+    )
+    *tokens, error, done = stream.chunks
+    assert tokens and all("choices" in c.json() for c in tokens) and done.done
+    assert (
+        error.json()["error"]["code"] == "guide_too_expensive" and message in error.json()["error"]["message"]
+    )

@@ -62,7 +62,9 @@ def _final(delta: Delta, cursor: JobCursor) -> Final:
         return Final(JobStatus.FAILED, reason, cursor.error)
     if delta.finish_reason is FinishReason.ERROR:
         return Final(
-            JobStatus.FAILED, "error", JobError(message=delta.error or "engine error", type="engine_error")
+            JobStatus.FAILED,
+            "error",
+            JobError(message=delta.error or "engine error", type=delta.error_type or "engine_error"),
         )
     if delta.finish_reason is FinishReason.CANCELLED:
         return Final(JobStatus.CANCELLED, "cancelled")

@@ -317,6 +317,7 @@ class EngineRuntime:
             prefill_chunk_size=settings.prefill_chunk_size,
             max_prefill_tokens_per_step=settings.max_prefill_tokens_per_step,
             enable_prefix_caching=settings.enable_prefix_caching,
+            max_guide_mask_ms=settings.max_guide_mask_ms,
             # Unset: where it was measured to pay, a CPU (docs/benchmarks.md); not yet on a GPU.
             compile=settings.compile if settings.compile is not None else settings.device == "cpu",
         )

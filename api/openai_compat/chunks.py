@@ -25,13 +25,19 @@ DONE = ServerSentEvent(raw_data="[DONE]")
 _FAILURES: dict[str, tuple[int, str]] = {
     "request_too_long": (400, "context_length_exceeded"),
     "invalid_request": (400, "invalid_request"),
+    # The guide's grammar took too long to mask the vocabulary, step after step (the worker's
+    # SPOOL_MAX_GUIDE_MASK_MS): the request's fault, and sending it again fails again.
+    "guide_too_expensive": (400, "guide_too_expensive"),
     "timeout": (504, "timeout"),
 }
+_ABOUT_THE_PROMPT = ("request_too_long", "invalid_request")  # the 400s whose param is the prompt's
 
 
 def failure(error: JobError, param: str | None = None) -> ApiError:
     status, code = _FAILURES.get(error.type, (500, error.type))
-    return ApiError(status, error.message, param=param if status == 400 else None, code=code)
+    return ApiError(
+        status, error.message, param=param if error.type in _ABOUT_THE_PROMPT else None, code=code
+    )
 
 
 @dataclass(frozen=True)

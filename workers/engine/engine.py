@@ -21,7 +21,7 @@ import xgrammar
 
 from workers.engine import grammar
 from workers.engine.detokenizer import IncrementalDetokenizer
-from workers.engine.grammar import Grammars, Masks
+from workers.engine.grammar import GUIDE_TOO_EXPENSIVE, MASK_STRIKES, Grammars, Masks
 from workers.engine.kv_cache import StepInterrupted
 from workers.engine.model_runner import ModelRunner
 from workers.engine.processors import LogitsProcessors
@@ -75,7 +75,9 @@ class Engine:
         )
         self._token_texts: dict[int, str] = {}  # logprobs' token strings, decoded once each
         self.grammars = Grammars(self.tokenizer, self.runner.vocab_size)  # any thread may compile
-        self.masks = Masks(self.num_slots, self.runner.vocab_size, self.runner.device)
+        self.masks = Masks(
+            self.num_slots, self.runner.vocab_size, self.runner.device, config.max_guide_mask_ms
+        )
         self._requests: dict[str, Request] = {}
         self._generators: dict[str, torch.Generator] = {}
         self._aborted: set[str] = set()
@@ -324,6 +326,13 @@ class Engine:
         deltas = []
         self._stats.generated_tokens += len(due)
         for request, token_id, lp in zip(due, token_ids, logprobs, strict=True):
+            if request.mask_strikes >= MASK_STRIKES:  # its grammar is too slow for the batch
+                deltas.append(
+                    self._finish(
+                        request, FinishReason.ERROR, error=self._too_expensive, error_type=GUIDE_TOO_EXPENSIVE
+                    )
+                )
+                continue
             request.output_token_ids.append(token_id)
             if request.matcher is not None and not request.matcher.accept_token(token_id):
                 deltas.append(
@@ -343,6 +352,14 @@ class Engine:
                     self._finish(request, reason, token_ids=(token_id,), text=text, logprobs=chosen)
                 )
         return deltas
+
+    @property
+    def _too_expensive(self) -> str:
+        return (
+            f"the guide's grammar took more than {self.config.max_guide_mask_ms:g} ms to compute the "
+            f"allowed tokens on {MASK_STRIKES} steps in a row (the budget, SPOOL_MAX_GUIDE_MASK_MS): "
+            "use a simpler pattern or schema"
+        )
 
     def _stop_reason(self, request: Request, token_id: int) -> FinishReason | None:
         params = request.params
@@ -364,6 +381,7 @@ class Engine:
         token_ids: tuple[int, ...] = (),
         text: str = "",
         error: str | None = None,
+        error_type: str | None = None,
         logprobs: tuple[TokenLogprobs, ...] | None = None,
     ) -> Delta:
         """Retire a request now: free its slot (keeping slots contiguous) and build its last delta."""
@@ -375,7 +393,7 @@ class Engine:
         self._generators.pop(request.request_id, None)
         self.processors.release(request.request_id)
         self._aborted.discard(request.request_id)  # it may have finished on its own meanwhile
-        return self._delta(request, token_ids, text, reason, error, logprobs)
+        return self._delta(request, token_ids, text, reason, error, error_type, logprobs)
 
     def _delta(
         self,
@@ -384,6 +402,7 @@ class Engine:
         text: str,
         reason: FinishReason | None = None,
         error: str | None = None,
+        error_type: str | None = None,
         logprobs: tuple[TokenLogprobs, ...] | None = None,
     ) -> Delta:
         return Delta(
@@ -394,5 +413,6 @@ class Engine:
             num_prompt_tokens=len(request.prompt_token_ids),
             num_generated_tokens=request.num_generated,
             error=error,
+            error_type=error_type,
             logprobs=logprobs,
         )

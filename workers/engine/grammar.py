@@ -8,6 +8,15 @@ the ones it resumes with). Each step ``Masks.apply`` fills the constrained rows'
 bitmasks on the CPU, sends them to the device in one copy and applies them to those rows'
 logits before sampling; a batch with no constrained row skips it all.
 
+A mask's cost per step depends on the grammar and on where its matcher stands, and some short
+regexes (``(.{1,5}){100}``) pass every limit on a guide's size and compile in milliseconds, yet
+take hundreds of milliseconds per step to mask as their output grows: on the engine thread, that
+slows every request in the batch. So ``Masks`` holds each constrained request to a budget per step
+(``EngineConfig.max_guide_mask_ms``): the batch's fill is timed, and only when it runs over the
+budget are its rows each filled alone for the next steps, timed in the engine thread's CPU time (a
+busy machine does not count against them); a row back under the budget rejoins the batch, and one
+over it ``MASK_STRIKES`` steps in a row is ended by the engine with ``GUIDE_TOO_EXPENSIVE``.
+
 Why xgrammar (vLLM's default) rather than llguidance: a wheel for this Python and platform with
 no build step, masks written straight into a torch bitmask tensor with its own in-place apply
 kernels for CPU and CUDA, and a compiler that caches compiled grammars and is thread-safe, which
@@ -18,6 +27,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -28,6 +38,15 @@ from workers.engine.request import Request
 
 # OpenAI's json_object: any JSON object.
 ANY_OBJECT = '{"type": "object"}'
+
+# Steps in a row a request's mask may take over the budget before the engine ends it: one slow
+# step (a cold cache, a long token) is not the grammar's fault.
+MASK_STRIKES = 3
+# After a batch over the budget whose rows, each filled alone, all came in under it (many cheap
+# rows), the batch is not split up again for this many steps: splitting up costs its parallelism.
+MASK_COOLDOWN_STEPS = 16
+# The error type of a request ended for its mask's cost (Delta.error_type).
+GUIDE_TOO_EXPENSIVE = "guide_too_expensive"
 
 
 class GrammarError(ValueError):
@@ -111,24 +130,30 @@ def matcher(grammar: xgr.CompiledGrammar, resumed: Sequence[int] = ()) -> xgr.Gr
 
 
 class Masks:
-    """The step's bitmasks for the constrained rows: a CPU buffer filled per row, one copy."""
+    """The step's bitmasks for the constrained rows: a CPU buffer filled per row, one copy.
 
-    def __init__(self, rows: int, vocab_size: int, device: torch.device) -> None:
+    ``budget_ms`` (0: none) is what one request's mask may take per step (see the module's doc)."""
+
+    def __init__(self, rows: int, vocab_size: int, device: torch.device, budget_ms: float = 0.0) -> None:
         self.vocab_size = vocab_size
         self.device = device
+        self.budget_s = budget_ms / 1000
         self._host = xgr.allocate_token_bitmask(rows, vocab_size)  # [rows, ceil(V / 32)] int32
         if device.type == "cuda":
             self._host = self._host.pin_memory()
         self._filler = xgr.BatchGrammarMatcher(max_threads="auto")
+        self._cooldown = 0  # steps before a slow batch is split up again (MASK_COOLDOWN_STEPS)
+        self.filled_alone = 0  # rows filled alone and timed (watched), since the start
 
     @torch.inference_mode()
     def apply(self, logits: torch.Tensor, due: Sequence[Request]) -> torch.Tensor:
         rows = [i for i, r in enumerate(due) if r.matcher is not None]
         if not rows:
             return logits
-        # Row i of the mask for batch row i (what the kernel reads), filled on xgrammar's threads.
-        matchers = [m for i in rows if (m := due[i].matcher) is not None]
-        self._filler.batch_fill_next_token_bitmask(matchers, self._host, indices=rows)
+        if self.budget_s:
+            self._fill_within_budget(due, rows)
+        else:
+            self._fill(due, rows)
         # The next step fills the buffer again only after this step's transfer to the host, which
         # waits for this copy: a non-blocking copy from the pinned buffer is safe.
         mask = self._host[: rows[-1] + 1].to(self.device, non_blocking=True)
@@ -136,3 +161,37 @@ class Masks:
         # -inf where a row's bit is 0; the rows not in `rows` (unconstrained) are not touched.
         xgr.apply_token_bitmask_inplace(logits, mask, vocab_size=self.vocab_size, indices=rows)
         return logits
+
+    def _fill(self, due: Sequence[Request], rows: list[int]) -> None:
+        # Row i of the mask for batch row i (what the kernel reads), filled on xgrammar's threads.
+        matchers = [m for i in rows if (m := due[i].matcher) is not None]
+        self._filler.batch_fill_next_token_bitmask(matchers, self._host, indices=rows)
+
+    def _fill_within_budget(self, due: Sequence[Request], rows: list[int]) -> None:
+        """Fill the rows, the watched ones each alone and timed: a watched row over the budget
+        gets a strike (the engine ends it at MASK_STRIKES), one under it rejoins the batch. A
+        batch over the budget has its rows watched from the next step on."""
+        self._cooldown = max(0, self._cooldown - 1)
+        batch = [i for i in rows if not due[i].mask_watched]
+        slow = False
+        if batch:
+            start = time.perf_counter()
+            self._fill(due, batch)
+            slow = time.perf_counter() - start > self.budget_s
+        watched = [(i, due[i]) for i in rows if due[i].mask_watched]
+        for i, request in watched:
+            assert request.matcher is not None
+            # NOTE: the engine thread's CPU time, not the clock's: this fill runs on this thread,
+            # and another process on the same cores must not make a grammar look expensive.
+            start = time.thread_time()
+            request.matcher.fill_next_token_bitmask(self._host, i)
+            self.filled_alone += 1
+            if time.thread_time() - start > self.budget_s:
+                request.mask_strikes += 1
+            else:
+                request.mask_watched, request.mask_strikes = False, 0
+        if watched and not any(r.mask_strikes for _, r in watched):
+            self._cooldown = MASK_COOLDOWN_STEPS  # the batch was slow, none of its rows is
+        elif slow and not self._cooldown:
+            for i in batch:
+                due[i].mask_watched = True

@@ -92,11 +92,17 @@ class EngineConfig:
     # request's slot, or a finished one's not yet reused, already holds: see prefix_cache.py.
     enable_prefix_caching: bool = True
     trust_remote_code: bool = False
+    # What one request's structured-output mask may take per step, in ms (0: no budget); one over
+    # it grammar.MASK_STRIKES steps in a row ends with the error guide_too_expensive (grammar.py).
+    # The worker's SPOOL_MAX_GUIDE_MASK_MS.
+    max_guide_mask_ms: float = 50.0
     # Run the forward through torch.compile (model_runner.py), compiled at load; the worker's
     # SPOOL_COMPILE turns it on for a CPU unless set.
     compile: bool = False
 
     def __post_init__(self) -> None:
+        if self.max_guide_mask_ms < 0:
+            raise ValueError(f"max_guide_mask_ms must be >= 0, got {self.max_guide_mask_ms}")
         if self.prefill_chunk_size < 1 or self.max_prefill_tokens_per_step < self.prefill_chunk_size:
             raise ValueError(
                 f"max_prefill_tokens_per_step ({self.max_prefill_tokens_per_step}) must be at least "
@@ -130,6 +136,9 @@ class Delta:
     num_prompt_tokens: int = 0  # prompt length in tokens
     num_generated_tokens: int = 0  # generated so far, this delta included
     error: str | None = None  # set when finish_reason is ERROR
+    # With error, what kind of failure, when the engine names one (grammar.GUIDE_TOO_EXPENSIVE);
+    # None: the job's error type is engine_error.
+    error_type: str | None = None
     logprobs: tuple[TokenLogprobs, ...] | None = None  # one per token id, when the request asked for them
 
     @property
