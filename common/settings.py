@@ -46,8 +46,8 @@ class Settings(BaseSettings):
     # compiler fails on the model; off elsewhere (not measured on a GPU yet).
     compile: bool | None = None
     # What one structured-output request's token mask may take per step (its grammar's allowed
-    # tokens, on the engine thread, so the whole batch waits for it), in ms; a request over it 3
-    # steps in a row fails with guide_too_expensive (EngineConfig.max_guide_mask_ms). 0: no budget.
+    # tokens, on the engine thread, so the whole batch waits for it), in ms; a request over it on 3
+    # steps not far apart fails with guide_too_expensive (EngineConfig.max_guide_mask_ms). 0: no budget.
     max_guide_mask_ms: float = Field(50.0, ge=0)
     # The worker's torch threads (torch.set_num_threads); unset: torch's own default, a thread per
     # core. `spool up` sets it to the cores minus one, so the API and Redis beside it keep a core.

@@ -357,7 +357,7 @@ class Engine:
     def _too_expensive(self) -> str:
         return (
             f"the guide's grammar took more than {self.config.max_guide_mask_ms:g} ms to compute the "
-            f"allowed tokens on {MASK_STRIKES} steps in a row (the budget, SPOOL_MAX_GUIDE_MASK_MS): "
+            f"allowed tokens on {MASK_STRIKES} steps (the budget, SPOOL_MAX_GUIDE_MASK_MS): "
             "use a simpler pattern or schema"
         )
 

@@ -14,8 +14,8 @@ take hundreds of milliseconds per step to mask as their output grows: on the eng
 slows every request in the batch. So ``Masks`` holds each constrained request to a budget per step
 (``EngineConfig.max_guide_mask_ms``): the batch's fill is timed, and only when it runs over the
 budget are its rows each filled alone for the next steps, timed in the engine thread's CPU time (a
-busy machine does not count against them); a row back under the budget rejoins the batch, and one
-over it ``MASK_STRIKES`` steps in a row is ended by the engine with ``GUIDE_TOO_EXPENSIVE``.
+busy machine does not count against them); a row under the budget rejoins the batch, and one over
+it on ``MASK_STRIKES`` steps not far apart is ended by the engine with ``GUIDE_TOO_EXPENSIVE``.
 
 Why xgrammar (vLLM's default) rather than llguidance: a wheel for this Python and platform with
 no build step, masks written straight into a torch bitmask tensor with its own in-place apply
@@ -39,11 +39,15 @@ from workers.engine.request import Request
 # OpenAI's json_object: any JSON object.
 ANY_OBJECT = '{"type": "object"}'
 
-# Steps in a row a request's mask may take over the budget before the engine ends it: one slow
-# step (a cold cache, a long token) is not the grammar's fault.
+# Steps a request's mask may take over the budget before the engine ends it, with fewer than
+# MASK_QUIET_STEPS steps under it between two of them: one slow step (a cold cache) is not the
+# grammar's fault, and a grammar whose cost jumps from step to step (`(.{0,5}){100}`: 3 ms, then
+# 400 ms, then 3 ms) must not escape by its cheap steps.
 MASK_STRIKES = 3
-# After a batch over the budget whose rows, each filled alone, all came in under it (many cheap
-# rows), the batch is not split up again for this many steps: splitting up costs its parallelism.
+MASK_QUIET_STEPS = 8
+# After a batch whose rows, filled alone, took over the budget together but each under it (many
+# cheap rows), the batch is not split up again for this many steps: split up, it loses xgrammar's
+# threads.
 MASK_COOLDOWN_STEPS = 16
 # The error type of a request ended for its mask's cost (Delta.error_type).
 GUIDE_TOO_EXPENSIVE = "guide_too_expensive"
@@ -168,9 +172,10 @@ class Masks:
         self._filler.batch_fill_next_token_bitmask(matchers, self._host, indices=rows)
 
     def _fill_within_budget(self, due: Sequence[Request], rows: list[int]) -> None:
-        """Fill the rows, the watched ones each alone and timed: a watched row over the budget
-        gets a strike (the engine ends it at MASK_STRIKES), one under it rejoins the batch. A
-        batch over the budget has its rows watched from the next step on."""
+        """Fill the rows, the watched ones each alone and timed. A watched row over the budget
+        gets a strike (the engine ends it at MASK_STRIKES); one under it with no strike rejoins
+        the batch at once, one with strikes after MASK_QUIET_STEPS in a row under it. A batch over
+        the budget has its rows watched from the next step on."""
         self._cooldown = max(0, self._cooldown - 1)
         batch = [i for i in rows if not due[i].mask_watched]
         slow = False
@@ -179,19 +184,27 @@ class Masks:
             self._fill(due, batch)
             slow = time.perf_counter() - start > self.budget_s
         watched = [(i, due[i]) for i in rows if due[i].mask_watched]
+        total, over = 0.0, False
         for i, request in watched:
             assert request.matcher is not None
             # NOTE: the engine thread's CPU time, not the clock's: this fill runs on this thread,
             # and another process on the same cores must not make a grammar look expensive.
             start = time.thread_time()
             request.matcher.fill_next_token_bitmask(self._host, i)
+            took = time.thread_time() - start
             self.filled_alone += 1
-            if time.thread_time() - start > self.budget_s:
+            total += took
+            if took > self.budget_s:
                 request.mask_strikes += 1
+                request.mask_quiet, over = 0, True
             else:
-                request.mask_watched, request.mask_strikes = False, 0
-        if watched and not any(r.mask_strikes for _, r in watched):
-            self._cooldown = MASK_COOLDOWN_STEPS  # the batch was slow, none of its rows is
+                request.mask_quiet += 1
+                if not request.mask_strikes or request.mask_quiet >= MASK_QUIET_STEPS:
+                    request.mask_watched, request.mask_strikes, request.mask_quiet = False, 0, 0
+        if total > self.budget_s and not over:
+            # Slow together, none of them alone (many cheap rows): filled alone they lose the
+            # batch's threads, so the batch is not split up again for a while.
+            self._cooldown = MASK_COOLDOWN_STEPS
         elif slow and not self._cooldown:
             for i in batch:
                 due[i].mask_watched = True

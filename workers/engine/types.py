@@ -93,7 +93,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     trust_remote_code: bool = False
     # What one request's structured-output mask may take per step, in ms (0: no budget); one over
-    # it grammar.MASK_STRIKES steps in a row ends with the error guide_too_expensive (grammar.py).
+    # it on grammar.MASK_STRIKES steps not far apart ends with the error guide_too_expensive (grammar.py).
     # The worker's SPOOL_MAX_GUIDE_MASK_MS.
     max_guide_mask_ms: float = 50.0
     # Run the forward through torch.compile (model_runner.py), compiled at load; the worker's
