@@ -21,6 +21,8 @@ ttft    Time to first token of a text part (``--text-jobs`` jobs, one at a time,
         prompt from the text part (``prompt_from``): the same two parts, POST and create script,
         but the image runs only after the text part ended, so what the other image jobs add
         beyond it is what the image's work running beside the text part's first forward costs.
+        Each iteration runs the four in turn, starting one further along than the one before,
+        so each takes every position equally often.
 
 Both workers and the direct pipeline run the torch threads ``spool up`` gives its workers
 (``SPOOL_TORCH_THREADS``: the CPUs minus one; this process's ``torch.set_num_threads``).
@@ -76,9 +78,12 @@ async def stack_images_per_s(url: str, n: int, size: int, steps: int) -> float:
         t0 = time.perf_counter()
         posts = [c.post("/v1/jobs", json={"parts": [{**part, "seed": s}]}) for s in range(n)]
         ids = [r.json()["id"] for r in await asyncio.gather(*posts)]
-        for job_id in ids:  # done when the last one ended (they end in order: one worker)
-            while (await c.get(f"/v1/jobs/{job_id}")).json()["status"] in ("queued", "running"):
-                await asyncio.sleep(0.02)
+        # Done when the last one ended: each job's event stream read to its end in turn (a poll
+        # of every job would take CPU from the media worker).
+        for job_id in ids:
+            async with c.stream("GET", f"/v1/jobs/{job_id}/events") as r:
+                async for _ in r.aiter_lines():
+                    pass
         elapsed = time.perf_counter() - t0
         for job_id in ids:
             assert (await c.get(f"/v1/jobs/{job_id}")).json()["status"] == "succeeded"
@@ -146,16 +151,17 @@ def ttft(url: str, jobs: int, size: int, steps: int, media_pid: int, nice: int) 
             return not any(w["engine"].get("running") for w in workers if w.get("kind") == "media")
 
         for i in range(jobs):  # alternated, so a slow moment of a shared machine hits every variant
-            timed("text", {"parts": [text]})
-            wait_until(idle, "the media worker idle", 120)
-            renice(media_pid, base)
-            timed("text+image", {"parts": [text, {**image, "seed": i}]})
-            wait_until(idle, "the media worker idle", 120)
-            timed("text+image after", {"parts": [text, {**image, "prompt": None, "prompt_from": 0}]})
-            wait_until(idle, "the media worker idle", 120)
-            renice(media_pid, base + nice)  # SPOOL_IMAGE_NICE, as `spool up` sets it
-            timed("text+image niced", {"parts": [text, {**image, "seed": i}]})
-            wait_until(idle, "the media worker idle", 120)
+            variants = [
+                ("text", {"parts": [text]}, base),
+                ("text+image", {"parts": [text, {**image, "seed": i}]}, base),
+                ("text+image after", {"parts": [text, {**image, "prompt": None, "prompt_from": 0}]}, base),
+                # SPOOL_IMAGE_NICE, as `spool up` sets it
+                ("text+image niced", {"parts": [text, {**image, "seed": i}]}, base + nice),
+            ]
+            for kind, body, niceness in variants[i % 4 :] + variants[: i % 4]:  # each in every position
+                renice(media_pid, niceness)
+                timed(kind, body)
+                wait_until(idle, "the media worker idle", 120)
     medians = {k: statistics.median(v) for k, v in runs.items()}
     for k, ps in phases.items():
         for phase in PHASES:

@@ -60,9 +60,10 @@ class Settings(BaseSettings):
     # The media worker's CPU niceness (os.nice at its start, so every thread has it): above 0 its
     # pipeline gives way to a text worker on the same CPUs. `spool up` sets it to 10.
     image_nice: int = Field(0, ge=0, le=19)
-    # How long an image part's first denoising step waits, from its job's creation, for the job's
-    # text parts to have their first token (or end), so that on shared CPUs the image does not
-    # slow their prefill (workers/media/runtime.py, docs/internals.md "Parts"). 0: no wait.
+    # The API's: how long an image part's message waits at most, from its job's creation, for the
+    # job's text parts to have their first token (or end), so that on shared CPUs the image does
+    # not slow their prefill (common/store/lua.py release_held, docs/internals.md "Parts"). 0: no
+    # wait. Media workers send the held parts due; this also bounds how long their check sleeps.
     image_hold_s: float = Field(2.0, ge=0)
 
     # Jobs (API)

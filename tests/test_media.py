@@ -570,11 +570,10 @@ def test_bad_parts_are_400s_with_the_reason(
 def test_sigkill_mid_image_another_media_worker_takes_over(client: httpx.Client, media: Media) -> None:
     r = redis.Redis.from_url(REDIS_URL, decode_responses=True)
     media.start_media_worker("m2")
-    job_id = submit(
-        client, media, [{"type": "image", "prompt": "takeover", "size": "64x64", "steps": 24, "seed": 9}]
-    )
+    image = {"type": "image", "prompt": "takeover", "size": "64x64", "steps": 24, "seed": 9}
+    job_id = submit(client, media, [{**image, "partial_images": 3}])  # previews after steps 6, 12, 18
     url = f"{media.url}/v1/jobs/{job_id}/events"
-    seen = read_events(client, url, stop_after=4)  # running, steps 1 to 3
+    seen = read_events(client, url, stop_after=8)  # running, steps 1 to 6, the first preview
     part_hash = media.keys.job(f"{job_id}:part:0")
     victim_name = r.hget(part_hash, "worker")
     [victim] = [w for w in media.workers if w.name == f"media-{victim_name}"]
@@ -590,12 +589,15 @@ def test_sigkill_mid_image_another_media_worker_takes_over(client: httpx.Client,
     after = [e.data["step"] for e in events if e.event == "progress" and e.id > running[1].id]
     assert after == list(range(1, 25))  # the new attempt ran from step 0
     assert r.hget(part_hash, "worker") != victim_name
-    # The same image as one never interrupted.
-    clean = submit(
-        client, media, [{"type": "image", "prompt": "takeover", "size": "64x64", "steps": 24, "seed": 9}]
-    )
+    # Each preview once, with its index: the new attempt skips those the first one sent.
+    previews = [(e.data["step"], e.data["partial_image_index"]) for e in events if e.event == "preview"]
+    assert previews == [(6, 0), (12, 1), (18, 2)]
+    # The same image (and previews) as one never interrupted.
+    clean = submit(client, media, [{**image, "partial_images": 3}])
     assert finished_job(client, media.url, clean)["status"] == "succeeded"
     assert content(client, media, clean, 0) == content(client, media, job_id, 0)
+    shown = [e.data["b64_json"] for e in events if e.event == "preview"]
+    assert [e.data["b64_json"] for e in events_of(client, media, clean) if e.event == "preview"] == shown
 
 
 def test_a_media_worker_whose_pipeline_does_not_load_exits_78(prefixes: Prefixes, log_dir: Path) -> None:

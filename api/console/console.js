@@ -121,6 +121,8 @@ async function follow(jobId) {
   $("parts").replaceChildren();
   $("parts").hidden = true;
   $("output").textContent = "";
+  $("choices").replaceChildren();
+  $("choices").hidden = true;
   showCursor();
   $("job-id").textContent = jobId;
   $("job-meta").textContent = "";
@@ -173,7 +175,7 @@ function show(type, data) {
     }
     view.partTokens.set(k, before + 1);
     view.tokens += 1;
-    $("output").append(data.text);
+    choiceOutput(data.choice ?? 0).append(data.text);
     showCursor();
     setStatus("running");
     if (data.part !== undefined) updatePart(k, { type: "text", status: "running" }, true);
@@ -301,6 +303,24 @@ async function showImage(li, info) {
     delete img.dataset.url; // the next event or reload tries again
     li.querySelector(".part-error").textContent = `the image could not be read: ${explain(err)}`;
   }
+}
+
+// Where a choice's text goes: choice 0 (and a job of one choice) in #output, each other
+// choice of a job with n > 1 in a block of its own below it, so their texts do not interleave.
+function choiceOutput(choice) {
+  if (choice === 0) return $("output");
+  const blocks = $("choices");
+  let pre = blocks.querySelector(`pre[data-choice="${choice}"]`);
+  if (!pre) {
+    const head = document.createElement("h3");
+    head.textContent = `choice ${choice}`;
+    pre = document.createElement("pre");
+    pre.className = "choice";
+    pre.dataset.choice = String(choice);
+    blocks.append(head, pre);
+    blocks.hidden = false;
+  }
+  return pre;
 }
 
 function showCursor() {

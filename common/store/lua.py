@@ -203,7 +203,7 @@ local function release_held(job, queued_media, held_media, now)
     local key = pk[d + 1][1]
     local status, list, message, id = unpack(redis.call('HMGET', key, 'status', 'list_key', 'message', 'id'))
     redis.call('ZREM', held_media, id)
-    if status == 'queued' then
+    if status == 'queued' and message then
       redis.call('LPUSH', list, message)
       redis.call('ZADD', queued_media, now, id)
       redis.call('HSET', key, 'released_at', now)

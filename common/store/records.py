@@ -254,10 +254,11 @@ def create_parts_call(
             message = media_message_for(pid, k in held) if media_message_for else None
         waits = (isinstance(part, ImagePart) and part.prompt_from is not None) or k in held
         push = message is not None and not waits
-        zset, score = keys.queued_jobs() if text else keys.queued_media() if push else "", now
-        if k in held and message is not None:
+        if k in held and message is not None:  # sent at the text parts' first tokens, or at this bound
             assert isinstance(part, ImagePart)
             zset, score = keys.held_media(), now + min(settings.image_hold_s, part.timeout_s or math.inf)
+        else:
+            zset, score = (keys.queued_jobs() if text else keys.queued_media() if push else ""), now
         if message is not None:
             pf.update(list_key=message.list_key, message=message.payload)
         parts.append(

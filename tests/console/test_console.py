@@ -189,6 +189,31 @@ def test_a_prompt_streams_to_the_jobs_final_text(
     page.screenshot(path=tmp_path / "done.png", full_page=True)
 
 
+def test_a_job_with_choices_shows_each_choice_apart(
+    stack: Stack, page: Any, client: httpx.Client, tmp_path: Path
+) -> None:
+    """n > 1: choice 0 is the job's text, in the output; each other choice in a block of its own."""
+    body = {"prompt": "Once upon a time", "max_tokens": 12, "n": 3, "temperature": 1.0, "seed": 5}
+    r = client.post(f"{stack.api.url}/v1/jobs", json=body)
+    assert r.status_code == 202, r.text
+    job_id = r.json()["id"]
+    open_console(page, stack.api.url, f"?job={job_id}")
+    assert wait_terminal(page) == "succeeded"
+    job = finished_job(client, stack.api.url, job_id)
+    events = read_events(client, f"{stack.api.url}/v1/jobs/{job_id}/events")
+    texts = [
+        "".join(e.data["text"] for e in events if e.event == "token" and e.data["choice"] == k)
+        for k in range(3)
+    ]
+    assert len(set(texts)) == 3  # sampled apart: a mix-up would show
+    assert shown(page) == (job["text"], sum(e.event == "token" for e in events))
+    assert texts[0] == job["text"]
+    for k in (1, 2):
+        assert page.text_content(f"#choices pre[data-choice='{k}']") == texts[k]
+    assert page.locator("#choices h3").all_text_contents() == ["choice 1", "choice 2"]
+    page.screenshot(path=tmp_path / "choices.png", full_page=True)
+
+
 def test_the_stream_resumes_after_the_api_restarts(
     stack: Stack, page: Any, client: httpx.Client, tmp_path: Path
 ) -> None:

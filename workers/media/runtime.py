@@ -57,6 +57,7 @@ class _Part:
     deadline: float | None  # created_at + timeout_s
     next_seq: int  # the part's own count of events + 1 (earlier attempts' included)
     foreground: bool = False  # its job's: aborted (the job cancelled) once nobody watches it
+    previewed: frozenset[int] = frozenset()  # steps whose preview an earlier attempt sent
     aborted: bool = False  # a cancel, or its lease lost: stop at the next step
     timed_out: bool = False
     lost: bool = False  # an append was refused: another worker runs it now
@@ -188,6 +189,7 @@ class MediaRuntime:
             created + request.timeout_s if request.timeout_s else None,
             len(taken.log) + 1,
             foreground=taken.record.foreground_parent,
+            previewed=frozenset(e.data["step"] for e in taken.log if e.type == "preview"),
             aborted=taken.record.cancel_requested,
             taken_at=time.time(),
             steps=request.steps,
@@ -212,6 +214,7 @@ class MediaRuntime:
         part.begun_at = time.time()
         prompt = request.prompt if request.prompt is not None else self._prompt_from(job_id, request)
         seed = request.seed if request.seed is not None else default_seed(part.part_id)
+        wanted = preview_steps(request.steps, request.partial_images)
         spec = ImageSpec(
             prompt,
             request.width,
@@ -220,9 +223,11 @@ class MediaRuntime:
             seed,
             request.guidance_scale,
             request.negative_prompt,
-            preview_steps(request.steps, request.partial_images),
+            # A takeover makes the image the first attempt would have (the same seed): the
+            # previews it sent are not sent again, and the others keep their index.
+            wanted - part.previewed,
         )
-        previews = sorted(spec.preview_steps)
+        previews = sorted(wanted)
         self._begin_step()
         try:
             image = self.pipeline.generate(
