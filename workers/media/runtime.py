@@ -3,11 +3,15 @@ liveness of every worker (workers/liveness.py: heartbeat, leases fenced by attem
 the sweep that requeues a dead worker's parts).
 
 A Celery task thread calls ``run_part``: take the part (a new attempt), run the pipeline from
-step 0, append a ``progress`` event after every
-step (and a ``preview`` at the steps a part with ``partial_images`` asks for; one round trip
-each, fenced: a worker that was taken over stops at its next step), and end the part with one
-append that carries its ``part`` event, its PNG and its status. A cancel or the part's timeout stops the pipeline at
-the next step (workers/media/pipeline.py), so the worker is free for the next part at once.
+step 0, append a ``progress`` event after every step (and a ``preview`` at the steps a part
+with ``partial_images`` asks for; one round trip each, fenced: a worker that was taken over
+stops at its next step), and end the part with one append that carries its ``part`` event, its
+PNG and its status. A cancel or the part's timeout stops the pipeline at the next step
+(workers/media/pipeline.py), so the worker is free for the next part at once.
+
+An image part of a job with text parts is held: its message is sent once they have their first
+tokens (the store's append script does it), or by a media worker's ``_release_held`` thread once
+its bound (``SPOOL_IMAGE_HOLD_S`` after the job's creation) passed (docs/internals.md "Parts").
 """
 
 from __future__ import annotations
