@@ -192,6 +192,14 @@ local function finish_job(job, log, chan, text, now, ttl)
   end
   return true
 end
+-- Send a queued image part's stored message (a prompt_from or held part's: CREATE_PARTS_LUA kept
+-- it in its hash), and count it in the queued media zset from now on.
+local function send_part(key, queued_media, now)
+  local list, message, id = unpack(redis.call('HMGET', key, 'list_key', 'message', 'id'))
+  if not message then return end
+  redis.call('LPUSH', list, message)
+  redis.call('ZADD', queued_media, now, id)
+end
 -- Send the messages of the job's held image parts (``held_parts``) still queued: its text parts
 -- have their first tokens (PART_APPEND_LUA), or the hold's bound passed (RELEASE_HELD_LUA).
 local function release_held(job, queued_media, held_media, now)
@@ -201,11 +209,10 @@ local function release_held(job, queued_media, held_media, now)
   local pk = cjson.decode(redis.call('HGET', job, 'part_keys'))
   for _, d in ipairs(cjson.decode(held)) do
     local key = pk[d + 1][1]
-    local status, list, message, id = unpack(redis.call('HMGET', key, 'status', 'list_key', 'message', 'id'))
+    local status, id = unpack(redis.call('HMGET', key, 'status', 'id'))
     redis.call('ZREM', held_media, id)
-    if status == 'queued' and message then
-      redis.call('LPUSH', list, message)
-      redis.call('ZADD', queued_media, now, id)
+    if status == 'queued' then
+      send_part(key, queued_media, now)
       redis.call('HSET', key, 'released_at', now)
     end
   end
@@ -617,9 +624,7 @@ if deps then
     local key = pk[d + 1][1]
     if redis.call('HGET', key, 'status') == 'queued' then
       if ARGV[5] == 'succeeded' then
-        local list, message, id = unpack(redis.call('HMGET', key, 'list_key', 'message', 'id'))
-        redis.call('LPUSH', list, message)
-        redis.call('ZADD', KEYS[9], ARGV[7], id)
+        send_part(key, KEYS[9], ARGV[7])
       else
         local err = '{"message":"part ' .. ARGV[14] .. ', which this part takes its prompt from, ' ..
                     ARGV[5] .. '","type":"dependency_failed"}'
