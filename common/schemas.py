@@ -37,6 +37,27 @@ _RANGES: dict[str, tuple[float, float]] = {
 }
 INVALID_PART = "invalid_part"  # validation error type of a job's parts that do not fit together (400)
 INVALID_GUIDED = "invalid_guided_decoding"  # a guided_regex / guided_choice that cannot be one (400)
+# Objects and arrays a request may nest, counted from its body. NOTE: the schema check (jsonschema)
+# recurses through up to 8 frames a level: 100 levels of response_format raised RecursionError.
+MAX_JSON_DEPTH = 64
+TOO_DEEP = "json_too_deep"  # validation error type of a request nested deeper than MAX_JSON_DEPTH (400)
+
+
+def nested_too_deep(value: Any, limit: int = MAX_JSON_DEPTH) -> bool:
+    """Whether ``value``'s objects and arrays nest more than ``limit`` levels (``{}`` is one level),
+    found without recursion, so a body of any depth can be checked before anything recurses into it."""
+    stack = [(value, 1)] if isinstance(value, dict | list) else []
+    while stack:
+        node, depth = stack.pop()
+        if depth > limit:
+            return True
+        children = node.values() if isinstance(node, dict) else node
+        stack.extend((child, depth + 1) for child in children if isinstance(child, dict | list))
+    return False
+
+
+def too_deep_message(what: str, limit: int = MAX_JSON_DEPTH) -> str:
+    return f"{what} nests objects and arrays deeper than this server's limit of {limit} levels"
 
 
 class JobStatus(str, enum.Enum):
@@ -500,6 +521,15 @@ class JobRequest(TextParams):
                 {"n": len(v), "cap": cap},
             )
         return v
+
+    @model_validator(mode="before")
+    @classmethod
+    def _depth(cls, data: Any) -> Any:
+        # Before any field is validated: the schema check recurses (MAX_JSON_DEPTH).
+        for name, value in data.items() if isinstance(data, dict) else ():
+            if nested_too_deep(value, MAX_JSON_DEPTH - 1):
+                raise PydanticCustomError(TOO_DEEP, "{message}", {"message": too_deep_message(str(name))})
+        return data
 
     @model_validator(mode="before")
     @classmethod

@@ -13,7 +13,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from api.errors import ApiError, body_errors
-from common.schemas import MAX_LOGPROBS, JobRequest
+from common.schemas import MAX_LOGPROBS, TOO_DEEP, JobRequest, too_deep_message
 from common.settings import Settings
 
 # Values of unsupported parameters that change nothing, so a client sending them is served.
@@ -166,6 +166,10 @@ class OpenAIRequest(_Open):
                 schema = json.loads(schema)
             except ValueError as e:
                 raise ApiError(400, f"guided_json is not JSON: {e}", param="guided_json") from None
+            except RecursionError:
+                raise ApiError(
+                    400, too_deep_message("guided_json"), param="guided_json", code=TOO_DEEP
+                ) from None
             if not isinstance(schema, dict):
                 raise ApiError(400, "guided_json must be a JSON schema (an object)", param="guided_json")
         return {"type": "json_schema", "json_schema": {"name": "guided_json", "schema": schema}}
