@@ -130,6 +130,7 @@ def test_public_status_shows_no_part_ids_paths_or_processes(keyed_api: Service) 
         ("/v1/jobs", {"prompt": "a", "n": False}, "n"),
         ("/v1/completions", {"prompt": "a", "max_tokens": True}, "max_tokens"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "seed": True}, "seed"),
+        ("/v1/images/generations", {"prompt": "a", "steps": True}, "steps"),
     ],
 )
 def test_a_boolean_is_not_an_integer(keyed_api: Service, path: str, body: dict[str, Any], param: str) -> None:
