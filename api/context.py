@@ -25,7 +25,7 @@ KEEP_COUNTERS = 4  # tokenizers kept per API process (one per served model; a ro
 INLINE_CHARS = 1024  # shorter prompts are counted on the event loop (about 0.1 ms; 8,192 characters: 4.5 ms)
 # A prompt longer than the context times this many characters is refused uncounted. Generous:
 # English text averages about 4 characters a token. NOTE: counting is not free (a 900 KB prompt
-# took 1.1 s and about 40 MB of the API's memory), so a prompt that cannot fit is never counted.
+# held the GIL 1.9 s and took about 40 MB of the API's memory), so a prompt that cannot fit is never counted.
 MAX_CHARS_PER_TOKEN = 16
 CODE = "context_length_exceeded"
 

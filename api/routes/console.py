@@ -8,7 +8,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import FileResponse, HTMLResponse
 
-from api.auth import owner_of
+from api.auth import bearer_owner
 from api.deps import ServicesDep
 from api.errors import ApiError
 from common.keys import split_part_id
@@ -69,8 +69,5 @@ async def _may_see(store: AsyncJobStore, part: str, keys: frozenset[str], reques
     middleware checks no key here: the path is public)."""
     if not keys:
         return True
-    scheme, _, key = request.headers.get("authorization", "").partition(" ")
-    split = split_part_id(part)
-    if scheme.lower() != "bearer" or split is None:
-        return False
-    return await store.owner(split[0]) == owner_of(key.strip())
+    split, owner = split_part_id(part), bearer_owner(request.headers)
+    return bool(owner) and split is not None and await store.owner(split[0]) == owner
