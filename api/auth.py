@@ -30,6 +30,12 @@ def owner_of(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
+def bearer_owner(headers: Headers) -> str:
+    """The owner of the request's ``Authorization: Bearer KEY`` (empty without one)."""
+    scheme, _, key = headers.get("authorization", "").partition(" ")
+    return owner_of(key.strip()) if scheme.lower() == "bearer" else ""
+
+
 def current_owner() -> str:
     """The owner of the request being served (empty without API keys)."""
     return _owner.get()
@@ -44,8 +50,7 @@ class AuthMiddleware:
         if scope["type"] != "http" or not self.owners or not scope["path"].startswith("/v1"):
             await self.app(scope, receive, send)
             return
-        scheme, _, key = Headers(scope=scope).get("authorization", "").partition(" ")
-        owner = owner_of(key.strip()) if scheme.lower() == "bearer" else ""
+        owner = bearer_owner(Headers(scope=scope))
         if owner not in self.owners:
             message = "Missing or invalid API key; send 'Authorization: Bearer KEY'"
             body = error_body(401, message, code="invalid_api_key")

@@ -17,7 +17,15 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
 from common.redis_errors import UNREACHABLE, WRITE_REFUSED
-from common.schemas import INVALID_GUIDED, INVALID_PART, INVALID_SCHEMA, LIMIT_EXCEEDED, OUT_OF_RANGE
+from common.schemas import (
+    INVALID_GUIDED,
+    INVALID_PART,
+    INVALID_SCHEMA,
+    LIMIT_EXCEEDED,
+    OUT_OF_RANGE,
+    TOO_DEEP,
+    too_deep_message,
+)
 from common.store import Conflict, JobNotFound
 
 # OpenAI-style error types, so clients written against that API branch on familiar names.
@@ -90,6 +98,8 @@ async def _api_error(_: Request, exc: Exception) -> JSONResponse:
 
 async def _http_error(_: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, HTTPException)
+    if isinstance(exc.__cause__, RecursionError):  # FastAPI's "error parsing the body": json.loads
+        return _respond(ApiError(400, too_deep_message("The body"), code=TOO_DEEP))
     code = {404: "not_found", 405: "method_not_allowed", 413: "body_too_large"}.get(exc.status_code)
     return _respond(ApiError(exc.status_code, str(exc.detail), code=code, headers=exc.headers))
 
@@ -117,7 +127,7 @@ def validation_error(exc: RequestValidationError) -> ApiError:
     # is not one, as OpenAI answers them: 400, with the numbers or what is wrong. A job's parts
     # that do not fit (an unknown type, prompt_from forward, a bad size): 400 too.
     bad_parts = first["type"] == INVALID_PART or first["loc"][1:2] == ("parts",)
-    refused = (LIMIT_EXCEEDED, OUT_OF_RANGE, INVALID_SCHEMA, INVALID_GUIDED)
+    refused = (LIMIT_EXCEEDED, OUT_OF_RANGE, INVALID_SCHEMA, INVALID_GUIDED, TOO_DEEP)
     status = 400 if first["type"] in refused or bad_parts else 422
     return ApiError(status, message, param=_location(first["loc"]), code=str(first["type"]))
 

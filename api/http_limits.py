@@ -30,6 +30,10 @@ from api.errors import error_body
 from common.settings import Settings
 
 
+class HeadTooLarge(Exception):
+    """Raised in a parser callback: a request head past SPOOL_MAX_HEADER_BYTES."""
+
+
 @dataclass(frozen=True)
 class HttpLimits:
     max_header_bytes: int
@@ -68,6 +72,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         super().__init__(*args, **kwargs)
         self._head_bytes = 0
         self._in_head = True  # no request head parsed yet since the last request ended
+        self._parsed_head = 0  # the bytes of the head being parsed, as the parser hands them over
         self._deadline: asyncio.TimerHandle | None = None
 
     # -- uvicorn's protocol hooks ----------------------------------------------------------------
@@ -95,9 +100,28 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         if too_large and not self.transport.is_closing():
             # NOTE: checked per read, before the parser has buffered more than one read (64 KiB)
             # beyond the limit: httptools keeps a header value whole until it ends.
-            limit = self.limits.max_header_bytes
-            message = f"Request head is larger than {limit} bytes (SPOOL_MAX_HEADER_BYTES)"
-            self._refuse(431, message, "headers_too_large")
+            self._refuse_head()
+
+    # NOTE: the count per read above misses a head that arrives whole in one read (up to about
+    # 128 KiB passed): the parser completes it within that read. These count what it parses.
+    def on_message_begin(self) -> None:
+        self._parsed_head = 0
+        super().on_message_begin()
+
+    def on_url(self, url: bytes) -> None:
+        self._count_head(len(url))
+        super().on_url(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._count_head(len(name) + len(value) + 4)  # with ": " and CRLF
+        super().on_header(name, value)
+
+    def send_400_response(self, msg: str) -> None:
+        # uvicorn's answer to a parse stopped by a callback: _count_head's, or a malformed head.
+        if self._parsed_head > self.limits.max_header_bytes:
+            self._refuse_head()
+        else:
+            super().send_400_response(msg)
 
     def on_headers_complete(self) -> None:
         self._in_head = False
@@ -127,6 +151,16 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             self._deadline.cancel()
             self._deadline = None
 
+    def _count_head(self, n: int) -> None:
+        self._parsed_head += n
+        if self._parsed_head > self.limits.max_header_bytes:
+            raise HeadTooLarge  # stops the parser, and uvicorn calls send_400_response
+
+    def _refuse_head(self) -> None:
+        limit = self.limits.max_header_bytes
+        message = f"Request head is larger than {limit} bytes (SPOOL_MAX_HEADER_BYTES)"
+        self._refuse(431, message, "headers_too_large")
+
     def _head_too_slow(self) -> None:
         self._deadline = None
         limit = self.limits.header_timeout_s
@@ -143,7 +177,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         """Answer ``status`` and close, or only close once the app has begun its answer."""
         if self.transport.is_closing():
             return
-        if self.cycle is None or not self.cycle.response_started:
+        cycle = self.cycle  # on a keep-alive connection, the last request's while a head comes in
+        if cycle is None or not cycle.response_started or cycle.response_complete:
             self.transport.write(refusal(status, message, code))
         if self.cycle is not None:
             self.cycle.disconnected = True  # the app's reads see a disconnect, its writes are dropped

@@ -11,15 +11,25 @@ import enum
 import json
 import math
 import re
+from pathlib import PurePath
 from typing import Annotated, Any, Literal, Self
 
 import jsonschema
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictInt,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 
 from common.settings import DEFAULT_MAX_TOKENS, Settings
 
 MAX_STOP_STRINGS = 4
+# Integer fields are StrictInt: lax ints took `"steps": true` as 1 (and "5" as 5).
 # The validation context's key for the Settings of the server that accepts a request
 # (``JobRequest.accept``): its default max_tokens and its limits. Without them (a request read
 # back from the store, already judged by the API that accepted it; a tool's own) neither applies.
@@ -37,6 +47,27 @@ _RANGES: dict[str, tuple[float, float]] = {
 }
 INVALID_PART = "invalid_part"  # validation error type of a job's parts that do not fit together (400)
 INVALID_GUIDED = "invalid_guided_decoding"  # a guided_regex / guided_choice that cannot be one (400)
+# Objects and arrays a request may nest, counted from its body. NOTE: the schema check (jsonschema)
+# recurses through up to 8 frames a level: 100 levels of response_format raised RecursionError.
+MAX_JSON_DEPTH = 64
+TOO_DEEP = "json_too_deep"  # validation error type of a request nested deeper than MAX_JSON_DEPTH (400)
+
+
+def nested_too_deep(value: Any, limit: int = MAX_JSON_DEPTH) -> bool:
+    """Whether ``value``'s objects and arrays nest more than ``limit`` levels (``{}`` is one level),
+    found without recursion, so a body of any depth can be checked before anything recurses into it."""
+    stack = [(value, 1)] if isinstance(value, dict | list) else []
+    while stack:
+        node, depth = stack.pop()
+        if depth > limit:
+            return True
+        children = node.values() if isinstance(node, dict) else node
+        stack.extend((child, depth + 1) for child in children if isinstance(child, dict | list))
+    return False
+
+
+def too_deep_message(what: str, limit: int = MAX_JSON_DEPTH) -> str:
+    return f"{what} nests objects and arrays deeper than this server's limit of {limit} levels"
 
 
 class JobStatus(str, enum.Enum):
@@ -175,20 +206,20 @@ class TextParams(BaseModel):
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1)
     # The server's SPOOL_DEFAULT_MAX_TOKENS when given its settings (_server_default).
-    max_tokens: int = Field(default_factory=lambda: DEFAULT_MAX_TOKENS, ge=1)
+    max_tokens: StrictInt = Field(default_factory=lambda: DEFAULT_MAX_TOKENS, ge=1)
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int | None = Field(None, ge=1)
+    top_k: StrictInt | None = Field(None, ge=1)
     stop: str | list[Annotated[str, Field(min_length=1)]] | None = None
-    seed: int | None = Field(None, ge=-(2**63), lt=2**64)  # what a torch.Generator can take
+    seed: StrictInt | None = Field(None, ge=-(2**63), lt=2**64)  # what a torch.Generator can take
     timeout_s: float | None = Field(None, gt=0)  # counted from job creation; past it the job fails
     # Logits processing (the engine's SamplingParams; docs/openai.md). Neutral by default.
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0  # > 0; 1 changes nothing
-    min_tokens: int = 0  # at most max_tokens
+    min_tokens: StrictInt = 0  # at most max_tokens
     logit_bias: dict[int, float] | None = None  # token id -> -100..100, added to its logit
-    logprobs: int | None = None  # each token's logprob and the top this many (0..20); None: none
+    logprobs: StrictInt | None = None  # each token's logprob and the top this many (0..20); None: none
     response_format: ResponseFormat | None = None  # structured outputs (workers/engine/grammar.py)
     # vLLM's extras, constrained as response_format is: the output matches the regular
     # expression, or is exactly one of the strings. At most one of the three per request.
@@ -378,15 +409,15 @@ class ImagePart(BaseModel):
 
     type: Literal["image"]
     prompt: str | None = Field(None, min_length=1, max_length=4000)
-    prompt_from: int | None = Field(None, ge=0)  # an earlier text part whose final text is the prompt
+    prompt_from: StrictInt | None = Field(None, ge=0)  # an earlier text part whose final text is the prompt
     size: str = "256x256"  # WxH, each a multiple of 8 (the VAE's scale)
-    steps: int = Field(20, ge=1)
-    seed: int | None = Field(None, ge=0, lt=2**63)  # none: one drawn from the part's id, and reported
+    steps: StrictInt = Field(20, ge=1)
+    seed: StrictInt | None = Field(None, ge=0, lt=2**63)  # none: one drawn from the part's id, and reported
     guidance_scale: float | None = Field(None, ge=0, le=50)  # none: the pipeline's default
     negative_prompt: str | None = Field(None, max_length=4000)
     timeout_s: float | None = Field(None, gt=0)  # counted from job creation; past it the part fails
     # Previews while it denoises (OpenAI's partial_images): a `preview` event each, off by default.
-    partial_images: int = Field(0, ge=0, le=MAX_PARTIAL_IMAGES)
+    partial_images: StrictInt = Field(0, ge=0, le=MAX_PARTIAL_IMAGES)
 
     @field_validator("prompt", "negative_prompt")
     @classmethod
@@ -404,7 +435,7 @@ class ImagePart(BaseModel):
         m = _SIZE.match(v)
         if not m:
             raise PydanticCustomError(
-                INVALID_PART, "size must be WIDTHxHEIGHT, e.g. 256x256; got {v!r}", {"v": v}
+                INVALID_PART, "size must be WIDTHxHEIGHT, e.g. 256x256; got {got}", {"got": repr(v)}
             )
         w, h = int(m[1]), int(m[2])
         if w % 8 or h % 8:
@@ -465,7 +496,7 @@ class JobRequest(TextParams):
     # A multimodal job: its parts in order; each has its own status (common/store/records.py).
     parts: list[Part] | None = Field(None, min_length=1)
     # Choices: n sequences of the prompt in the batch, one job (docs/internals.md, "Choices").
-    n: int = 1
+    n: StrictInt = 1
 
     @field_validator("n")
     @classmethod
@@ -500,6 +531,15 @@ class JobRequest(TextParams):
                 {"n": len(v), "cap": cap},
             )
         return v
+
+    @model_validator(mode="before")
+    @classmethod
+    def _depth(cls, data: Any) -> Any:
+        # Before any field is validated: the schema check recurses (MAX_JSON_DEPTH).
+        for name, value in data.items() if isinstance(data, dict) else ():
+            if nested_too_deep(value, MAX_JSON_DEPTH - 1):
+                raise PydanticCustomError(TOO_DEEP, "{message}", {"message": too_deep_message(str(name))})
+        return data
 
     @model_validator(mode="before")
     @classmethod
@@ -712,3 +752,19 @@ class WorkerHeartbeat(BaseModel):
     pid: int | None = None
     pid_ns: str | None = None
     instance: str | None = None  # random, new with every process
+
+    def public(self) -> dict[str, Any]:
+        """What /readyz and /console-status show anyone, with or without a key: not the part a
+        media worker runs (another key's), nor a model's local path (its last component), nor
+        the process's host and ids."""
+        model = PurePath(self.model).name if self.model.startswith(("/", ".", "~")) else self.model
+        engine = {k: v for k, v in self.engine.items() if k != "part"}
+        return {
+            "name": self.name,
+            "kind": self.kind,
+            "model": model,
+            "ts": self.ts,
+            "engine": engine,
+            "max_model_len": self.max_model_len,
+            "chat_template": self.chat_template,
+        }

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 import sys
 import textwrap
 from collections.abc import Sequence
@@ -81,16 +82,37 @@ def cmd_api(args: argparse.Namespace) -> int:
     settings = get_settings()
     check_api_settings(settings)  # the app checks again (a bare uvicorn), too late for status 2
     check_redis_at_start(settings.redis_url)  # the app's start checks again (a bare uvicorn too)
-    uvicorn.run(
+    host, port = args.host or settings.host, args.port or settings.port
+    # NOTE: bound before the app starts. uvicorn binds after the app's start-up, and on a port in
+    # use then waited for the app's shutdown forever (the batch feeder running, SIGTERM unheard).
+    try:
+        sock = listening_socket(host, port)
+    except OSError as e:
+        print(f"spool: cannot listen on {host}:{port}: {e}", file=sys.stderr)
+        return 1
+    config = uvicorn.Config(
         "api.main:app",
-        host=args.host or settings.host,
-        port=args.port or settings.port,
+        host=host,
+        port=port,
         timeout_graceful_shutdown=settings.shutdown_timeout_s,  # an SSE stream never ends by itself
         # Header size, read timeouts and the connection cap, before the app (`spool up` and the
         # compose file's api service run this command too).
         http=protocol_class(HttpLimits.of(settings)),
     )
+    uvicorn.Server(config).run(sockets=[sock])
     return 0
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to host:port, as uvicorn binds its own (OSError: e.g. the port in use)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 def cmd_up(_: argparse.Namespace) -> int:

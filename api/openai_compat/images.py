@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from fastapi.sse import ServerSentEvent
-from pydantic import Field, ValidationError
+from pydantic import Field, StrictInt, ValidationError
 
 from api.errors import ApiError, body_errors, error_body
 from api.openai_compat.requests import _Open, _refuse_extras
@@ -35,16 +35,16 @@ _NEUTRAL_IMAGE: dict[str, tuple[object, ...]] = {"quality": ("auto", "standard")
 class ImageGenerationRequest(_Open):
     prompt: str
     model: str | None = None
-    n: int | None = Field(None, ge=1)
+    n: StrictInt | None = Field(None, ge=1)
     size: str | None = None  # WxH; none: the image part's default
     response_format: Literal["url", "b64_json"] | None = None  # none: url, as OpenAI's dall-e models
     user: str | None = None
-    steps: int | None = None
-    seed: int | None = None
+    steps: StrictInt | None = None
+    seed: StrictInt | None = None
     guidance_scale: float | None = None
     negative_prompt: str | None = None
     stream: bool | None = None
-    partial_images: int | None = None  # previews while it streams, 0 to 3
+    partial_images: StrictInt | None = None  # previews while it streams, 0 to 3
 
     def to_job_request(self, settings: Settings) -> JobRequest:
         extra = {k: v for k, v in (self.model_extra or {}).items() if v not in _NEUTRAL_IMAGE.get(k, ())}

@@ -10,10 +10,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, StrictInt, ValidationError
 
 from api.errors import ApiError, body_errors
-from common.schemas import MAX_LOGPROBS, JobRequest
+from common.schemas import MAX_LOGPROBS, TOO_DEEP, JobRequest, too_deep_message
 from common.settings import Settings
 
 # Values of unsupported parameters that change nothing, so a client sending them is served.
@@ -73,13 +73,13 @@ class OpenAIRequest(_Open):
     """What completions and chat completions share. ``background`` and ``top_k`` are Spool's."""
 
     model: str | None = None
-    max_tokens: int | None = None
+    max_tokens: StrictInt | None = None
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None
+    top_k: StrictInt | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
-    n: int | None = None
+    seed: StrictInt | None = None
+    n: StrictInt | None = None
     user: str | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
@@ -87,7 +87,7 @@ class OpenAIRequest(_Open):
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     repetition_penalty: float | None = None  # vLLM's extra (transformers'), as min_tokens
-    min_tokens: int | None = None
+    min_tokens: StrictInt | None = None
     logit_bias: dict[str, float] | None = None  # token id (as a string, JSON's keys) -> bias
     response_format: dict[str, Any] | None = None  # validated as JobRequest's ResponseFormat
     # vLLM's guided decoding extras: guided_json is response_format's json_schema by another name.
@@ -166,6 +166,10 @@ class OpenAIRequest(_Open):
                 schema = json.loads(schema)
             except ValueError as e:
                 raise ApiError(400, f"guided_json is not JSON: {e}", param="guided_json") from None
+            except RecursionError:
+                raise ApiError(
+                    400, too_deep_message("guided_json"), param="guided_json", code=TOO_DEEP
+                ) from None
             if not isinstance(schema, dict):
                 raise ApiError(400, "guided_json must be a JSON schema (an object)", param="guided_json")
         return {"type": "json_schema", "json_schema": {"name": "guided_json", "schema": schema}}
@@ -190,7 +194,7 @@ def _at_most(name: str, value: int | None, limit: int) -> int | None:
 
 class CompletionRequest(OpenAIRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = None  # top logprobs per token, 0 to 5 (OpenAI's legacy completions)
+    logprobs: StrictInt | None = None  # top logprobs per token, 0 to 5 (OpenAI's legacy completions)
 
     def logprobs_field(self) -> int | None:
         return _at_most("logprobs", self.logprobs, COMPLETION_MAX_LOGPROBS)
@@ -212,9 +216,9 @@ class CompletionRequest(OpenAIRequest):
 
 class ChatCompletionRequest(OpenAIRequest):
     messages: list[Message]
-    max_completion_tokens: int | None = None
+    max_completion_tokens: StrictInt | None = None
     logprobs: bool | None = None
-    top_logprobs: int | None = None  # 0 to 20, with logprobs: true
+    top_logprobs: StrictInt | None = None  # 0 to 20, with logprobs: true
 
     def logprobs_field(self) -> int | None:
         top = _at_most("top_logprobs", self.top_logprobs, MAX_LOGPROBS)

@@ -5,11 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import FileResponse, HTMLResponse
 
-from api.deps import StoreDep
+from api.auth import bearer_owner
+from api.deps import ServicesDep
 from api.errors import ApiError
+from common.keys import split_part_id
+from common.store import AsyncJobStore
 
 CONSOLE_DIR = Path(__file__).resolve().parents[1] / "console"
 
@@ -41,16 +44,30 @@ async def console_asset(name: str) -> FileResponse:
 
 
 @router.get("/console-status")
-async def console_status(store: StoreDep) -> dict[str, Any]:
+async def console_status(services: ServicesDep, request: Request) -> dict[str, Any]:
     """What the console shows about the cluster: live workers with their kind (text, media) and
-    engine figures (a text worker's engine stats; a media worker's part and step), and the queue
-    depths. Public like /readyz; a 503 envelope when Redis is unreachable."""
-    workers = await store.list_workers()
+    engine figures (a text worker's engine stats; a media worker's step, and its part's id to
+    the key that made it), and the queue depths. Public like /readyz; a 503 envelope when Redis
+    is unreachable."""
+    store = services.store
+    workers = []
+    for w in await store.list_workers():
+        shown = w.public()
+        part = w.engine.get("part")
+        if isinstance(part, str) and await _may_see(store, part, services.settings.api_key_set, request):
+            shown["engine"]["part"] = part
+        workers.append(shown)
     return {
-        "workers": [
-            {"name": w.name, "model": w.model, "kind": w.kind, "ts": w.ts, "engine": w.engine}
-            for w in workers
-        ],
+        "workers": workers,
         "queued_jobs": await store.queued_count(),
         "queues": dict(await store.queue_depths()),
     }
+
+
+async def _may_see(store: AsyncJobStore, part: str, keys: frozenset[str], request: Request) -> bool:
+    """Without API keys, anyone; with them, the caller whose bearer key made the part's job (the
+    middleware checks no key here: the path is public)."""
+    if not keys:
+        return True
+    split, owner = split_part_id(part), bearer_owner(request.headers)
+    return bool(owner) and split is not None and await store.owner(split[0]) == owner

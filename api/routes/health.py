@@ -29,7 +29,7 @@ async def readyz(store: StoreDep) -> dict[str, Any]:
     workers = await store.list_workers()
     if not workers:
         raise ApiError(503, "No worker is running (no live heartbeat in Redis)", code="no_worker")
-    return {"status": "ready", "workers": [w.model_dump() for w in workers]}
+    return {"status": "ready", "workers": [w.public() for w in workers]}
 
 
 @router.get("/metrics")

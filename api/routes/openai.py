@@ -8,6 +8,8 @@ id in ``X-Spool-Job-Id``, and ``/v1/jobs/{id}/events?format=openai`` resumes its
 from __future__ import annotations
 
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -19,6 +21,7 @@ from api.openai_compat.chunks import View
 from api.openai_compat.images import ImageGenerationRequest, ImageStreamView, failure, image_data
 from api.openai_compat.requests import ChatCompletionRequest, CompletionRequest, OpenAIRequest
 from api.served import check_media_workers, check_servable, resolve_model, served_models
+from api.services import Services
 from api.submission import streamed_submit, submit_job, wait_for_job
 from common.schemas import JobStatus, WorkerHeartbeat
 
@@ -43,7 +46,8 @@ async def images_generations(body: ImageGenerationRequest, services: ServicesDep
     they are done (``b64_json``, or ``url``: the parts' content on this API, until the job expires),
     or with ``stream`` as its events (partial images, then the image)."""
     request = body.to_job_request(services.settings)
-    await check_media_workers(services.served, request)  # it waits for the images
+    async with _write_refused_first(services):
+        await check_media_workers(services.served, request)  # it waits for the images
     if body.model is not None:
         models = sorted(await services.served.media())
         if body.model not in models:
@@ -81,6 +85,18 @@ async def retrieve_model(model: str, store: StoreDep) -> dict[str, Any]:
     return _model(resolve_model(await served_models(store), model))
 
 
+@asynccontextmanager
+async def _write_refused_first(services: Services) -> AsyncIterator[None]:
+    """No live worker while Redis refuses writes (out of memory): the heartbeats could not be
+    written, so the refusal (503 redis_write_refused, as /v1/jobs answers) says why, not no_worker."""
+    try:
+        yield
+    except ApiError as e:
+        if e.code == "no_worker":
+            await services.store.probe_write()
+        raise
+
+
 def _model(worker: WorkerHeartbeat) -> dict[str, Any]:
     # NOTE: a served model has no creation date of its own; like vLLM, answer with the time now.
     return {
@@ -94,7 +110,8 @@ def _model(worker: WorkerHeartbeat) -> dict[str, Any]:
 
 async def _serve(body: OpenAIRequest, services: ServicesDep, http: Request) -> Response:
     request = body.to_job_request(services.settings)
-    worker = resolve_model(await services.served.get(), body.model)
+    async with _write_refused_first(services):
+        worker = resolve_model(await services.served.get(), body.model)
     check_servable(request, worker)
     await services.context.check(request, worker)
     job = await submit_job(services, request)
