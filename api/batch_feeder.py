@@ -137,7 +137,7 @@ class BatchFeeder:
             try:
                 await self.advance(batch_id, fence)
             except FenceLost:
-                log.info("batch %s: the feeder's lease was taken over; its step stopped", batch_id)
+                log.warning("batch %s: the feeder's lease was taken over; its step stopped", batch_id)
             except RedisError as e:
                 log.warning("batch %s: Redis unreachable (%s)", batch_id, e)
             except Exception as e:
