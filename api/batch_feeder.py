@@ -344,13 +344,15 @@ class BatchFeeder:
                     results += [
                         self._unfed(b, raw, i, ending) for i, raw in enumerate(unfed, max(start, fed))
                     ]
+                ended = [r for r in results if r is not None]  # None: a blank line
                 for kind, f in files.items():
-                    lines = [
-                        _jsonl(r.result) for r in results if r is not None and r.kind == kind
-                    ]  # None: blank
+                    lines = [_jsonl(r.result) for r in ended if r.kind == kind]
                     if lines:
                         await self.batches.append_attempt(f.id, fence, f.lines, lines)
                         f.add(lines)
+            written = sum(f.lines for f in files.values())
+            if written != int(b["total"]):  # a line with no result: never a short file
+                raise RuntimeError(f"{written} result lines for the batch's {b['total']} requests")
             for kind, f in files.items():
                 if f.lines:
                     fields = self._file_fields(b, f, "output" if kind == "completed" else "error")

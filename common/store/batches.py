@@ -265,12 +265,14 @@ class AsyncBatchStore:
     async def batch_counts(self, live: Collection[str]) -> BatchCounts:
         """For /metrics: the batches by status, and the lines of those whose status is in
         ``live`` by state. Two round trips whatever the number of batches: the index, then one
-        script that counts (BATCH_COUNTS_LUA)."""
+        script that counts (BATCH_COUNTS_LUA) and drops the ids of batches that expired."""
         ids = [str(i) for i in await self.redis.zrange(self.keys.batches(), 0, -1)]
         if not ids:
             return BatchCounts({}, dict.fromkeys(BATCH_LINE_STATES, 0))
         keys = [k for i in ids for k in (self.keys.batch(i), self.keys.batch_window(i))]
-        reply = [str(x) for x in await self._scripts["counts"](keys, list(live))]
+        reply = [
+            str(x) for x in await self._scripts["counts"]([self.keys.batches(), *keys], [*live, "", *ids])
+        ]
         cut = reply.index("")
         statuses = {reply[i]: int(reply[i + 1]) for i in range(0, cut, 2)}
         return BatchCounts(statuses, dict(zip(BATCH_LINE_STATES, map(int, reply[cut + 1 :]), strict=True)))

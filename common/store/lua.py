@@ -431,18 +431,23 @@ redis.call('HSET', KEYS[1], 'status', 'finalizing', 'finalizing_at', ARGV[1])
 return 1
 """
 
-# KEYS: per batch, its hash and its window hash. ARGV: the statuses of the batches not ended.
+# KEYS: the batches' index, then per batch its hash and its window hash.
+# ARGV: the statuses of the batches not ended, '', then the batch ids.
 # For /metrics, in one call: the batches by status, then (after an empty string) the lines of the
 # batches not ended by state: pending (not fed), in flight (in the window), completed, failed.
-# A batch whose hash expired is skipped.
+# A batch whose hash expired is skipped, and leaves the index.
 BATCH_COUNTS_LUA = """
-local live = {}
-for _, status in ipairs(ARGV) do live[status] = true end
+local live, ids = {}, 0
+for i, status in ipairs(ARGV) do
+  if status == '' then ids = i; break end
+  live[status] = true
+end
 local statuses, order = {}, {}
 local pending, in_flight, completed, failed = 0, 0, 0, 0
-for i = 1, #KEYS, 2 do
+for i = 2, #KEYS, 2 do
   local h = redis.call('HMGET', KEYS[i], 'status', 'total', 'completed', 'failed')
   local status = h[1]
+  if not status then redis.call('ZREM', KEYS[1], ARGV[ids + i / 2]) end
   if status then
     if not statuses[status] then statuses[status] = 0; order[#order + 1] = status end
     statuses[status] = statuses[status] + 1
