@@ -149,6 +149,11 @@ class Keys:
         """Hash: one owner's file id -> its bytes, for the per-key storage quota."""
         return f"{self.prefix}:owner:{owner or 'anonymous'}:file_bytes"
 
+    def owner_file_expiry(self, owner: str) -> str:
+        """Sorted set of one owner's file ids (score: when the file expires), so the quota forgets
+        an expired file without reading every file."""
+        return f"{self.prefix}:owner:{owner or 'anonymous'}:file_expiry"
+
     def batch(self, batch_id: str) -> str:
         """Hash: a batch's state (status, timestamps, counts, next line to feed, files)."""
         return f"{self.prefix}:batch:{batch_id}"

@@ -39,14 +39,15 @@ redis.call('EXPIRE', attempt, ttl)
 return n + count
 """
 
-# KEYS: feeder key, upload list, lines list, file hash, owner's files zset, owner's bytes hash.
+# KEYS: feeder key, upload list, lines list, file hash, owner's files zset, owner's bytes hash,
+#       owner's expiry zset.
 # ARGV: holder ('' for an upload, which takes no lease), lines, ttl, created_at, file id, bytes,
 #       field, value, ...
 # The upload's lines become the file, with its object, at once, if the fence holds (-1) and the
 # upload holds exactly ``lines`` lines (-2): a file is listed only whole. Writing the same file
 # again (a batch's results assembled twice) replaces it.
 COMMIT_FILE_LUA = """
-local feeder, upload, lines, file, owner_files, owner_bytes = unpack(KEYS)
+local feeder, upload, lines, file, owner_files, owner_bytes, owner_expiry = unpack(KEYS)
 local holder, count, ttl, created_at, file_id, size = unpack(ARGV, 1, 6)
 if holder ~= '' and redis.call('GET', feeder) ~= holder then return -1 end
 if redis.call('LLEN', upload) ~= tonumber(count) then return -2 end
@@ -60,9 +61,25 @@ redis.call('HSET', file, unpack(ARGV, 7))
 redis.call('EXPIRE', file, ttl)
 redis.call('ZADD', owner_files, created_at, file_id)
 redis.call('HSET', owner_bytes, file_id, size)
-redis.call('EXPIRE', owner_files, ttl)
-redis.call('EXPIRE', owner_bytes, ttl)
+redis.call('ZADD', owner_expiry, tonumber(created_at) + tonumber(ttl), file_id)
+for _, key in ipairs({owner_files, owner_bytes, owner_expiry}) do redis.call('EXPIRE', key, ttl) end
 return 1
+"""
+
+# KEYS: owner's bytes hash, owner's expiry zset, owner's files zset. ARGV: now.
+# An owner's stored files and their bytes, for its quota, once the files expired by now (at most
+# 1,000 a call) are forgotten.
+USAGE_LUA = """
+local owner_bytes, owner_expiry, owner_files = unpack(KEYS)
+local gone = redis.call('ZRANGEBYSCORE', owner_expiry, '-inf', ARGV[1], 'LIMIT', 0, 1000)
+for _, id in ipairs(gone) do
+  redis.call('HDEL', owner_bytes, id)
+  redis.call('ZREM', owner_expiry, id)
+  redis.call('ZREM', owner_files, id)
+end
+local total = 0
+for _, n in ipairs(redis.call('HVALS', owner_bytes)) do total = total + tonumber(n) end
+return {redis.call('HLEN', owner_bytes), total}
 """
 
 # KEYS: batch hash, active set, window hash, results hash, feeder key.

@@ -29,6 +29,7 @@ from common.store.batch_lua import (
     COMMIT_FILE_LUA,
     FAIL_BATCH_LUA,
     FINISH_LUA,
+    USAGE_LUA,
 )
 from common.store.lua import (
     BATCH_COUNTS_LUA,
@@ -121,6 +122,7 @@ class AsyncBatchStore:
                 "finish": FINISH_LUA,
                 "fail": FAIL_BATCH_LUA,
                 "append": APPEND_ATTEMPT_LUA,
+                "usage": USAGE_LUA,
                 "resend": RESEND_LUA,
                 "counts": BATCH_COUNTS_LUA,
             }.items()
@@ -152,6 +154,7 @@ class AsyncBatchStore:
             k.file(file_id),
             k.owner_files(owner),
             k.owner_file_bytes(owner),
+            k.owner_file_expiry(owner),
         ]
         args: list[str | int] = [
             holder,
@@ -175,22 +178,9 @@ class AsyncBatchStore:
     async def usage(self, owner: str) -> Usage:
         """The owner's stored files and their bytes (for its quota); forgets those that expired."""
         k = self.keys
-        ids = [str(i) for i in await self.redis.zrange(k.owner_files(owner), 0, -1)]
-        if not ids:
-            return Usage(0, 0)
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for i in ids:
-                pipe.exists(k.file(i))
-            pipe.hmget(k.owner_file_bytes(owner), ids)
-            *exists, sizes = await pipe.execute()
-        gone = [i for i, e in zip(ids, exists, strict=True) if not e]
-        if gone:
-            async with self.redis.pipeline(transaction=False) as pipe:
-                pipe.zrem(k.owner_files(owner), *gone)
-                pipe.hdel(k.owner_file_bytes(owner), *gone)
-                await pipe.execute()
-        live = [int(n or 0) for n, e in zip(sizes, exists, strict=True) if e]
-        return Usage(len(live), sum(live))
+        keys = [k.owner_file_bytes(owner), k.owner_file_expiry(owner), k.owner_files(owner)]
+        files, size = await self._scripts["usage"](keys, [repr(time.time())])
+        return Usage(int(files), int(size))
 
     async def read_lines(self, file_id: str, start: int, count: int) -> list[str]:
         """Lines ``start`` to ``start + count - 1`` of the file (fewer past its end)."""
@@ -204,6 +194,7 @@ class AsyncBatchStore:
             pipe.delete(k.file(file_id), k.file_lines(file_id))
             pipe.zrem(k.owner_files(owner), file_id)
             pipe.hdel(k.owner_file_bytes(owner), file_id)
+            pipe.zrem(k.owner_file_expiry(owner), file_id)
             deleted, *_ = await pipe.execute()
         return bool(deleted)
 

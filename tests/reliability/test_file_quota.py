@@ -12,11 +12,12 @@ from urllib.parse import unquote
 import httpx
 import pytest
 import redis
-from procs import Prefixes, Service, start_api
+from procs import Prefixes, Service, start_api, wait_until
 
 from api.auth import owner_of
 from common.keys import Keys
 
+KEYS = "key-a,key-b,key-c,key-d"
 QUOTA = {"max_files_per_key": 5, "max_file_bytes_per_key": 2000}
 # A header's parameters as RFC 6266 writes them (a quoted string may hold ";").
 PARAM = re.compile(r'\s*([\w*]+)(?:=("(?:[^"\\\\]|\\\\.)*"|[^;"]*))?\s*(?:;|$)')
@@ -25,7 +26,7 @@ LINE = b'{"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": 
 
 @pytest.fixture(scope="module")
 def api(prefixes: Prefixes, log_dir: Path) -> Iterator[Service]:
-    service = start_api(prefixes.new(), log_dir, ready=False, api_keys="key-a,key-b,key-c,key-d", **QUOTA)
+    service = start_api(prefixes.new(), log_dir, ready=False, api_keys=KEYS, **QUOTA)
     yield service
     service.stop()
 
@@ -69,25 +70,33 @@ def test_a_keys_listing_reads_only_its_own_index(api: Service, redis_client: red
 
 
 def test_a_key_over_its_quota_is_refused_until_files_are_deleted_or_expire(
-    api: Service, redis_client: redis.Redis
+    api: Service, log_dir: Path
 ) -> None:
-    keys = Keys(api.prefix)
-    with client(api, "key-c") as c, client(api, "key-a") as a:
-        ids = [upload(c).json()["id"] for _ in range(QUOTA["max_files_per_key"])]
-        r = upload(c)
-        assert r.status_code == 413
-        assert r.json()["error"]["code"] == "storage_quota_exceeded"
-        assert "SPOOL_MAX_FILES_PER_KEY" in r.json()["error"]["message"]
-        assert upload(a).status_code == 200  # another key's room is its own
-        assert c.delete(f"/v1/files/{ids.pop()}").status_code == 200
-        big = LINE * 20  # 1,780 bytes: past the 2,000 with the four files left
-        r = upload(c, big)
-        assert (r.status_code, r.json()["error"]["code"]) == (413, "storage_quota_exceeded")
-        assert "SPOOL_MAX_FILE_BYTES_PER_KEY" in r.json()["error"]["message"]
-        for file_id in ids[:3]:  # as expiry leaves them: the file's keys gone
-            redis_client.delete(keys.file(file_id), keys.file_lines(file_id))
-        assert upload(c, big).status_code == 200
-        assert len(c.get("/v1/files").json()["data"]) == 2
+    # Another API on the same Redis whose files expire in 2 s.
+    brief = start_api(api.prefix, log_dir, ready=False, api_keys=KEYS, file_ttl_s=2, **QUOTA)
+    try:
+        with client(api, "key-c") as c, client(brief, "key-c") as c_brief, client(api, "key-a") as a:
+            expiring = [upload(c_brief).json()["id"] for _ in range(2)]
+            kept = [upload(c).json()["id"] for _ in range(3)]
+            r = upload(c)
+            assert r.status_code == 413
+            assert r.json()["error"]["code"] == "storage_quota_exceeded"
+            assert "SPOOL_MAX_FILES_PER_KEY" in r.json()["error"]["message"]
+            assert upload(a).status_code == 200  # another key's room is its own
+            assert c.delete(f"/v1/files/{kept.pop()}").status_code == 200
+            big = LINE * 20  # 1,780 bytes: past the 2,000 with the four files left (356 bytes)
+            r = upload(c, big)
+            assert (r.status_code, r.json()["error"]["code"]) == (413, "storage_quota_exceeded")
+            assert "SPOOL_MAX_FILE_BYTES_PER_KEY" in r.json()["error"]["message"]
+            wait_until(
+                lambda: all(c.get(f"/v1/files/{f}").status_code == 404 for f in expiring),
+                "the brief files to expire",
+                30,
+            )
+            assert upload(c, big).status_code == 200  # 178 + 1,780 bytes
+            assert len(c.get("/v1/files").json()["data"]) == 3
+    finally:
+        brief.stop()
 
 
 @pytest.mark.parametrize(
