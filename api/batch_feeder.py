@@ -4,8 +4,11 @@ ended.
 
 Every API process runs one (a task of its lifespan); one at a time works, the holder of a lease
 in Redis (``Keys.batch_feeder``), so a batch goes on when the process that created it dies: the
-next holder finds everything it needs in Redis. Each tick (``SPOOL_BATCH_FEED_S``), for every
-active batch, oldest first:
+next holder finds everything it needs in Redis. Each tick (``SPOOL_BATCH_FEED_S``) renews the
+lease and starts a task for every active batch that has none running (at most ``CONCURRENT``
+at once), so a batch that is slow (a long file validated or assembled) or fails holds up no
+other; an unexpected error fails the line it came from, or the batch after ``MAX_STRIKES`` ticks
+in a row, with the reason. Each batch's task does one step:
 
 - validating: read the input file in pages and check each line's form; a line that is no request
   line (not JSON, no custom_id, a custom_id seen before, another url) fails the batch, naming it;
@@ -19,7 +22,9 @@ active batch, oldest first:
   failing with ``batch_cancelled`` or ``batch_expired``.
 
 Every write is a script that is safe to run twice, so a feeder taken over mid-tick (its lease
-lapsed) repeats work at worst, and a line gets exactly one result.
+lapsed) repeats work at worst, and a line gets exactly one result. The result files and the
+batch's end are written under the lease's fence (common/store/batch_lua.py): a feeder frozen
+mid-file and taken over writes nothing once it wakes, and a file is committed only whole.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from redis.exceptions import RedisError
 
 from api.batch_lines import (
     LineError,
+    crashed,
     job_result,
     line_request,
     lost_result,
@@ -56,6 +62,7 @@ from common.store import (
     AsyncBatchStore,
     AsyncJobStore,
     Conflict,
+    FenceLost,
     JobNotFound,
     LineJob,
     LineResult,
@@ -67,6 +74,8 @@ log = logging.getLogger(__name__)
 LEASE_TICKS = 25  # the feeder's lease lasts this many ticks: another process takes over after it
 PAGE_LINES = 1000  # lines read (validated, assembled) per round trip
 MAX_ERRORS = 100  # a failed batch's errors.data names at most this many lines
+CONCURRENT = 8  # batches advanced at once
+MAX_STRIKES = 3  # ticks in a row a batch may fail with an unexpected error before it fails
 
 
 def result_file_id(batch_id: str, kind: str) -> str:
@@ -93,23 +102,64 @@ class BatchFeeder:
         self._token = secrets.token_hex(8)
         self._lease_s = settings.batch_feed_s * LEASE_TICKS
         self._broker_list = Keys.broker_list(settings.keys.queue_llm, BATCH_PRIORITY)
+        self._fence = ""  # token:fence while this process holds the lease
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._slots = asyncio.Semaphore(CONCURRENT)
+        self._strikes: dict[str, int] = {}
 
     async def run(self) -> None:
-        while True:
-            try:
-                if await self.batches.claim_feeder(self._token, self._lease_s):
-                    await self.tick()
-            except RedisError as e:
-                log.warning("batch feeder: Redis unreachable (%s)", e)
-            except Exception:
-                log.exception("batch feeder tick failed")
-            await asyncio.sleep(self.settings.batch_feed_s)
+        try:
+            while True:
+                try:
+                    self._fence = await self.batches.claim_feeder(self._token, self._lease_s)
+                    if self._fence:
+                        await self.tick()
+                except RedisError as e:
+                    log.warning("batch feeder: Redis unreachable (%s)", e)
+                except Exception:
+                    log.exception("batch feeder tick failed")
+                await asyncio.sleep(self.settings.batch_feed_s)
+        finally:
+            for task in self._tasks.values():
+                task.cancel()
+            await asyncio.gather(*self._tasks.values(), return_exceptions=True)
 
     async def tick(self) -> None:
+        """Start a step for each active batch whose last one ended."""
+        self._tasks = {b: t for b, t in self._tasks.items() if not t.done()}
         for batch_id in await self.batches.active_batches():
-            await self.advance(batch_id)
+            if batch_id not in self._tasks:
+                self._tasks[batch_id] = asyncio.create_task(self._step(batch_id, self._fence))
 
-    async def advance(self, batch_id: str) -> None:
+    async def _step(self, batch_id: str, fence: str) -> None:
+        """One batch's step, whatever it raises kept to this batch."""
+        async with self._slots:
+            try:
+                await self.advance(batch_id, fence)
+            except FenceLost:
+                log.warning("batch %s: the feeder's lease was taken over; its step stopped", batch_id)
+            except RedisError as e:
+                log.warning("batch %s: Redis unreachable (%s)", batch_id, e)
+            except Exception as e:
+                await self._strike(batch_id, e)
+            else:
+                self._strikes.pop(batch_id, None)
+
+    async def _strike(self, batch_id: str, e: Exception) -> None:
+        strikes = self._strikes[batch_id] = self._strikes.get(batch_id, 0) + 1
+        log.exception("batch %s: step failed (%d of %d)", batch_id, strikes, MAX_STRIKES)
+        if strikes < MAX_STRIKES:
+            return
+        del self._strikes[batch_id]
+        error = {
+            "code": "internal_error",
+            "message": f"the batch could not be advanced: {type(e).__name__}: {str(e)[:200]}",
+            "param": None,
+            "line": None,
+        }
+        await self.batches.fail_batch(batch_id, [error])
+
+    async def advance(self, batch_id: str, fence: str) -> None:
         b = await self.batches.get_batch(batch_id)
         if b is None or b["status"] in ("completed", "failed", "expired", "cancelled"):
             await self.batches.forget_active(batch_id)
@@ -118,7 +168,7 @@ class BatchFeeder:
             await self.validate(b)
             return
         if "line_count" not in b:  # cancelled while it was validated: nothing ran
-            await self.batches.finish(batch_id, "", "", 0, 0)
+            await self.batches.finish(batch_id, fence, "", "", 0, 0)
             return
         ending = b.get("ending", "")
         if not ending and time.time() >= float(b["expires_at"]):
@@ -129,13 +179,13 @@ class BatchFeeder:
             if window:
                 await self.cancel(window)
             else:
-                await self.assemble(b, ending)
+                await self.assemble(b, ending, fence)
         elif b["status"] == "finalizing":
-            await self.assemble(b, "")
+            await self.assemble(b, "", fence)
         elif int(b["next_line"]) < int(b["line_count"]):
             await self.feed(b, self.settings.batch_window - len(window))
         elif not window and await self.batches.finalizing(batch_id):
-            await self.assemble(b, "")
+            await self.assemble(b, "", fence)
 
     # -- validating -------------------------------------------------------------------------------
 
@@ -166,10 +216,11 @@ class BatchFeeder:
                         )
                 except LineError as e:
                     errors.append(e.entry(i))
+                except Exception as e:  # whatever else a line raises fails the batch, naming it
+                    errors.append(LineError("invalid_line", f"{type(e).__name__}: {str(e)[:200]}").entry(i))
                 else:
                     if line is not None:
                         seen.add(line["custom_id"])
-            await self.batches.claim_feeder(self._token, self._lease_s)  # a long file: keep the lease
             await asyncio.sleep(0)  # let the process's requests through between pages
         if not seen and not errors:
             errors.append(
@@ -205,7 +256,10 @@ class BatchFeeder:
                 results.append(lost_result(line, custom_id, job_id))
             else:
                 log = await self.jobs.read_log(job_id) if needs_view_log(b["endpoint"], record) else []
-                results.append(job_result(line, custom_id, b["endpoint"], record, model, ending, log))
+                try:
+                    results.append(job_result(line, custom_id, b["endpoint"], record, model, ending, log))
+                except Exception as e:
+                    results.append(crashed(line, custom_id, e, job_id))
         await self.batches.record(b["id"], results)
         return window
 
@@ -243,6 +297,11 @@ class BatchFeeder:
             except ApiError as e:
                 rejected.append(refused(i, line["custom_id"], e, job_id))
                 continue
+            except RedisError:
+                raise
+            except Exception as e:  # a bug or a limit missed: this line fails, the batch goes on
+                rejected.append(crashed(i, line["custom_id"], e, job_id))
+                continue
             message = self.enqueuer.generate(job_id, BATCH_PRIORITY)
             jobs.append(LineJob(job_id, i, line["custom_id"], request, message))
         fed = await self.batches.feed(
@@ -262,38 +321,50 @@ class BatchFeeder:
 
     # -- results ----------------------------------------------------------------------------------
 
-    async def assemble(self, b: dict[str, str], ending: str) -> None:
+    async def assemble(self, b: dict[str, str], ending: str, fence: str) -> None:
         """Write the output and error files, one line per custom_id in input order, and end the batch.
 
         The lines never fed (cancelled or expired first) fail with ``batch_cancelled`` or
-        ``batch_expired``. Written a page at a time; twice gives the same files under the same
-        ids, so a repeat (another feeder took over) is safe.
+        ``batch_expired``. Written a page at a time into lists of this fence's own, each page
+        and the commits only while the fence holds (FenceLost if not); twice gives the same
+        files under the same ids, so a repeat (another feeder took over) is safe.
         """
         batch_id, fed, count = b["id"], int(b["next_line"]), int(b["line_count"])
         files = {kind: _ResultFile(result_file_id(batch_id, kind)) for kind in ("completed", "failed")}
         for f in files.values():
-            await self.batches.abort_upload(f.id)  # a half-written earlier attempt
-        for start in range(0, count, PAGE_LINES):
-            stop = min(start + PAGE_LINES, count)
-            results = await self.batches.results(batch_id, range(start, min(stop, fed)))
-            if stop > fed:
-                unfed = await self.batches.read_lines(
-                    b["input_file_id"], max(start, fed), stop - max(start, fed)
-                )
-                results += [self._unfed(b, raw, i, ending) for i, raw in enumerate(unfed, max(start, fed))]
+            await self.batches.drop_attempt(f.id, fence)  # this fence's own earlier, half-written
+        try:
+            for start in range(0, count, PAGE_LINES):
+                stop = min(start + PAGE_LINES, count)
+                results = await self.batches.results(batch_id, range(start, min(stop, fed)))
+                if stop > fed:
+                    unfed = await self.batches.read_lines(
+                        b["input_file_id"], max(start, fed), stop - max(start, fed)
+                    )
+                    results += [
+                        self._unfed(b, raw, i, ending) for i, raw in enumerate(unfed, max(start, fed))
+                    ]
+                ended = [r for r in results if r is not None]  # None: a blank line
+                for kind, f in files.items():
+                    lines = [_jsonl(r.result) for r in ended if r.kind == kind]
+                    if lines:
+                        await self.batches.append_attempt(f.id, fence, f.lines, lines)
+                        f.add(lines)
+            written = sum(f.lines for f in files.values())
+            if written != int(b["total"]):  # a line with no result: never a short file
+                raise RuntimeError(f"{written} result lines for the batch's {b['total']} requests")
             for kind, f in files.items():
-                lines = [_jsonl(r.result) for r in results if r is not None and r.kind == kind]  # None: blank
-                if lines:
-                    await self.batches.append_upload(f.id, lines)
-                    f.add(lines)
-        for kind, f in files.items():
-            if f.lines:
-                await self.batches.commit_file(
-                    self._file_fields(b, f, "output" if kind == "completed" else "error")
-                )
+                if f.lines:
+                    fields = self._file_fields(b, f, "output" if kind == "completed" else "error")
+                    await self.batches.commit_attempt(fence, fields)
+        except FenceLost:
+            for f in files.values():
+                await self.batches.drop_attempt(f.id, fence)
+            raise
         completed, failed = files["completed"], files["failed"]
         await self.batches.finish(
             batch_id,
+            fence,
             completed.id if completed.lines else "",
             failed.id if failed.lines else "",
             completed.lines,

@@ -10,6 +10,8 @@ the endpoint answers (``View.completion``, or the job object for ``/v1/jobs``).
 from __future__ import annotations
 
 import json
+import logging
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -22,9 +24,23 @@ from api.openai_compat.batches import error_line, response_line
 from api.openai_compat.chunks import View
 from api.openai_compat.requests import ChatCompletionRequest, CompletionRequest, OpenAIRequest
 from api.served import check_servable, check_with_live_workers, resolve_model
-from common.schemas import JobRequest, JobStatus, LogEntry, WorkerHeartbeat
+from common.schemas import (
+    MAX_JSON_DEPTH,
+    TOO_DEEP,
+    JobRequest,
+    JobStatus,
+    LogEntry,
+    WorkerHeartbeat,
+    too_deep_message,
+)
 from common.settings import Settings
 from common.store import JobRecord, LineResult
+
+log = logging.getLogger(__name__)
+
+_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"')
+_BRACKET = re.compile(r"[\[\]{}]")
+BOM = "\ufeff"  # a file written with a byte order mark starts with it
 
 _OPENAI: dict[str, type[OpenAIRequest]] = {
     "/v1/chat/completions": ChatCompletionRequest,
@@ -45,8 +61,12 @@ class LineError(ValueError):
 
 def parse_line(raw: str, endpoint: str) -> dict[str, Any] | None:
     """The request line (None for a blank line), or LineError for one that is none."""
+    raw = raw.removeprefix(BOM)
     if not raw.strip():
         return None
+    # NOTE: counted before the parse: json.loads itself raises RecursionError on deep enough text.
+    if json_depth(raw) > MAX_JSON_DEPTH:
+        raise LineError(TOO_DEEP, too_deep_message("this line"))
     try:
         line = json.loads(raw)
     except ValueError as e:
@@ -66,6 +86,17 @@ def parse_line(raw: str, endpoint: str) -> dict[str, Any] | None:
     if extra:
         raise LineError("invalid_line", f"unknown field(s): {', '.join(extra)}", extra[0])
     return line
+
+
+def json_depth(raw: str) -> int:
+    """How deep arrays and objects nest in JSON text (its strings skipped)."""
+    if raw.count("[") + raw.count("{") <= MAX_JSON_DEPTH:
+        return 0  # too few to nest too deep: the common case costs two counts
+    depth = deepest = 0
+    for c in _BRACKET.findall(_STRING.sub("", raw)):
+        depth += 1 if c in "[{" else -1
+        deepest = max(deepest, depth)
+    return deepest
 
 
 async def line_request(
@@ -110,6 +141,19 @@ async def line_request(
 def refused(line: int, custom_id: str, e: ApiError, line_id: str) -> LineResult:
     body = error_body(e.status, e.message, e.param, e.code)
     return LineResult(line, "failed", response_line(line_id, custom_id, e.status, body))
+
+
+def crashed(line: int, custom_id: str, e: Exception, line_id: str) -> LineResult:
+    """A line whose processing raised what no endpoint answers: it fails, saying what, and the
+    batch goes on."""
+    if isinstance(e, RecursionError):
+        error = ApiError(400, too_deep_message("the request"), code=TOO_DEEP)
+    else:
+        log.error("batch line %d (%s) failed", line, custom_id, exc_info=e)
+        error = ApiError(
+            500, f"the request could not be processed: {type(e).__name__}", code="internal_error"
+        )
+    return refused(line, custom_id, error, line_id)
 
 
 def job_result(

@@ -4,11 +4,14 @@ at a time (``AsyncBatchStore.append_upload``), so the API never holds a whole fi
 python-multipart's push parser calls back with each piece of a part; the ``file`` part's bytes are
 split into lines (each kept with its newline), and a page of lines goes to Redis after each chunk
 of the request that completed one. A line is at most ``SPOOL_MAX_BODY_BYTES`` (a batch line is a
-request body), the file at most ``SPOOL_MAX_FILE_BYTES`` and ``SPOOL_BATCH_MAX_LINES`` lines.
+request body), the file at most ``SPOOL_MAX_FILE_BYTES`` and ``SPOOL_BATCH_MAX_LINES`` lines, and
+within the room left of its API key's quota (``SPOOL_MAX_FILE_BYTES_PER_KEY``). The form holds
+one ``file`` part; its name is kept sanitized (``clean_filename``).
 """
 
 from __future__ import annotations
 
+import unicodedata
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -20,6 +23,15 @@ from common.store import AsyncBatchStore
 
 PAGE_BYTES = 256 * 1024  # lines sent to Redis together
 MAX_FIELD_BYTES = 1024  # a form field other than the file (purpose)
+MAX_FILENAME_CHARS = 255
+
+
+def clean_filename(name: str) -> str:
+    """A file's name as stored: no control characters, quotes, backslashes or directories, at most
+    MAX_FILENAME_CHARS characters; "file" when nothing is left."""
+    name = name.replace("\\", "/").rsplit("/", 1)[-1]
+    kept = "".join(c for c in name if unicodedata.category(c)[0] != "C" and c != '"')
+    return kept.strip()[:MAX_FILENAME_CHARS] or "file"
 
 
 @dataclass
@@ -33,8 +45,9 @@ class Upload:
 
 
 class _Reader:
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, room: int) -> None:
         self.settings = settings
+        self.room = room  # bytes left of the key's quota
         self.upload = Upload()
         self.pages: list[str] = []  # complete lines not yet sent
         self._page_bytes = 0
@@ -61,7 +74,14 @@ class _Reader:
             self._name = options.get(b"name", b"").decode("utf-8", "replace")
             self._is_file = b"filename" in options
             if self._is_file and self._name == "file":
-                self.upload.filename = options[b"filename"].decode("utf-8", "replace")
+                if self.upload.filename is not None:
+                    raise ApiError(
+                        400,
+                        "The form has more than one file part named 'file'",
+                        param="file",
+                        code="invalid_multipart",
+                    )
+                self.upload.filename = clean_filename(options[b"filename"].decode("utf-8", "replace"))
         self._header_field, self._header_value = bytearray(), bytearray()
 
     def on_part_data(self, data: bytes, start: int, end: int) -> None:
@@ -88,6 +108,11 @@ class _Reader:
                 f"The file is larger than {self.settings.max_file_bytes} bytes (SPOOL_MAX_FILE_BYTES)",
                 param="file",
                 code="file_too_large",
+            )
+        if self.upload.bytes > self.room:
+            raise quota_error(
+                f"The file would take this API key's stored files past "
+                f"{self.settings.max_file_bytes_per_key} bytes (SPOOL_MAX_FILE_BYTES_PER_KEY)"
             )
         while piece:
             newline = piece.find(b"\n")
@@ -131,10 +156,20 @@ class _Reader:
         return page
 
 
+def quota_error(message: str) -> ApiError:
+    return ApiError(413, message, param="file", code="storage_quota_exceeded")
+
+
 async def receive_upload(
-    content_type: str, body: AsyncIterator[bytes], file_id: str, store: AsyncBatchStore, settings: Settings
+    content_type: str,
+    body: AsyncIterator[bytes],
+    file_id: str,
+    store: AsyncBatchStore,
+    settings: Settings,
+    room: int,
 ) -> Upload:
-    """Parse the form from ``body``, storing its file's lines under ``file_id``'s upload list.
+    """Parse the form from ``body``, storing its file's lines under ``file_id``'s upload list;
+    ``room``: the bytes left of the key's quota.
 
     The caller commits the upload (``store.commit_file``) or aborts it."""
     kind, options = parse_options_header(content_type)
@@ -143,7 +178,7 @@ async def receive_upload(
         raise ApiError(
             400, "Send the file as multipart/form-data (fields: purpose, file)", code="invalid_content_type"
         )
-    reader = _Reader(settings)
+    reader = _Reader(settings, room)
     callbacks = {
         name: getattr(reader, name)
         for name in (

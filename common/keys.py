@@ -136,9 +136,23 @@ class Keys:
         """List: the lines of an upload still arriving; renamed to ``file_lines`` when it ends."""
         return f"{self.prefix}:file:{file_id}:upload"
 
-    def files(self) -> str:
-        """Sorted set of file ids (score: created_at), for listing."""
-        return f"{self.prefix}:files"
+    def file_attempt(self, file_id: str, fence: int) -> str:
+        """List: the lines of a batch's result file written under feeder fence ``fence``; renamed
+        to ``file_lines`` by a commit that holds the same fence (api/batch_feeder.py)."""
+        return f"{self.prefix}:file:{file_id}:upload:{fence}"
+
+    def owner_files(self, owner: str) -> str:
+        """Sorted set of one owner's file ids (score: created_at), for listing them."""
+        return f"{self.prefix}:owner:{owner or 'anonymous'}:files"
+
+    def owner_file_bytes(self, owner: str) -> str:
+        """Hash: one owner's file id -> its bytes, for the per-key storage quota."""
+        return f"{self.prefix}:owner:{owner or 'anonymous'}:file_bytes"
+
+    def owner_file_expiry(self, owner: str) -> str:
+        """Sorted set of one owner's file ids (score: when the file expires), so the quota forgets
+        an expired file without reading every file."""
+        return f"{self.prefix}:owner:{owner or 'anonymous'}:file_expiry"
 
     def batch(self, batch_id: str) -> str:
         """Hash: a batch's state (status, timestamps, counts, next line to feed, files)."""
@@ -153,16 +167,25 @@ class Keys:
         return f"{self.prefix}:batch:{batch_id}:results"
 
     def batches(self) -> str:
-        """Sorted set of batch ids (score: created_at), for listing."""
+        """Sorted set of every batch id (score: created_at), for /metrics."""
         return f"{self.prefix}:batches"
+
+    def owner_batches(self, owner: str) -> str:
+        """Sorted set of one owner's batch ids (score: created_at), for listing them."""
+        return f"{self.prefix}:owner:{owner or 'anonymous'}:batches"
 
     def active_batches(self) -> str:
         """Set of the batches not yet ended: what the feeder works on."""
         return f"{self.prefix}:batches:active"
 
     def batch_feeder(self) -> str:
-        """String with a TTL: the API process that feeds the batches now (api/batch_feeder.py)."""
+        """String with a TTL: the API process that feeds the batches now and its fence,
+        ``token:fence`` (api/batch_feeder.py)."""
         return f"{self.prefix}:batches:feeder"
+
+    def batch_feeder_fence(self) -> str:
+        """Counter: the last fence a feeder lease was taken with (one more at each new holder)."""
+        return f"{self.prefix}:batches:feeder:fence"
 
     @property
     def queue_llm(self) -> str:

@@ -91,6 +91,9 @@ class Settings(BaseSettings):
     # Files and batches (API)
     max_file_bytes: int = Field(200_000_000, ge=1)  # an uploaded file's size at most
     batch_max_lines: int = Field(50_000, ge=1)  # lines of a batch input file at most
+    # One API key's stored files (uploads and batch results; refused uploads answer 413) at most.
+    max_file_bytes_per_key: int = Field(2_000_000_000, ge=1)
+    max_files_per_key: int = Field(1000, ge=1)
     file_ttl_s: int = Field(30 * 24 * 3600, ge=1)  # files (and ended batches) expire after this
     # Lines of one batch queued or running at once (api/batch_feeder.py): enough to fill the
     # workers' batch slots between two feeds, few enough that a batch is never a flood of messages.

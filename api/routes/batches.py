@@ -98,8 +98,7 @@ async def list_batches(
     services: ServicesDep, after: str | None = None, limit: Annotated[int, Query(ge=1, le=100)] = 20
 ) -> dict[str, Any]:
     """The batches, newest first, ``limit`` at a time after the one named ``after``."""
-    owner = current_owner()
-    batches = [batch_object(h) for h in await services.batches.list_batches() if h.get("owner", "") == owner]
+    batches = [batch_object(h) for h in await services.batches.list_batches(current_owner())]
     return page(batches, after, limit)
 
 

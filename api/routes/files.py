@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import secrets
 import time
+import unicodedata
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
+from urllib.parse import quote
 
 from fastapi import APIRouter, Path, Query, Request
 from fastapi.responses import StreamingResponse
@@ -20,7 +22,7 @@ from api.auth import current_owner
 from api.deps import ServicesDep, owned_file
 from api.errors import ApiError
 from api.openai_compat.batches import file_object, page
-from api.uploads import receive_upload
+from api.uploads import clean_filename, quota_error, receive_upload
 
 router = APIRouter(prefix="/v1/files", tags=["files"])
 
@@ -35,12 +37,23 @@ def new_file_id() -> str:
 
 @router.post("")
 async def create_file(request: Request, services: ServicesDep) -> dict[str, Any]:
-    """Upload a JSONL file (multipart form: ``purpose=batch``, ``file``)."""
-    settings, store = services.settings, services.batches
+    """Upload a JSONL file (multipart form: ``purpose=batch``, ``file``), within the key's quota."""
+    settings, store, owner = services.settings, services.batches, current_owner()
+    usage = await store.usage(owner)
+    if usage.files >= settings.max_files_per_key:
+        raise quota_error(
+            f"This API key stores {usage.files} files, the most it may (SPOOL_MAX_FILES_PER_KEY): "
+            "delete some first"
+        )
     file_id = new_file_id()
     try:
         upload = await receive_upload(
-            request.headers.get("content-type", ""), request.stream(), file_id, store, settings
+            request.headers.get("content-type", ""),
+            request.stream(),
+            file_id,
+            store,
+            settings,
+            settings.max_file_bytes_per_key - usage.bytes,
         )
         if upload.filename is None:
             raise ApiError(400, "The form has no file part named 'file'", param="file", code="missing_file")
@@ -64,7 +77,7 @@ async def create_file(request: Request, services: ServicesDep) -> dict[str, Any]
         "filename": upload.filename,
         "purpose": purpose,
         "lines": str(upload.lines),
-        "owner": current_owner(),
+        "owner": owner,
     }
     await store.commit_file(fields)
     return file_object(fields)
@@ -77,11 +90,10 @@ async def list_files(
     after: str | None = None,
     limit: Annotated[int, Query(ge=1, le=10000)] = 10000,
 ) -> dict[str, Any]:
-    owner = current_owner()
     files = [
         file_object(h)
-        for h in await services.batches.list_files()
-        if h.get("owner", "") == owner and (purpose is None or h["purpose"] == purpose)
+        for h in await services.batches.list_files(current_owner())
+        if purpose is None or h["purpose"] == purpose
     ]
     return page(files, after, limit)
 
@@ -101,12 +113,20 @@ async def file_content(file_id: FileId, services: ServicesDep) -> StreamingRespo
         for start in range(0, int(h["lines"]), CONTENT_PAGE_LINES):
             yield "".join(await store.read_lines(file_id, start, CONTENT_PAGE_LINES)).encode()
 
-    headers = {"Content-Length": h["bytes"], "Content-Disposition": f'attachment; filename="{h["filename"]}"'}
+    headers = {"Content-Length": h["bytes"], "Content-Disposition": content_disposition(h["filename"])}
     return StreamingResponse(content(), media_type="application/octet-stream", headers=headers)
+
+
+def content_disposition(filename: str) -> str:
+    """RFC 6266: an ASCII ``filename`` for old clients, the name itself as ``filename*`` (UTF-8)."""
+    name = clean_filename(filename)  # a name stored before names were cleaned at upload
+    ascii_name = unicodedata.normalize("NFKD", name).encode("ascii", "ignore").decode()
+    fallback = "".join(c if c.isprintable() and c not in '\\"' else "_" for c in ascii_name) or "file"
+    return f"attachment; filename=\"{fallback}\"; filename*=UTF-8''{quote(name, safe='')}"
 
 
 @router.delete("/{file_id}")
 async def delete_file(file_id: FileId, services: ServicesDep) -> dict[str, Any]:
-    await owned_file(services.batches, file_id)
-    await services.batches.delete_file(file_id)
+    h = await owned_file(services.batches, file_id)
+    await services.batches.delete_file(file_id, h.get("owner", ""))
     return {"id": file_id, "object": "file", "deleted": True}

@@ -14,7 +14,15 @@ The only code of Spool that writes Redis (Celery's broker and kombu write their 
 """
 
 from common.store.aio import AsyncJobStore
-from common.store.batches import BATCH_LINE_STATES, AsyncBatchStore, BatchCounts, LineJob, LineResult
+from common.store.batches import (
+    BATCH_LINE_STATES,
+    AsyncBatchStore,
+    BatchCounts,
+    FenceLost,
+    LineJob,
+    LineResult,
+    Usage,
+)
 from common.store.errors import Conflict, IdempotencyConflict, JobNotFound, QueueFull, StoreError
 from common.store.records import (
     JOB_ID_BYTES,
@@ -78,6 +86,8 @@ __all__ = [
     "BatchCounts",
     "LineJob",
     "LineResult",
+    "FenceLost",
+    "Usage",
     "MediaMessageFor",
     "MessageFor",
     "QueueFull",

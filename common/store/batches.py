@@ -5,7 +5,9 @@ lines by index and a file's content is streamed in pages, never read whole. A ba
 (status, timestamps, counts, the next line to feed), its window (the lines queued or running
 now, as jobs) and its results (one per line, set once). Every transition is one script
 (common/store/lua.py), safe to run twice: the feeder (api/batch_feeder.py) may be taken over
-mid-tick by another API process.
+mid-tick by another API process; a batch's result files and its end are written under the
+feeder's fence (common/store/batch_lua.py). Each owner (API key) has its own index of files and
+of batches, so a listing reads only that owner's objects, and its files' bytes for its quota.
 """
 
 from __future__ import annotations
@@ -21,14 +23,19 @@ import redis.asyncio as aredis
 from common.keys import Keys
 from common.schemas import JobRequest
 from common.settings import Settings
-from common.store.lua import (
-    BATCH_COUNTS_LUA,
+from common.store.batch_lua import (
+    APPEND_ATTEMPT_LUA,
     CLAIM_FEEDER_LUA,
     COMMIT_FILE_LUA,
+    FAIL_BATCH_LUA,
+    FINISH_LUA,
+    USAGE_LUA,
+)
+from common.store.lua import (
+    BATCH_COUNTS_LUA,
     END_LUA,
     FEED_LUA,
     FINALIZING_LUA,
-    FINISH_LUA,
     RECORD_LUA,
     RESEND_LUA,
     VALIDATED_LUA,
@@ -37,6 +44,18 @@ from common.store.records import OWNER_INDEX_MAX, QueueMessage, new_job_fields, 
 
 ENDED = ("completed", "failed", "expired", "cancelled")  # a batch's final statuses
 UPLOAD_TTL_S = 3600  # an upload's lines left behind by an API process that died mid-upload go
+
+
+class FenceLost(Exception):
+    """The feeder's lease is held by another process (or was taken again since): stop writing."""
+
+
+@dataclass(frozen=True)
+class Usage:
+    """An owner's stored files: how many, and their bytes."""
+
+    files: int
+    bytes: int
 
 
 @dataclass(frozen=True)
@@ -81,6 +100,10 @@ def _flat(fields: dict[str, str]) -> list[str]:
     return [x for kv in fields.items() for x in kv]
 
 
+def _fence_number(fence: str) -> int:
+    return int(fence.rpartition(":")[2])
+
+
 class AsyncBatchStore:
     def __init__(self, client: aredis.Redis, settings: Settings) -> None:
         self.settings = settings
@@ -97,6 +120,9 @@ class AsyncBatchStore:
                 "end": END_LUA,
                 "finalizing": FINALIZING_LUA,
                 "finish": FINISH_LUA,
+                "fail": FAIL_BATCH_LUA,
+                "append": APPEND_ATTEMPT_LUA,
+                "usage": USAGE_LUA,
                 "resend": RESEND_LUA,
                 "counts": BATCH_COUNTS_LUA,
             }.items()
@@ -116,19 +142,45 @@ class AsyncBatchStore:
         await self.redis.delete(self.keys.file_upload(file_id))
 
     async def commit_file(self, fields: dict[str, str]) -> None:
-        """The upload's lines become the file ``fields["id"]``, with its object."""
-        file_id, k = fields["id"], self.keys
-        keys = [k.file_upload(file_id), k.file_lines(file_id), k.file(file_id), k.files()]
-        await self._scripts["commit"](
-            keys, [self.settings.file_ttl_s, fields["created_at"], file_id, *_flat(fields)]
-        )
+        """The upload's lines (``fields["lines"]`` of them) become the file ``fields["id"]``."""
+        await self._commit(self.keys.file_upload(fields["id"]), "", fields)
+
+    async def _commit(self, upload: str, holder: str, fields: dict[str, str]) -> int:
+        k, file_id, owner = self.keys, fields["id"], fields["owner"]
+        keys = [
+            k.batch_feeder(),
+            upload,
+            k.file_lines(file_id),
+            k.file(file_id),
+            k.owner_files(owner),
+            k.owner_file_bytes(owner),
+            k.owner_file_expiry(owner),
+        ]
+        args: list[str | int] = [
+            holder,
+            fields["lines"],
+            self.settings.file_ttl_s,
+            fields["created_at"],
+            file_id,
+        ]
+        reply = int(await self._scripts["commit"](keys, [*args, fields["bytes"], *_flat(fields)]))
+        if reply == -2:
+            raise RuntimeError(f"file {file_id}: the upload does not hold {fields['lines']} lines")
+        return reply
 
     async def get_file(self, file_id: str) -> dict[str, str] | None:
         return _strs(await self.redis.hgetall(self.keys.file(file_id)))
 
-    async def list_files(self) -> list[dict[str, str]]:
-        """Every file's object, newest first; forgets the ids of files that expired."""
-        return await self._listed(self.keys.files(), self.keys.file)
+    async def list_files(self, owner: str) -> list[dict[str, str]]:
+        """The owner's files, newest first; forgets the ids of files that expired."""
+        return await self._listed(self.keys.owner_files(owner), self.keys.file)
+
+    async def usage(self, owner: str) -> Usage:
+        """The owner's stored files and their bytes (for its quota); forgets those that expired."""
+        k = self.keys
+        keys = [k.owner_file_bytes(owner), k.owner_file_expiry(owner), k.owner_files(owner)]
+        files, size = await self._scripts["usage"](keys, [repr(time.time())])
+        return Usage(int(files), int(size))
 
     async def read_lines(self, file_id: str, start: int, count: int) -> list[str]:
         """Lines ``start`` to ``start + count - 1`` of the file (fewer past its end)."""
@@ -136,12 +188,39 @@ class AsyncBatchStore:
             str(x) for x in await self.redis.lrange(self.keys.file_lines(file_id), start, start + count - 1)
         ]
 
-    async def delete_file(self, file_id: str) -> bool:
+    async def delete_file(self, file_id: str, owner: str) -> bool:
+        k = self.keys
         async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.delete(self.keys.file(file_id), self.keys.file_lines(file_id))
-            pipe.zrem(self.keys.files(), file_id)
-            deleted, _ = await pipe.execute()
+            pipe.delete(k.file(file_id), k.file_lines(file_id))
+            pipe.zrem(k.owner_files(owner), file_id)
+            pipe.hdel(k.owner_file_bytes(owner), file_id)
+            pipe.zrem(k.owner_file_expiry(owner), file_id)
+            deleted, *_ = await pipe.execute()
         return bool(deleted)
+
+    # -- a batch's result files, under the feeder's fence ------------------------------------------
+
+    async def append_attempt(self, file_id: str, fence: str, start: int, lines: Sequence[str]) -> None:
+        """Append lines ``start`` on of a result file written under ``fence`` (``token:fence``)."""
+        key = self.keys.file_attempt(file_id, _fence_number(fence))
+        reply = int(
+            await self._scripts["append"](
+                [self.keys.batch_feeder(), key], [fence, start, UPLOAD_TTL_S, *lines]
+            )
+        )
+        if reply == -1:
+            raise FenceLost(fence)
+        if reply == -2:
+            raise RuntimeError(f"file {file_id}: the attempt's list does not end at line {start}")
+
+    async def drop_attempt(self, file_id: str, fence: str) -> None:
+        await self.redis.delete(self.keys.file_attempt(file_id, _fence_number(fence)))
+
+    async def commit_attempt(self, fence: str, fields: dict[str, str]) -> None:
+        """The result file written under ``fence`` becomes the file, if the fence still holds."""
+        upload = self.keys.file_attempt(fields["id"], _fence_number(fence))
+        if await self._commit(upload, fence, fields) == -1:
+            raise FenceLost(fence)
 
     async def _listed(self, index: str, key: Any) -> list[dict[str, str]]:
         ids = [str(i) for i in await self.redis.zrevrange(index, 0, -1)]
@@ -163,25 +242,28 @@ class AsyncBatchStore:
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.hset(k.batch(batch_id), mapping=fields)  # type: ignore[arg-type]  # redis-py's Mapping is invariant
             pipe.zadd(k.batches(), {batch_id: float(fields["created_at"])})
+            pipe.zadd(k.owner_batches(fields["owner"]), {batch_id: float(fields["created_at"])})
             pipe.sadd(k.active_batches(), batch_id)
             await pipe.execute()
 
     async def get_batch(self, batch_id: str) -> dict[str, str] | None:
         return _strs(await self.redis.hgetall(self.keys.batch(batch_id)))
 
-    async def list_batches(self) -> list[dict[str, str]]:
-        """Every batch's state, newest first; forgets the ids of batches that expired."""
-        return await self._listed(self.keys.batches(), self.keys.batch)
+    async def list_batches(self, owner: str) -> list[dict[str, str]]:
+        """The owner's batches, newest first; forgets the ids of batches that expired."""
+        return await self._listed(self.keys.owner_batches(owner), self.keys.batch)
 
     async def batch_counts(self, live: Collection[str]) -> BatchCounts:
         """For /metrics: the batches by status, and the lines of those whose status is in
         ``live`` by state. Two round trips whatever the number of batches: the index, then one
-        script that counts (BATCH_COUNTS_LUA)."""
+        script that counts (BATCH_COUNTS_LUA) and drops the ids of batches that expired."""
         ids = [str(i) for i in await self.redis.zrange(self.keys.batches(), 0, -1)]
         if not ids:
             return BatchCounts({}, dict.fromkeys(BATCH_LINE_STATES, 0))
         keys = [k for i in ids for k in (self.keys.batch(i), self.keys.batch_window(i))]
-        reply = [str(x) for x in await self._scripts["counts"](keys, list(live))]
+        reply = [
+            str(x) for x in await self._scripts["counts"]([self.keys.batches(), *keys], [*live, "", *ids])
+        ]
         cut = reply.index("")
         statuses = {reply[i]: int(reply[i + 1]) for i in range(0, cut, 2)}
         return BatchCounts(statuses, dict(zip(BATCH_LINE_STATES, map(int, reply[cut + 1 :]), strict=True)))
@@ -196,8 +278,12 @@ class AsyncBatchStore:
     async def forget_active(self, batch_id: str) -> None:
         await self.redis.srem(self.keys.active_batches(), batch_id)
 
-    async def claim_feeder(self, token: str, lease_s: float) -> bool:
-        return bool(await self._scripts["claim"]([self.keys.batch_feeder()], [token, int(lease_s * 1000)]))
+    async def claim_feeder(self, token: str, lease_s: float) -> str:
+        """Take or renew the feeder's lease: the fence it is held with (``token:fence``), or ""
+        while another process holds it."""
+        keys = [self.keys.batch_feeder(), self.keys.batch_feeder_fence()]
+        fence = int(await self._scripts["claim"](keys, [token, int(lease_s * 1000)]))
+        return f"{token}:{fence}" if fence else ""
 
     async def validated(
         self, batch_id: str, ok: bool, line_count: int, total: int, errors: list[dict[str, Any]]
@@ -283,8 +369,9 @@ class AsyncBatchStore:
         return bool(await self._scripts["finalizing"]([self.keys.batch(batch_id)], [repr(time.time())]))
 
     async def finish(
-        self, batch_id: str, output_file_id: str, error_file_id: str, completed: int, failed: int
+        self, batch_id: str, fence: str, output_file_id: str, error_file_id: str, completed: int, failed: int
     ) -> str:
+        """End a batch whose files are written, if ``fence`` still holds (FenceLost if not)."""
         k = self.keys
         keys = [k.batch(batch_id), k.active_batches(), k.batch_window(batch_id), k.batch_results(batch_id)]
         args: list[str | int] = [
@@ -295,5 +382,16 @@ class AsyncBatchStore:
             error_file_id,
             completed,
             failed,
+            fence,
         ]
-        return str(await self._scripts["finish"](keys, args))
+        status = str(await self._scripts["finish"]([*keys, k.batch_feeder()], args))
+        if status == "fenced":
+            raise FenceLost(fence)
+        return status
+
+    async def fail_batch(self, batch_id: str, errors: list[dict[str, Any]]) -> str:
+        """Fail a batch the feeder cannot advance, with the reason; returns the status it had."""
+        k = self.keys
+        keys = [k.batch(batch_id), k.active_batches(), k.batch_window(batch_id), k.batch_results(batch_id)]
+        args: list[str | int] = [batch_id, repr(time.time()), self.settings.file_ttl_s]
+        return str(await self._scripts["fail"](keys, [*args, json.dumps({"object": "list", "data": errors})]))

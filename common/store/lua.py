@@ -329,33 +329,7 @@ end
 return dropped
 """
 
-# -- files and batches (common/store/batches.py) ----------------------------------------------------
-
-# KEYS: upload list, lines list, file hash, files zset. ARGV: ttl, created_at, file id, field, value, ...
-# An upload's lines arrive in a list of their own and become the file here, with its object, at
-# once: a file is listed only whole. Writing the same file again (a batch's results assembled
-# twice) replaces it.
-COMMIT_FILE_LUA = """
-redis.call('DEL', KEYS[2])
-if redis.call('EXISTS', KEYS[1]) == 1 then
-  redis.call('RENAME', KEYS[1], KEYS[2])
-  redis.call('EXPIRE', KEYS[2], ARGV[1])
-end
-redis.call('DEL', KEYS[3])
-redis.call('HSET', KEYS[3], unpack(ARGV, 4))
-redis.call('EXPIRE', KEYS[3], ARGV[1])
-redis.call('ZADD', KEYS[4], ARGV[2], ARGV[3])
-return 1
-"""
-
-# KEYS: feeder key. ARGV: this process's token, lease (ms).
-# One API process feeds the batches at a time; another takes over once its lease lapsed.
-CLAIM_FEEDER_LUA = """
-local holder = redis.call('GET', KEYS[1])
-if holder and holder ~= ARGV[1] then return 0 end
-redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-return 1
-"""
+# -- files and batches (common/store/batches.py; the fenced ones: common/store/batch_lua.py) -------
 
 # KEYS: batch hash, active set. ARGV: batch id, 'ok' | 'failed', now, line count, total, errors JSON.
 # The end of a batch's validation: in_progress with its counts, or failed with the lines' errors.
@@ -457,37 +431,23 @@ redis.call('HSET', KEYS[1], 'status', 'finalizing', 'finalizing_at', ARGV[1])
 return 1
 """
 
-# KEYS: batch hash, active set, window hash, results hash.
-# ARGV: batch id, now, ttl, output file id, error file id, completed, failed.
-# The batch's files are written: completed (or cancelled, expired, as it was ending). Once: a
-# second assembly finds it ended and changes nothing.
-FINISH_LUA = """
-local status = redis.call('HGET', KEYS[1], 'status')
-if status ~= 'finalizing' and status ~= 'cancelling' and status ~= 'in_progress' then
-  return status or 'missing'
-end
-local ending = redis.call('HGET', KEYS[1], 'ending')
-local final = ending or 'completed'
-redis.call('HSET', KEYS[1], 'status', final, 'output_file_id', ARGV[4], 'error_file_id', ARGV[5],
-           'completed', ARGV[6], 'failed', ARGV[7])
-if final ~= 'expired' then redis.call('HSET', KEYS[1], final .. '_at', ARGV[2]) end
-redis.call('SREM', KEYS[2], ARGV[1])
-for i = 1, 4 do if i ~= 2 then redis.call('EXPIRE', KEYS[i], ARGV[3]) end end
-return final
-"""
-
-# KEYS: per batch, its hash and its window hash. ARGV: the statuses of the batches not ended.
+# KEYS: the batches' index, then per batch its hash and its window hash.
+# ARGV: the statuses of the batches not ended, '', then the batch ids.
 # For /metrics, in one call: the batches by status, then (after an empty string) the lines of the
 # batches not ended by state: pending (not fed), in flight (in the window), completed, failed.
-# A batch whose hash expired is skipped.
+# A batch whose hash expired is skipped, and leaves the index.
 BATCH_COUNTS_LUA = """
-local live = {}
-for _, status in ipairs(ARGV) do live[status] = true end
+local live, ids = {}, 0
+for i, status in ipairs(ARGV) do
+  if status == '' then ids = i; break end
+  live[status] = true
+end
 local statuses, order = {}, {}
 local pending, in_flight, completed, failed = 0, 0, 0, 0
-for i = 1, #KEYS, 2 do
+for i = 2, #KEYS, 2 do
   local h = redis.call('HMGET', KEYS[i], 'status', 'total', 'completed', 'failed')
   local status = h[1]
+  if not status then redis.call('ZREM', KEYS[1], ARGV[ids + i / 2]) end
   if status then
     if not statuses[status] then statuses[status] = 0; order[#order + 1] = status end
     statuses[status] = statuses[status] + 1
