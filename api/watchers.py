@@ -61,7 +61,7 @@ class Watchers:
         if not watchers:
             return
         try:
-            await self._store.ghost_watchers(watchers, time.time() + self._grace_s, self._ttl_s)
+            await self._store.ghost_watchers(watchers, self._grace_s, self._ttl_s)
         except RedisError as e:
             log.warning("could not leave %d watchers (%s); their leases lapse instead", len(watchers), e)
 
@@ -70,7 +70,7 @@ class Watchers:
         """Count as a watcher of the job while inside."""
         token = uuid.uuid4().hex
         self._mine[token] = job_id
-        await self._store.add_watcher(job_id, token, time.time() + LEASE_S, self._ttl_s)
+        await self._store.add_watcher(job_id, token, LEASE_S, self._ttl_s)
         try:
             yield
         finally:
@@ -81,7 +81,7 @@ class Watchers:
 
     def check_later(self, job_id: str) -> None:
         """Decide after the grace period whether the job lost all its watchers."""
-        self._spawn(self._check(job_id, time.time() + self._grace_s))
+        self._spawn(self._check(job_id, None))
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.create_task(coro)
@@ -89,23 +89,25 @@ class Watchers:
         task.add_done_callback(self._tasks.discard)
 
     async def _leave(self, job_id: str, token: str) -> None:
-        until = time.time() + self._grace_s
+        until = None
         try:
-            await self._store.ghost_watchers({token: job_id}, until, self._ttl_s)
+            until = await self._store.ghost_watchers({token: job_id}, self._grace_s, self._ttl_s)
         except RedisError as e:
             log.warning("could not remove watcher of job %s (%s); its lease lapses instead", job_id, e)
         self._leaving.pop(token, None)
         await self._check(job_id, until)
 
-    async def _check(self, job_id: str, until: float) -> None:
-        # The grace period itself; the leaver's ghost lapses at ``until``.
+    async def _check(self, job_id: str, until: float | None) -> None:
+        """After the grace period, cancel the job if nobody watches it; ``until``: the end of the
+        leaver's ghost on Redis's clock (the check counts at that time at the earliest)."""
         # NOTE: a loop, as uvloop's timers can fire early (it reads its clock once per loop
         # iteration, in whole milliseconds). A check run early counted the leaver's own ghost,
-        # kept the job, and never looked again.
-        while (left := until - time.time()) > 0:
+        # kept the job, and never looked again; ``until`` guards the same on Redis's side.
+        end = time.monotonic() + self._grace_s
+        while (left := end - time.monotonic()) > 0:
             await asyncio.sleep(left)
         try:
-            watched = await self._store.watched(job_id, time.time(), self._grace_s)
+            watched = await self._store.watched(job_id, self._grace_s, until)
             if watched or not (await self._store.stream_state(job_id)).foreground_and_live:
                 return
             await self._store.request_cancel(job_id)
@@ -122,6 +124,6 @@ class Watchers:
             if not mine:
                 continue
             try:
-                await self._store.renew_watchers(mine, time.time() + LEASE_S, self._ttl_s)
+                await self._store.renew_watchers(mine, LEASE_S, self._ttl_s)
             except RedisError as e:
                 log.warning("could not renew stream watchers: %s", e)

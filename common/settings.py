@@ -46,8 +46,8 @@ class Settings(BaseSettings):
     # compiler fails on the model; off elsewhere (not measured on a GPU yet).
     compile: bool | None = None
     # What one structured-output request's token mask may take per step (its grammar's allowed
-    # tokens, on the engine thread, so the whole batch waits for it), in ms; a request over it on 3
-    # steps not far apart fails with guide_too_expensive (EngineConfig.max_guide_mask_ms). 0: no budget.
+    # tokens, while the whole batch waits), in ms of CPU time; a fill over it is cut off and its
+    # request fails with guide_too_expensive (EngineConfig.max_guide_mask_ms). 0: no budget.
     max_guide_mask_ms: float = Field(50.0, ge=0)
     # The worker's torch threads (torch.set_num_threads); unset: torch's own default, a thread per
     # core. `spool up` sets it to the cores minus one, so the API and Redis beside it keep a core.
@@ -109,6 +109,9 @@ class Settings(BaseSettings):
     # A worker whose engine step runs longer than this exits (a hung kernel, a deadlock): its jobs'
     # leases lapse and other workers (or this one, restarted by its supervisor) take them over.
     engine_stall_s: float = Field(300.0, gt=0)
+    # Takes of a job (or part) at most: its first run and the takeovers after its worker died
+    # (killed, or ended by the watchdog) or lost it; the next take fails it (too_many_attempts).
+    max_attempts: int = Field(3, ge=1)
     worker_name: str = ""  # empty: spool-{hostname}-{pid}-{random} (workers/identity.py)
     # Each worker process serves its Prometheus metrics on this port (workers/metrics.py); unset: none.
     worker_metrics_port: int | None = Field(None, ge=1, le=65535)

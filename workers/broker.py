@@ -22,6 +22,13 @@ instead, with a warning: an unrecorded delivery is covered by the sweep like an 
 and an acknowledgement left undone leaves a record that the sweep drops once its job has ended
 (``Reaper.drop_ended_deliveries``), or that the visibility-timeout restore hands out again (the
 duplicate finds its job ended and is dropped).
+
+A failover ends the worker too: a primary demoted to a replica unblocks its blocked pops with
+``UNBLOCKED force unblock from blocking operation, instance state changed``, and a replica
+refuses the pop (and the consumer's queue declarations) with ``READONLY``; kombu counts both as
+channel errors, which Celery does not recover from. Here both count as a lost connection: the
+consumer reconnects (to the same URL, or through Sentinel to the new primary) and the running
+tasks go on (docs/reliability.md).
 """
 
 from __future__ import annotations
@@ -38,6 +45,8 @@ from kombu.transport import virtual
 from common.redis_errors import WRITE_REFUSED
 
 log = logging.getLogger(__name__)
+
+UNBLOCKED = "UNBLOCKED"  # the error Redis gives the blocked clients of a primary it demotes
 
 
 class QoS(kombu_redis.QoS):
@@ -101,9 +110,21 @@ class Channel(kombu_redis.Channel):
             client = self._commands
         yield client
 
+    def _brpop_read(self, **options: Any) -> bool:
+        try:
+            return bool(super()._brpop_read(**options))
+        except redis.exceptions.ResponseError as e:
+            if not str(e).startswith(UNBLOCKED):
+                raise
+            self.client.connection.disconnect()
+            log.warning("redis unblocked the queue pop (%s); reconnecting", e)
+            raise redis.exceptions.ConnectionError(str(e)) from e
+
 
 class Transport(kombu_redis.Transport):
     Channel = Channel
+    # A read-only replica, read as "not the primary (yet)": reconnect, as for a lost connection.
+    connection_errors = (*kombu_redis.Transport.connection_errors, redis.exceptions.ReadOnlyError)
 
 
 TRANSPORT = f"{__name__}:Transport"  # for the Celery app's broker_transport

@@ -30,7 +30,7 @@ from redis.exceptions import RedisError
 
 from common.keys import split_part_id
 from common.process import NamedThread
-from common.schemas import WorkerHeartbeat
+from common.schemas import JobError, WorkerHeartbeat
 from common.settings import Settings
 from common.store import SyncJobStore
 from workers.reaper import Reaper, Requeue
@@ -44,12 +44,27 @@ log = logging.getLogger(__name__)
 FIRST_WATCHER_S = 2.0
 
 
+TOO_MANY_ATTEMPTS = "too_many_attempts"  # the error type of a job failed by SPOOL_MAX_ATTEMPTS
+
+
+def too_many_attempts(attempt: int, settings: Settings) -> JobError | None:
+    """The error of a job taken for the ``attempt``-th time, if that is past SPOOL_MAX_ATTEMPTS:
+    each earlier attempt ended without the job (its worker died, stalled or lost it), so a job
+    that kills its worker does not go on to kill every other one. None: run it."""
+    if attempt <= settings.max_attempts:
+        return None
+    return JobError(
+        message=f"the job was taken {attempt - 1} times (SPOOL_MAX_ATTEMPTS={settings.max_attempts}) "
+        "and each time its worker died or lost it before it ended; it is not run again",
+        type=TOO_MANY_ATTEMPTS,
+    )
+
+
 @dataclass(frozen=True)
 class HeldJob:
     """A job an executor runs, as liveness sees it."""
 
     attempt: int  # the fencing token of the executor's writes
-    created_at: float  # unix seconds
     needs_watcher: bool  # foreground and not already ending: aborted once nobody watches it
 
 
@@ -88,6 +103,7 @@ class Liveness:
         self._reaper = Reaper(store, name, requeue, queue) if requeue is not None else None
         self._connected_since: float | None = None  # start of the current run of successful beats
         self._tokenizer: TokenizerSpec | None = None  # named by the heartbeats (start)
+        self._held_since: dict[str, float] = {}  # job id -> monotonic time a beat first saw it held
         self._threads = [
             NamedThread(target=self._listen_cancels, name="spool-cancels", daemon=True),
             NamedThread(target=self._beat, name="spool-heartbeat", daemon=True),
@@ -183,14 +199,18 @@ class Liveness:
     def _unwatched(self, held: Mapping[str, HeldJob]) -> list[str]:
         """The held jobs that nobody has watched for the grace (see store.unwatched).
 
-        A job younger than the grace (and than ``FIRST_WATCHER_S``) is left alone: its API
+        A job held for less than the grace (and than ``FIRST_WATCHER_S``) is left alone: its API
         process may not have counted its client yet, and one whose client left that soon is the
         API's own check's to cancel.
         """
-        grace, now = self.settings.detach_grace_s, time.time()
-        young = now - max(grace, FIRST_WATCHER_S)
-        jobs = [j for j, h in held.items() if h.needs_watcher and h.created_at <= young]
-        return self.store.unwatched(jobs, now, grace) if jobs else []
+        # NOTE: how long it is held, on this process's monotonic clock: the job's created_at is
+        # the API's clock, and a worker's clock ahead of it would check a job before its API
+        # counted the client. The watchers are counted on Redis's clock (store.unwatched).
+        now = time.monotonic()
+        self._held_since = {j: self._held_since.get(j, now) for j in held}
+        young = now - max(self.settings.detach_grace_s, FIRST_WATCHER_S)
+        jobs = [j for j, h in held.items() if h.needs_watcher and self._held_since[j] <= young]
+        return self.store.unwatched(jobs, self.settings.detach_grace_s) if jobs else []
 
     def _sweep(self, mine: set[str], others_too: bool) -> None:
         if self._reaper is None or self.stop.is_set():

@@ -39,7 +39,7 @@ from workers.engine import Delta, Engine, EngineConfig, FinishReason, RequestToo
 from workers.engine.grammar import GrammarError
 from workers.engine.tiny import default_model_path
 from workers.identity import this_process
-from workers.liveness import HeldJob, Liveness
+from workers.liveness import HeldJob, Liveness, too_many_attempts
 from workers.metrics import WorkerMetrics
 from workers.publisher import JobCursor, Publisher
 from workers.reaper import Requeue
@@ -463,9 +463,7 @@ class EngineRuntime:
     def held(self) -> dict[str, HeldJob]:
         with self._lock:
             return {
-                job_id: HeldJob(
-                    j.cursor.attempt, j.created_at, not j.request.background and not j.abort_requested
-                )
+                job_id: HeldJob(j.cursor.attempt, not j.request.background and not j.abort_requested)
                 for job_id, j in self._jobs.items()
             }
 
@@ -553,6 +551,10 @@ class EngineRuntime:
             return
         if job.deadline is not None and job.deadline <= time.time():
             job.cursor.error = timeout_error(job)
+            self._pending += end_deltas(job, FinishReason.ERROR)
+            return
+        if (error := too_many_attempts(job.cursor.attempt, self.settings)) is not None:
+            job.cursor.error = error
             self._pending += end_deltas(job, FinishReason.ERROR)
             return
         if job.grammar_error is not None:

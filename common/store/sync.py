@@ -258,17 +258,19 @@ class SyncJobStore:
             pipe.hget(self.keys.job(job_id), "cancel_requested")
         return [j for j, flag in zip(job_ids, pipe.execute(), strict=True) if flag == "1"]
 
-    def unwatched(self, job_ids: Sequence[str], now: float, grace_s: float) -> list[str]:
-        """Which of these jobs nobody watches (see ``watching``; api/watchers.py). A part counts
-        its job's watchers."""
-        pipe = self.redis.pipeline(transaction=False)
+    def unwatched(self, job_ids: Sequence[str], grace_s: float) -> list[str]:
+        """Which of these jobs nobody watches now, on Redis's clock (see ``watching``;
+        api/watchers.py). A part counts its job's watchers."""
+        pipe = self.redis.pipeline(transaction=False)  # in order on one connection
+        pipe.time()
         for job_id in job_ids:
             split = split_part_id(job_id)
-            watched = split[0] if split else job_id
-            pipe.zrangebyscore(self.keys.job_watchers(watched), now - grace_s, "+inf", withscores=True)
+            pipe.zrange(self.keys.job_watchers(split[0] if split else job_id), 0, -1, withscores=True)
+        (seconds, micros), *sets = pipe.execute()
+        now = seconds + micros / 1e6
         return [
             job_id
-            for job_id, members in zip(job_ids, pipe.execute(), strict=True)
+            for job_id, members in zip(job_ids, sets, strict=True)
             if not watching(members, now, grace_s)
         ]
 

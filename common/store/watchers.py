@@ -5,24 +5,88 @@ that its API process renews; one that leaves is replaced by a ghost scored with 
 grace (api/watchers.py says why). Every write sets the set's expiry again, so the set goes once
 nobody wrote to it for that long. The API writes the sets (``WatcherSets``, a part of
 ``AsyncJobStore``); a worker reads them (``SyncJobStore.unwatched``); both count with ``watching``.
+
+Every score is a time on Redis's clock (``TIME``), and every count reads that clock too: an API
+process or a worker whose own clock is off (a worker 90 s ahead) counts the same as the others.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
+from functools import cached_property
 
 import redis.asyncio as aredis
+from redis.commands.core import AsyncScript
 
 from common.keys import WATCHER_GHOST, Keys
 
+# Redis's clock in seconds, as `now`.
+_NOW = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
+"""
+
+# KEYS: watcher sets. ARGV: seconds from now, the sets' expiry (s), 'XX' (only the tokens still
+# there: a renewal) or '', a token per key. Scores each token with now plus the seconds.
+SCORE_WATCHERS_LUA = (
+    _NOW
+    + """
+local deadline = now + tonumber(ARGV[1])
+for i, key in ipairs(KEYS) do
+  if ARGV[3] == 'XX' then
+    redis.call('ZADD', key, 'XX', deadline, ARGV[3 + i])
+  else
+    redis.call('ZADD', key, deadline, ARGV[3 + i])
+  end
+  redis.call('EXPIRE', key, ARGV[2])
+end
+"""
+)
+
+# KEYS: watcher sets. ARGV: the grace (s), the sets' expiry (s), the ghost prefix, a token per key.
+# Replaces each token by its ghost, scored with now plus the grace; returns that end of the grace.
+GHOST_WATCHERS_LUA = (
+    _NOW
+    + """
+local ends = now + tonumber(ARGV[1])
+for i, key in ipairs(KEYS) do
+  redis.call('ZREM', key, ARGV[3 + i])
+  redis.call('ZADD', key, ends, ARGV[3] .. ARGV[3 + i])
+  redis.call('EXPIRE', key, ARGV[2])
+end
+return string.format('%.6f', ends)
+"""
+)
+
+# KEYS: a watcher set. ARGV: the grace (s), a time on Redis's clock before which it is not counted
+# ('' for none). Drops the members past counting; returns {now, member, score, ...}, now being
+# Redis's clock or that time, whichever is later.
+WATCHERS_AT_LUA = (
+    _NOW
+    + """
+if ARGV[2] ~= '' then now = math.max(now, tonumber(ARGV[2])) end
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', '(' .. string.format('%.6f', now - tonumber(ARGV[1])))
+local out = redis.call('ZRANGE', KEYS[1], 0, -1, 'WITHSCORES')
+table.insert(out, 1, string.format('%.6f', now))
+return out
+"""
+)
+
 
 def watching(members: Iterable[tuple[str, float]], now: float, grace_s: float) -> bool:
-    """Whether a job's watcher set (Keys.job_watchers: member, score) still watches it at ``now``.
+    """Whether a job's watcher set (Keys.job_watchers: member, score) still watches it at ``now``
+    (Redis's clock).
 
     A watcher counts while its lease runs, and for ``grace_s`` after it lapsed (its API process
     died: its clients get the grace from then to resume elsewhere); a ghost, while its grace runs.
     """
     return any(score >= (now if m.startswith(WATCHER_GHOST) else now - grace_s) for m, score in members)
+
+
+def pairs(flat: Sequence[str | bytes]) -> list[tuple[str, float]]:
+    """(member, score) from a flat ZRANGE WITHSCORES reply of a script."""
+    text = [x.decode() if isinstance(x, bytes) else x for x in flat]
+    return [(text[i], float(text[i + 1])) for i in range(0, len(text), 2)]
 
 
 class WatcherSets:
@@ -31,39 +95,39 @@ class WatcherSets:
     redis: aredis.Redis
     keys: Keys
 
-    async def add_watcher(self, job_id: str, token: str, deadline: float, ttl_s: int) -> None:
-        key = self.keys.job_watchers(job_id)
-        async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.zadd(key, {token: deadline})
-            pipe.expire(key, ttl_s)
-            await pipe.execute()
+    @cached_property
+    def _score_watchers(self) -> AsyncScript:
+        return self.redis.register_script(SCORE_WATCHERS_LUA)
 
-    async def renew_watchers(self, watchers: Iterable[tuple[str, str]], deadline: float, ttl_s: int) -> None:
-        """Move the deadline of each watcher (token, job id) that is still in its set."""
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for token, job_id in watchers:
-                key = self.keys.job_watchers(job_id)
-                pipe.zadd(key, {token: deadline}, xx=True)
-                pipe.expire(key, ttl_s)
-            await pipe.execute()
+    @cached_property
+    def _ghost_watchers(self) -> AsyncScript:
+        return self.redis.register_script(GHOST_WATCHERS_LUA)
 
-    async def ghost_watchers(self, watchers: Mapping[str, str], until: float, ttl_s: int) -> None:
-        """Replace each watcher (token -> job id) by its ghost, which counts until ``until``."""
+    @cached_property
+    def _watchers_at(self) -> AsyncScript:
+        return self.redis.register_script(WATCHERS_AT_LUA)
+
+    async def add_watcher(self, job_id: str, token: str, lease_s: float, ttl_s: int) -> None:
+        """Add the watcher, its lease ending ``lease_s`` from now."""
+        await self._score_watchers([self.keys.job_watchers(job_id)], [lease_s, ttl_s, "", token])
+
+    async def renew_watchers(self, watchers: Iterable[tuple[str, str]], lease_s: float, ttl_s: int) -> None:
+        """Move the lease's end of each watcher (token, job id) still in its set to ``lease_s``
+        from now."""
+        watchers = list(watchers)
+        keys = [self.keys.job_watchers(job_id) for _, job_id in watchers]
+        await self._score_watchers(keys, [lease_s, ttl_s, "XX", *(token for token, _ in watchers)])
+
+    async def ghost_watchers(self, watchers: Mapping[str, str], grace_s: float, ttl_s: int) -> float:
+        """Replace each watcher (token -> job id) by its ghost, which counts for ``grace_s`` from
+        now; returns the end of that grace on Redis's clock (for ``watched``'s ``at``)."""
         # NOTE: the ghost is a new member, so a renewal already on its way (ZADD XX) cannot
         # revive the token and stretch the grace.
-        async with self.redis.pipeline(transaction=True) as pipe:
-            for token, job_id in watchers.items():
-                key = self.keys.job_watchers(job_id)
-                pipe.zrem(key, token)
-                pipe.zadd(key, {WATCHER_GHOST + token: until})
-                pipe.expire(key, ttl_s)
-            await pipe.execute()
+        keys = [self.keys.job_watchers(job_id) for job_id in watchers.values()]
+        return float(await self._ghost_watchers(keys, [grace_s, ttl_s, WATCHER_GHOST, *watchers]))
 
-    async def watched(self, job_id: str, now: float, grace_s: float) -> bool:
-        """Whether anybody watches the job (see ``watching``); drops the members past counting."""
-        key = self.keys.job_watchers(job_id)
-        async with self.redis.pipeline(transaction=False) as pipe:  # in order on one connection
-            pipe.zremrangebyscore(key, "-inf", f"({now - grace_s!r}")
-            pipe.zrange(key, 0, -1, withscores=True)
-            _, members = await pipe.execute()
-        return watching(members, now, grace_s)
+    async def watched(self, job_id: str, grace_s: float, at: float | None = None) -> bool:
+        """Whether anybody watches the job now, or at ``at`` (Redis's clock) if that is later (see
+        ``watching``); drops the members past counting."""
+        reply = await self._watchers_at([self.keys.job_watchers(job_id)], [grace_s, "" if at is None else at])
+        return watching(pairs(reply[1:]), float(reply[0]), grace_s)

@@ -398,12 +398,12 @@ def test_unwatched_jobs_are_those_nobody_has_watched_for_the_grace(
         if scores:
             store.redis.zadd(store.keys.job_watchers(job_id), scores)
     unwatched = ["never", "ghost-gone", "lapsed-long-ago"]
-    assert store.unwatched(list(members), now, grace) == unwatched
+    assert store.unwatched(list(members), grace) == unwatched
 
     async def api_side() -> list[str]:  # what an API process's check sees, and drops
         astore = AsyncJobStore.from_settings(settings)
         try:
-            return [j for j in members if not await astore.watched(j, now, grace)]
+            return [j for j in members if not await astore.watched(j, grace)]
         finally:
             await astore.close()
 

@@ -284,6 +284,6 @@ def test_the_parts_of_a_foreground_job_say_so(store: StoreForTests, settings: Se
     assert isinstance(text.record.request, JobRequest) and not text.record.request.background
     # A part counts its job's watchers: nobody watches this one.
     now = time.time()
-    assert store.unwatched([part_id(job.id, 1)], now, 0.0) == [part_id(job.id, 1)]
+    assert store.unwatched([part_id(job.id, 1)], 0.0) == [part_id(job.id, 1)]
     store.redis.zadd(settings.keys.job_watchers(job.id), {"w1": now + 30})
-    assert store.unwatched([part_id(job.id, 1)], now, 0.0) == []
+    assert store.unwatched([part_id(job.id, 1)], 0.0) == []

@@ -1,6 +1,7 @@
 """The structured-output mask budget (grammar.Masks, EngineConfig.max_guide_mask_ms): a request
-whose grammar takes too long to mask each step is ended with guide_too_expensive while the rest of
-its batch goes on with the outputs it has without it; cheap grammars are never timed alone."""
+whose grammar takes too long to mask a step is ended with guide_too_expensive while the rest of
+its batch goes on with the outputs it has without it, and a fill over the budget is not waited
+for: the others' step goes on while it still runs."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from test_structured import PROMPTS, SCHEMA
 
 from workers.engine import FinishReason, SamplingParams
 from workers.engine.detokenizer import IncrementalDetokenizer
-from workers.engine.grammar import GUIDE_TOO_EXPENSIVE, MASK_QUIET_STEPS, MASK_STRIKES, matcher
+from workers.engine.grammar import GUIDE_TOO_EXPENSIVE, Masks, matcher
 from workers.engine.request import Request
 
 # Short, compiled in milliseconds, and each step's mask takes longer as the output grows: past
@@ -25,22 +26,23 @@ ANYTHING = r"(.*){100}"
 
 
 def _run(engine, requests):  # type: ignore[no-untyped-def]
-    """Run the requests to their ends: each one's ids, text, last delta, and the steps after
-    which it was watched (its mask to be filled alone and timed at the next)."""
-    for rid, (prompt, params, g) in requests.items():
-        engine.add_request(rid, prompt, params, json_grammar=g)
+    """Run the requests to their ends: each one's ids, text, last delta, the step it ended at,
+    and the steps at which it got tokens."""
+    for rid, (prompt, params, g, *resumed) in requests.items():
+        engine.add_request(
+            rid, prompt, params, json_grammar=g, resume_token_ids=resumed[0] if resumed else ()
+        )
     out = {rid: ([], [""], [], []) for rid in requests}
     step = 0
     while engine.has_unfinished():
         step += 1
         for d in engine.step():
-            ids, text, last, _ = out[d.request_id]
+            ids, text, last, steps = out[d.request_id]
             ids += d.token_ids
             text[0] += d.text
             last += [d, step] if d.finished else []
-        for rid, r in engine._requests.items():
-            out[rid][3].extend([step] if r.mask_watched else [])
-    return {rid: (ids, text[0], last[0], last[1], watched) for rid, (ids, text, last, watched) in out.items()}
+            steps += [step] if d.token_ids else []
+    return {rid: (ids, text[0], last[0], last[1], steps) for rid, (ids, text, last, steps) in out.items()}
 
 
 def test_a_grammar_too_slow_to_mask_is_ended_and_the_batch_goes_on(make_engine, llama_dir: Path) -> None:  # type: ignore[no-untyped-def]
@@ -55,31 +57,51 @@ def test_a_grammar_too_slow_to_mask_is_ended_and_the_batch_goes_on(make_engine, 
         "plain-1": (PROMPTS[3], SamplingParams(max_tokens=30, temperature=0.0), None),
     }
     alone = _run(engine, normal)
-    assert engine.masks.filled_alone == 0  # cheap grammars: the batch's fill, never timed alone
     bad = (PROMPTS[3], SamplingParams(max_tokens=400, temperature=0.0), engine.grammars.regex(EXPENSIVE))
     out = _run(engine, {**normal, "bad": bad})
 
-    ids, text, last, ended, watched = out["bad"]
+    ids, text, last, ended, _ = out["bad"]
     assert last.finish_reason is FinishReason.ERROR and last.error_type == GUIDE_TOO_EXPENSIVE
     assert "50 ms" in last.error and "SPOOL_MAX_GUIDE_MASK_MS" in last.error
     assert last.token_ids == () and len(ids) < 100  # ended well before max_tokens
     assert re.fullmatch(r"(.{1,5})*", text, re.DOTALL)  # what it wrote followed its grammar
-    # Watched from a slow batch's step on, timed alone at each step after it, and ended at its
-    # MASK_STRIKES-th step over the budget, still watched.
-    assert len(watched) >= MASK_STRIKES and watched[-1] == ended - 1
-    slow_batches = {step for step in watched if step - 1 not in watched}
-    print(f"bad: {len(ids)} tokens, ended at step {ended}, watched after steps {watched}")
+    print(f"bad: {len(ids)} tokens, ended at step {ended}")
     # The rest of the batch: exactly what it gives without it (greedy), and the plain rows the
     # model's own greedy output.
     for rid in normal:
         assert out[rid][:2] == alone[rid][:2], rid
         assert out[rid][2].finish_reason is alone[rid][2].finish_reason is not FinishReason.ERROR
-        # A cheap row watched with it (the batch's slow step) rejoined the batch the step after.
-        assert set(out[rid][4]) <= slow_batches, (rid, out[rid][4])
-    assert any(out[rid][4] for rid in ("words", "anything", "schema"))  # watched, and back
     for rid in ("plain-0", "plain-1"):
         assert out[rid][0] == greedy(llama_dir, normal[rid][0], 30).token_ids
     assert not engine.has_unfinished() and engine.scheduler.running == []
+
+
+RESUMED = 50  # tokens of EXPENSIVE's output to resume with: its next mask then takes about 1 s
+
+
+def test_a_fill_over_the_budget_is_not_waited_for(make_engine, llama_dir: Path) -> None:  # type: ignore[no-untyped-def]
+    """A request resumed deep into an expensive grammar: its first mask takes about 20 times the
+    budget. The step that ends it is also a step of the plain request beside it, taken while that
+    fill still runs (cut off: counted by ``Masks.cut_off``), and the plain request goes on."""
+    engine = make_engine(max_batch_size=4)
+    resumed = engine.tokenizer.encode("the cat sat on a mat " * 10, add_special_tokens=False)[:RESUMED]
+    grammar = engine.grammars.regex(EXPENSIVE)
+    matcher(grammar, resumed)  # they follow it
+    plain = SamplingParams(max_tokens=30, temperature=0.0)
+    out = _run(
+        engine,
+        {
+            "bad": (PROMPTS[3], SamplingParams(max_tokens=400, temperature=0.0), grammar, resumed),
+            "plain": (PROMPTS[0], plain, None),
+        },
+    )
+    _, _, last, ended, _ = out["bad"]
+    assert last.error_type == GUIDE_TOO_EXPENSIVE and last.token_ids == ()
+    assert engine.masks.cut_off == 1
+    ids, _, plain_last, _, steps = out["plain"]
+    assert ended in steps  # the plain request's token of that very step
+    assert plain_last.finish_reason is FinishReason.LENGTH
+    assert ids == greedy(llama_dir, PROMPTS[0], 30).token_ids
 
 
 def _request(engine, rid: str, pattern: str | None) -> Request:  # type: ignore[no-untyped-def]
@@ -87,35 +109,18 @@ def _request(engine, rid: str, pattern: str | None) -> Request:  # type: ignore[
     return Request(rid, [1, 2], SamplingParams(), IncrementalDetokenizer(engine.tokenizer), matcher=grammar)
 
 
-def test_a_watched_row_strikes_while_over_the_budget_and_rejoins_after_quiet_steps(make_engine) -> None:  # type: ignore[no-untyped-def]
+def test_rows_filled_alone_give_the_batchs_masks_and_each_is_held_to_the_budget(make_engine) -> None:  # type: ignore[no-untyped-def]
     engine = make_engine()
-    masks, logits = engine.masks, torch.zeros(3, engine.runner.vocab_size)
-    rows = [_request(engine, "plain", None), _request(engine, "a", WORDS), _request(engine, "b", WORDS)]
-    masks.apply(logits, rows)
-    assert not any(r.mask_watched for r in rows) and masks.filled_alone == 0  # under the budget
-    masks.budget_s = 1e-9  # every fill is over it: the batch's rows are watched from the next step on
-    masks.apply(logits, rows)
-    assert [r.mask_watched for r in rows] == [False, True, True] and masks.filled_alone == 0
-    for strikes in (1, 2):
-        masks.apply(logits, rows)
-        assert [r.mask_strikes for r in rows] == [0, strikes, strikes]
-    masks.budget_s = 60.0  # under it again: the rows with strikes stay watched, MASK_QUIET_STEPS
-    for _ in range(MASK_QUIET_STEPS - 1):
-        masks.apply(logits, rows)
-    assert [(r.mask_watched, r.mask_strikes) for r in rows[1:]] == [(True, 2), (True, 2)]
-    masks.budget_s = 1e-9  # a strike: the quiet count starts again
-    masks.apply(logits, rows)
-    assert [(r.mask_strikes, r.mask_quiet) for r in rows[1:]] == [(3, 0), (3, 0)]  # the engine ends them
-    rows[1].mask_strikes = rows[2].mask_strikes = 1
-    masks.budget_s = 60.0
-    for _ in range(MASK_QUIET_STEPS):
-        masks.apply(logits, rows)
-    assert [(r.mask_watched, r.mask_strikes, r.mask_quiet) for r in rows[1:]] == [(False, 0, 0)] * 2
-    assert masks.filled_alone == 2 * (2 + MASK_QUIET_STEPS - 1 + 1 + MASK_QUIET_STEPS)
-    # A watched row with no strike that comes in under the budget rejoins the batch at once.
-    rows[1].mask_watched = True
-    masks.apply(logits, rows)
-    assert not rows[1].mask_watched
+    vocab = engine.runner.vocab_size
+    rows = [_request(engine, "plain", None), _request(engine, "a", WORDS), _request(engine, "b", ANYTHING)]
+    unbudgeted = Masks(3, vocab, torch.device("cpu"))
+    expected = unbudgeted.apply(torch.zeros(3, vocab), rows)
+    masks = Masks(3, vocab, torch.device("cpu"), budget_ms=60_000)
+    assert torch.equal(masks.apply(torch.zeros(3, vocab), rows), expected)
+    assert masks.filled_alone == 2 and not any(r.mask_too_expensive for r in rows)
+    masks.budget_s = 1e-9  # every fill is over it: both constrained rows are ended
+    masks.apply(torch.zeros(3, vocab), rows)
+    assert [r.mask_too_expensive for r in rows] == [False, True, True]
 
 
 def test_no_budget_times_nothing(make_engine) -> None:  # type: ignore[no-untyped-def]

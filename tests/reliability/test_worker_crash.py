@@ -49,6 +49,8 @@ def r() -> Iterator[redis.Redis]:
 
 @pytest.fixture(scope="module")
 def crash_api(worker_pool: Workers, log_dir: Path) -> Iterator[Service]:
+    # A job here is taken once per kill and once more: past the default SPOOL_MAX_ATTEMPTS (3).
+    worker_pool.settings["max_attempts"] = 10
     with ThreadPoolExecutor(len(WORKERS)) as pool:
         list(pool.map(worker_pool.start, WORKERS))
     api = start_api(worker_pool.prefix, log_dir, sse_ping_s=1)

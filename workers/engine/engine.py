@@ -21,7 +21,7 @@ import xgrammar
 
 from workers.engine import grammar
 from workers.engine.detokenizer import IncrementalDetokenizer
-from workers.engine.grammar import GUIDE_TOO_EXPENSIVE, MASK_STRIKES, Grammars, Masks
+from workers.engine.grammar import GUIDE_TOO_EXPENSIVE, Grammars, Masks
 from workers.engine.kv_cache import StepInterrupted
 from workers.engine.model_runner import ModelRunner
 from workers.engine.processors import LogitsProcessors
@@ -326,7 +326,7 @@ class Engine:
         deltas = []
         self._stats.generated_tokens += len(due)
         for request, token_id, lp in zip(due, token_ids, logprobs, strict=True):
-            if request.mask_strikes >= MASK_STRIKES:  # its grammar is too slow for the batch
+            if request.mask_too_expensive:  # its grammar is too slow for the batch
                 deltas.append(
                     self._finish(
                         request, FinishReason.ERROR, error=self._too_expensive, error_type=GUIDE_TOO_EXPENSIVE
@@ -357,7 +357,7 @@ class Engine:
     def _too_expensive(self) -> str:
         return (
             f"the guide's grammar took more than {self.config.max_guide_mask_ms:g} ms to compute the "
-            f"allowed tokens on {MASK_STRIKES} steps (the budget, SPOOL_MAX_GUIDE_MASK_MS): "
+            "allowed tokens on a step (the budget, SPOOL_MAX_GUIDE_MASK_MS): "
             "use a simpler pattern or schema"
         )
 

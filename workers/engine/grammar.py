@@ -10,12 +10,14 @@ logits before sampling; a batch with no constrained row skips it all.
 
 A mask's cost per step depends on the grammar and on where its matcher stands, and some short
 regexes (``(.{1,5}){100}``) pass every limit on a guide's size and compile in milliseconds, yet
-take hundreds of milliseconds per step to mask as their output grows: on the engine thread, that
-slows every request in the batch. So ``Masks`` holds each constrained request to a budget per step
-(``EngineConfig.max_guide_mask_ms``): the batch's fill is timed, and only when it runs over the
-budget are its rows each filled alone for the next steps, timed in the engine thread's CPU time (a
-busy machine does not count against them); a row under the budget rejoins the batch, and one over
-it on ``MASK_STRIKES`` steps not far apart is ended by the engine with ``GUIDE_TOO_EXPENSIVE``.
+take hundreds of milliseconds (on a large vocabulary, seconds) per step to mask as their output
+grows: on the engine thread, that would stall every request in the batch. So with a budget per
+step (``EngineConfig.max_guide_mask_ms``) ``Masks`` fills each constrained row alone, all at once
+on a pool of threads (xgrammar lets go of the GIL while it fills), each into a buffer of its own,
+and waits for them. A fill is measured in its own thread's CPU time (a busy machine does not count
+against it), and one that has taken more than the budget is not waited for: the step goes on
+without it and the engine ends its request with ``GUIDE_TOO_EXPENSIVE``. The abandoned fill runs
+to its end on its thread (xgrammar cannot stop one), into a buffer nobody reads again.
 
 Why xgrammar (vLLM's default) rather than llguidance: a wheel for this Python and platform with
 no build step, masks written straight into a torch bitmask tensor with its own in-place apply
@@ -29,6 +31,7 @@ import json
 import threading
 import time
 from collections.abc import Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any
 
 import torch
@@ -39,16 +42,9 @@ from workers.engine.request import Request
 # OpenAI's json_object: any JSON object.
 ANY_OBJECT = '{"type": "object"}'
 
-# Steps a request's mask may take over the budget before the engine ends it, with fewer than
-# MASK_QUIET_STEPS steps under it between two of them: one slow step (a cold cache) is not the
-# grammar's fault, and a grammar whose cost jumps from step to step (`(.{0,5}){100}`: 3 ms, then
-# 400 ms, then 3 ms) must not escape by its cheap steps.
-MASK_STRIKES = 3
-MASK_QUIET_STEPS = 8
-# After a batch whose rows, filled alone, took over the budget together but each under it (many
-# cheap rows), the batch is not split up again for this many steps: split up, it loses xgrammar's
-# threads.
-MASK_COOLDOWN_STEPS = 16
+# How often the engine thread looks at the CPU time of the fills it waits for, as a share of the
+# budget: a fill over it is cut off at most this much later.
+MASK_POLL_SHARE = 0.1
 # The error type of a request ended for its mask's cost (Delta.error_type).
 GUIDE_TOO_EXPENSIVE = "guide_too_expensive"
 
@@ -146,8 +142,15 @@ class Masks:
         if device.type == "cuda":
             self._host = self._host.pin_memory()
         self._filler = xgr.BatchGrammarMatcher(max_threads="auto")
-        self._cooldown = 0  # steps before a slow batch is split up again (MASK_COOLDOWN_STEPS)
-        self.filled_alone = 0  # rows filled alone and timed (watched), since the start
+        self._rows = rows
+        # With a budget: each row's own buffer [1, ceil(V / 32)], and the threads that fill them.
+        self._own = [xgr.allocate_token_bitmask(1, vocab_size) for _ in range(rows if self.budget_s else 0)]
+        self._pool = self._new_pool() if self.budget_s else None
+        self.filled_alone = 0  # rows filled alone and timed, since the start
+        self.cut_off = 0  # fills not waited for (over the budget, still running), since the start
+
+    def _new_pool(self) -> ThreadPoolExecutor:
+        return ThreadPoolExecutor(max_workers=self._rows, thread_name_prefix="spool-mask")
 
     @torch.inference_mode()
     def apply(self, logits: torch.Tensor, due: Sequence[Request]) -> torch.Tensor:
@@ -172,39 +175,54 @@ class Masks:
         self._filler.batch_fill_next_token_bitmask(matchers, self._host, indices=rows)
 
     def _fill_within_budget(self, due: Sequence[Request], rows: list[int]) -> None:
-        """Fill the rows, the watched ones each alone and timed. A watched row over the budget
-        gets a strike (the engine ends it at MASK_STRIKES); one under it with no strike rejoins
-        the batch at once, one with strikes after MASK_QUIET_STEPS in a row under it. A batch over
-        the budget has its rows watched from the next step on."""
-        self._cooldown = max(0, self._cooldown - 1)
-        batch = [i for i in rows if not due[i].mask_watched]
-        slow = False
-        if batch:
-            start = time.perf_counter()
-            self._fill(due, batch)
-            slow = time.perf_counter() - start > self.budget_s
-        watched = [(i, due[i]) for i in rows if due[i].mask_watched]
-        total, over = 0.0, False
-        for i, request in watched:
-            assert request.matcher is not None
-            # NOTE: the engine thread's CPU time, not the clock's: this fill runs on this thread,
-            # and another process on the same cores must not make a grammar look expensive.
-            start = time.thread_time()
-            request.matcher.fill_next_token_bitmask(self._host, i)
-            took = time.thread_time() - start
-            self.filled_alone += 1
-            total += took
-            if took > self.budget_s:
-                request.mask_strikes += 1
-                request.mask_quiet, over = 0, True
-            else:
-                request.mask_quiet += 1
-                if not request.mask_strikes or request.mask_quiet >= MASK_QUIET_STEPS:
-                    request.mask_watched, request.mask_strikes, request.mask_quiet = False, 0, 0
-        if total > self.budget_s and not over:
-            # Slow together, none of them alone (many cheap rows): filled alone they lose the
-            # batch's threads, so the batch is not split up again for a while.
-            self._cooldown = MASK_COOLDOWN_STEPS
-        elif slow and not self._cooldown:
-            for i in batch:
-                due[i].mask_watched = True
+        """Fill every row alone, at once, on the pool; a request whose fill has taken more than
+        the budget of its thread's CPU time is marked ``mask_too_expensive`` (the engine ends it)
+        and its fill, if still running, is not waited for."""
+        assert self._pool is not None
+        fills = {i: _Fill() for i in rows}
+        for i, fill in fills.items():
+            matcher = due[i].matcher
+            assert matcher is not None
+            fill.future = self._pool.submit(fill.run, matcher, self._own[i])
+        poll_s = self.budget_s * MASK_POLL_SHARE
+        waiting = dict(fills)
+        while waiting:
+            wait([f.future for f in waiting.values()], timeout=poll_s, return_when=FIRST_COMPLETED)
+            for i, fill in list(waiting.items()):
+                if fill.future.done():
+                    del waiting[i]
+                    if fill.future.result() > self.budget_s:
+                        due[i].mask_too_expensive = True
+                    else:
+                        self._host[i] = self._own[i][0]
+                elif fill.cpu_s() > self.budget_s:
+                    # NOTE: its thread goes on writing this buffer: the row gets a new one, and
+                    # the pool new threads, so the rows after it are not held up.
+                    del waiting[i]
+                    due[i].mask_too_expensive = True
+                    self._own[i] = xgr.allocate_token_bitmask(1, self.vocab_size)
+                    self._pool.shutdown(wait=False)
+                    self._pool = self._new_pool()
+                    self.cut_off += 1
+        self.filled_alone += len(rows)
+
+
+class _Fill:
+    """One row's fill on a pool thread, whose CPU time the engine thread reads while it runs."""
+
+    future: Future[float]
+
+    def __init__(self) -> None:
+        self._clock: int | None = None  # the filling thread's CPU clock, once it started
+        self._start = 0.0
+
+    def run(self, matcher: xgr.GrammarMatcher, buffer: torch.Tensor) -> float:
+        """Fill ``buffer`` (on a pool thread); returns the CPU time it took."""
+        self._start = time.thread_time()
+        self._clock = time.pthread_getcpuclockid(threading.get_ident())
+        matcher.fill_next_token_bitmask(buffer, 0)
+        return time.thread_time() - self._start
+
+    def cpu_s(self) -> float:
+        """The CPU time the fill has taken so far (0 until it started)."""
+        return 0.0 if self._clock is None else time.clock_gettime(self._clock) - self._start

@@ -35,11 +35,8 @@ class Request:
     cache_salt: str = ""  # prefix caching: only requests with the same salt share cached blocks
     block_hashes: list[bytes] = field(default_factory=list)  # see prefix_cache.block_hashes
     matcher: xgrammar.GrammarMatcher | None = None  # structured outputs: the grammar it follows (grammar.py)
-    # The mask budget (grammar.Masks): its mask is filled alone and timed while watched;
-    # mask_strikes counts the steps it took over the budget, mask_quiet those under it since.
-    mask_watched: bool = False
-    mask_strikes: int = 0
-    mask_quiet: int = 0
+    # Its mask took more than the budget on a step (grammar.Masks): the engine ends it there.
+    mask_too_expensive: bool = False
     arrival: int = 0  # the scheduler's count at add(): first come, first served within a priority
     # Admitted and not yet given its first token of this admission: lower priorities sit its
     # steps out (scheduler.py, "Priority steps").

@@ -92,8 +92,8 @@ class EngineConfig:
     # request's slot, or a finished one's not yet reused, already holds: see prefix_cache.py.
     enable_prefix_caching: bool = True
     trust_remote_code: bool = False
-    # What one request's structured-output mask may take per step, in ms (0: no budget); one over
-    # it on grammar.MASK_STRIKES steps not far apart ends with the error guide_too_expensive (grammar.py).
+    # What one request's structured-output mask may take per step, in ms of CPU time (0: no budget);
+    # one over it on a step ends there with the error guide_too_expensive (grammar.py).
     # The worker's SPOOL_MAX_GUIDE_MASK_MS.
     max_guide_mask_ms: float = 50.0
     # Run the forward through torch.compile (model_runner.py), compiled at load; the worker's

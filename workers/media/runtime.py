@@ -31,7 +31,7 @@ from common.process import NamedThread
 from common.schemas import ImagePart, JobError, JobStatus, LogEntry
 from common.settings import Settings
 from common.store import Append, Final, SyncJobStore, TakeStatus
-from workers.liveness import HeldJob, Liveness
+from workers.liveness import HeldJob, Liveness, too_many_attempts
 from workers.media.metrics import MediaMetrics
 from workers.media.pipeline import Image, ImagePipeline, ImageSpec, preview_steps
 from workers.media.tiny import default_image_model_path
@@ -151,7 +151,7 @@ class MediaRuntime:
     def held(self) -> dict[str, HeldJob]:
         with self._lock:
             p = self._part
-            return {p.part_id: HeldJob(p.attempt, p.created_at, p.foreground and not p.aborted)} if p else {}
+            return {p.part_id: HeldJob(p.attempt, p.foreground and not p.aborted)} if p else {}
 
     def abort(self, job_id: str) -> None:
         with self._lock:
@@ -254,9 +254,14 @@ class MediaRuntime:
         return self._succeed(part, job_id, seed, image)
 
     def _ended_before_start(self, part: _Part, request: ImagePart) -> Outcome | None:
-        """End a part cancelled or out of time before its first step; None: run it."""
+        """End a part cancelled, out of time or out of attempts before its first step; None: run it."""
         if not part.aborted and not self._in_time(part):
             return self._fail(part, timeout_error(request))
+        if (
+            not part.aborted
+            and (error := too_many_attempts(part.attempt, self.liveness.settings)) is not None
+        ):
+            return self._fail(part, error)
         if part.aborted:
             return self._end(part, JobStatus.CANCELLED, {})
         return None
