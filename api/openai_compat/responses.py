@@ -306,9 +306,11 @@ class ResponseView:
         ]
         return [_event(n, body) for n, body in enumerate(bodies) if n > after]
 
-    def cursor(self, after: int) -> int:
-        """The log seq to relay after, for the events after sequence number ``after``."""
-        return max(0, after - self.opening + 1)
+    def cursor(self, after: int, log_length: int) -> int:
+        """The log seq to relay after, for the events after sequence number ``after`` (the log
+        holding ``log_length`` entries): the entry of event ``after`` + 1, or the last one, whose
+        events may run past its first number (the terminal entry's)."""
+        return max(0, min(after - self.opening + 1, log_length - 1))
 
     def entry_events(self, entry: LogEntry, job: Job | None, after: int) -> list[ServerSentEvent]:
         """The events of one log entry (a terminal one needs its ``job``: the text, the usage)."""
@@ -383,4 +385,6 @@ def _output_text(text: str) -> dict[str, Any]:
 def _event(n: int, body: dict[str, Any]) -> ServerSentEvent:
     body = {**body, "sequence_number": n}
     data = json.dumps(body, ensure_ascii=False, separators=(",", ":"))
-    return ServerSentEvent(id=str(n), event=body["type"], raw_data=data)
+    # NOTE: no SSE id: the openai client keeps the last id and makes an event of every later
+    # keep-alive comment (empty data, which it fails to parse as JSON). starting_after resumes.
+    return ServerSentEvent(event=body["type"], raw_data=data)

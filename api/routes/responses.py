@@ -12,7 +12,7 @@ import contextlib
 from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Header, Query, Request
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, Response
 from fastapi.sse import ServerSentEvent
 
@@ -100,17 +100,14 @@ async def retrieve_response(
     response_id: str,
     services: ServicesDep,
     stream: bool = False,
-    starting_after: Annotated[int | None, Query(ge=-1)] = None,
-    last_event_id: Annotated[int | None, Header(ge=-1)] = None,
+    starting_after: Annotated[int, Query(ge=-1)] = -1,
 ) -> Response:
-    """The response; with ``stream=true`` its events after ``starting_after`` (or the
-    ``Last-Event-ID`` header), live while it runs."""
+    """The response; with ``stream=true`` its events after ``starting_after`` (a
+    ``sequence_number``), live while it runs."""
     view = await _load(services.store, response_id)
     if not stream:
         return JSONResponse(view.obj(await services.store.get_job(view.job_id)))
-    after = (
-        last_event_id if last_event_id is not None else starting_after if starting_after is not None else -1
-    )
+    after = starting_after
     state = await services.store.stream_state(view.job_id)
     # The last event's number, at most (a terminal entry is up to 4 events).
     if after > view.opening + state.log_length + 2:
@@ -126,7 +123,7 @@ async def retrieve_response(
         services,
         view.job_id,
         _render(services.store, view, after),
-        view.cursor(after),
+        view.cursor(after, state.log_length),
         state.foreground_and_live,
         prelude=view.opening_events(after),
     )
