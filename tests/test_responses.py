@@ -7,7 +7,7 @@ import json
 import httpx
 import openai
 import pytest
-from procs import Cluster
+from procs import Cluster, wait_until
 from pydantic import BaseModel, Field
 
 INPUT = "In the beginning"
@@ -162,3 +162,37 @@ def test_refusals_name_the_parameter(cluster: Cluster, body: dict[str, object], 
 def test_unknown_and_malformed_ids_are_404(cluster: Cluster) -> None:
     for rid in ("resp_unknown", "chatcmpl-x", "resp_"):
         assert httpx.get(f"{cluster.url}/v1/responses/{rid}", timeout=30).status_code == 404
+
+
+def test_a_batch_of_response_lines(oai: openai.OpenAI, model: str) -> None:
+    bodies = [
+        {"input": f"line {i}", "instructions": "Be brief.", "max_output_tokens": 5, "temperature": 0}
+        for i in range(3)
+    ]
+    bodies.append({"input": "x", "tools": [{"type": "web_search"}]})
+    lines = [
+        {"custom_id": f"r-{i}", "method": "POST", "url": "/v1/responses", "body": b}
+        for i, b in enumerate(bodies)
+    ]
+    content = "".join(json.dumps(x) + "\n" for x in lines).encode()
+    file_id = oai.files.create(file=("in.jsonl", content), purpose="batch").id
+    batch = oai.batches.create(input_file_id=file_id, endpoint="/v1/responses", completion_window="24h")  # type: ignore[arg-type]
+
+    def ended() -> bool:
+        nonlocal batch
+        batch = oai.batches.retrieve(batch.id)
+        return batch.status in ("completed", "failed", "expired", "cancelled")
+
+    wait_until(ended, "the batch to end", 120)
+    assert batch.status == "completed" and batch.request_counts is not None
+    assert (batch.request_counts.completed, batch.request_counts.failed) == (3, 1)
+    assert batch.output_file_id is not None and batch.error_file_id is not None
+    for raw in oai.files.content(batch.output_file_id).text.splitlines():
+        out = json.loads(raw)
+        body = out["response"]["body"]
+        direct = oai.responses.create(model=model, **bodies[int(out["custom_id"].split("-")[1])])
+        assert body["object"] == "response" and body["id"].startswith("resp_")
+        assert body["output"][0]["content"][0]["text"] == direct.output_text
+        assert body["usage"]["output_tokens"] == direct.usage.output_tokens  # type: ignore[union-attr]
+    [error] = [json.loads(raw) for raw in oai.files.content(batch.error_file_id).text.splitlines()]
+    assert error["custom_id"] == "r-3" and error["response"]["body"]["error"]["param"] == "tools"

@@ -121,6 +121,38 @@ class ResponseRequest(_Open):
             spec["description"] = fmt.description
         return {"type": "json_schema", "json_schema": spec}
 
+    def record(self, model: str, history: list[dict[str, Any]]) -> ResponseRecord:
+        """What the response keeps besides its job, ``history`` the conversation it continues."""
+        fmt = self.text.format if self.text is not None else None
+        return ResponseRecord(
+            model=model,
+            input=self.input_items(),
+            history=history,
+            instructions=self.instructions,
+            previous_response_id=self.previous_response_id,
+            store=self.store,
+            background=self.background,
+            metadata=self.metadata or {},
+            max_output_tokens=self.max_output_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            text_format=fmt.model_dump(by_alias=True, exclude_none=True) if fmt is not None else None,
+            user=self.user,
+        )
+
+    def batch_job_request(self, settings: Settings) -> JobRequest:
+        """The job of a batch line: one that continues no earlier response (a batch's lines are
+        checked with no API key's responses at hand)."""
+        self.check()
+        if self.previous_response_id is not None:
+            raise ApiError(
+                400,
+                "previous_response_id is not supported in a batch",
+                param="previous_response_id",
+                code="unsupported_parameter",
+            )
+        return self.to_job_request(settings, self.record("", []).messages())
+
     def to_job_request(self, settings: Settings, messages: list[dict[str, str]]) -> JobRequest:
         fields: dict[str, Any] = {
             "messages": messages,
@@ -220,6 +252,23 @@ class ResponseView:
 
     job_id: str
     record: ResponseRecord
+
+    @classmethod
+    def of_line(cls, job: Job, request: JobRequest, model: str) -> ResponseView:
+        """A batch line's response: its record rebuilt from its job (the line's instructions
+        are its first message, and its metadata is not kept)."""
+        fmt = request.response_format
+        record = ResponseRecord(
+            model=model,
+            created_at=job.created_at,
+            input=[_message_item(m.role, m.content) for m in request.messages or ()],
+            max_output_tokens=request.max_tokens,
+            temperature=request.temperature,
+            top_p=request.top_p,
+            text_format=fmt.model_dump(by_alias=True, exclude_none=True) if fmt is not None else None,
+            user=request.user,
+        )
+        return cls(job.id, record)
 
     @property
     def id(self) -> str:

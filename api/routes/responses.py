@@ -42,28 +42,11 @@ CANCEL_WAIT_S = 10.0  # how long a cancel waits for a running response to end (t
 @router.post("")
 async def create_response(body: ResponseRequest, services: ServicesDep, http: Request) -> Response:
     body.check()
-    items = body.input_items()
     history: list[dict[str, Any]] = []
     if body.previous_response_id is not None:
         history = await _history(services.store, body.previous_response_id)
     worker = resolve_model(await services.served.get(), body.model)
-    record = ResponseRecord(
-        model=worker.model,
-        input=items,
-        history=history,
-        instructions=body.instructions,
-        previous_response_id=body.previous_response_id,
-        store=body.store,
-        background=body.background,
-        metadata=body.metadata or {},
-        max_output_tokens=body.max_output_tokens,
-        temperature=body.temperature,
-        top_p=body.top_p,
-        text_format=body.text.format.model_dump(by_alias=True, exclude_none=True)
-        if body.text is not None and body.text.format is not None
-        else None,
-        user=body.user,
-    )
+    record = body.record(worker.model, history)
     request = body.to_job_request(services.settings, record.messages())
     check_servable(request, worker)
     await services.context.check(request, worker)
