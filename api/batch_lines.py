@@ -21,8 +21,9 @@ from pydantic import ValidationError
 from api.context import ContextCheck
 from api.errors import ApiError, body_errors, error_body, validation_error
 from api.openai_compat.batches import error_line, response_line
-from api.openai_compat.chunks import View
+from api.openai_compat.chunks import View, failure
 from api.openai_compat.requests import ChatCompletionRequest, CompletionRequest, OpenAIRequest
+from api.openai_compat.responses import ResponseRequest, ResponseView
 from api.served import check_servable, check_with_live_workers, resolve_model
 from common.schemas import (
     MAX_JSON_DEPTH,
@@ -46,6 +47,9 @@ _OPENAI: dict[str, type[OpenAIRequest]] = {
     "/v1/chat/completions": ChatCompletionRequest,
     "/v1/completions": CompletionRequest,
 }
+
+
+RESPONSES = "/v1/responses"
 
 
 class LineError(ValueError):
@@ -117,7 +121,14 @@ async def line_request(
         )
     try:
         model = _OPENAI.get(endpoint)
-        if model is None:
+        if endpoint == RESPONSES:
+            response = ResponseRequest.model_validate(body)
+            request = response.batch_job_request(settings)
+            if models:
+                worker = resolve_model(models, response.model)
+                check_servable(request, worker)
+                await context.check(request, worker)
+        elif model is None:
             request = JobRequest.accept(body, settings)
             check_with_live_workers(models, request)
             await context.check_live(request, models)
@@ -179,6 +190,13 @@ def job_result(
         kind = "completed" if job.status is JobStatus.SUCCEEDED else "failed"
         return LineResult(line, kind, response_line(job.id, custom_id, 200, body), job.id)
     assert isinstance(record.request, JobRequest)  # a line is a text job, never an image part
+    if endpoint == RESPONSES:
+        if job.error is not None:
+            return LineResult(
+                line, "failed", refused(line, custom_id, failure(job.error), job.id).result, job.id
+            )
+        body = ResponseView.of_line(job, record.request, job.model or model).obj(job)
+        return LineResult(line, "completed", response_line(job.id, custom_id, 200, body), job.id)
     view = View.of(job.id, job.created_at, record.request, job.model or model)
     try:
         return LineResult(

@@ -61,19 +61,13 @@ async def cancel_until_done(tasks: Sequence[asyncio.Future[None]]) -> None:
 async def wait_for_job(services: Services, job_id: str, request: Request) -> Job:
     """The job once it is final; the caller counts as a watcher meanwhile."""
 
-    async def final() -> None:
-        # relay() ends after the terminal event whatever the timing, so the job is then final.
-        async with services.follow(job_id, watch=False) as inbox:
-            async for _ in relay(services.store, inbox, job_id, 0, services.settings.sse_ping_s, _nothing):
-                pass
-
     async def hung_up() -> None:
         # The body was read, so the next ASGI message is the disconnect (or nothing).
         while (await request.receive())["type"] != "http.disconnect":
             pass
 
     async with services.watchers.watch(job_id):
-        waits = [asyncio.ensure_future(final()), asyncio.ensure_future(hung_up())]
+        waits = [asyncio.ensure_future(until_final(services, job_id)), asyncio.ensure_future(hung_up())]
         try:
             done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -91,22 +85,47 @@ def _nothing(entry: LogEntry) -> tuple[()]:
     return ()
 
 
+async def until_final(services: Services, job_id: str) -> None:
+    """Return once the job is final (its log holds the terminal event)."""
+    # relay() ends after the terminal event whatever the timing, so the job is then final.
+    async with services.follow(job_id, watch=False) as inbox:
+        async for _ in relay(services.store, inbox, job_id, 0, services.settings.sse_ping_s, _nothing):
+            pass
+
+
 def streamed_submit(
     services: Services,
     job_id: str,
     render: Render | AsyncRender,
     foreground: bool,
     headers: Mapping[str, str],
+    prelude: Sequence[Chunk] = (),
 ) -> EventSourceResponse:
-    """The answer to a streamed submit: every event of the job from the first. A foreground job's
+    """The answer to a streamed submit: every event of the job from the first (after ``prelude``). A foreground job's
     client counts as its watcher while it reads (closed with the response, so a client that hangs
     up stops watching at once)."""
     if foreground:
         services.watchers.check_later(job_id)  # a client that leaves before the first byte
+    return followed_stream(services, job_id, render, 0, foreground, headers, prelude)
+
+
+def followed_stream(
+    services: Services,
+    job_id: str,
+    render: Render | AsyncRender,
+    after: int,
+    watch: bool,
+    headers: Mapping[str, str] | None = None,
+    prelude: Sequence[Chunk] = (),
+) -> EventSourceResponse:
+    """The job's events after seq ``after``, first ``prelude`` (a view's own opening events);
+    with ``watch`` the client counts as the job's watcher while it reads."""
 
     async def events() -> AsyncGenerator[list[Chunk], None]:
-        async with services.follow(job_id, watch=foreground) as inbox:
-            events = rendered(services.store, inbox, job_id, 0, services.settings.sse_ping_s, render)
+        async with services.follow(job_id, watch=watch) as inbox:
+            if prelude:
+                yield list(prelude)
+            events = rendered(services.store, inbox, job_id, after, services.settings.sse_ping_s, render)
             async with aclosing(events):
                 async for batch in events:
                     yield batch

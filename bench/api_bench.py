@@ -10,7 +10,9 @@ time of the API process (``/proc``, all threads) for:
 - opening ``GET /v1/jobs/{id}/events`` up to its first bytes: a finished job (8 token events
   and ``done``, replayed) and a running job (one event so far, then live);
 - events relayed to streams open on that process: 32 jobs' token events, a step's writes at a
-  time, paced as an engine's steps (``--step-ms``), each job streamed by one client;
+  time, paced as an engine's steps (``--step-ms``), each job streamed by one client: as the job's
+  own events, as chat completion chunks (``?format=openai`` of a chat job), and as the Responses
+  API's events (``GET /v1/responses/{id}?stream=true``; a tree without it gets no figure);
 - events of jobs that nobody streams on that process (another replica's, or fire-and-poll
   jobs): the same writes.
 
@@ -74,9 +76,10 @@ class Target:
     def cpu(self) -> float:
         return cpu_seconds(self.proc.pid)
 
-    def running_job(self, tokens: int) -> tuple[str, int]:
-        """A job taken as a worker takes it, with ``tokens`` token events: (id, attempt)."""
-        job_id = asyncio.run(self._create_job())
+    def running_job(self, tokens: int, shape: str = "spool") -> tuple[str, int]:
+        """A job taken as a worker takes it, with ``tokens`` token events: (id, attempt); a chat
+        job for the ``chat`` and ``responses`` shapes, with a response's record for the latter."""
+        job_id = asyncio.run(self._create_job(shape))
         attempt = self.store.take_job(job_id, "bench", "bench").attempt
         if tokens:
             entries = [token_entry(i + 1, i, " word", [7]) for i in range(tokens)]
@@ -85,12 +88,18 @@ class Target:
             ]
         return job_id, attempt
 
-    async def _create_job(self) -> str:
+    async def _create_job(self, shape: str) -> str:
         """A queued job, created as the API creates one (without its Celery message)."""
         store = AsyncJobStore.from_settings(self.store.settings)
+        prompt = (
+            {"prompt": "hello"} if shape == "spool" else {"messages": [{"role": "user", "content": "hello"}]}
+        )
         try:
-            request = JobRequest.model_validate({"prompt": "hello", "max_tokens": 4096})
-            return (await store.create_job(request)).id
+            job = await store.create_job(JobRequest.model_validate({**prompt, "max_tokens": 4096}))
+            if shape == "responses":
+                record = {"model": "bench", "created_at": job.created_at, "input": [], "background": True}
+                await store.put_response(job.id, json.dumps(record))
+            return job.id
         finally:
             await store.close()
 
@@ -175,17 +184,28 @@ def write_step(target: Target, jobs: list[tuple[str, int]], step: int) -> None:
     target.store.append_batch(appends)
 
 
-def events_streamed(target: Target, steps: int, step_s: float) -> dict[str, float]:
+# Per stream shape: the path of a job's stream, and what each of its token events carries once.
+SHAPES = {
+    "spool": ("/v1/jobs/{}/events", b"event: token"),
+    "chat": ("/v1/jobs/{}/events?format=openai", b'"object":"chat.completion.chunk"'),
+    "responses": ("/v1/responses/resp_{}?stream=true", b"event: response.output_text.delta"),
+}
+FIGURES = {"spool": "streamed_cpu_us_per_event", "chat": "streamed_chat_cpu_us_per_event"}
+FIGURES["responses"] = "streamed_responses_cpu_us_per_event"
+
+
+def events_streamed(target: Target, steps: int, step_s: float, shape: str = "spool") -> dict[str, float]:
     """CPU per event relayed: STEP_JOBS streams open, ``steps`` step writes ``step_s`` apart,
     then each job's ``done``; the figure ends when every stream has been closed by the server."""
-    jobs = [target.running_job(0) for _ in range(STEP_JOBS)]
+    if shape == "responses" and not (target.tree / "api" / "routes" / "responses.py").exists():
+        return {}
+    jobs = [target.running_job(0, shape) for _ in range(STEP_JOBS)]
     host, port = target.url.removeprefix("http://").split(":")
+    path, per_token = SHAPES[shape]
 
     async def open_stream(job_id: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         reader, writer = await asyncio.open_connection(host, int(port))
-        writer.write(
-            f"GET /v1/jobs/{job_id}/events HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode()
-        )
+        writer.write(f"GET {path.format(job_id)} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode())
         await reader.readuntil(b"\r\n\r\n")  # the response's head: the stream is open
         return reader, writer
 
@@ -211,9 +231,9 @@ def events_streamed(target: Target, steps: int, step_s: float) -> dict[str, floa
         return cpu, bodies
 
     cpu, bodies = asyncio.run(run())
-    for body in bodies:  # every stream got every event and its done
-        assert body.count(b"event: token") == steps and b"event: done" in body, body[-200:]
-    return {"streamed_cpu_us_per_event": 1e6 * cpu / (steps * STEP_JOBS)}
+    for body in bodies:  # every stream got every token event (the chat chunks: and the final one)
+        assert body.count(per_token) == steps + (shape == "chat"), body[-200:]
+    return {FIGURES[shape]: 1e6 * cpu / (steps * STEP_JOBS)}
 
 
 def events_not_streamed(target: Target, steps: int) -> dict[str, float]:
@@ -255,7 +275,8 @@ def main() -> int:
                     posts_alone(target, client, 20)
                     posts_in_bursts(target, 1)
                     stream_opens(target, client, 20)
-                    events_streamed(target, 20, args.step_ms / 1e3)
+                    for shape in SHAPES:
+                        events_streamed(target, 20, args.step_ms / 1e3, shape)
                     events_not_streamed(target, 20)
                 for r in range(args.rounds):
                     for i, target in enumerate(targets):
@@ -263,7 +284,13 @@ def main() -> int:
                             **posts_alone(target, client, args.requests),
                             **posts_in_bursts(target, args.bursts),
                             **stream_opens(target, client, args.requests),
-                            **events_streamed(target, args.steps, args.step_ms / 1e3),
+                            **{
+                                k: v
+                                for shape in SHAPES
+                                for k, v in events_streamed(
+                                    target, args.steps, args.step_ms / 1e3, shape
+                                ).items()
+                            },
                             **events_not_streamed(target, args.steps),
                         }
                         rounds[i].append(figures)
@@ -277,6 +304,8 @@ def main() -> int:
     medians = [
         {k: statistics.median(f[k] for f in tree_rounds) for k in tree_rounds[0]} for tree_rounds in rounds
     ]
+    for m in medians:  # (a tree without the Responses API has no figure of it)
+        m.setdefault(FIGURES["responses"], float("nan"))
     print(f"API CPU per request, medians of {args.rounds} rounds (the trees alternating)")
     names = list(medians[0])
     print(f"{'figure':<32}" + "".join(f"{str(t)[-28:]:>30}" for t in trees))

@@ -25,5 +25,7 @@ def test_api_bench_smoke_run(tmp_path: Path) -> None:
         "open_finished_cpu_ms",
         "open_live_cpu_ms",
         "streamed_cpu_us_per_event",
+        "streamed_chat_cpu_us_per_event",
+        "streamed_responses_cpu_us_per_event",
         "not_streamed_cpu_us_per_event",
     }

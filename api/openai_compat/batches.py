@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/jobs")
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/jobs")
 COMPLETION_WINDOWS = {"24h": 24 * 3600}
 _TIMESTAMPS = (
     "in_progress_at",

@@ -39,10 +39,11 @@ from common.store.records import (
     with_parts,
     worker_keys,
 )
+from common.store.responses import ResponseRecords
 from common.store.watchers import WatcherSets
 
 
-class AsyncJobStore(WatcherSets):
+class AsyncJobStore(WatcherSets, ResponseRecords):
     """The API's store, over redis.asyncio."""
 
     def __init__(self, client: aredis.Redis, settings: Settings) -> None:

@@ -22,7 +22,6 @@ from workers.engine.tiny import ARCHITECTURES
 SCHEMA = {
     "type": "object",
     "properties": {
-        # NOTE: a pattern bounds it: xgrammar 0.2.9 lets maxLength strings hold raw control characters.
         "name": {"type": "string", "pattern": "^[a-z ]{1,10}$"},
         "age": {"type": "integer", "minimum": 0, "maximum": 120},
         "color": {"enum": ["red", "green", "blue"]},
@@ -155,3 +154,34 @@ def test_guided_regex_and_choice_beside_unconstrained_greedy(make_engine, llama_
     assert engine.grammars.regex(pattern) is regex and engine.grammars.choice(choices) is choice
     with pytest.raises(GrammarError, match="the regex cannot be used"):
         engine.grammars.regex("a(?=b)")
+
+
+# Bounded strings, as pydantic's Field(min_length=..., max_length=...) writes them.
+BOUNDED = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "code": {"type": "string", "minLength": 2, "maxLength": 6},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 4}, "maxItems": 3},
+    },
+    "required": ["name", "code", "tags"],
+    "additionalProperties": False,
+}
+
+
+def test_bounded_strings_sampled_from_a_random_model_always_parse(make_engine) -> None:  # type: ignore[no-untyped-def]
+    """xgrammar's own grammar for maxLength strings admits raw control characters, which a random
+    model at temperature 1 writes within a few dozen samples; ours must never."""
+    engine = make_engine(max_batch_size=32)
+    grammar = engine.grammars.json(BOUNDED)
+    requests = {
+        f"s{seed}": (
+            PROMPTS[seed % len(PROMPTS)],
+            SamplingParams(max_tokens=120, temperature=1.0, seed=seed),
+            grammar,
+        )
+        for seed in range(64)
+    }
+    for rid, (_, text, reason) in run(engine, requests).items():
+        assert reason == "stop", f"{rid}: {text!r}"
+        jsonschema.validate(json.loads(text), BOUNDED)  # json.loads refuses raw control characters

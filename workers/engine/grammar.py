@@ -68,10 +68,7 @@ class Grammars:
     def json(self, schema: str | dict[str, Any] | None) -> xgr.CompiledGrammar:
         """The grammar of JSON that validates against ``schema`` (None: any object)."""
         key = ANY_OBJECT if schema is None else schema if isinstance(schema, str) else json.dumps(schema)
-        # Compact JSON (no free whitespace): a model cannot spend its tokens on blank space.
-        return self._cached(
-            key, lambda: self._compiler.compile_json_schema(key, any_whitespace=False), "JSON schema"
-        )
+        return self._cached(key, lambda: self._compiler.compile_grammar(json_grammar(key)), "JSON schema")
 
     def regex(self, pattern: str) -> xgr.CompiledGrammar:
         """The grammar of text that matches the regular expression (vLLM's ``guided_regex``)."""
@@ -105,6 +102,20 @@ class Grammars:
         with self._lock:
             self.compiled += 1
             return self._cache.setdefault(key, grammar)
+
+
+# NOTE: xgrammar 0.2.9 writes a string with minLength or maxLength as a repetition of this class,
+# which admits raw control characters (U+0000 to U+001F but CR and LF): JSON that json.loads and
+# pydantic refuse. Its unbounded strings exclude them; so does json_grammar.
+_BOUNDED_STRING_CHAR = r"[^\"\\\r\n]"
+_JSON_STRING_CHAR = r"[^\0-\x1f\"\\\r\n]"
+
+
+def json_grammar(schema: str) -> xgr.Grammar:
+    """The grammar of compact JSON (no free whitespace: a model cannot spend its tokens on blank
+    space) that validates against ``schema``, with no raw control character inside a string."""
+    ebnf = str(xgr.Grammar.from_json_schema(schema, any_whitespace=False))
+    return xgr.Grammar.from_ebnf(ebnf.replace(_BOUNDED_STRING_CHAR, _JSON_STRING_CHAR))
 
 
 def _ebnf_string(text: str) -> str:
