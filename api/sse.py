@@ -57,6 +57,11 @@ def encode(event: Chunk) -> bytes:
     """One event in the SSE wire format (FastAPI's encoder); ``data`` must be JSON-native."""
     if isinstance(event, bytes):
         return event
+    if event.comment is not None and event.data is event.raw_data is event.event is event.id is None:
+        # NOTE: a comment line alone, with no blank line after it: a decoder that keeps the last
+        # event id (the openai SDK's, as the SSE spec says) dispatches an event at every blank
+        # line after one, and a ping then reached its stream as an event with empty data.
+        return f": {event.comment}\n".encode()
     data = event.raw_data if event.data is None else json.dumps(event.data)
     return format_sse_event(
         data_str=data, event=event.event, id=event.id, retry=event.retry, comment=event.comment

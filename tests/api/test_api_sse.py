@@ -279,3 +279,25 @@ def test_malformed_publish_does_not_break_the_hub(
     assert check_full_stream(stream.result()) == "".join(TEXTS)
     # Same subscription: the hub skipped the message rather than dying with it.
     assert hub_client_ids(redis_client, bare_api.prefix) == hub_before
+
+
+@pytest.mark.parametrize("query", ["", "?format=openai"])
+def test_a_ping_after_an_event_dispatches_nothing_in_the_openai_client(
+    bare_api: Service, writer: LogWriter, client: httpx.Client, query: str
+) -> None:
+    # The openai SDK's decoder dispatches an event at every blank line after an id (api/sse.py).
+    from openai._streaming import SSEDecoder
+
+    job_id = writer.running_job()
+    writer.tokens(job_id, *TEXTS[:2])
+    raw = b""
+    with client.stream("GET", events_url(bare_api, job_id, query)) as r:
+        chunks = r.iter_raw()
+        while b": ping" not in raw.partition(b"\nid: ")[2]:
+            raw += next(chunks)
+        writer.tokens(job_id, *TEXTS[2:])
+        writer.finish(job_id)
+        raw += b"".join(chunks)
+    decoded = list(SSEDecoder().iter_bytes(iter([raw])))
+    assert len(decoded) >= len(TEXTS) + 1
+    assert all(e.data for e in decoded), [e for e in decoded if not e.data]
