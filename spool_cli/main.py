@@ -53,6 +53,10 @@ def cmd_worker(args: argparse.Namespace) -> int:
         from workers.media.tasks import app  # loads torch and diffusers: only here
 
         concurrency, queue = 1, settings.keys.queue_media
+    elif args.kind == "hooks":
+        from workers.hooks.tasks import HOOK_TASK_THREADS, app  # no torch
+
+        concurrency, queue = HOOK_TASK_THREADS, settings.keys.queue_hooks
     else:
         from workers.celery_app import app, worker_concurrency  # loads torch: only here
 
@@ -235,7 +239,8 @@ def parser() -> argparse.ArgumentParser:
         "or its name is held by a live worker, 2 on a Redis whose maxmemory-policy evicts keys). "
         "--kind media runs image parts instead, on one diffusers pipeline (SPOOL_IMAGE_MODEL), "
         "one image at a time, from the {prefix}.media queue (it exits 70 too when a denoising step "
-        "stalls).",
+        "stalls). --kind hooks delivers webhooks from the {prefix}.hooks queue (no model, no torch; "
+        "docs/webhooks.md).",
         "Settings: SPOOL_REDIS_URL, SPOOL_REDIS_PREFIX, SPOOL_MODEL, SPOOL_DEVICE, SPOOL_DTYPE, the "
         "engine's (SPOOL_MAX_BATCH_SIZE, SPOOL_MAX_MODEL_LEN, ...) and the liveness ones "
         "(SPOOL_HEARTBEAT_S, SPOOL_LEASE_S, SPOOL_WORKER_NAME, ...); with --kind media "
@@ -244,7 +249,10 @@ def parser() -> argparse.ArgumentParser:
         "SPOOL_MODEL=Qwen/Qwen2.5-0.5B-Instruct SPOOL_DEVICE=cuda spool worker",
     )
     p.add_argument(
-        "--kind", choices=["text", "media"], default="text", help="the jobs it runs (default: text)"
+        "--kind",
+        choices=["text", "media", "hooks"],
+        default="text",
+        help="the jobs it runs (default: text); hooks: webhook deliveries",
     )
     p.set_defaults(func=cmd_worker)
 

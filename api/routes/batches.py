@@ -18,8 +18,12 @@ from pydantic import BaseModel, ConfigDict, Field
 from api.auth import current_owner
 from api.deps import ServicesDep, owned_file
 from api.errors import ApiError
-from api.openai_compat.batches import COMPLETION_WINDOWS, ENDPOINTS, batch_object, page
+from api.openai_compat.batches import COMPLETION_WINDOWS, ENDPOINTS, page
+from api.submission import check_webhook
 from common.store import AsyncBatchStore
+from common.store.hooks import hook_field
+from common.views import batch_object
+from common.webhooks import BATCH_EVENTS, BadDestination, BatchEvent, check_url_form
 
 router = APIRouter(prefix="/v1/batches", tags=["batches"])
 
@@ -34,6 +38,9 @@ class BatchRequest(BaseModel):
     endpoint: str
     completion_window: str
     metadata: dict[str, Annotated[str, Field(max_length=512)]] | None = Field(None, max_length=MAX_METADATA)
+    # Spool's: where to POST the batch's end (docs/webhooks.md), and which ends (default: all).
+    webhook: str | None = None
+    webhook_events: list[BatchEvent] | None = Field(None, min_length=1)
 
 
 def new_batch_id() -> str:
@@ -58,6 +65,14 @@ async def create_batch(body: BatchRequest, services: ServicesDep) -> dict[str, A
         raise ApiError(
             400, f"file {f['id']!r} has purpose {f['purpose']!r}, not 'batch'", param="input_file_id"
         )
+    if body.webhook is not None:
+        try:
+            check_url_form(body.webhook)
+        except BadDestination as e:
+            raise ApiError(400, str(e), param="webhook", code="invalid_webhook") from None
+        await check_webhook(services, body.webhook)
+    elif body.webhook_events is not None:
+        raise ApiError(400, "webhook_events needs a webhook", param="webhook_events", code="invalid_webhook")
     now = time.time()
     fields = {
         "id": new_batch_id(),
@@ -72,6 +87,12 @@ async def create_batch(body: BatchRequest, services: ServicesDep) -> dict[str, A
         "completed": "0",
         "failed": "0",
     }
+    if body.webhook is not None:
+        settings, owner = services.settings, current_owner()
+        events = list(body.webhook_events or BATCH_EVENTS)
+        fields["hook"] = hook_field(
+            settings.keys, settings, "batch", fields["id"], body.webhook, events, owner
+        )
     await services.batches.create_batch(fields)
     return batch_object(fields)
 
