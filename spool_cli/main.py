@@ -119,6 +119,7 @@ def job_body(args: argparse.Namespace) -> dict[str, Any]:
         "top_k": args.top_k,
         "seed": args.seed,
         "stop": stop,
+        "webhook": args.webhook,
     }
     return {**text, **{k: v for k, v in options.items() if v is not None}}
 
@@ -135,7 +136,12 @@ def cmd_batch(args: argparse.Namespace) -> int:
     if (args.file is None) == (args.resume is None):
         print("spool batch: give a FILE or --resume BATCH_ID", file=sys.stderr)
         return SETTINGS_EXIT
-    return run(args.url or default_url(), args.file, args.resume, args.out, args.errors, api_key(args))
+    if args.webhook is not None and args.file is None:
+        print("spool batch: --webhook is given at the batch's creation (with a FILE)", file=sys.stderr)
+        return SETTINGS_EXIT
+    return run(
+        args.url or default_url(), args.file, args.resume, args.out, args.errors, api_key(args), args.webhook
+    )
 
 
 def cmd_batches(args: argparse.Namespace) -> int:
@@ -313,6 +319,9 @@ def parser() -> argparse.ArgumentParser:
         "--chat", action="store_true", help="send the prompt as a user message (the chat template)"
     )
     p.add_argument("--system", help="a system message before the prompt (implies --chat)")
+    p.add_argument(
+        "--webhook", metavar="URL", help="POST the job's job.completed event there (docs/webhooks.md)"
+    )
     _client_options(p)
     p.set_defaults(func=cmd_generate)
 
@@ -341,6 +350,11 @@ def parser() -> argparse.ArgumentParser:
         "--errors",
         type=Path,
         help="error lines (default: beside FILE, or --out, as NAME.errors.jsonl; BATCH_ID's)",
+    )
+    p.add_argument(
+        "--webhook",
+        metavar="URL",
+        help="POST the batch's end (batch.completed, ...) there (docs/webhooks.md)",
     )
     _client_options(p)
     p.set_defaults(func=cmd_batch)

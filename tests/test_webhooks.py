@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import signal
+import subprocess
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -40,7 +41,6 @@ from tests.procs import (
 SECRET, OLD_SECRET = new_secret(), new_secret()
 HOOK_SETTINGS = {
     "webhook_secret": f"{SECRET},{OLD_SECRET}",  # a rotation: both sign
-    "webhook_allow_hosts": "127.0.0.1",
     "webhook_backoff_s": 0.3,
     "webhook_timeout_s": 2,
     "webhook_sweep_s": 0.1,
@@ -128,7 +128,8 @@ def hooks(prefixes: Prefixes, tiny_model: Path, log_dir: Path) -> Iterator[Hooks
     r = redis.Redis.from_url(REDIS_URL)
 
     def start_hook_worker(name: str) -> Service:
-        env = spool_env(prefix, heartbeat_s=0.5, worker_name=f"{prefix}-{name}", **HOOK_SETTINGS)
+        named = {"worker_name": f"{prefix}-{name}", "webhook_allow_hosts": "127.0.0.1"}
+        env = spool_env(prefix, heartbeat_s=0.5, **named, **HOOK_SETTINGS)
         worker = start(f"hooks-{prefix}-{name}", [SPOOL, "worker", "--kind", "hooks"], env, log_dir)
         wait_until(
             lambda: any(b.get("pid") == worker.proc.pid for b in heartbeats(r, Keys(prefix))),
@@ -139,7 +140,10 @@ def hooks(prefixes: Prefixes, tiny_model: Path, log_dir: Path) -> Iterator[Hooks
         return worker
 
     text = start_worker(prefix, tiny_model, log_dir, max_batch_size=32)
-    api = start_api(prefix, log_dir, batch_feed_s=0.1, **HOOK_SETTINGS)
+    # The API also lets 127.0.0.2 through, which the hook workers refuse when they connect.
+    api = start_api(
+        prefix, log_dir, batch_feed_s=0.1, webhook_allow_hosts="127.0.0.1,127.0.0.2", **HOOK_SETTINGS
+    )
     workers = [start_hook_worker("h1"), start_hook_worker("h2")]
     yield Hooks(prefix, api, workers, receiver, start_hook_worker)
     for s in [api, *workers, text]:
@@ -158,6 +162,12 @@ def deliveries(client: httpx.Client, hooks: Hooks, job_id: str) -> list[dict[str
     response = client.get(f"{hooks.api.url}/v1/jobs/{job_id}/webhooks")
     assert response.status_code == 200, response.text
     return list(response.json()["data"])
+
+
+def delivery(client: httpx.Client, hooks: Hooks, job_id: str, index: int = 0) -> dict[str, Any]:
+    """One of the job's deliveries; {} while it has none (its event is not recorded yet)."""
+    listed = deliveries(client, hooks, job_id)
+    return listed[index] if listed else {"status": None, "attempts": []}
 
 
 def of_job(received: list[Received], job_id: str) -> list[Received]:
@@ -198,7 +208,7 @@ def test_events_are_signed_in_order_and_verify(client: httpx.Client, hooks: Hook
 def test_500_twice_then_200_three_attempts_same_id_growing_delays(client: httpx.Client, hooks: Hooks) -> None:
     hooks.receiver.scripts["/flaky"] = [500, 500, 200]
     job_id = submit(client, hooks, "/flaky")
-    wait_until(lambda: deliveries(client, hooks, job_id)[0]["status"] == "delivered", "delivered", 30)
+    wait_until(lambda: delivery(client, hooks, job_id, 0)["status"] == "delivered", "delivered", 30)
     got = of_job(hooks.receiver.at("/flaky"), job_id)
     assert len(got) == 3
     assert len({r.headers["webhook-id"] for r in got}) == 1
@@ -215,13 +225,13 @@ def test_a_receiver_down_for_several_retries_gets_the_event_once_back(
     down = Receiver(free_port())  # nothing listens on its port yet
     body = {"prompt": "hello", "max_tokens": 3, "webhook": down.url("/later")}
     job_id = client.post(f"{hooks.api.url}/v1/jobs", json=body).json()["id"]
-    wait_until(lambda: len(deliveries(client, hooks, job_id)[0]["attempts"]) >= 4, "4 failed attempts", 60)
+    wait_until(lambda: len(delivery(client, hooks, job_id)["attempts"]) >= 4, "4 failed attempts", 60)
     assert all(
         a["error"] and a["status_code"] is None for a in deliveries(client, hooks, job_id)[0]["attempts"]
     )
     server = serve(down)
     try:
-        wait_until(lambda: deliveries(client, hooks, job_id)[0]["status"] == "delivered", "delivered", 60)
+        wait_until(lambda: delivery(client, hooks, job_id, 0)["status"] == "delivered", "delivered", 60)
         assert [r.event["type"] for r in down.at("/later")] == ["job.completed"]
     finally:
         server.shutdown()
@@ -230,16 +240,16 @@ def test_a_receiver_down_for_several_retries_gets_the_event_once_back(
 def test_410_disables_the_url_for_the_key(client: httpx.Client, hooks: Hooks) -> None:
     hooks.receiver.scripts["/gone"] = [410]
     first = submit(client, hooks, "/gone")
-    wait_until(lambda: deliveries(client, hooks, first)[0]["status"] == "disabled", "disabled", 30)
+    wait_until(lambda: delivery(client, hooks, first, 0)["status"] == "disabled", "disabled", 30)
     second = submit(client, hooks, "/gone")
-    wait_until(lambda: deliveries(client, hooks, second)[0]["status"] == "disabled", "second disabled", 30)
+    wait_until(lambda: delivery(client, hooks, second, 0)["status"] == "disabled", "second disabled", 30)
     assert deliveries(client, hooks, second)[0]["attempts"] == []
     assert len(hooks.receiver.at("/gone")) == 1
     # A retry enables the URL again.
     hooks.receiver.scripts["/gone"] = [200]
     response = client.post(f"{hooks.api.url}/v1/jobs/{second}/webhooks/whd_1/retry")
     assert response.status_code == 200, response.text
-    wait_until(lambda: deliveries(client, hooks, second)[-1]["status"] == "delivered", "redelivered", 30)
+    wait_until(lambda: delivery(client, hooks, second, -1)["status"] == "delivered", "redelivered", 30)
     assert deliveries(client, hooks, second)[-1]["retry_of"] == "whd_1"
 
 
@@ -271,11 +281,70 @@ def test_private_destinations_are_refused(client: httpx.Client, hooks: Hooks) ->
     assert response.status_code == 400, response.text
 
 
+def test_the_address_is_checked_again_at_connect(client: httpx.Client, hooks: Hooks) -> None:
+    url = f"http://127.0.0.2:{hooks.receiver.port}/rebound"  # the API's allow-list has it, the workers' not
+    response = client.post(f"{hooks.api.url}/v1/jobs", json={"prompt": "x", "max_tokens": 2, "webhook": url})
+    assert response.status_code == 202, response.text
+    job_id = response.json()["id"]
+    wait_until(lambda: len(delivery(client, hooks, job_id)["attempts"]) >= 2, "two attempts", 30)
+    errors = {a["error"] for a in deliveries(client, hooks, job_id)[0]["attempts"]}
+    assert all("127.0.0.2" in e and "loopback" in e for e in errors), errors
+    assert hooks.receiver.at("/rebound") == []
+
+
+def test_parts_send_their_status_changes_in_order(client: httpx.Client, hooks: Hooks) -> None:
+    parts = [
+        {"type": "text", "prompt": "a", "max_tokens": 2},
+        {"type": "text", "prompt": "b", "max_tokens": 2},
+    ]
+    body = {"parts": parts, "webhook": hooks.receiver.url("/parts"), "webhook_events": ["part", "completed"]}
+    response = client.post(f"{hooks.api.url}/v1/jobs", json=body)
+    assert response.status_code == 202, response.text
+    job_id = response.json()["id"]
+    wait_until(
+        lambda: any(r.event["type"] == "job.completed" for r in of_job(hooks.receiver.at("/parts"), job_id)),
+        "job.completed",
+        30,
+    )
+    events = [r.event for r in of_job(hooks.receiver.at("/parts"), job_id)]
+    # Each part: running, then succeeded; data.part says which.
+    assert [e["type"] for e in events] == ["job.part"] * 4 + ["job.completed"]
+    assert sorted(e["data"]["part"] for e in events[:4]) == [0, 0, 1, 1]
+    assert events[-1]["data"]["status"] == "succeeded"
+    assert [int(e["id"].rsplit("_", 1)[1]) for e in events] == [1, 2, 3, 4, 5]  # in the order recorded
+
+
+def test_spool_generate_and_batch_take_a_webhook(hooks: Hooks, tmp_path: Path) -> None:
+    run = [
+        SPOOL,
+        "generate",
+        "hi",
+        "--max-tokens",
+        "2",
+        "--url",
+        hooks.api.url,
+        "--webhook",
+        hooks.receiver.url("/cli"),
+    ]
+    result = subprocess.run(run, capture_output=True, text=True, timeout=120, check=False)
+    assert result.returncode == 0, result.stderr
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps({"prompt": "hi", "max_tokens": 2}) + "\n")
+    run = [SPOOL, "batch", str(src), "--url", hooks.api.url, "--webhook", hooks.receiver.url("/cli")]
+    result = subprocess.run(run, capture_output=True, text=True, timeout=120, check=False)
+    assert result.returncode == 0, result.stderr
+    wait_until(
+        lambda: {r.event["type"] for r in hooks.receiver.at("/cli")} == {"job.completed", "batch.completed"},
+        "the CLI's webhooks",
+        30,
+    )
+
+
 def test_a_redirect_is_not_followed(client: httpx.Client, hooks: Hooks) -> None:
     hooks.receiver.scripts["/redirect"] = [302]
     before = len(hooks.receiver.at("/ok"))
     job_id = submit(client, hooks, "/redirect")
-    wait_until(lambda: len(deliveries(client, hooks, job_id)[0]["attempts"]) >= 2, "two attempts", 30)
+    wait_until(lambda: len(delivery(client, hooks, job_id)["attempts"]) >= 2, "two attempts", 30)
     assert {a["status_code"] for a in deliveries(client, hooks, job_id)[0]["attempts"]} == {302}
     assert deliveries(client, hooks, job_id)[0]["status"] == "pending"
     assert len(hooks.receiver.at("/ok")) == before
@@ -326,7 +395,7 @@ def test_a_batch_sends_batch_completed(client: httpx.Client, hooks: Hooks) -> No
 
 
 def test_many_jobs_every_completed_delivered(client: httpx.Client, hooks: Hooks) -> None:
-    ids = {submit(client, hooks, "/many", max_tokens=2) for _ in range(200)}
+    ids = {submit(client, hooks, "/many", max_tokens=2) for _ in range(500)}
 
     def delivered() -> set[str]:
         return {r.event["data"]["id"] for r in hooks.receiver.at("/many")}
@@ -359,7 +428,7 @@ def test_sigkill_of_the_delivering_worker_loses_nothing(client: httpx.Client, ho
     hooks.receiver.hold.set()  # the next attempt is answered
     hooks.workers.append(hooks.start_hook_worker("h3"))
     wait_until(
-        lambda: deliveries(client, hooks, job_id)[0]["status"] == "delivered", "delivered after the kill", 60
+        lambda: delivery(client, hooks, job_id, 0)["status"] == "delivered", "delivered after the kill", 60
     )
     held = hooks.receiver.at("/hold")
     assert {h.headers["webhook-id"] for h in held} == {held[0].headers["webhook-id"]}
