@@ -14,6 +14,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from common.keys import Keys
+from common.webhooks import check_secret
 
 DEFAULT_MAX_TOKENS = 128  # a request's max_tokens when it gives none (SPOOL_DEFAULT_MAX_TOKENS)
 
@@ -143,6 +144,13 @@ class Settings(BaseSettings):
     def _device(cls, v: str) -> str:
         if v != "cpu" and v != "mps" and not (v == "cuda" or v.startswith("cuda:")):
             raise ValueError("must be cpu, cuda, cuda:N or mps")
+        return v
+
+    @field_validator("webhook_secret")
+    @classmethod
+    def _webhook_secret(cls, v: str) -> str:
+        for secret in (s.strip() for s in v.split(",") if v):
+            check_secret(secret)  # ValueError: named with the variable
         return v
 
     @field_validator("api_keys")

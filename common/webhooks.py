@@ -15,15 +15,14 @@ import random
 import socket
 import time
 from collections.abc import Iterable, Sequence
-from typing import Any, Literal, get_args
+from typing import Any
 from urllib.parse import urlsplit
 
 # What a request's ``webhook_events`` may name, and the event type each becomes on a job.
 JOB_EVENTS = {"start": "job.started", "part": "job.part", "completed": "job.completed"}
 DEFAULT_EVENTS = ("completed",)
 # A batch's ends (batch.completed, batch.failed, ...): every one by default.
-BatchEvent = Literal["completed", "failed", "cancelled", "expired"]
-BATCH_EVENTS: tuple[str, ...] = get_args(BatchEvent)
+BATCH_EVENTS = ("completed", "failed", "cancelled", "expired")
 MAX_URL_CHARS = 2048
 SECRET_PREFIX = "whsec_"
 SECRET_BYTES = 32

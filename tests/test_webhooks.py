@@ -11,6 +11,7 @@ import subprocess
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from functools import partial
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -127,24 +128,35 @@ def hooks(prefixes: Prefixes, tiny_model: Path, log_dir: Path) -> Iterator[Hooks
     server = serve(receiver)
     r = redis.Redis.from_url(REDIS_URL)
 
-    def start_hook_worker(name: str) -> Service:
+    def launch(name: str) -> Service:
         named = {"worker_name": f"{prefix}-{name}", "webhook_allow_hosts": "127.0.0.1"}
         env = spool_env(prefix, heartbeat_s=0.5, **named, **HOOK_SETTINGS)
-        worker = start(f"hooks-{prefix}-{name}", [SPOOL, "worker", "--kind", "hooks"], env, log_dir)
-        wait_until(
-            lambda: any(b.get("pid") == worker.proc.pid for b in heartbeats(r, Keys(prefix))),
-            f"{worker.name} heartbeat",
-            START_TIMEOUT_S,
-            (worker,),
-        )
+        return start(f"hooks-{prefix}-{name}", [SPOOL, "worker", "--kind", "hooks"], env, log_dir)
+
+    def beats(pid: int) -> bool:
+        return any(b.get("pid") == pid for b in heartbeats(r, Keys(prefix)))
+
+    def beating(*workers: Service) -> None:
+        for worker in workers:
+            wait_until(
+                partial(beats, worker.proc.pid),
+                f"{worker.name} heartbeat",
+                START_TIMEOUT_S,
+                (worker,),
+            )
+
+    def start_hook_worker(name: str) -> Service:
+        worker = launch(name)
+        beating(worker)
         return worker
 
+    workers = [launch("h1"), launch("h2")]  # they start while the text worker loads its model
     text = start_worker(prefix, tiny_model, log_dir, max_batch_size=32)
     # The API also lets 127.0.0.2 through, which the hook workers refuse when they connect.
     api = start_api(
         prefix, log_dir, batch_feed_s=0.1, webhook_allow_hosts="127.0.0.1,127.0.0.2", **HOOK_SETTINGS
     )
-    workers = [start_hook_worker("h1"), start_hook_worker("h2")]
+    beating(*workers)
     yield Hooks(prefix, api, workers, receiver, start_hook_worker)
     for s in [api, *workers, text]:
         s.stop()
@@ -374,14 +386,17 @@ def test_a_batch_sends_batch_completed(client: httpx.Client, hooks: Hooks) -> No
     f = client.post(
         f"{hooks.api.url}/v1/files", files={"file": ("in.jsonl", content)}, data={"purpose": "batch"}
     ).json()
+    batch = {"input_file_id": f["id"], "endpoint": "/v1/completions", "completion_window": "24h"}
+    for bad in (
+        {"webhook": f"http://localhost:{hooks.receiver.port}/"},
+        {"webhook": hooks.receiver.url("/batch"), "webhook_events": ["started"]},
+        {"webhook_events": ["completed"]},
+    ):
+        response = client.post(f"{hooks.api.url}/v1/batches", json={**batch, **bad})
+        assert response.status_code == 400, (bad, response.text)
+        assert response.json()["error"]["code"] == "invalid_webhook"
     created = client.post(
-        f"{hooks.api.url}/v1/batches",
-        json={
-            "input_file_id": f["id"],
-            "endpoint": "/v1/completions",
-            "completion_window": "24h",
-            "webhook": hooks.receiver.url("/batch"),
-        },
+        f"{hooks.api.url}/v1/batches", json={**batch, "webhook": hooks.receiver.url("/batch")}
     )
     assert created.status_code == 200, created.text
     batch_id = created.json()["id"]

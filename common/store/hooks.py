@@ -29,6 +29,7 @@ from common.webhooks import BATCH_EVENTS, DEFAULT_EVENTS, check_secret, new_secr
 # Shared by every script that records an event (common/store/lua.py).
 # hook_event(obj, event, type, now, part): obj is the object's hash; event the name its webhook's
 # events filter on; part the part's index for a part's event (or nil).
+# NOTE: it writes keys named in the object's hash, not in KEYS (as PARTS_LIB does with part_keys).
 HOOK_LIB = """
 local function hook_event(obj, event, kind, now, part)
   local raw = redis.call('HGET', obj, 'hook')
