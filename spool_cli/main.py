@@ -283,14 +283,15 @@ def parser() -> argparse.ArgumentParser:
     p = _command(
         sub,
         "up",
-        "run a worker and the API together (laptop); finds or starts a Redis",
+        "run the workers (text, media, hooks) and the API together (laptop); finds or starts a Redis",
         "Uses SPOOL_REDIS_URL if set, else a Redis on localhost:6379, else starts redis-server (no "
         "persistence) on a free port. Ctrl-C or SIGTERM stops everything (status 0). If a child "
         "exits (a worker whose model does not load, an API killed), spool up names it with its "
         "exit status, stops the others and exits 1; it restarts nothing. The workers get "
         "SPOOL_TORCH_THREADS=<CPUs minus one> unless it is set, leaving a core to the API and Redis; "
         "the media worker gets SPOOL_IMAGE_NICE=10 unless it is set, and with "
-        "SPOOL_WORKER_METRICS_PORT set, the port after the text worker's.",
+        "SPOOL_WORKER_METRICS_PORT set, the port after the text worker's (the hook worker, which "
+        "delivers webhooks, the one after that).",
         "Settings: all of the worker's and the API's (spool worker --help, spool api --help).",
         "SPOOL_PORT=8001 spool up",
     )
