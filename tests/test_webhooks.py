@@ -21,11 +21,7 @@ import openai
 import pytest
 import redis
 import standardwebhooks
-
-from common.keys import Keys
-from common.webhooks import new_secret
-from spool_cli.procs import free_port
-from tests.procs import (
+from procs import (
     REDIS_URL,
     SPOOL,
     START_TIMEOUT_S,
@@ -38,6 +34,11 @@ from tests.procs import (
     start_worker,
     wait_until,
 )
+from prom import scrape
+
+from common.keys import Keys
+from common.webhooks import new_secret
+from spool_cli.procs import free_port
 
 SECRET, OLD_SECRET = new_secret(), new_secret()
 HOOK_SETTINGS = {
@@ -115,6 +116,7 @@ class Hooks:
     workers: list[Service]
     receiver: Receiver
     start_hook_worker: Callable[[str], Service]
+    metrics_url: str  # the first hook worker's
 
     @property
     def keys(self) -> Keys:
@@ -123,14 +125,14 @@ class Hooks:
 
 @pytest.fixture(scope="module")
 def hooks(prefixes: Prefixes, tiny_model: Path, log_dir: Path) -> Iterator[Hooks]:
-    prefix = prefixes.new()
+    prefix, metrics_port = prefixes.new(), free_port()
     receiver = Receiver(free_port())
     server = serve(receiver)
     r = redis.Redis.from_url(REDIS_URL)
 
-    def launch(name: str) -> Service:
+    def launch(name: str, **settings: object) -> Service:
         named = {"worker_name": f"{prefix}-{name}", "webhook_allow_hosts": "127.0.0.1"}
-        env = spool_env(prefix, heartbeat_s=0.5, **named, **HOOK_SETTINGS)
+        env = spool_env(prefix, heartbeat_s=0.5, **named, **HOOK_SETTINGS, **settings)
         return start(f"hooks-{prefix}-{name}", [SPOOL, "worker", "--kind", "hooks"], env, log_dir)
 
     def beats(pid: int) -> bool:
@@ -150,14 +152,15 @@ def hooks(prefixes: Prefixes, tiny_model: Path, log_dir: Path) -> Iterator[Hooks
         beating(worker)
         return worker
 
-    workers = [launch("h1"), launch("h2")]  # they start while the text worker loads its model
+    # They start while the text worker loads its model.
+    workers = [launch("h1", worker_metrics_port=metrics_port), launch("h2")]
     text = start_worker(prefix, tiny_model, log_dir, max_batch_size=32)
     # The API also lets 127.0.0.2 through, which the hook workers refuse when they connect.
     api = start_api(
         prefix, log_dir, batch_feed_s=0.1, webhook_allow_hosts="127.0.0.1,127.0.0.2", **HOOK_SETTINGS
     )
     beating(*workers)
-    yield Hooks(prefix, api, workers, receiver, start_hook_worker)
+    yield Hooks(prefix, api, workers, receiver, start_hook_worker, f"http://127.0.0.1:{metrics_port}/metrics")
     for s in [api, *workers, text]:
         s.stop()
     server.shutdown()
@@ -420,6 +423,11 @@ def test_many_jobs_every_completed_delivered(client: httpx.Client, hooks: Hooks)
     for r in hooks.receiver.at("/many"):
         by_id.setdefault(r.event["data"]["id"], set()).add(r.headers["webhook-id"])
     assert all(len(events) == 1 for events in by_id.values())  # one event per job (retries share its id)
+    worker = scrape(hooks.metrics_url)
+    assert worker[("spool_webhook_deliveries_total", frozenset({("outcome", "delivered")}))] > 0
+    assert worker[("spool_webhook_attempt_seconds_count", frozenset())] > 0
+    api = scrape(f"{hooks.api.url}/metrics")
+    assert ("spool_webhook_backlog", frozenset()) in api
 
 
 def test_sigkill_of_the_delivering_worker_loses_nothing(client: httpx.Client, hooks: Hooks) -> None:
