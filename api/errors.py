@@ -21,6 +21,7 @@ from common.schemas import (
     INVALID_GUIDED,
     INVALID_PART,
     INVALID_SCHEMA,
+    INVALID_WEBHOOK,
     LIMIT_EXCEEDED,
     OUT_OF_RANGE,
     TOO_DEEP,
@@ -127,7 +128,7 @@ def validation_error(exc: RequestValidationError) -> ApiError:
     # is not one, as OpenAI answers them: 400, with the numbers or what is wrong. A job's parts
     # that do not fit (an unknown type, prompt_from forward, a bad size): 400 too.
     bad_parts = first["type"] == INVALID_PART or first["loc"][1:2] == ("parts",)
-    refused = (LIMIT_EXCEEDED, OUT_OF_RANGE, INVALID_SCHEMA, INVALID_GUIDED, TOO_DEEP)
+    refused = (LIMIT_EXCEEDED, OUT_OF_RANGE, INVALID_SCHEMA, INVALID_GUIDED, TOO_DEEP, INVALID_WEBHOOK)
     status = 400 if first["type"] in refused or bad_parts else 422
     return ApiError(status, message, param=_location(first["loc"]), code=str(first["type"]))
 

@@ -158,6 +158,11 @@ class Metrics:
         for state in BATCH_LINE_STATES:
             self.batch_lines.labels(state)
         self.workers = Gauge("spool_workers", "Workers with a live heartbeat", registry=self.registry)
+        self.webhook_backlog = Gauge(
+            "spool_webhook_backlog",
+            "Jobs and batches with a webhook delivery pending",
+            registry=self.registry,
+        )
         Gauge("spool_sse_streams", "Open SSE streams", registry=self.registry).set_function(
             lambda: hub.open_streams
         )

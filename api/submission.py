@@ -21,6 +21,7 @@ from api.services import Services
 from api.sse import AsyncRender, Chunk, Render, event_stream, relay, rendered
 from common.schemas import Job, JobRequest, LogEntry
 from common.store import IdempotencyConflict, QueueFull
+from common.webhooks import BadDestination, check_destination
 
 RETRY_AFTER_S = 2  # a full queue drains at the workers' pace; retrying sooner only adds load
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for it; logged, never received
@@ -30,6 +31,8 @@ RECANCEL_S = 0.05  # a task that did not end this long after its cancel is cance
 async def submit_job(services: Services, body: JobRequest, idempotency_key: str | None = None) -> Job:
     """Store the job with its Celery message, in one script (429 when the queue is full)."""
     metrics = services.metrics
+    if body.webhook is not None:
+        await check_webhook(services, body.webhook)
     try:
         job = await services.store.create_job(
             body, current_owner(), services.enqueuer.generate, idempotency_key, services.enqueuer.media
@@ -40,6 +43,16 @@ async def submit_job(services: Services, body: JobRequest, idempotency_key: str 
         raise ApiError(409, str(e), param="Idempotency-Key", code="idempotency_key_reused") from None
     metrics.jobs_submitted.inc()
     return job
+
+
+async def check_webhook(services: Services, url: str) -> None:
+    """400 for a webhook URL whose host does not resolve, or resolves to an address refused
+    (loopback, private, link-local, multicast) without SPOOL_WEBHOOK_ALLOW_PRIVATE."""
+    settings = services.settings
+    try:
+        await check_destination(url, settings.webhook_allow_private, settings.webhook_allow_host_set)
+    except BadDestination as e:
+        raise ApiError(400, str(e), param="webhook", code="invalid_webhook") from None
 
 
 async def cancel_until_done(tasks: Sequence[asyncio.Future[None]]) -> None:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 GENERATE_TASK = "spool.generate"  # the Celery task a job's message names; the API sends it by name
 MEDIA_TASK = "spool.media"  # the media workers' task: one image part, by its part id
+HOOK_TASK = "spool.hook"  # the hook workers' task: deliver an object's due webhooks, by its hooks key
 PART_SEP = ":part:"  # a part's id is "{job id}:part:{index}" (not a valid job id in a URL)
 
 # Celery message priorities. On Redis, kombu keeps one list per priority step, "{queue}" for 0
@@ -226,6 +227,30 @@ class Keys:
     def queue_media(self) -> str:
         """Celery queue for non-text parts."""
         return f"{self.prefix}.media"
+
+    @property
+    def queue_hooks(self) -> str:
+        """Celery queue for webhook deliveries (``spool worker --kind hooks``)."""
+        return f"{self.prefix}.hooks"
+
+    def hooks(self, kind: str, object_id: str) -> str:
+        """Hash: an object's webhook deliveries (``kind`` job or batch): its events in order
+        (``d{n}``: the delivery's record as JSON, ``b{n}``: its body once rendered), ``events``
+        (how many), ``head`` (the last one finished) and the delivering worker's ``lock``."""
+        return f"{self.prefix}:hooks:{kind}:{object_id}"
+
+    def hooks_due(self) -> str:
+        """Sorted set of ``hooks`` keys with a delivery due (score: when, unix s); the hook
+        workers' sweep sends a message for each one due (common/store/hooks.py)."""
+        return f"{self.prefix}:hooks:due"
+
+    def hooks_disabled(self, owner: str) -> str:
+        """Set of the webhook URLs an owner's receiver disabled (answered 410)."""
+        return f"{self.prefix}:hooks:disabled:{owner or 'anonymous'}"
+
+    def hooks_secret(self) -> str:
+        """String: the webhook signing secret generated when SPOOL_WEBHOOK_SECRET is unset."""
+        return f"{self.prefix}:hooks:secret"
 
 
 def part_id(job_id: str, index: int) -> str:

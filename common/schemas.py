@@ -27,6 +27,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from common.settings import DEFAULT_MAX_TOKENS, Settings
+from common.webhooks import check_events, check_url_form
 
 MAX_STOP_STRINGS = 4
 # Integer fields are StrictInt: lax ints took `"steps": true` as 1 (and "5" as 5).
@@ -46,6 +47,7 @@ _RANGES: dict[str, tuple[float, float]] = {
     "min_tokens": (0, math.inf),
 }
 INVALID_PART = "invalid_part"  # validation error type of a job's parts that do not fit together (400)
+INVALID_WEBHOOK = "invalid_webhook"  # a webhook URL or webhook_events that cannot be one (400)
 INVALID_GUIDED = "invalid_guided_decoding"  # a guided_regex / guided_choice that cannot be one (400)
 # Objects and arrays a request may nest, counted from its body. NOTE: the schema check (jsonschema)
 # recurses through up to 8 frames a level: 100 levels of response_format raised RecursionError.
@@ -497,6 +499,31 @@ class JobRequest(TextParams):
     parts: list[Part] | None = Field(None, min_length=1)
     # Choices: n sequences of the prompt in the batch, one job (docs/internals.md, "Choices").
     n: StrictInt = 1
+    # Where to POST the job's events (docs/webhooks.md), and which: start, part, completed.
+    webhook: str | None = None
+    webhook_events: list[str] | None = None
+
+    @field_validator("webhook")
+    @classmethod
+    def _webhook(cls, v: str | None) -> str | None:
+        try:
+            return v if v is None else check_url_form(v)
+        except ValueError as e:
+            raise PydanticCustomError(INVALID_WEBHOOK, "{why}", {"why": str(e)}) from None
+
+    @field_validator("webhook_events")
+    @classmethod
+    def _webhook_events(cls, v: list[str] | None) -> list[str] | None:
+        try:
+            return v if v is None else check_events(v)
+        except ValueError as e:
+            raise PydanticCustomError(INVALID_WEBHOOK, "{why}", {"why": str(e)}) from None
+
+    @model_validator(mode="after")
+    def _events_need_webhook(self) -> JobRequest:
+        if self.webhook_events is not None and self.webhook is None:
+            raise PydanticCustomError(INVALID_WEBHOOK, "webhook_events needs a webhook", {})
+        return self
 
     @field_validator("n")
     @classmethod
@@ -743,7 +770,8 @@ class WorkerHeartbeat(BaseModel):
     ts: float  # unix seconds of the last beat
     engine: dict[str, Any]  # engine.stats(): running, waiting, peak_batch_size, ...
     model: str
-    kind: Literal["text", "media"] = "text"  # the jobs it runs: text (the {p}.llm queue) or image parts
+    # The jobs it runs: text (the {p}.llm queue), image parts, or webhook deliveries ({p}.hooks)
+    kind: Literal["text", "media", "hooks"] = "text"
     chat_template: bool | None = None  # the tokenizer has one (messages can be rendered); None: not said
     max_model_len: int | None = None  # prompt + generated tokens per request
     tokenizer: str | None = None  # digest of its tokenizer spec in Redis (Keys.tokenizer); None: none stored

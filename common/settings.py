@@ -14,6 +14,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from common.keys import Keys
+from common.webhooks import check_secret
 
 DEFAULT_MAX_TOKENS = 128  # a request's max_tokens when it gives none (SPOOL_DEFAULT_MAX_TOKENS)
 
@@ -116,6 +117,21 @@ class Settings(BaseSettings):
     # Each worker process serves its Prometheus metrics on this port (workers/metrics.py); unset: none.
     worker_metrics_port: int | None = Field(None, ge=1, le=65535)
 
+    # Webhooks (docs/webhooks.md): signing, destinations, delivery by `spool worker --kind hooks`
+    # Comma-separated whsec_ secrets, the first current (every one signs, for a rotation); unset:
+    # one generated and kept in Redis. With API keys, each key signs with its own derived from them.
+    webhook_secret: str = ""
+    # Destinations that resolve to loopback, private, link-local or multicast addresses are
+    # refused unless this is on, or their host is in webhook_allow_hosts (comma-separated).
+    webhook_allow_private: bool = False
+    webhook_allow_hosts: str = ""
+    webhook_timeout_s: float = Field(10.0, gt=0)  # one attempt, connect to the answer's end
+    webhook_backoff_s: float = Field(2.0, gt=0)  # the first retry's delay; doubled each time, jittered
+    webhook_horizon_s: float = Field(24 * 3600.0, gt=0)  # retried until this long after the event
+    webhook_max_bytes: int = Field(256 * 1024, ge=1024)  # a larger job is sent without its text
+    webhook_max_per_host: int = Field(4, ge=1)  # deliveries in flight to one host, per hook worker
+    webhook_sweep_s: float = Field(0.5, gt=0)  # how often a hook worker looks for due deliveries
+
     # API process
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
@@ -134,6 +150,13 @@ class Settings(BaseSettings):
     def _device(cls, v: str) -> str:
         if v != "cpu" and v != "mps" and not (v == "cuda" or v.startswith("cuda:")):
             raise ValueError("must be cpu, cuda, cuda:N or mps")
+        return v
+
+    @field_validator("webhook_secret")
+    @classmethod
+    def _webhook_secret(cls, v: str) -> str:
+        for secret in (s.strip() for s in v.split(",") if v):
+            check_secret(secret)  # ValueError: named with the variable
         return v
 
     @field_validator("api_keys")
@@ -165,6 +188,10 @@ class Settings(BaseSettings):
     @property
     def cors_origin_list(self) -> list[str]:
         return [o.strip() for o in self.cors_origins.split(",") if o.strip()]
+
+    @property
+    def webhook_allow_host_set(self) -> frozenset[str]:
+        return frozenset(h.strip().lower() for h in self.webhook_allow_hosts.split(",") if h.strip())
 
     @property
     def api_key_set(self) -> frozenset[str]:

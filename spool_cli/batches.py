@@ -59,7 +59,7 @@ def batch_lines(rows: list[dict[str, Any]], out: IO[str]) -> str:
     return endpoints.pop()
 
 
-def submit(api: Api, file: Path) -> dict[str, Any]:
+def submit(api: Api, file: Path, webhook: str | None = None) -> dict[str, Any]:
     """Upload ``file`` as batch lines (each checked first: a bad one submits nothing) and create its batch."""
     rows = read_batch(file)
     with tempfile.TemporaryFile("w+") as lines:
@@ -68,6 +68,8 @@ def submit(api: Api, file: Path) -> dict[str, Any]:
         files = {"file": (file.name, lines.buffer)}
         uploaded = _check(_call(api, "POST", "/v1/files", data={"purpose": "batch"}, files=files))
     body = {"input_file_id": uploaded["id"], "endpoint": endpoint, "completion_window": "24h"}
+    if webhook is not None:
+        body["webhook"] = webhook
     return _check(_call(api, "POST", "/v1/batches", json=body))
 
 
@@ -136,11 +138,12 @@ def run(
     out: Path | None,
     errors: Path | None,
     api_key: str | None,
+    webhook: str | None = None,
 ) -> int:
     """``spool batch``: 0 when every line succeeded, 1 when some failed or the batch did not complete."""
     with Api(url, api_key) as api:
         try:
-            batch_id = submit(api, file)["id"] if file is not None else str(resume)
+            batch_id = submit(api, file, webhook)["id"] if file is not None else str(resume)
             # The results go beside the input (or beside --out), never loose in the working directory.
             named = file if file is not None else out
             stem = str(named.with_suffix("")).removesuffix(".output") if named is not None else batch_id

@@ -54,6 +54,10 @@ def cmd_worker(args: argparse.Namespace) -> int:
         from workers.media.tasks import app  # loads torch and diffusers: only here
 
         concurrency, queue = 1, settings.keys.queue_media
+    elif args.kind == "hooks":
+        from workers.hooks.tasks import HOOK_TASK_THREADS, app  # no torch
+
+        concurrency, queue = HOOK_TASK_THREADS, settings.keys.queue_hooks
     else:
         from workers.celery_app import app, worker_concurrency  # loads torch: only here
 
@@ -137,6 +141,7 @@ def job_body(args: argparse.Namespace) -> dict[str, Any]:
         "top_k": args.top_k,
         "seed": args.seed,
         "stop": stop,
+        "webhook": args.webhook,
     }
     return {**text, **{k: v for k, v in options.items() if v is not None}}
 
@@ -153,7 +158,12 @@ def cmd_batch(args: argparse.Namespace) -> int:
     if (args.file is None) == (args.resume is None):
         print("spool batch: give a FILE or --resume BATCH_ID", file=sys.stderr)
         return SETTINGS_EXIT
-    return run(args.url or default_url(), args.file, args.resume, args.out, args.errors, api_key(args))
+    if args.webhook is not None and args.file is None:
+        print("spool batch: --webhook is given at the batch's creation (with a FILE)", file=sys.stderr)
+        return SETTINGS_EXIT
+    return run(
+        args.url or default_url(), args.file, args.resume, args.out, args.errors, api_key(args), args.webhook
+    )
 
 
 def cmd_batches(args: argparse.Namespace) -> int:
@@ -257,7 +267,8 @@ def parser() -> argparse.ArgumentParser:
         "or its name is held by a live worker, 2 on a Redis whose maxmemory-policy evicts keys). "
         "--kind media runs image parts instead, on one diffusers pipeline (SPOOL_IMAGE_MODEL), "
         "one image at a time, from the {prefix}.media queue (it exits 70 too when a denoising step "
-        "stalls).",
+        "stalls). --kind hooks delivers webhooks from the {prefix}.hooks queue (no model, no torch; "
+        "docs/webhooks.md).",
         "Settings: SPOOL_REDIS_URL, SPOOL_REDIS_PREFIX, SPOOL_MODEL, SPOOL_DEVICE, SPOOL_DTYPE, the "
         "engine's (SPOOL_MAX_BATCH_SIZE, SPOOL_MAX_MODEL_LEN, ...) and the liveness ones "
         "(SPOOL_HEARTBEAT_S, SPOOL_LEASE_S, SPOOL_WORKER_NAME, ...); with --kind media "
@@ -266,7 +277,10 @@ def parser() -> argparse.ArgumentParser:
         "SPOOL_MODEL=Qwen/Qwen2.5-0.5B-Instruct SPOOL_DEVICE=cuda spool worker",
     )
     p.add_argument(
-        "--kind", choices=["text", "media"], default="text", help="the jobs it runs (default: text)"
+        "--kind",
+        choices=["text", "media", "hooks"],
+        default="text",
+        help="the jobs it runs (default: text); hooks: webhook deliveries",
     )
     p.set_defaults(func=cmd_worker)
 
@@ -291,14 +305,15 @@ def parser() -> argparse.ArgumentParser:
     p = _command(
         sub,
         "up",
-        "run a worker and the API together (laptop); finds or starts a Redis",
+        "run the workers (text, media, hooks) and the API together (laptop); finds or starts a Redis",
         "Uses SPOOL_REDIS_URL if set, else a Redis on localhost:6379, else starts redis-server (no "
         "persistence) on a free port. Ctrl-C or SIGTERM stops everything (status 0). If a child "
         "exits (a worker whose model does not load, an API killed), spool up names it with its "
         "exit status, stops the others and exits 1; it restarts nothing. The workers get "
         "SPOOL_TORCH_THREADS=<CPUs minus one> unless it is set, leaving a core to the API and Redis; "
         "the media worker gets SPOOL_IMAGE_NICE=10 unless it is set, and with "
-        "SPOOL_WORKER_METRICS_PORT set, the port after the text worker's.",
+        "SPOOL_WORKER_METRICS_PORT set, the port after the text worker's (the hook worker, which "
+        "delivers webhooks, the one after that).",
         "Settings: all of the worker's and the API's (spool worker --help, spool api --help).",
         "SPOOL_PORT=8001 spool up",
     )
@@ -327,6 +342,9 @@ def parser() -> argparse.ArgumentParser:
         "--chat", action="store_true", help="send the prompt as a user message (the chat template)"
     )
     p.add_argument("--system", help="a system message before the prompt (implies --chat)")
+    p.add_argument(
+        "--webhook", metavar="URL", help="POST the job's job.completed event there (docs/webhooks.md)"
+    )
     _client_options(p)
     p.set_defaults(func=cmd_generate)
 
@@ -355,6 +373,11 @@ def parser() -> argparse.ArgumentParser:
         "--errors",
         type=Path,
         help="error lines (default: beside FILE, or --out, as NAME.errors.jsonl; BATCH_ID's)",
+    )
+    p.add_argument(
+        "--webhook",
+        metavar="URL",
+        help="POST the batch's end (batch.completed, ...) there (docs/webhooks.md)",
     )
     _client_options(p)
     p.set_defaults(func=cmd_batch)

@@ -1,5 +1,5 @@
-"""``spool up``: a text worker, a media worker and the API as child processes, on a Redis found
-or started here.
+"""``spool up``: a text worker, a media worker, a hook worker (webhooks) and the API as child
+processes, on a Redis found or started here.
 
 It runs until Ctrl-C or SIGTERM (the children are stopped; status 0) or until a child exits:
 that one is named with its exit status, the others are stopped, and ``spool up`` exits 1. It
@@ -7,7 +7,8 @@ restarts nothing: a supervisor (systemd, Docker's restart policy) restarts ``spo
 The workers run torch on the CPUs minus one (``SPOOL_TORCH_THREADS``, unless set): the API and
 Redis share the machine. The media worker runs at niceness 10 (``SPOOL_IMAGE_NICE``, unless set),
 so that an image part's denoising delays no text part's first token (docs/benchmarks.md), and
-with ``SPOOL_WORKER_METRICS_PORT`` set it serves its metrics on the port after the text worker's.
+with ``SPOOL_WORKER_METRICS_PORT`` set it serves its metrics on the port after the text worker's
+(the hook worker on the one after that).
 """
 
 from __future__ import annotations
@@ -75,6 +76,10 @@ def up() -> int:
         if env.get("SPOOL_WORKER_METRICS_PORT"):  # one port per process: the media worker's is the next
             media_env["SPOOL_WORKER_METRICS_PORT"] = str(int(env["SPOOL_WORKER_METRICS_PORT"]) + 1)
         children.append(harness.start("media worker", [*spool, "worker", "--kind", "media"], env=media_env))
+        hooks_env = {**env, "SPOOL_WORKER_NAME": f"{named}-hooks"} if named else dict(env)
+        if env.get("SPOOL_WORKER_METRICS_PORT"):  # the hook worker's: the one after the media worker's
+            hooks_env["SPOOL_WORKER_METRICS_PORT"] = str(int(env["SPOOL_WORKER_METRICS_PORT"]) + 2)
+        children.append(harness.start("hook worker", [*spool, "worker", "--kind", "hooks"], env=hooks_env))
         children.append(harness.start("api", [*spool, "api"], env=env))
         say(", ".join(f"{p.name} (pid {p.pid})" for p in children) + " started")
         died = harness.wait_any(children if redis_server is None else [*children, redis_server])

@@ -220,8 +220,8 @@ def start_spool_up(name: str, env: dict[str, str], log_dir: Path) -> Service:
 
 
 def spool_up_children(up: Service) -> dict[str, int]:
-    """command -> pid of the ``spool worker``, ``spool worker --kind media`` (as "media worker")
-    and ``spool api`` children of ``spool up``."""
+    """command -> pid of the ``spool worker``, ``spool worker --kind media`` (as "media worker"),
+    ``spool worker --kind hooks`` (as "hook worker") and ``spool api`` children of ``spool up``."""
     found: dict[str, int] = {}
 
     def started() -> bool:
@@ -231,8 +231,9 @@ def spool_up_children(up: Service) -> dict[str, int]:
                 argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
                 if b"spool_cli.main" in argv:
                     command = argv[argv.index(b"spool_cli.main") + 1].decode()
-                    found["media worker" if b"media" in argv else command] = int(pid)
-        return {"worker", "media worker", "api"} <= set(found)
+                    kind = "media worker" if b"media" in argv else "hook worker" if b"hooks" in argv else None
+                    found[kind or command] = int(pid)
+        return {"worker", "media worker", "hook worker", "api"} <= set(found)
 
     wait_until(started, f"{up.name} to start its children", 60, (up,))
     return found

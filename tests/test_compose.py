@@ -42,11 +42,12 @@ def test_commands_are_spool_subcommands(services: dict[str, dict[str, Any]]) -> 
     spool_commands = {
         name: s["command"] for name, s in services.items() if s.get("command", [""])[0] == "spool"
     }
-    assert set(spool_commands) == {"api", "worker", "media-worker"}
+    assert set(spool_commands) == {"api", "worker", "media-worker", "hooks-worker"}
     for name, command in spool_commands.items():
         args = parser().parse_args(command[1:])  # exits (fails the test) on an unknown command or option
-        assert args.command == name.removeprefix("media-")
+        assert args.command == name.removeprefix("media-").removeprefix("hooks-")
     assert parser().parse_args(spool_commands["media-worker"][1:]).kind == "media"
+    assert parser().parse_args(spool_commands["hooks-worker"][1:]).kind == "hooks"
     assert parser().parse_args(spool_commands["api"][1:]).host == "0.0.0.0"  # reachable from outside
 
 

@@ -28,3 +28,15 @@ def test_routes_never_import_routes() -> None:
         imported = [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
         imported += [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
         assert not [m for m in imported if m.startswith("api.routes")], path.name
+
+
+def test_the_hook_worker_loads_no_torch() -> None:
+    code = (
+        "import sys, workers.hooks.tasks\n"
+        "banned = ('torch', 'transformers', 'diffusers', 'workers.engine')\n"
+        "print(' '.join(sorted(m for m in sys.modules if m.split('.')[0] in banned or m in banned)))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
+    )
+    assert result.stdout.strip() == ""

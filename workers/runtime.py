@@ -43,6 +43,7 @@ from workers.liveness import HeldJob, Liveness, too_many_attempts
 from workers.metrics import WorkerMetrics
 from workers.publisher import JobCursor, Publisher
 from workers.reaper import Requeue
+from workers.task_common import ModelLoadError
 from workers.tokenizer_spec import served_spec
 from workers.watchdog import Watchdog
 
@@ -59,10 +60,6 @@ class Outcome(str, enum.Enum):
     SKIPPED = "skipped"  # nothing to do: already finished, cancelled while queued, or unknown
     BUSY = "busy"  # another worker runs it under a live lease (a duplicate message)
     SHUTDOWN = "shutdown"  # the worker stopped first; the job's lease lapses and another takes it
-
-
-class ModelLoadError(RuntimeError):
-    """The worker's model did not load: it cannot serve, and must not take jobs."""
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,6 @@ from common.process import freeze_startup_objects
 from common.settings import Settings
 from common.store import SyncJobStore
 from workers.identity import NameHeld, claim_name, default_worker_name
-from workers.runtime import ModelLoadError
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +30,10 @@ TASK_OPTIONS: dict[str, Any] = {
 }
 
 Runtime = TypeVar("Runtime")
+
+
+class ModelLoadError(RuntimeError):
+    """The worker's model did not load: it cannot serve, and must not take jobs."""
 
 
 def claim(settings: Settings, name: str) -> None:

@@ -45,6 +45,8 @@ class ImageGenerationRequest(_Open):
     negative_prompt: str | None = None
     stream: bool | None = None
     partial_images: StrictInt | None = None  # previews while it streams, 0 to 3
+    webhook: str | None = None  # Spool's: where to POST the job's events (docs/webhooks.md)
+    webhook_events: list[str] | None = None
 
     def to_job_request(self, settings: Settings) -> JobRequest:
         extra = {k: v for k, v in (self.model_extra or {}).items() if v not in _NEUTRAL_IMAGE.get(k, ())}
@@ -63,7 +65,13 @@ class ImageGenerationRequest(_Open):
                 part[name] = value
         # Each image of n its own seed (one seed given: seed, seed + 1, ...), so they differ.
         parts = [{**part, "seed": part["seed"] + i} if "seed" in part else part for i in range(n)]
-        fields = {"parts": parts, "background": False, "user": self.user}
+        fields = {
+            "parts": parts,
+            "background": False,
+            "user": self.user,
+            "webhook": self.webhook,
+            "webhook_events": self.webhook_events,
+        }
         try:
             return JobRequest.accept({k: v for k, v in fields.items() if v is not None}, settings)
         except ValidationError as e:

@@ -94,6 +94,8 @@ class OpenAIRequest(_Open):
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
+    webhook: str | None = None  # Spool's: where to POST the job's events (docs/webhooks.md)
+    webhook_events: list[str] | None = None
 
     def prompt_fields(self) -> dict[str, Any]:
         raise NotImplementedError
@@ -149,6 +151,8 @@ class OpenAIRequest(_Open):
             "guided_regex": self.guided_regex,
             "guided_choice": self.guided_choice,
             "n": self.n,
+            "webhook": self.webhook,
+            "webhook_events": self.webhook_events,
         }
         try:
             return JobRequest.accept({k: v for k, v in fields.items() if v is not None}, settings)

@@ -18,8 +18,13 @@ from pydantic import BaseModel, ConfigDict, Field
 from api.auth import current_owner
 from api.deps import ServicesDep, owned_file
 from api.errors import ApiError
-from api.openai_compat.batches import COMPLETION_WINDOWS, ENDPOINTS, batch_object, page
+from api.openai_compat.batches import COMPLETION_WINDOWS, ENDPOINTS, page
+from api.services import Services
+from api.submission import check_webhook
 from common.store import AsyncBatchStore
+from common.store.hooks import hook_field
+from common.views import batch_object
+from common.webhooks import BATCH_EVENTS
 
 router = APIRouter(prefix="/v1/batches", tags=["batches"])
 
@@ -34,6 +39,9 @@ class BatchRequest(BaseModel):
     endpoint: str
     completion_window: str
     metadata: dict[str, Annotated[str, Field(max_length=512)]] | None = Field(None, max_length=MAX_METADATA)
+    # Spool's: where to POST the batch's end (docs/webhooks.md), and which ends (default: all).
+    webhook: str | None = None
+    webhook_events: list[str] | None = None
 
 
 def new_batch_id() -> str:
@@ -58,6 +66,7 @@ async def create_batch(body: BatchRequest, services: ServicesDep) -> dict[str, A
         raise ApiError(
             400, f"file {f['id']!r} has purpose {f['purpose']!r}, not 'batch'", param="input_file_id"
         )
+    await _check_webhook(services, body)
     now = time.time()
     fields = {
         "id": new_batch_id(),
@@ -72,8 +81,28 @@ async def create_batch(body: BatchRequest, services: ServicesDep) -> dict[str, A
         "completed": "0",
         "failed": "0",
     }
+    if body.webhook is not None:
+        settings, owner = services.settings, current_owner()
+        events = list(body.webhook_events or BATCH_EVENTS)
+        fields["hook"] = hook_field(
+            settings.keys, settings, "batch", fields["id"], body.webhook, events, owner
+        )
     await services.batches.create_batch(fields)
     return batch_object(fields)
+
+
+async def _check_webhook(services: Services, body: BatchRequest) -> None:
+    """400 for a bad webhook or events (as a job's: api/submission.py ``check_webhook``)."""
+    events = body.webhook_events
+    if events is not None and (body.webhook is None or not events or not set(events) <= set(BATCH_EVENTS)):
+        raise ApiError(
+            400,
+            f"webhook_events needs a webhook, and names some of {', '.join(BATCH_EVENTS)}",
+            param="webhook_events",
+            code="invalid_webhook",
+        )
+    if body.webhook is not None:
+        await check_webhook(services, body.webhook)
 
 
 async def _owned(store: AsyncBatchStore, batch_id: str) -> dict[str, str]:

@@ -7,6 +7,8 @@ holds that value, and the commit checks the line count too: a feeder frozen mid-
 over can write nothing after it wakes, and a file is committed whole or not at all.
 """
 
+from common.store.hooks import HOOK_LIB
+
 # KEYS: feeder key, fence counter. ARGV: this process's token, lease (ms).
 # Returns the fence the lease is held with, or 0 when another process holds it.
 CLAIM_FEEDER_LUA = """
@@ -86,7 +88,9 @@ return {redis.call('HLEN', owner_bytes), total}
 # ARGV: batch id, now, ttl, output file id, error file id, completed, failed, holder.
 # The batch's files are written: completed (or cancelled, expired, as it was ending), if the fence
 # holds ('fenced' if not). Once: a second assembly finds it ended and changes nothing.
-FINISH_LUA = """
+FINISH_LUA = (
+    HOOK_LIB
+    + """
 local batch, active, window, results, feeder = unpack(KEYS)
 if redis.call('GET', feeder) ~= ARGV[8] then return 'fenced' end
 local status = redis.call('HGET', batch, 'status')
@@ -99,14 +103,18 @@ redis.call('HSET', batch, 'status', final, 'output_file_id', ARGV[4], 'error_fil
 if final ~= 'expired' then redis.call('HSET', batch, final .. '_at', ARGV[2]) end
 redis.call('SREM', active, ARGV[1])
 for _, key in ipairs({batch, window, results}) do redis.call('EXPIRE', key, ARGV[3]) end
+hook_event(batch, final, 'batch.' .. final, ARGV[2])
 return final
 """
+)
 
 # KEYS: batch hash, active set, window hash, results hash.
 # ARGV: batch id, now, ttl, errors JSON.
 # A batch the feeder cannot advance (an unexpected error, tick after tick) fails with the reason,
 # so it stops taking the feeder's time. Returns the status it had.
-FAIL_BATCH_LUA = """
+FAIL_BATCH_LUA = (
+    HOOK_LIB
+    + """
 local batch, active, window, results = unpack(KEYS)
 local status = redis.call('HGET', batch, 'status')
 if not status or status == 'completed' or status == 'failed' or status == 'expired'
@@ -117,5 +125,7 @@ end
 redis.call('HSET', batch, 'status', 'failed', 'failed_at', ARGV[2], 'errors', ARGV[4])
 redis.call('SREM', active, ARGV[1])
 for _, key in ipairs({batch, window, results}) do redis.call('EXPIRE', key, ARGV[3]) end
+hook_event(batch, 'failed', 'batch.failed', ARGV[2])
 return status
 """
+)

@@ -2,7 +2,11 @@
 
 Every status transition and every append is one script, so each is atomic without WATCH
 retries, and each is safe to run twice (a retried call after a dropped connection is a no-op).
+The scripts that record an event with a webhook record its delivery too (``hook_event``:
+common/store/hooks.py).
 """
+
+from common.store.hooks import HOOK_LIB
 
 # KEYS: queued zset, job hash, owner's job index[, broker list][, idempotency key].
 # ARGV: max queued, job id, now, message ('' for none), idempotency TTL ('' for none),
@@ -42,7 +46,10 @@ elseif status ~= 'queued' then
 end
 local attempt = redis.call('HINCRBY', KEYS[1], 'attempt', 1)
 redis.call('HSET', KEYS[1], 'status', 'running', 'worker', ARGV[2], 'model', ARGV[3])
-if status == 'queued' then redis.call('HSET', KEYS[1], 'started_at', ARGV[4]) end
+if status == 'queued' then
+  redis.call('HSET', KEYS[1], 'started_at', ARGV[4])
+  hook_event(KEYS[1], 'start', 'job.started', ARGV[4])
+end
 redis.call('ZREM', KEYS[3], ARGV[1])
 redis.call('ZADD', KEYS[4], ARGV[5], ARGV[1])
 """
@@ -55,7 +62,8 @@ redis.call('ZADD', KEYS[4], ARGV[5], ARGV[1])
 # of an older version, which appended the text at every step) gets it, and one without a text key
 # gets the key, built from its log (choice 0's tokens: records.job_text).
 TAKE_LUA = (
-    """
+    HOOK_LIB
+    + """
 local status = redis.call('HGET', KEYS[1], 'status')
 if not status then return {'missing'} end
 if redis.call('HEXISTS', KEYS[1], 'parts') == 1 then return {'finished', status} end
@@ -101,7 +109,9 @@ return {'taken', tostring(attempt), redis.call('HGETALL', KEYS[1]), log}
 # per token fewer); a push that finds the log elsewhere than expected is undone at once, inside
 # the script, so nobody sees it. A script's writes are refused as a whole (out of memory or a
 # read-only replica refuse its first write), never halfway.
-APPEND_STEP_LUA = """
+APPEND_STEP_LUA = (
+    HOOK_LIB
+    + """
 local function push(log, expected_len, from, to)
   local len = redis.call('RPUSH', log, unpack(ARGV, from, to))
   if len == expected_len then return 1 end
@@ -138,6 +148,7 @@ local function append(job, log, channel, text, a, held)
     redis.call('EXPIRE', job, ARGV[1])
     redis.call('EXPIRE', log, ARGV[1])
     redis.call('EXPIRE', text, ARGV[1])
+    hook_event(job, 'completed', 'job.completed', ARGV[2])
   end
   return 1
 end
@@ -157,11 +168,14 @@ for k = 3, #KEYS, 4 do
 end
 return answers
 """
+)
 
 # Shared by the scripts of jobs with parts. A part's hash is ``Keys.job(part id)``; the job's hash
 # holds ``part_keys``: per part [hash, text, content] (names from common/keys.py). A part's
 # ``summary`` is the data of the event that ended it; the job's ``done`` lists them all.
-PARTS_LIB = """
+PARTS_LIB = (
+    HOOK_LIB
+    + """
 local function part_event(log, chan, data, kind)
   local seq = redis.call('LLEN', log) + 1
   local entry = '{"seq":' .. seq .. ',"type":"' .. (kind or 'part') .. '","data":' .. data .. '}'
@@ -186,6 +200,7 @@ local function finish_job(job, log, chan, text, now, ttl)
   local done = '{"status":"' .. status .. '","parts":[' .. table.concat(summaries, ',') .. ']}'
   part_event(log, chan, done, 'done')
   redis.call('HSET', job, 'status', status, 'finished_at', now)
+  hook_event(job, 'completed', 'job.completed', now)
   for _, key in ipairs({job, log, text}) do redis.call('EXPIRE', key, ttl) end
   for _, k in ipairs(pk) do
     for _, key in ipairs(k) do redis.call('EXPIRE', key, ttl) end
@@ -218,6 +233,7 @@ local function release_held(job, queued_media, held_media, now)
   end
 end
 """
+)
 
 # KEYS: job hash, log, job channel, queued zset, cancel channel, running zset, text, queued media zset,
 #       held media zset.
@@ -242,6 +258,7 @@ if redis.call('HEXISTS', KEYS[1], 'parts') == 1 then
       redis.call('ZREM', KEYS[8], id)
       redis.call('ZREM', KEYS[9], id)
       part_event(KEYS[2], KEYS[3], summary)
+      hook_event(KEYS[1], 'part', 'job.part', ARGV[2], i - 1)
     elseif st == 'running' then
       redis.call('HSET', k[1], 'cancel_requested', '1')
       redis.call('PUBLISH', KEYS[5], id)
@@ -259,6 +276,7 @@ if status == 'queued' then
   redis.call('PUBLISH', KEYS[3], ARGV[4])
   redis.call('EXPIRE', KEYS[1], ARGV[3])
   redis.call('EXPIRE', KEYS[2], ARGV[3])
+  hook_event(KEYS[1], 'completed', 'job.completed', ARGV[2])
   return 'cancelled'
 end
 if status == 'running' then
@@ -334,13 +352,16 @@ return dropped
 # KEYS: batch hash, active set. ARGV: batch id, 'ok' | 'failed', now, line count, total, errors JSON.
 # The end of a batch's validation: in_progress with its counts, or failed with the lines' errors.
 # A batch cancelled while it was validated stays cancelling (with its counts, if valid).
-VALIDATED_LUA = """
+VALIDATED_LUA = (
+    HOOK_LIB
+    + """
 local status = redis.call('HGET', KEYS[1], 'status')
 if status ~= 'validating' and status ~= 'cancelling' then return status or 'missing' end
 if redis.call('HGET', KEYS[1], 'line_count') then return status end
 if ARGV[2] == 'failed' then
   redis.call('HSET', KEYS[1], 'status', 'failed', 'failed_at', ARGV[3], 'errors', ARGV[6])
   redis.call('SREM', KEYS[2], ARGV[1])
+  hook_event(KEYS[1], 'failed', 'batch.failed', ARGV[3])
   return 'failed'
 end
 redis.call('HSET', KEYS[1], 'line_count', ARGV[4], 'total', ARGV[5], 'next_line', '0')
@@ -350,6 +371,7 @@ if status == 'validating' then
 end
 return status
 """
+)
 
 # KEYS: batch hash, window hash, results hash, broker list, owner's job index, job hash, job hash, ...
 # ARGV: next line expected, next line after, jobs, rejected lines, now, index max age (s), index
@@ -531,8 +553,10 @@ if not status then return {'missing'} end
     + """redis.call('ZREM', KEYS[7], ARGV[1])
 if redis.call('HGET', KEYS[5], 'status') == 'queued' then
   redis.call('HSET', KEYS[5], 'status', 'running', 'started_at', ARGV[4])
+  hook_event(KEYS[5], 'start', 'job.started', ARGV[4])
 end
 part_event(KEYS[2], KEYS[6], '{"part":' .. ARGV[6] .. ',"status":"running","attempt":' .. attempt .. '}')
+hook_event(KEYS[5], 'part', 'job.part', ARGV[4], tonumber(ARGV[6]))
 return {'taken', tostring(attempt), redis.call('HGETALL', KEYS[1]), redis.call('LRANGE', KEYS[2], 0, -1)}
 """
 )
@@ -575,6 +599,7 @@ end
 if ARGV[5] == '' then return 1 end
 redis.call('HSET', KEYS[1], 'status', ARGV[5], 'finish_reason', ARGV[6], 'finished_at', ARGV[7],
            'error', ARGV[8], 'summary', ARGV[12])
+hook_event(KEYS[6], 'part', 'job.part', ARGV[7], tonumber(ARGV[14]))
 redis.call('ZREM', KEYS[4], ARGV[10])
 if ARGV[13] ~= '' then redis.call('SET', KEYS[8], ARGV[13], 'EX', ARGV[9]) end
 local deps = redis.call('HGET', KEYS[1], 'dependents')
@@ -592,6 +617,7 @@ if deps then
         redis.call('HSET', key, 'status', 'failed', 'finish_reason', 'error', 'finished_at', ARGV[7],
                    'error', err, 'summary', summary)
         part_event(KEYS[2], KEYS[3], summary)
+        hook_event(KEYS[6], 'part', 'job.part', ARGV[7], d)
       end
     end
   end

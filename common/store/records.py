@@ -33,6 +33,7 @@ from common.schemas import (
 )
 from common.settings import Settings
 from common.store.errors import Conflict, IdempotencyConflict, JobNotFound, QueueFull
+from common.store.hooks import hook_field
 
 
 @dataclass(frozen=True)
@@ -177,6 +178,10 @@ def create_call(
     """A new job's fields, and the create script's call that stores them."""
     now, job_id = time.time(), new_job_id()
     fields = new_job_fields(job_id, request, owner, now)
+    if request.webhook is not None:
+        fields["hook"] = hook_field(
+            keys, settings, "job", job_id, request.webhook, request.webhook_events, owner
+        )
     message = message_for(job_id) if message_for else None
     flat = [x for kv in fields.items() for x in kv]
     script_keys = [keys.queued_jobs(), keys.job(job_id), keys.owner_jobs(owner)]
@@ -226,6 +231,10 @@ def create_parts_call(
     assert request.parts is not None
     now, job_id = time.time(), new_job_id()
     fields = new_job_fields(job_id, request, owner, now)
+    if request.webhook is not None:
+        fields["hook"] = hook_field(
+            keys, settings, "job", job_id, request.webhook, request.webhook_events, owner
+        )
     ids = [part_id(job_id, k) for k in range(len(request.parts))]
     fields["parts"] = str(len(ids))
     fields["part_keys"] = json.dumps([[keys.job(i), keys.job_text(i), keys.part_content(i)] for i in ids])

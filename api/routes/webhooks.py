@@ -1,0 +1,100 @@
+"""Webhooks: a job's or a batch's deliveries and their attempts, a redelivery, the signing secrets.
+
+Deliveries are recorded by the store with their event and delivered by the hook workers
+(``spool worker --kind hooks``); docs/webhooks.md.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Path
+
+from api.auth import current_owner
+from api.deps import JobId, ServicesDep
+from api.errors import ApiError
+from api.services import Services
+from common.store import JobNotFound
+from common.store.hooks import AsyncHookStore
+from common.webhooks import owner_secrets
+
+router = APIRouter(tags=["webhooks"])
+
+BatchId = Annotated[str, Path(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
+DeliveryId = Annotated[str, Path(pattern=r"^whd_[0-9]{1,9}$")]
+
+
+def _hooks(services: Services) -> AsyncHookStore:
+    return AsyncHookStore(services.store.redis, services.settings)
+
+
+async def _owned_job(services: Services, job_id: str) -> None:
+    owner = await services.store.owner(job_id)
+    if owner is None or owner != current_owner():
+        raise JobNotFound(job_id)
+
+
+async def _owned_batch(services: Services, batch_id: str) -> None:
+    h = await services.batches.get_batch(batch_id)
+    if h is None or h.get("owner", "") != current_owner():
+        raise ApiError(
+            404,
+            f"No batch with id {batch_id!r} (unknown, or expired)",
+            param="batch_id",
+            code="batch_not_found",
+        )
+
+
+async def _retry(services: Services, kind: str, object_id: str, delivery_id: str) -> dict[str, Any]:
+    n = int(delivery_id.removeprefix("whd_"))
+    delivery = await _hooks(services).retry(kind, object_id, n, current_owner())
+    if delivery is None:
+        raise ApiError(
+            404,
+            f"No webhook delivery {delivery_id!r} of {object_id!r}",
+            param="delivery_id",
+            code="not_found",
+        )
+    return delivery
+
+
+def _page(deliveries: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"object": "list", "data": deliveries}
+
+
+@router.get("/v1/jobs/{job_id}/webhooks")
+async def job_webhooks(job_id: JobId, services: ServicesDep) -> dict[str, Any]:
+    """The job's webhook deliveries, oldest first, each with its attempts (time, status code or
+    error) and its next attempt's time while it is retried."""
+    await _owned_job(services, job_id)
+    return _page(await _hooks(services).deliveries("job", job_id))
+
+
+@router.post("/v1/jobs/{job_id}/webhooks/{delivery_id}/retry")
+async def retry_job_webhook(job_id: JobId, delivery_id: DeliveryId, services: ServicesDep) -> dict[str, Any]:
+    """Deliver it again (the same event id and body), after the job's other deliveries; a URL
+    that a 410 disabled is enabled again."""
+    await _owned_job(services, job_id)
+    return await _retry(services, "job", job_id, delivery_id)
+
+
+@router.get("/v1/batches/{batch_id}/webhooks")
+async def batch_webhooks(batch_id: BatchId, services: ServicesDep) -> dict[str, Any]:
+    await _owned_batch(services, batch_id)
+    return _page(await _hooks(services).deliveries("batch", batch_id))
+
+
+@router.post("/v1/batches/{batch_id}/webhooks/{delivery_id}/retry")
+async def retry_batch_webhook(
+    batch_id: BatchId, delivery_id: DeliveryId, services: ServicesDep
+) -> dict[str, Any]:
+    await _owned_batch(services, batch_id)
+    return await _retry(services, "batch", batch_id, delivery_id)
+
+
+@router.get("/v1/webhook_secret")
+async def webhook_secret(services: ServicesDep) -> dict[str, Any]:
+    """The secrets this API key's webhooks are signed with (``whsec_...``; the first is current,
+    each signs during a rotation): give one to the receiver's verifier."""
+    secrets = owner_secrets(await _hooks(services).server_secrets(), current_owner())
+    return {"object": "webhook_secret", "secrets": secrets}

@@ -1,0 +1,246 @@
+"""Webhook deliveries in Redis: recorded by the script that records their event, delivered by the
+hook workers (workers/hooks/), listed and retried by the API.
+
+An object with a webhook (a job, a batch) holds a ``hook`` field (``hook_field``: where its
+deliveries go). The script that writes one of its events (a job's terminal status, its start, a
+part's status, a batch's end: ``HOOK_LIB``'s ``hook_event``) appends the delivery to the
+object's hooks hash (``Keys.hooks``) and puts that hash in the due set, in the same script: the
+event is never seen without its delivery. A hook worker's sweep claims the due hashes
+(DUE_LUA, the score moved a claim ahead) and sends each a message on ``{p}.hooks``; the task
+takes the hash's lock (BEGIN_LUA), delivers its next delivery and records the attempt
+(ATTEMPT_LUA: the next delivery due at once, or this one at its retry). Deliveries of an object go
+one at a time, in order. A worker that dies leaves the hash in the due set, scored with the end
+of its claim: the next sweep after it sends it again (at most that delivery twice).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import redis.asyncio as aredis
+
+from common.keys import Keys
+from common.settings import Settings
+from common.webhooks import BATCH_EVENTS, DEFAULT_EVENTS, check_secret, new_secret
+
+# Shared by every script that records an event (common/store/lua.py).
+# hook_event(obj, event, type, now, part): obj is the object's hash; event the name its webhook's
+# events filter on; part the part's index for a part's event (or nil).
+# NOTE: it writes keys named in the object's hash, not in KEYS (as PARTS_LIB does with part_keys).
+HOOK_LIB = """
+local function hook_event(obj, event, kind, now, part)
+  local raw = redis.call('HGET', obj, 'hook')
+  if not raw then return end
+  local hook = cjson.decode(raw)
+  for _, e in ipairs(hook.events) do
+    if e == event then
+      local n = redis.call('HINCRBY', hook.key, 'events', 1)
+      local record = {n = n, id = 'evt_' .. hook.id .. '_' .. n, type = kind, created_at = tonumber(now),
+                      url = hook.url, status = 'pending', part = part}
+      redis.call('HSET', hook.key, 'd' .. n, cjson.encode(record), 'hook', raw)
+      redis.call('EXPIRE', hook.key, hook.ttl)
+      redis.call('ZADD', hook.due, 'NX', now, hook.key)
+      return
+    end
+  end
+end
+"""
+
+# KEYS: due zset. ARGV: now, claim (s), limit.
+# The hooks hashes due by now, each claimed until now + claim (its message is sent by the caller;
+# if that message or its worker is lost, the hash is due again at the claim's end).
+DUE_LUA = """
+local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1], 'LIMIT', 0, tonumber(ARGV[3]))
+local until_ = tonumber(ARGV[1]) + tonumber(ARGV[2])
+for _, key in ipairs(due) do redis.call('ZADD', KEYS[1], until_, key) end
+return due
+"""
+
+# KEYS: hooks hash, due zset. ARGV: token, now, claim (s).
+# Take the hash's lock (free, or its holder's claim ended) for its next delivery; returns
+# {n, record, body ('' until rendered), hook} or false (locked, or nothing left: out of the due set).
+BEGIN_LUA = """
+if redis.call('EXISTS', KEYS[1]) == 0 then
+  redis.call('ZREM', KEYS[2], KEYS[1])
+  return false
+end
+local lock, until_ = unpack(redis.call('HMGET', KEYS[1], 'lock', 'lock_until'))
+if lock and tonumber(until_) > tonumber(ARGV[2]) then return false end
+local n = tonumber(redis.call('HGET', KEYS[1], 'head') or '0') + 1
+if n > tonumber(redis.call('HGET', KEYS[1], 'events') or '0') then
+  redis.call('ZREM', KEYS[2], KEYS[1])
+  return false
+end
+local claim = tonumber(ARGV[2]) + tonumber(ARGV[3])
+redis.call('HSET', KEYS[1], 'lock', ARGV[1], 'lock_until', claim)
+redis.call('ZADD', KEYS[2], claim, KEYS[1])
+local record, body, hook = unpack(redis.call('HMGET', KEYS[1], 'd' .. n, 'b' .. n, 'hook'))
+return {n, record, body or '', hook}
+"""
+
+# KEYS: hooks hash, due zset. ARGV: token, n, record JSON, 'done' | 'retry', next attempt, now.
+# An attempt's outcome, by the lock's holder only: the record written; done (delivered, given up,
+# disabled) moves the head on and makes the next delivery due now (or none); a retry is due then.
+ATTEMPT_LUA = """
+if redis.call('HGET', KEYS[1], 'lock') ~= ARGV[1] then return 0 end
+redis.call('HSET', KEYS[1], 'd' .. ARGV[2], ARGV[3])
+redis.call('HDEL', KEYS[1], 'lock', 'lock_until')
+if ARGV[4] == 'retry' then
+  redis.call('ZADD', KEYS[2], ARGV[5], KEYS[1])
+  return 1
+end
+redis.call('HSET', KEYS[1], 'head', ARGV[2])
+if tonumber(redis.call('HGET', KEYS[1], 'events')) > tonumber(ARGV[2]) then
+  redis.call('ZADD', KEYS[2], ARGV[6], KEYS[1])
+else
+  redis.call('ZREM', KEYS[2], KEYS[1])
+end
+return 1
+"""
+
+# KEYS: hooks hash, due zset. ARGV: n, now.
+# Deliver delivery n again, as a new delivery at the end of the object's (same event id and body).
+# Returns the new delivery's n, or 0 when there is no delivery n.
+RETRY_LUA = """
+local raw = redis.call('HGET', KEYS[1], 'd' .. ARGV[1])
+if not raw then return 0 end
+local old = cjson.decode(raw)
+local m = redis.call('HINCRBY', KEYS[1], 'events', 1)
+local record = {n = m, id = old.id, type = old.type, created_at = old.created_at, url = old.url,
+                status = 'pending', part = old.part, retry_of = tonumber(ARGV[1])}
+redis.call('HSET', KEYS[1], 'd' .. m, cjson.encode(record))
+local body = redis.call('HGET', KEYS[1], 'b' .. ARGV[1])
+if body then redis.call('HSET', KEYS[1], 'b' .. m, body) end
+redis.call('ZADD', KEYS[2], 'NX', ARGV[2], KEYS[1])
+return m
+"""
+
+STATUSES = ("pending", "delivered", "failed", "disabled")  # a delivery's; failed: given up
+
+
+def hook_field(
+    keys: Keys, settings: Settings, kind: str, object_id: str, url: str, events: list[str] | None, owner: str
+) -> str:
+    """The ``hook`` field of an object with a webhook: what HOOK_LIB needs to record its deliveries.
+    ``events``: those sent (default: a job's completed, every end of a batch)."""
+    chosen = list(events or (BATCH_EVENTS if kind == "batch" else DEFAULT_EVENTS))
+    ttl = int(
+        settings.webhook_horizon_s + max(settings.job_ttl_s, settings.file_ttl_s if kind == "batch" else 0)
+    )
+    return json.dumps(
+        {
+            "key": keys.hooks(kind, object_id),
+            "due": keys.hooks_due(),
+            "kind": kind,
+            "id": object_id,
+            "url": url,
+            "events": chosen,
+            "owner": owner,
+            "ttl": ttl,
+        }
+    )
+
+
+@dataclass(frozen=True)
+class Begun:
+    """A delivery its worker holds the lock for."""
+
+    key: str  # the hooks hash
+    n: int  # its number in the object's deliveries, from 1
+    record: dict[str, Any]  # id, type, created_at, url, status, attempts, part, ...
+    body: bytes | None  # the envelope, once rendered (its first attempt)
+    hook: dict[str, Any]  # the object's hook field: kind, id, owner, ...
+
+
+def delivery_view(record: dict[str, Any]) -> dict[str, Any]:
+    """A delivery as ``GET .../webhooks`` lists it."""
+    return {
+        "id": f"whd_{record['n']}",
+        "object": "webhook.delivery",
+        "event_id": record["id"],
+        "type": record["type"],
+        "url": record["url"],
+        "status": record["status"],
+        "created_at": record["created_at"],
+        "attempts": record.get("attempts", []),
+        "next_attempt_at": record.get("next_attempt_at"),
+        **({"retry_of": f"whd_{record['retry_of']}"} if record.get("retry_of") else {}),
+    }
+
+
+class AsyncHookStore:
+    """Webhook deliveries, over redis.asyncio: the API's listing and retries, the hook workers'
+    sweep and deliveries."""
+
+    def __init__(self, client: aredis.Redis, settings: Settings) -> None:
+        self.settings = settings
+        self.keys = settings.keys
+        self.redis = client
+        self._due = client.register_script(DUE_LUA)
+        self._begin = client.register_script(BEGIN_LUA)
+        self._attempt = client.register_script(ATTEMPT_LUA)
+        self._retry = client.register_script(RETRY_LUA)
+
+    async def server_secrets(self) -> list[str]:
+        """SPOOL_WEBHOOK_SECRET's secrets, else the one generated on first use and kept in Redis."""
+        given = [s.strip() for s in self.settings.webhook_secret.split(",") if s.strip()]
+        if given:
+            return given
+        key = self.keys.hooks_secret()
+        await self.redis.set(key, new_secret(), nx=True)
+        secret = str(await self.redis.get(key))
+        check_secret(secret)
+        return [secret]
+
+    async def due(self, now: float, claim_s: float, limit: int = 100) -> list[str]:
+        return [str(k) for k in await self._due([self.keys.hooks_due()], [repr(now), repr(claim_s), limit])]
+
+    async def backlog(self) -> int:
+        """Objects with a delivery pending."""
+        return int(await self.redis.zcard(self.keys.hooks_due()))
+
+    async def begin(self, key: str, token: str, now: float, claim_s: float) -> Begun | None:
+        reply = await self._begin([key, self.keys.hooks_due()], [token, repr(now), repr(claim_s)])
+        if not reply:
+            return None
+        n, record, body, hook = reply
+        return Begun(key, int(n), json.loads(record), str(body).encode() if body else None, json.loads(hook))
+
+    async def put_body(self, key: str, n: int, body: bytes) -> None:
+        """A delivery's envelope, rendered at its first attempt: every retry sends these bytes."""
+        await self.redis.hsetnx(key, f"b{n}", body.decode())
+
+    async def record(
+        self, token: str, begun: Begun, record: dict[str, Any], retry_at: float | None, now: float
+    ) -> bool:
+        """An attempt's outcome (``retry_at``: when to try again; None: done); False when the lock
+        was no longer this worker's (its claim ended: another worker has the delivery)."""
+        outcome, at = ("retry", retry_at) if retry_at is not None else ("done", now)
+        args: list[str | int] = [token, begun.n, json.dumps(record), outcome, repr(at), repr(now)]
+        return bool(await self._attempt([begun.key, self.keys.hooks_due()], args))
+
+    async def is_disabled(self, owner: str, url: str) -> bool:
+        return bool(await self.redis.sismember(self.keys.hooks_disabled(owner), url))
+
+    async def disable(self, owner: str, url: str) -> None:
+        await self.redis.sadd(self.keys.hooks_disabled(owner), url)
+
+    async def deliveries(self, kind: str, object_id: str) -> list[dict[str, Any]]:
+        """An object's deliveries, oldest first, as ``delivery_view`` shows them."""
+        h = await self.redis.hgetall(self.keys.hooks(kind, object_id))
+        records = [json.loads(v) for k, v in h.items() if str(k).startswith("d")]
+        return [delivery_view(r) for r in sorted(records, key=lambda r: int(r["n"]))]
+
+    async def retry(self, kind: str, object_id: str, n: int, owner: str) -> dict[str, Any] | None:
+        """Deliver delivery ``n`` again (its URL enabled again if a 410 disabled it); the new
+        delivery, or None when there is no delivery ``n``."""
+        key = self.keys.hooks(kind, object_id)
+        raw = await self.redis.hget(key, f"d{n}")
+        if raw is None:
+            return None
+        await self.redis.srem(self.keys.hooks_disabled(owner), json.loads(raw)["url"])
+        m = int(await self._retry([key, self.keys.hooks_due()], [n, repr(time.time())]))
+        return delivery_view(json.loads(str(await self.redis.hget(key, f"d{m}"))))

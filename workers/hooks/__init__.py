@@ -1,0 +1,1 @@
+"""The hook worker (``spool worker --kind hooks``): webhook deliveries, no torch (docs/webhooks.md)."""
