@@ -75,7 +75,11 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(1 << 20, ge=1024)
     max_parts: int = Field(8, ge=1)  # parts per job
     max_n: int = Field(16, ge=1)  # choices (n) of one text request, each its own sequence in the batch
-    max_image_pixels: int = Field(1024 * 1024, ge=64)  # width x height of an image part
+    # Width x height of an image part. NOTE: 512x512 by default, the size whose denoising step a
+    # CPU worker finishes well within SPOOL_ENGINE_STALL_S (the default pipeline's first step at
+    # 1024x1024 ran past it, the watchdog ended the worker, and the next one took it: issue 33).
+    # A GPU deployment raises it (docker-compose.yml: 1024x1024).
+    max_image_pixels: int = Field(512 * 512, ge=64)
     max_image_steps: int = Field(100, ge=1)  # denoising steps of an image part
     # A guide's size in characters: a guided_regex, a guided_choice (all its strings) or a
     # response_format JSON schema (as compact JSON). Its grammar is compiled before the job runs,

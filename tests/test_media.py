@@ -552,6 +552,8 @@ def test_images_stream_refuses_what_it_cannot_do_by_name(
         ([{"type": "video", "prompt": "x"}], "video"),
         ([{"type": "image", "prompt": "x", "size": "30x32"}], "multiple of 8"),
         ([{"type": "image", "prompt": "x", "size": "2048x2048"}], "4194304 pixels"),
+        # The default limit is one a CPU worker's step meets within SPOOL_ENGINE_STALL_S (issue 33).
+        ([{"type": "image", "prompt": "x", "size": "1024x1024"}], "limit of 262144 (SPOOL_MAX_IMAGE_PIXELS)"),
         ([{"type": "image", "prompt": "x", "steps": 500}], "limit of 60"),
         ([{"type": "image", "prompt_from": 1}, {"type": "text", "prompt": "x"}], "earlier part"),
         ([{"type": "image", "prompt": "x"}, {"type": "image", "prompt_from": 0}], "names an image part"),
