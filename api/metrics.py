@@ -65,6 +65,7 @@ REJECT_REASONS = (
     "no_chat_template",
     "context_length_exceeded",
     "idempotency_key_reused",
+    "priority_not_allowed",
     "no_worker",
     "backend_unavailable",
     "other",

@@ -11,7 +11,7 @@ import enum
 import json
 import math
 import re
-from typing import Annotated, Any, Literal, Self
+from typing import Annotated, Any, Literal, Self, get_args
 
 import jsonschema
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
@@ -28,6 +28,9 @@ LIMIT_EXCEEDED = "limit_exceeded"  # validation error type of a value above a co
 OUT_OF_RANGE = "out_of_range"  # validation error type of a sampling extra outside its range (400, as OpenAI)
 MAX_LOGIT_BIAS = 300  # token ids one request may bias
 MAX_LOGPROBS = 20  # top logprobs per token (chat's top_logprobs limit)
+MAX_PRIORITY = 100  # a request's priority is within +-this (the batch tier runs below them all)
+ServiceTier = Literal["auto", "default", "flex"]  # OpenAI's; "flex" is the batch tier
+SERVICE_TIERS: tuple[str, ...] = get_args(ServiceTier)
 # The sampling extras' (lowest, highest) values, both included.
 _RANGES: dict[str, tuple[float, float]] = {
     "frequency_penalty": (-2, 2),
@@ -466,6 +469,11 @@ class JobRequest(TextParams):
     parts: list[Part] | None = Field(None, min_length=1)
     # Choices: n sequences of the prompt in the batch, one job (docs/internals.md, "Choices").
     n: int = 1
+    # Priority tiers (docs/internals.md, "Models and tenants"): OpenAI's service_tier ("flex": the
+    # batch tier, below interactive work) and a number as vLLM's (lower runs first; below
+    # SPOOL_PRIORITY_FLOOR only for the keys SPOOL_TENANT_PRIORITY_FLOORS allows).
+    service_tier: ServiceTier = "auto"
+    priority: int = Field(0, ge=-MAX_PRIORITY, le=MAX_PRIORITY)
 
     @field_validator("n")
     @classmethod
@@ -547,7 +555,14 @@ class JobRequest(TextParams):
             return part.model_copy(update={"timeout_s": timeout})
         fields = part.model_dump(exclude={"type"}, exclude_unset=True)
         return JobRequest.model_validate(
-            {**fields, "max_tokens": part.max_tokens, "timeout_s": timeout, "background": self.background}
+            {
+                **fields,
+                "max_tokens": part.max_tokens,
+                "timeout_s": timeout,
+                "background": self.background,
+                "service_tier": self.service_tier,
+                "priority": self.priority,
+            }
         )
 
     @classmethod
@@ -686,6 +701,8 @@ class Job(JobSummary):
     """The job as the API shows it."""
 
     text: str  # concatenated token texts; partial while running
+    # Queued: how many jobs its model's workers take before it (AsyncJobStore.queue_position).
+    queue_position: int | None = None
 
 
 class JobList(BaseModel):

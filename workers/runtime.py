@@ -32,10 +32,19 @@ import torch
 from redis.exceptions import RedisError
 
 from common.process import NamedThread
-from common.schemas import JobError, JobRequest, LogEntry
+from common.schemas import MAX_PRIORITY, JobError, JobRequest, LogEntry
 from common.settings import Settings
 from common.store import Append, SyncJobStore, TakeResult, TakeStatus, job_text
-from workers.engine import Delta, Engine, EngineConfig, FinishReason, RequestTooLongError, SamplingParams
+from common.tenants import tenant_of
+from workers.engine import (
+    Delta,
+    Engine,
+    EngineConfig,
+    FinishReason,
+    RequestTooLongError,
+    SamplingParams,
+    TokenWeights,
+)
 from workers.engine.grammar import GrammarError
 from workers.engine.tiny import default_model_path
 from workers.identity import this_process
@@ -48,7 +57,9 @@ from workers.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
 
-BATCH_LINE_PRIORITY = 1  # SamplingParams.priority of a batch's line (interactive jobs: 0)
+# SamplingParams.priority of the batch tier; an interactive job's is its request's priority (0 by
+# default, within +-MAX_PRIORITY).
+BATCH_LINE_PRIORITY = MAX_PRIORITY + 1
 OUTBOX_STEPS = 2  # steps whose entries may wait for the writer before the engine thread waits too
 INTAKE_S = 0.02  # how often a worker holding batch lines looks for queued interactive jobs
 
@@ -103,7 +114,9 @@ class _Job:
     request: JobRequest
     choices: list[_Choice]
     owner: str  # the API key's hash: the engine's prefix-cache salt, so owners never share
-    batch_line: bool  # a batch's line: admitted to the engine after the interactive jobs waiting
+    # The batch tier (a batch's line, or service_tier "flex"): admitted to the engine after the
+    # interactive jobs waiting, preempted for them.
+    batch_line: bool
     deadline: float | None  # unix seconds: created_at + timeout_s
     created_at: float
     done: threading.Event = field(default_factory=threading.Event)
@@ -122,9 +135,13 @@ class _Job:
         return [i for c in self.choices for i in c.resume_token_ids]
 
 
-def sampling_params(r: JobRequest, priority: int = 0) -> SamplingParams:
+def sampling_params(
+    r: JobRequest, priority: int = 0, tenant: str = "", tenant_weight: float = 1.0
+) -> SamplingParams:
     return SamplingParams(
         priority=priority,
+        tenant=tenant,
+        tenant_weight=tenant_weight,
         max_tokens=r.max_tokens,
         temperature=r.temperature,
         top_p=r.top_p,
@@ -206,7 +223,7 @@ def new_job(taken: TakeResult) -> _Job:
         request=record.request,
         choices=choices,
         owner=record.owner,
-        batch_line=bool(record.batch),
+        batch_line=bool(record.batch) or record.request.service_tier == "flex",
         deadline=record.job.created_at + timeout if timeout else None,
         created_at=record.job.created_at,
     )
@@ -282,6 +299,8 @@ class EngineRuntime:
         self.settings = settings
         self.name = name  # heartbeat key and the job hash's `worker`
         self.model = model  # shown in heartbeats and jobs
+        self.queue = settings.keys.model_queue(model)  # the only queue it takes jobs from
+        self._tenant_weights = settings.tenant_weight_map  # SPOOL_TENANT_WEIGHTS
         self.metrics = WorkerMetrics(model)  # observed on the engine thread (workers/metrics.py)
         self._stop = threading.Event()
         self._inbox: queue.SimpleQueue[_Add | _Abort | _Drop | object] = queue.SimpleQueue()
@@ -292,7 +311,7 @@ class EngineRuntime:
         self._stats: dict[str, Any] = engine.stats()  # engine thread writes, heartbeat reads
         self._pending: list[Delta] = []  # ends made outside engine.step(), written with the next step
         self._publisher = Publisher(store, self._stop)
-        self.liveness = Liveness(store, settings, name, self, self._stop, requeue)
+        self.liveness = Liveness(store, settings, name, self, self._stop, requeue, self.queue)
         self._watchdog = Watchdog(settings.engine_stall_s, self._stop, self.liveness.forget_heartbeat)
         self._intaking: set[str] = set()  # jobs the intake thread found queued, being taken (under _lock)
         self._threads = [
@@ -318,6 +337,11 @@ class EngineRuntime:
             max_prefill_tokens_per_step=settings.max_prefill_tokens_per_step,
             enable_prefix_caching=settings.enable_prefix_caching,
             max_guide_mask_ms=settings.max_guide_mask_ms,
+            fair_share=(
+                TokenWeights(settings.fair_prompt_weight, settings.fair_output_weight)
+                if settings.fair_share
+                else None
+            ),
             # Unset: where it was measured to pay, a CPU (docs/benchmarks.md); not yet on a GPU.
             compile=settings.compile if settings.compile is not None else settings.device == "cpu",
         )
@@ -326,8 +350,9 @@ class EngineRuntime:
         except Exception as e:
             model = repr(settings.model) if settings.model else f"unset (the default model, {path})"
             raise ModelLoadError(f"SPOOL_MODEL={model} did not load: {type(e).__name__}: {e}") from e
-        model = settings.served_model_name or settings.model or "spool-default"
-        runtime = cls(engine, SyncJobStore.from_settings(settings), settings, name, model, requeue)
+        runtime = cls(
+            engine, SyncJobStore.from_settings(settings), settings, name, settings.served_model, requeue
+        )
         if settings.worker_metrics_port is not None:
             runtime.metrics.serve(settings.worker_metrics_port)
         runtime.start()
@@ -383,8 +408,8 @@ class EngineRuntime:
         if taken.record is not None and taken.record.cancel_requested:
             self._inbox.put(_Abort(job_id, None))  # cancelled while an earlier attempt ran it
         self._inbox.put(_Add(job_id))
-        if not job.batch_line:  # a step of batch lines in flight stops for it (Engine.interrupt)
-            self.engine.interrupt(0)
+        if not job.batch_line:  # a step of lower priorities in flight stops for it (Engine.interrupt)
+            self.engine.interrupt(job.request.priority)
         job.done.wait()
         return job.outcome
 
@@ -419,7 +444,7 @@ class EngineRuntime:
         engine or waiting for a slot), an interactive message waits in the queue until some line
         ends, however far ahead of the lines it is queued (with lines of one length that is the
         end of a whole wave of them). So every ``INTAKE_S`` a worker that holds a line reads the
-        oldest queued jobs (the queued set holds interactive jobs and text parts, never lines)
+        oldest queued jobs of its model (the queued set holds interactive jobs and text parts, never lines)
         and runs each as its message would, on a thread of its own, as many as its engine has
         slots not held by interactive jobs: the engine preempts a line for it at the next step.
         The take is the same script (one worker wins it); the message, delivered later, finds
@@ -430,7 +455,7 @@ class EngineRuntime:
             if room <= 0:
                 continue
             try:
-                queued = self.store.oldest_queued(room)
+                queued = self.store.oldest_queued(room, self.queue)
             except RedisError:
                 continue  # Redis unreachable: the messages still come through Celery
             with self._lock:
@@ -571,7 +596,10 @@ class EngineRuntime:
             if not done:  # every choice ended before the job's terminal event was written
                 self._pending += end_deltas(job, FinishReason.STOP, choices=[])
             return
-        params = sampling_params(job.request, BATCH_LINE_PRIORITY if job.batch_line else 0)
+        tenant = tenant_of(job.owner)
+        weight = self._tenant_weights.get(tenant, 1.0)
+        priority = BATCH_LINE_PRIORITY if job.batch_line else job.request.priority
+        params = sampling_params(job.request, priority, tenant, weight)
         added: list[_Choice] = []
         try:
             prompt = prompt_of(job.request, self.engine.tokenizer)

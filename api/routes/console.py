@@ -10,6 +10,7 @@ from fastapi.responses import FileResponse, HTMLResponse
 
 from api.deps import StoreDep
 from api.errors import ApiError
+from api.served import queued_models
 
 CONSOLE_DIR = Path(__file__).resolve().parents[1] / "console"
 
@@ -52,5 +53,5 @@ async def console_status(store: StoreDep) -> dict[str, Any]:
             for w in workers
         ],
         "queued_jobs": await store.queued_count(),
-        "queues": dict(await store.queue_depths()),
+        "queues": dict(await store.queue_depths(queued_models(workers, store.settings))),
     }
