@@ -304,7 +304,7 @@ def test_a_restarted_worker_releases_only_its_own_leases(store: StoreForTests) -
 def test_requeue_claim_is_once_per_gap(store: StoreForTests) -> None:
     queue = store.keys.model_queue("tiny")
     job = store.create_job(
-        JobRequest(prompt="hello"), message_for=lambda j: QueueMessage("elsewhere", j, queue)
+        JobRequest(prompt="hello"), message_for=lambda j: QueueMessage(f"{queue}:sent", j, queue)
     )
     store.take_job(job.id, "w1", "tiny")
     now = time.time()
@@ -346,7 +346,7 @@ def test_oldest_queued_are_one_models(store: StoreForTests) -> None:
     a, b = store.keys.model_queue("a"), store.keys.model_queue("b")
     jobs = [
         store.create_job(
-            JobRequest(prompt="x"), message_for=lambda j, q=q: QueueMessage("elsewhere", j, q)
+            JobRequest(prompt="x"), message_for=lambda j, q=q: QueueMessage(f"{q}:sent", j, q)
         ).id
         for q in (a, b, a)
     ]
@@ -359,7 +359,7 @@ def test_oldest_queued_are_one_models(store: StoreForTests) -> None:
 def test_stale_queued_only_with_an_empty_celery_queue(store: StoreForTests, priority_list: int) -> None:
     model = store.keys.model_queue("m")
     job = store.create_job(
-        JobRequest(prompt="hello"), message_for=lambda j: QueueMessage("elsewhere", j, model)
+        JobRequest(prompt="hello"), message_for=lambda j: QueueMessage(f"{model}:sent", j, model)
     )
     later = time.time() + 1
     assert store.stale_queued(later, model) == [job.id]

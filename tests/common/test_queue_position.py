@@ -23,14 +23,21 @@ def positions(settings: Settings, job_ids: list[str]) -> list[int | None]:
     return asyncio.run(go())
 
 
-def test_the_jobs_ahead_are_its_models_in_the_queues_order(store: StoreForTests, settings: Settings) -> None:
+def test_the_jobs_ahead_are_its_models_in_the_queues_order(settings: Settings) -> None:
     settings = settings.model_copy(update={"max_queued_jobs": 10})
     store = StoreForTests.from_settings(settings)
+    try:
+        check_positions(store, settings)
+    finally:
+        store.close()
+
+
+def check_positions(store: StoreForTests, settings: Settings) -> None:
     a, b = settings.keys.model_queue("a"), settings.keys.model_queue("b")
 
     def create(queue: str, tier: str = "auto") -> str:
         request = JobRequest(prompt="x", service_tier=tier)  # type: ignore[arg-type]
-        return store.create_job(request, message_for=lambda j: QueueMessage("elsewhere", j, queue)).id
+        return store.create_job(request, message_for=lambda j: QueueMessage(f"{queue}:sent", j, queue)).id
 
     first_a, first_b, flex_a, second_a = create(a), create(b), create(a, "flex"), create(a)
     # a's second job waits for a's first only (b's is another model's, the flex one goes after it);
@@ -43,4 +50,3 @@ def test_the_jobs_ahead_are_its_models_in_the_queues_order(store: StoreForTests,
     taken = store.take_job(first_a, "w", "a")
     assert taken.record is not None
     assert positions(settings, [first_a, second_a]) == [None, 2]  # running: none
-    store.close()
