@@ -273,15 +273,17 @@ def _per_job(deltas: list[Delta], cursors: dict[str, JobCursor]) -> list[Delta]:
     return list(by_job.values())
 
 
-def _job_counts(running: list[str], waiting: list[str], cursors: dict[str, JobCursor]) -> dict[str, int]:
-    """The engine's running and waiting requests as the metrics count them: per job. A job runs
+def _job_sets(
+    running: list[str], waiting: list[str], cursors: dict[str, JobCursor]
+) -> tuple[set[str], set[str]]:
+    """The jobs of the engine's running and waiting requests, as the metrics count them: a job runs
     while any of its choices holds a slot, and waits while none does yet."""
 
     def job_of(engine_id: str) -> str:
         return cursors[engine_id].job_id if engine_id in cursors else engine_id
 
     jobs_running = set(map(job_of, running))
-    return {"running": len(jobs_running), "waiting": len(set(map(job_of, waiting)) - jobs_running)}
+    return jobs_running, set(map(job_of, waiting)) - jobs_running
 
 
 class EngineRuntime:
@@ -517,8 +519,11 @@ class EngineRuntime:
                     cursors = {eid: j.cursor for j in self._jobs.values() for eid in j.engine_ids}
                 self._end_siblings(deltas, cursors)
                 appends = self._publisher.prepare(deltas, cursors)
-                counts = _job_counts(*self.engine.request_ids(), cursors)
-                self.metrics.step(started, _per_job(deltas, cursors), appends, {**self._stats, **counts})
+                jobs_running, jobs_waiting = _job_sets(*self.engine.request_ids(), cursors)
+                counts = {"running": len(jobs_running), "waiting": len(jobs_waiting)}
+                self.metrics.step(
+                    started, _per_job(deltas, cursors), appends, {**self._stats, **counts}, jobs_waiting
+                )
                 if appends:
                     self._outbox.put(appends)  # waits while the writer is OUTBOX_STEPS behind
             except Exception:
@@ -628,7 +633,14 @@ class EngineRuntime:
             return
         job.in_engine = True
         cur = job.cursor
-        self.metrics.added(job_id, job.created_at, cur.prompt_tokens, cur.attempt, bool(job.resume_token_ids))
+        self.metrics.added(
+            job_id,
+            job.created_at,
+            cur.prompt_tokens,
+            cur.attempt,
+            bool(job.resume_token_ids),
+            tenant_of(job.owner),
+        )
 
     def _abort(self, cmd: _Abort) -> None:
         job = self._job(cmd.job_id)
