@@ -54,7 +54,7 @@ from api.context import ContextCheck
 from api.enqueue import Enqueuer
 from api.errors import ApiError
 from api.openai_compat.batches import error_line
-from api.served import ServedModels
+from api.served import ServedModels, queue_model
 from common.keys import BATCH_PRIORITY, Keys
 from common.schemas import JobStatus
 from common.settings import Settings
@@ -101,7 +101,6 @@ class BatchFeeder:
         self.context = context
         self._token = secrets.token_hex(8)
         self._lease_s = settings.batch_feed_s * LEASE_TICKS
-        self._broker_list = Keys.broker_list(settings.keys.queue_llm, BATCH_PRIORITY)
         self._fence = ""  # token:fence while this process holds the lease
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._slots = asyncio.Semaphore(CONCURRENT)
@@ -266,11 +265,17 @@ class BatchFeeder:
     async def _resend_lost(self, queued: list[str]) -> None:
         """Send again the messages of lines queued for a lease although the batch's queue list is
         empty (workers/reaper.py does the same for interactive jobs)."""
-        if not queued or await self.batches.queue_length(self._broker_list):
+        if not queued:
             return
-        for job_id in queued:
-            if await self.batches.resend(
-                job_id, self.enqueuer.generate(job_id, BATCH_PRIORITY), self.settings.lease_s
+        queues = dict(zip(queued, await self.batches.job_queues(queued), strict=True))
+        empty = {
+            q
+            for q in set(queues.values())
+            if not await self.batches.queue_length(Keys.broker_list(q, BATCH_PRIORITY))
+        }
+        for job_id, queue in queues.items():
+            if queue in empty and await self.batches.resend(
+                job_id, self.enqueuer.generate(job_id, queue, BATCH_PRIORITY), self.settings.lease_s
             ):
                 log.warning("batch line %s lost its message; sent it again", job_id)
 
@@ -302,11 +307,10 @@ class BatchFeeder:
             except Exception as e:  # a bug or a limit missed: this line fails, the batch goes on
                 rejected.append(crashed(i, line["custom_id"], e, job_id))
                 continue
-            message = self.enqueuer.generate(job_id, BATCH_PRIORITY)
+            model = queue_model(models, line["body"].get("model"), self.settings)
+            message = self.enqueuer.generate(job_id, self.settings.keys.model_queue(model), BATCH_PRIORITY)
             jobs.append(LineJob(job_id, i, line["custom_id"], request, message))
-        fed = await self.batches.feed(
-            batch_id, b["owner"], (start, start + len(raws)), jobs, rejected, self._broker_list
-        )
+        fed = await self.batches.feed(batch_id, b["owner"], (start, start + len(raws)), jobs, rejected)
         if fed != 1:
             log.info(
                 "batch %s: lines from %d were fed by another feeder or it stopped (%d)", batch_id, start, fed

@@ -24,11 +24,20 @@ from kombu.serialization import dumps as serialize
 from kombu.utils.json import dumps as json_dumps
 from kombu.utils.uuid import uuid
 
-from common.keys import GENERATE_TASK, JOB_PRIORITY, MEDIA_TASK, Keys
+from common.keys import BATCH_PRIORITY, GENERATE_TASK, JOB_PRIORITY, MEDIA_TASK, REQUEUE_PRIORITY, Keys
+from common.schemas import JobRequest
 from common.settings import Settings
 from common.store import QueueMessage
 
 PERSISTENT = 2  # AMQP delivery mode, as Celery sets it
+
+
+def message_priority(request: JobRequest) -> int:
+    """A job's place in its queue: the batch tier's (``service_tier: flex``) with the batch lines,
+    a priority below the default (more urgent) with the requeues, the others as interactive jobs."""
+    if request.service_tier == "flex":
+        return BATCH_PRIORITY
+    return REQUEUE_PRIORITY if request.priority < 0 else JOB_PRIORITY
 
 
 class Enqueuer:
@@ -37,10 +46,11 @@ class Enqueuer:
         self._amqp = Celery("spool-api", set_as_current=False).amqp
         self._keys = settings.keys
 
-    def generate(self, job_id: str, priority: int = JOB_PRIORITY) -> QueueMessage:
-        """The message of the ``generate`` task for ``job_id``, as ``send_task`` would send it
-        (at ``priority``: a batch's lines go at BATCH_PRIORITY, behind interactive jobs)."""
-        return self._message(GENERATE_TASK, self._keys.queue_llm, job_id, priority)
+    def generate(self, job_id: str, queue: str, priority: int = JOB_PRIORITY) -> QueueMessage:
+        """The message of the ``generate`` task for ``job_id``, as ``send_task`` would send it, to
+        ``queue`` (its model's: ``Keys.model_queue``) at ``priority`` (a batch's lines go at
+        BATCH_PRIORITY, behind interactive jobs)."""
+        return self._message(GENERATE_TASK, queue, job_id, priority)
 
     def media(self, part_id: str, held: bool = False) -> QueueMessage:
         """The message of the media workers' task for an image part (``common.keys.part_id``);
@@ -73,4 +83,4 @@ class Enqueuer:
             "headers": headers,
             "properties": properties,
         }
-        return QueueMessage(Keys.broker_list(queue, priority), json_dumps(envelope))
+        return QueueMessage(Keys.broker_list(queue, priority), json_dumps(envelope), queue)

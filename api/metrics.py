@@ -51,7 +51,6 @@ _ENGINE_COUNTERS = (
         "preemptions",
     ),
 )
-QUEUES = ("llm", "media")  # the Celery queues, by the last part of their name (Keys.queue_llm, queue_media)
 # Why a submit was refused: its error code (api/errors.py, api/served.py), 422 schema errors as
 # "invalid_request"; any other code counts as "other".
 REJECT_REASONS = (
@@ -65,6 +64,7 @@ REJECT_REASONS = (
     "no_chat_template",
     "context_length_exceeded",
     "idempotency_key_reused",
+    "priority_not_allowed",
     "no_worker",
     "backend_unavailable",
     "other",

@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping
 
 from api.errors import ApiError
 from common.schemas import JobRequest, WorkerHeartbeat
+from common.settings import Settings
 from common.store import AsyncJobStore
 
 NO_WORKER_RETRY_S = 2
@@ -21,10 +22,11 @@ NO_WORKER_RETRY_S = 2
 
 async def served_models(store: AsyncJobStore) -> dict[str, WorkerHeartbeat]:
     """One heartbeat per served (text) model name, from the workers that are alive now."""
-    return _text_models(await store.list_workers())
+    return served(await store.list_workers())
 
 
-def _text_models(workers: list[WorkerHeartbeat]) -> dict[str, WorkerHeartbeat]:
+def served(workers: list[WorkerHeartbeat]) -> dict[str, WorkerHeartbeat]:
+    """One heartbeat per text model name among these workers'."""
     return {w.model: w for w in sorted(workers, key=lambda w: w.name) if w.kind == "text"}
 
 
@@ -77,7 +79,7 @@ class ServedModels:
         async with self._lock:
             if time.monotonic() >= self._until or not kept():
                 workers = await self._store.list_workers()
-                self._text = _text_models(workers)
+                self._text = served(workers)
                 self._media = frozenset(w.model for w in workers if w.kind == "media")
                 self._until = time.monotonic() + self._ttl_s
 
@@ -101,6 +103,20 @@ def resolve_model(models: Mapping[str, WorkerHeartbeat], requested: str | None) 
             code="model_not_found",
         )
     return models[requested]
+
+
+def queue_model(models: Mapping[str, WorkerHeartbeat], requested: str | None, settings: Settings) -> str:
+    """The model a job is queued for (its messages go to that model's queue, Keys.model_queue):
+    the one it names, or the default: the one ``resolve_model`` picks among the live workers',
+    or with none live this server's (SPOOL_SERVED_MODEL_NAME, else SPOOL_MODEL)."""
+    if requested is not None:
+        return requested
+    return min(models) if models else settings.served_model
+
+
+def queued_models(workers: list[WorkerHeartbeat], settings: Settings) -> set[str]:
+    """The models whose queues may hold jobs: those served now, and the default."""
+    return {w.model for w in workers if w.kind == "text"} | {settings.served_model}
 
 
 def check_with_live_workers(models: Mapping[str, WorkerHeartbeat], request: JobRequest) -> None:

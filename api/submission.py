@@ -16,11 +16,13 @@ from fastapi import Request
 from fastapi.sse import EventSourceResponse
 
 from api.auth import current_owner
+from api.enqueue import message_priority
 from api.errors import ApiError
 from api.services import Services
 from api.sse import AsyncRender, Chunk, Render, event_stream, relay, rendered
 from common.schemas import Job, JobRequest, LogEntry
 from common.store import IdempotencyConflict, QueueFull
+from common.tenants import tenant_of
 from common.webhooks import BadDestination, check_destination
 
 RETRY_AFTER_S = 2  # a full queue drains at the workers' pace; retrying sooner only adds load
@@ -28,14 +30,31 @@ CLIENT_CLOSED_REQUEST = 499  # nginx's status for it; logged, never received
 RECANCEL_S = 0.05  # a task that did not end this long after its cancel is cancelled again
 
 
-async def submit_job(services: Services, body: JobRequest, idempotency_key: str | None = None) -> Job:
-    """Store the job with its Celery message, in one script (429 when the queue is full)."""
+async def submit_job(
+    services: Services, body: JobRequest, model: str, idempotency_key: str | None = None
+) -> Job:
+    """Store the job with its Celery message to ``model``'s queue, in one script (429 when the
+    queue is full; 403 for a priority its key may not give)."""
     metrics = services.metrics
     if body.webhook is not None:
         await check_webhook(services, body.webhook)
+    owner, settings = current_owner(), services.settings
+    if body.priority < (floor := settings.priority_floor_of(tenant_of(owner))):
+        raise ApiError(
+            403,
+            f"priority {body.priority} is below what this API key may ask for ({floor}; "
+            "SPOOL_PRIORITY_FLOOR, SPOOL_TENANT_PRIORITY_FLOORS)",
+            param="priority",
+            code="priority_not_allowed",
+        )
+    queue, priority = settings.keys.model_queue(model), message_priority(body)
     try:
         job = await services.store.create_job(
-            body, current_owner(), services.enqueuer.generate, idempotency_key, services.enqueuer.media
+            body,
+            owner,
+            lambda job_id: services.enqueuer.generate(job_id, queue, priority),
+            idempotency_key,
+            services.enqueuer.media,
         )
     except QueueFull as e:  # counted with the other refusals (api/metrics.py)
         raise ApiError(429, str(e), code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)}) from None

@@ -7,6 +7,7 @@ several deployments can share one Redis without seeing each other's data.
 from __future__ import annotations
 
 import hashlib
+import re
 from dataclasses import dataclass
 
 GENERATE_TASK = "spool.generate"  # the Celery task a job's message names; the API sends it by name
@@ -25,6 +26,10 @@ REQUEUE_PRIORITY = 0
 JOB_PRIORITY = 3
 BATCH_PRIORITY = 6
 _KOMBU_PRIORITY_SEP = "\x06\x16"
+
+MODEL_SLUG_CHARS = 40  # of a model's name in its queue's name (Keys.model_queue)
+MODEL_DIGEST_CHARS = 10
+_UNSAFE = re.compile(r"[^A-Za-z0-9_.-]+")
 
 WATCHER_GHOST = "left:"  # prefix of the member a watcher leaves behind in Keys.job_watchers
 
@@ -188,10 +193,17 @@ class Keys:
         """Counter: the last fence a feeder lease was taken with (one more at each new holder)."""
         return f"{self.prefix}:batches:feeder:fence"
 
-    @property
-    def queue_llm(self) -> str:
-        """Celery queue for text generation."""
-        return f"{self.prefix}.llm"
+    def model_queue(self, model: str) -> str:
+        """Celery queue of the text jobs of one served model (its name in /v1/models), consumed by
+        that model's workers only: ``{p}.llm.{slug}.{digest}``. The slug (the name's tail, in
+        safe characters) is for people reading the broker; the digest tells names apart."""
+        digest = hashlib.sha256(model.encode()).hexdigest()[:MODEL_DIGEST_CHARS]
+        slug = _UNSAFE.sub("-", model).strip("-.")[-MODEL_SLUG_CHARS:]
+        return f"{self.prefix}.llm.{slug}.{digest}"
+
+    def model_queues(self) -> str:
+        """Pattern of every model's queue list (for tests and tools that clean a prefix up)."""
+        return f"{self.prefix}.llm.*"
 
     def queue_lists(self, queue: str) -> tuple[str, str]:
         """The broker's lists behind a queue: requeued messages, then first messages."""

@@ -12,7 +12,7 @@ import json
 import math
 import re
 from pathlib import PurePath
-from typing import Annotated, Any, Literal, Self
+from typing import Annotated, Any, Literal, Self, get_args
 
 import jsonschema
 from pydantic import (
@@ -39,6 +39,9 @@ LIMIT_EXCEEDED = "limit_exceeded"  # validation error type of a value above a co
 OUT_OF_RANGE = "out_of_range"  # validation error type of a sampling extra outside its range (400, as OpenAI)
 MAX_LOGIT_BIAS = 300  # token ids one request may bias
 MAX_LOGPROBS = 20  # top logprobs per token (chat's top_logprobs limit)
+MAX_PRIORITY = 100  # a request's priority is within +-this (the batch tier runs below them all)
+ServiceTier = Literal["auto", "default", "flex"]  # OpenAI's; "flex" is the batch tier
+SERVICE_TIERS: tuple[str, ...] = get_args(ServiceTier)
 # The sampling extras' (lowest, highest) values, both included.
 _RANGES: dict[str, tuple[float, float]] = {
     "frequency_penalty": (-2, 2),
@@ -525,6 +528,12 @@ class JobRequest(TextParams):
             raise PydanticCustomError(INVALID_WEBHOOK, "webhook_events needs a webhook", {})
         return self
 
+    # Priority tiers (docs/internals.md, "Models and tenants"): OpenAI's service_tier ("flex": the
+    # batch tier, below interactive work) and a number as vLLM's (lower runs first; below
+    # SPOOL_PRIORITY_FLOOR only for the keys SPOOL_TENANT_PRIORITY_FLOORS allows).
+    service_tier: ServiceTier = "auto"
+    priority: StrictInt = Field(0, ge=-MAX_PRIORITY, le=MAX_PRIORITY)
+
     @field_validator("n")
     @classmethod
     def _n(cls, v: int, info: ValidationInfo) -> int:
@@ -614,7 +623,14 @@ class JobRequest(TextParams):
             return part.model_copy(update={"timeout_s": timeout})
         fields = part.model_dump(exclude={"type"}, exclude_unset=True)
         return JobRequest.model_validate(
-            {**fields, "max_tokens": part.max_tokens, "timeout_s": timeout, "background": self.background}
+            {
+                **fields,
+                "max_tokens": part.max_tokens,
+                "timeout_s": timeout,
+                "background": self.background,
+                "service_tier": self.service_tier,
+                "priority": self.priority,
+            }
         )
 
     @classmethod
@@ -753,6 +769,8 @@ class Job(JobSummary):
     """The job as the API shows it."""
 
     text: str  # concatenated token texts; partial while running
+    # Queued: how many jobs its model's workers take before it (AsyncJobStore.queue_position).
+    queue_position: int | None = None
 
 
 class JobList(BaseModel):

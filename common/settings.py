@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from functools import lru_cache
-from typing import Literal
+from typing import Literal, TypeVar
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -19,6 +19,8 @@ from common.webhooks import check_secret
 DEFAULT_MAX_TOKENS = 128  # a request's max_tokens when it gives none (SPOOL_DEFAULT_MAX_TOKENS)
 
 ENV_PREFIX = "SPOOL_"
+_N = TypeVar("_N", int, float)
+DEFAULT_SERVED_MODEL = "spool-default"  # the embedded default model's name (SPOOL_SERVED_MODEL_NAME)
 
 
 class SettingsError(RuntimeError):
@@ -118,6 +120,19 @@ class Settings(BaseSettings):
     # (killed, or ended by the watchdog) or lost it; the next take fails it (too_many_attempts).
     max_attempts: int = Field(3, ge=1)
     worker_name: str = ""  # empty: spool-{hostname}-{pid}-{random} (workers/identity.py)
+    # Fair shares between API keys (tenants) within a priority: the engine admits the waiting
+    # request of the tenant with the least service (workers/engine/fairness.py), counted in
+    # weighted tokens: prompt_weight per prompt token, output_weight per generated token.
+    fair_share: bool = True  # off: first come, first served within a priority
+    fair_prompt_weight: float = Field(1.0, ge=0)
+    fair_output_weight: float = Field(2.0, gt=0)
+    # A tenant's share: comma-separated TENANT=WEIGHT, TENANT the short hash of its key (``spool
+    # job`` and the metrics' `tenant` label show it); unlisted tenants weigh 1.
+    tenant_weights: str = ""
+    # The lowest (most urgent) `priority` a request may give: 0, the default's, unless its key's
+    # tenant is listed in SPOOL_TENANT_PRIORITY_FLOORS (TENANT=FLOOR,...); below it: a 403.
+    priority_floor: int = 0
+    tenant_priority_floors: str = ""
     # Each worker process serves its Prometheus metrics on this port (workers/metrics.py); unset: none.
     worker_metrics_port: int | None = Field(None, ge=1, le=65535)
 
@@ -163,6 +178,18 @@ class Settings(BaseSettings):
             check_secret(secret)  # ValueError: named with the variable
         return v
 
+    @field_validator("tenant_weights")
+    @classmethod
+    def _tenant_weights(cls, v: str) -> str:
+        parse_tenant_weights(v)
+        return v
+
+    @field_validator("tenant_priority_floors")
+    @classmethod
+    def _tenant_priority_floors(cls, v: str) -> str:
+        parse_tenant_values(v, int)
+        return v
+
     @field_validator("api_keys")
     @classmethod
     def _api_keys(cls, v: str) -> str:
@@ -190,6 +217,11 @@ class Settings(BaseSettings):
         return Keys(self.redis_prefix)
 
     @property
+    def served_model(self) -> str:
+        """The model's name in /v1/models: a worker's, or the API's default while no worker is live."""
+        return self.served_model_name or self.model or DEFAULT_SERVED_MODEL
+
+    @property
     def cors_origin_list(self) -> list[str]:
         return [o.strip() for o in self.cors_origins.split(",") if o.strip()]
 
@@ -198,8 +230,38 @@ class Settings(BaseSettings):
         return frozenset(h.strip().lower() for h in self.webhook_allow_hosts.split(",") if h.strip())
 
     @property
+    def tenant_weight_map(self) -> dict[str, float]:
+        return parse_tenant_weights(self.tenant_weights)
+
+    def priority_floor_of(self, tenant: str) -> int:
+        """The lowest priority this tenant's requests may give."""
+        return parse_tenant_values(self.tenant_priority_floors, int).get(tenant, self.priority_floor)
+
+    @property
     def api_key_set(self) -> frozenset[str]:
         return frozenset(k.strip() for k in self.api_keys.split(",") if k.strip())
+
+
+def parse_tenant_values(v: str, cast: type[_N]) -> dict[str, _N]:
+    """ "TENANT=VALUE,..." -> {tenant: value}; ValueError naming the item when malformed."""
+    values = {}
+    for item in filter(None, (x.strip() for x in v.split(","))):
+        tenant, sep, value = item.partition("=")
+        try:
+            if not sep or not tenant.strip():
+                raise ValueError
+            values[tenant.strip()] = cast(value)
+        except ValueError:
+            raise ValueError(f"{item!r} is not TENANT={cast.__name__.upper()}") from None
+    return values
+
+
+def parse_tenant_weights(v: str) -> dict[str, float]:
+    """SPOOL_TENANT_WEIGHTS -> {tenant: weight}; ValueError when malformed or not positive."""
+    weights = parse_tenant_values(v, float)
+    if bad := [t for t, w in weights.items() if not 0 < w < float("inf")]:
+        raise ValueError(f"the weight of {bad[0]!r} must be positive")
+    return weights
 
 
 def check_api_settings(settings: Settings) -> None:

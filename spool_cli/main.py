@@ -61,7 +61,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     else:
         from workers.celery_app import app, worker_concurrency  # loads torch: only here
 
-        concurrency, queue = worker_concurrency(settings), settings.keys.queue_llm
+        concurrency, queue = worker_concurrency(settings), settings.keys.model_queue(settings.served_model)
     app.worker_main(
         [
             "worker",

@@ -56,6 +56,12 @@ def completion_line(i: int, max_tokens: int = 6) -> dict[str, Any]:
     return {"custom_id": f"cmpl-{i}", "method": "POST", "url": "/v1/completions", "body": body}
 
 
+def lines_queue(prefix: str, model: Path) -> str:
+    """The broker list of batch lines in the queue of the model served from ``model``."""
+    keys = Keys(prefix)
+    return keys.broker_list(keys.model_queue(str(model)), BATCH_PRIORITY)
+
+
 def upload(oai: openai.OpenAI, lines: list[dict[str, Any]] | bytes) -> str:
     content = lines if isinstance(lines, bytes) else "".join(json.dumps(x) + "\n" for x in lines).encode()
     return oai.files.create(file=("input.jsonl", content), purpose="batch").id
@@ -294,7 +300,7 @@ def test_two_batches_share_the_workers(oai: openai.OpenAI) -> None:
 
 
 def test_cancel_mid_run_keeps_what_finished_and_runs_nothing_after(
-    oai: openai.OpenAI, batch_cluster: Cluster
+    oai: openai.OpenAI, batch_cluster: Cluster, tiny_model: Path
 ) -> None:
     lines = [completion_line(i, max_tokens=48) for i in range(40)]
     batch_id = run_batch(oai, lines, "/v1/completions")
@@ -312,7 +318,7 @@ def test_cancel_mid_run_keeps_what_finished_and_runs_nothing_after(
     # Nothing of it runs or waits any more: every job it made ended, and the queue holds none.
     r = redis.Redis.from_url(REDIS_URL, decode_responses=True)
     keys = Keys(batch_cluster.prefix)
-    assert r.llen(keys.broker_list(keys.queue_llm, BATCH_PRIORITY)) == 0
+    assert r.llen(lines_queue(batch_cluster.prefix, tiny_model)) == 0
     assert not r.zrange(keys.running_jobs(), 0, -1)
 
 
@@ -351,13 +357,13 @@ def test_metrics_count_batches_by_status_and_live_lines_by_state(
 
 
 def test_an_interactive_request_is_taken_before_the_batchs_queued_lines(
-    oai: openai.OpenAI, batch_cluster: Cluster
+    oai: openai.OpenAI, batch_cluster: Cluster, tiny_model: Path
 ) -> None:
     r = redis.Redis.from_url(REDIS_URL, decode_responses=True)
     keys = Keys(batch_cluster.prefix)
     idle = _ttft(oai)
     batch_id = run_batch(oai, [completion_line(i, max_tokens=32) for i in range(60)], "/v1/completions")
-    queued_lines = keys.broker_list(keys.queue_llm, BATCH_PRIORITY)
+    queued_lines = lines_queue(batch_cluster.prefix, tiny_model)
     # NOTE: lines queued when the request arrives may all be popped by free task threads within
     # milliseconds of it, which says nothing of the order: send requests until one arrives while
     # lines wait (each is then checked), a few at most.
@@ -462,14 +468,15 @@ def test_a_line_whose_message_was_lost_is_sent_again_and_lines_are_not_counted_a
         prefixes.new(),
         log_dir,
         ready=False,
+        model=tiny_model,  # the default model of the lines queued before a worker is up
         heartbeat_s=0.5,
         heartbeat_ttl_s=2,
         lease_s=2,
         max_queued_jobs=2,
         **BATCH_SETTINGS,
     )
-    keys, r = Keys(api.prefix), redis.Redis.from_url(REDIS_URL, decode_responses=True)
-    queued_lines = keys.broker_list(keys.queue_llm, BATCH_PRIORITY)
+    r = redis.Redis.from_url(REDIS_URL, decode_responses=True)
+    queued_lines = lines_queue(api.prefix, tiny_model)
     worker = None
     try:
         with openai.OpenAI(base_url=f"{api.url}/v1", api_key="unused", max_retries=0) as client:

@@ -26,9 +26,11 @@ def make_app(
     queue: str | None = None,
     concurrency: int | None = None,
 ) -> Celery:
-    """The workers' Celery app: text workers' by default; a media worker's names its own task
-    module, queue (``{p}.media``) and concurrency (workers/media/tasks.py)."""
-    queue = queue or settings.keys.queue_llm
+    """The workers' Celery app: text workers' by default, on the queue of the model they serve
+    (``Keys.model_queue``); a media worker's names its own task module, queue (``{p}.media``) and
+    concurrency (workers/media/tasks.py)."""
+    text_queue = settings.keys.model_queue(settings.served_model)
+    queue = queue or text_queue
     app = Celery("spool", broker=settings.redis_url, include=list(include))
     app.conf.update(
         task_ignore_result=True,
@@ -42,7 +44,7 @@ def make_app(
         control_exchange=settings.keys.control_exchange,
         event_exchange=settings.keys.event_exchange,
         task_routes={
-            GENERATE_TASK: {"queue": settings.keys.queue_llm},
+            GENERATE_TASK: {"queue": text_queue},
             MEDIA_TASK: {"queue": settings.keys.queue_media},
         },
         broker_transport_options={"visibility_timeout": VISIBILITY_TIMEOUT_S, **settings.keys.broker_unacked},

@@ -90,8 +90,8 @@ class Liveness:
         name: str,
         executor: Executor,
         stop: threading.Event,
-        requeue: Requeue | None = None,
-        queue: str = "",
+        requeue: Requeue | None,
+        queue: str,
     ) -> None:
         self.store = store
         self.settings = settings
@@ -99,7 +99,7 @@ class Liveness:
         self.executor = executor
         self.stop = stop  # set when the worker stops
         # requeue sends a job's message again (the Celery app's send_task); None: no sweep. queue:
-        # the Celery queue of the jobs it sweeps for ("": text jobs; workers/reaper.py).
+        # the Celery queue of the jobs it sweeps for (its model's, or the media queue; workers/reaper.py).
         self._reaper = Reaper(store, name, requeue, queue) if requeue is not None else None
         self._connected_since: float | None = None  # start of the current run of successful beats
         self._tokenizer: TokenizerSpec | None = None  # named by the heartbeats (start)

@@ -1,7 +1,8 @@
 """Prometheus metrics of one worker process: request latencies, token counts, engine gauges.
 
 Names follow vLLM's (``docs/design/metrics.md``) with Spool's prefix, each with a ``model_name``
-label. Every figure is taken on the engine thread from what it already has: the job's
+label; the ``spool_tenant_*`` ones also have a ``tenant`` label (common/tenants.py: a short hash
+of the API key, never the key; "anonymous" without keys). Every figure is taken on the engine thread from what it already has: the job's
 ``created_at`` (read when the job was taken), the engine's deltas and ``engine.stats()``. No
 Redis round trip of its own. ``SPOOL_WORKER_METRICS_PORT`` serves them with prometheus_client's
 HTTP server (``serve``).
@@ -14,9 +15,10 @@ clock only.
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +35,7 @@ LATENCY_BUCKETS = (
     1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0,
 )  # fmt: skip
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000)
+ANONYMOUS = "anonymous"  # the tenant label of jobs without an API key
 # The finish reasons a job's terminal event can carry (publisher._final): each shown from the start.
 FINISHED_REASONS = ("stop", "length", "cancelled", "timeout", "error")
 
@@ -43,6 +46,7 @@ class _Timing:
 
     created_at: float
     resumed: bool  # continued from another worker's tokens: its first token here is not the job's
+    tenant: str  # the metrics' label (ANONYMOUS without API keys)
     scheduled_at: float | None = None
     first_token_at: float | None = None
     last_token_at: float | None = None
@@ -56,6 +60,9 @@ class WorkerMetrics:
         self.model_name = model_name
         self._jobs: dict[str, _Timing] = {}
         self._unscheduled: list[str] = []  # jobs in the engine not yet admitted, in the order added
+        self._tenants: set[str] = (
+            set()
+        )  # tenants seen: their waiting gauge is set at every step (0 when none)
 
         def histogram(name: str, text: str, buckets: Sequence[float]) -> Any:
             return Histogram(name, text, ["model_name"], buckets=buckets, registry=self.registry).labels(
@@ -111,40 +118,82 @@ class WorkerMetrics:
         self.kv_usage = gauge(
             "spool_kv_cache_usage_perc", "Share of the KV cache's token positions in use (0 to 1)"
         )
+        tenant = ["model_name", "tenant"]
+        self.tenant_tokens = Counter(
+            "spool_tenant_tokens",
+            "Tokens served per tenant (API key), prompt and generated",
+            [*tenant, "kind"],
+            registry=self.registry,
+        )
+        self.tenant_queue_time = Histogram(
+            "spool_tenant_queue_time_seconds",
+            "Job created to first scheduled in the engine, per tenant",
+            tenant,
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.tenant_waiting = Gauge(
+            "spool_tenant_requests_waiting",
+            "Jobs in the engine waiting for a slot, per tenant",
+            tenant,
+            registry=self.registry,
+        )
 
     def serve(self, port: int, addr: str = "0.0.0.0") -> None:
         """Serve /metrics on ``port`` from a daemon thread (prometheus_client's own server)."""
         start_http_server(port, addr=addr, registry=self.registry)
 
-    def added(self, job_id: str, created_at: float, prompt_tokens: int, attempt: int, resumed: bool) -> None:
+    def added(
+        self,
+        job_id: str,
+        created_at: float,
+        prompt_tokens: int,
+        attempt: int,
+        resumed: bool,
+        tenant: str = "",
+    ) -> None:
         """The job went into the engine (its prompt is counted once per attempt)."""
-        self._jobs[job_id] = _Timing(created_at, resumed)
+        label = tenant or ANONYMOUS
+        self._tenants.add(label)
+        self._jobs[job_id] = _Timing(created_at, resumed, label)
         self._unscheduled.append(job_id)
         self.prompt_tokens.inc(prompt_tokens)
+        self.tenant_tokens.labels(self.model_name, label, "prompt").inc(prompt_tokens)
         if attempt > 1:
             self.takeovers.inc()
 
     def step(
-        self, started: float, deltas: Sequence[Delta], appends: Sequence[Append], stats: Mapping[str, Any]
+        self,
+        started: float,
+        deltas: Sequence[Delta],
+        appends: Sequence[Append],
+        stats: Mapping[str, Any],
+        waiting: Collection[str],
     ) -> None:
-        """After one engine step that began at ``started`` (unix s): its deltas and their writes.
+        """After one engine step that began at ``started`` (unix s): its deltas and their writes,
+        and the jobs still ``waiting`` in the engine for a slot.
 
         Never raises: the runtime calls it before handing the step's writes to the writer, and a
         fault in a figure must not cost a job its events.
         """
         try:
-            self._step(started, deltas, appends, stats)
+            self._step(started, deltas, appends, stats, waiting)
         except Exception:
             log.exception("could not record the step's metrics; going on")
 
     def _step(
-        self, started: float, deltas: Sequence[Delta], appends: Sequence[Append], stats: Mapping[str, Any]
+        self,
+        started: float,
+        deltas: Sequence[Delta],
+        appends: Sequence[Append],
+        stats: Mapping[str, Any],
+        waiting: Collection[str],
     ) -> None:
         now = time.time()
         # A job that ended without a token this step left the engine's waiting queue unscheduled.
         with_token = {d.request_id for d in deltas if d.token_ids}
         ended_waiting = {a.job_id for a in appends if a.final is not None} - with_token
-        self._schedule(started, int(stats.get("waiting", 0)), ended_waiting)
+        self._schedule(started, waiting, ended_waiting)
         for d in deltas:
             if d.token_ids:
                 self._token(d.request_id, len(d.token_ids), now)
@@ -155,22 +204,30 @@ class WorkerMetrics:
         self.waiting.set(stats.get("waiting", 0))
         self.kv_usage.set(stats.get("kv_cache_usage", 0.0))
 
-    def _schedule(self, started: float, waiting: int, gone: set[str]) -> None:
-        # The engine admits first come, first served: every job added but the last `waiting` was admitted.
-        self._unscheduled = [j for j in self._unscheduled if j in self._jobs and j not in gone]
-        admitted = len(self._unscheduled) - waiting
-        for job_id in self._unscheduled[: max(admitted, 0)]:
+    def _schedule(self, started: float, waiting: Collection[str], gone: set[str]) -> None:
+        # NOTE: by the engine's own list: it admits by priority and fair share, not in the order added.
+        unscheduled = [j for j in self._unscheduled if j in self._jobs and j not in gone]
+        self._unscheduled = [j for j in unscheduled if j in waiting]
+        for job_id in unscheduled:
+            if job_id in waiting:
+                continue
             t = self._jobs[job_id]
             t.scheduled_at = started
             if not t.resumed:
                 self.queue_time.observe(max(started - t.created_at, 0.0))
-        del self._unscheduled[: max(admitted, 0)]
+                self.tenant_queue_time.labels(self.model_name, t.tenant).observe(
+                    max(started - t.created_at, 0.0)
+                )
+        per_tenant = collections.Counter(self._jobs[j].tenant for j in self._unscheduled)
+        for tenant in self._tenants:
+            self.tenant_waiting.labels(self.model_name, tenant).set(per_tenant[tenant])
 
     def _token(self, job_id: str, n: int, now: float) -> None:
         self.generation_tokens.inc(n)
         t = self._jobs.get(job_id)
         if t is None:
             return
+        self.tenant_tokens.labels(self.model_name, t.tenant, "generated").inc(n)
         if t.first_token_at is None:
             t.first_token_at = now
             if not t.resumed:

@@ -13,6 +13,10 @@ Every live worker runs a sweep from its heartbeat thread, so recovery needs no e
   sent) in ``{p}:queued_media``; each kind of worker sweeps its own. (The API cannot lose it:
   the script that stores a job pushes its message.)
 
+A job's hash names its Celery queue (``queue``: its model's, ``Keys.model_queue``), and a sweep
+requeues only the jobs of the queue it was given, to that queue: a text worker's, its model's, so
+a job is taken over by a worker of the model it was queued for, never by another model's.
+
 Celery's visibility timeout would also redeliver a dead worker's message, but only after it
 expires (minutes, and it must exceed the longest job); the sweep acts within a lease.
 ``claim_requeue`` (one Lua call) makes exactly one worker send each requeue, and duplicates are
@@ -57,13 +61,14 @@ class Requeued:
 
 
 class Reaper:
-    def __init__(self, store: SyncJobStore, name: str, requeue: Requeue, queue: str = "") -> None:
+    def __init__(self, store: SyncJobStore, name: str, requeue: Requeue, queue: str) -> None:
         self.store = store
         self.name = name  # this worker's name, as in the job hashes' `worker`
         self.requeue = requeue
-        # The jobs it requeues: those of its own Celery queue ("": text jobs, {p}.llm); a media
-        # worker's sweep leaves text jobs to text workers and the other way round.
+        # The jobs it requeues: those of its own Celery queue (its model's, or {p}.media); a media
+        # worker's sweep leaves text jobs to text workers, and a text worker's other models' jobs.
         self.queue = queue
+        self.text = queue != store.settings.keys.queue_media
         self.settings = store.settings
         self._deliveries_swept = 0.0  # monotonic time of the last drop_ended_deliveries
         self._attempts_cursor = 0  # HSCAN cursor of the pass over {p}:attempts; 0: between passes
@@ -78,20 +83,26 @@ class Reaper:
         """
         now = time.time()
         done: list[Requeued] = []
-        lapsed = [(j, w) for j, w, q in self.store.lapsed_leases(now) if j not in mine and q == self.queue]
+        # NOTE: a job without a queue (its hash gone, or stored by a version before a queue per
+        # model) is any text worker's to requeue: its claim drops a gone job's entry.
+        lapsed = [
+            (j, w)
+            for j, w, q in self.store.lapsed_leases(now)
+            if j not in mine and (q == self.queue or (self.text and not q))
+        ]
         alive = self.store.live_workers(w for _, w in lapsed if w != self.name) if others_too else set()
         for job_id, worker in lapsed:
             if worker == self.name or (others_too and worker not in alive):
                 done += self._requeue(job_id, now, "lease lapsed", worker)
         if others_too:
             # Text jobs and parts in {p}:queued, image parts in {p}:queued_media (each kind's sweep).
-            for job_id in self.store.stale_queued(now - self.settings.lease_s, queue=self.queue):
+            for job_id in self.store.stale_queued(now - self.settings.lease_s, self.queue):
                 done += self._requeue(job_id, now, "message lost", "")
-        if others_too and not self.queue:
+        if others_too and self.text:
             if time.monotonic() - self._deliveries_swept >= self.settings.lease_s:
                 self._deliveries_swept = time.monotonic()
                 self.drop_ended_deliveries()
-        if not self.queue:
+        if self.text:
             self.drop_stale_attempts()
         return done
 

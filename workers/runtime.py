@@ -32,10 +32,19 @@ import torch
 from redis.exceptions import RedisError
 
 from common.process import NamedThread
-from common.schemas import JobError, JobRequest, LogEntry
+from common.schemas import MAX_PRIORITY, JobError, JobRequest, LogEntry
 from common.settings import Settings
 from common.store import Append, SyncJobStore, TakeResult, TakeStatus, job_text
-from workers.engine import Delta, Engine, EngineConfig, FinishReason, RequestTooLongError, SamplingParams
+from common.tenants import tenant_of
+from workers.engine import (
+    Delta,
+    Engine,
+    EngineConfig,
+    FinishReason,
+    RequestTooLongError,
+    SamplingParams,
+    TokenWeights,
+)
 from workers.engine.grammar import GrammarError
 from workers.engine.tiny import default_model_path
 from workers.identity import this_process
@@ -49,7 +58,9 @@ from workers.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
 
-BATCH_LINE_PRIORITY = 1  # SamplingParams.priority of a batch's line (interactive jobs: 0)
+# SamplingParams.priority of the batch tier; an interactive job's is its request's priority (0 by
+# default, within +-MAX_PRIORITY).
+BATCH_LINE_PRIORITY = MAX_PRIORITY + 1
 OUTBOX_STEPS = 2  # steps whose entries may wait for the writer before the engine thread waits too
 INTAKE_S = 0.02  # how often a worker holding batch lines looks for queued interactive jobs
 
@@ -100,7 +111,9 @@ class _Job:
     request: JobRequest
     choices: list[_Choice]
     owner: str  # the API key's hash: the engine's prefix-cache salt, so owners never share
-    batch_line: bool  # a batch's line: admitted to the engine after the interactive jobs waiting
+    # The batch tier (a batch's line, or service_tier "flex"): admitted to the engine after the
+    # interactive jobs waiting, preempted for them.
+    batch_line: bool
     deadline: float | None  # unix seconds: created_at + timeout_s
     created_at: float
     done: threading.Event = field(default_factory=threading.Event)
@@ -119,9 +132,13 @@ class _Job:
         return [i for c in self.choices for i in c.resume_token_ids]
 
 
-def sampling_params(r: JobRequest, priority: int = 0) -> SamplingParams:
+def sampling_params(
+    r: JobRequest, priority: int = 0, tenant: str = "", tenant_weight: float = 1.0
+) -> SamplingParams:
     return SamplingParams(
         priority=priority,
+        tenant=tenant,
+        tenant_weight=tenant_weight,
         max_tokens=r.max_tokens,
         temperature=r.temperature,
         top_p=r.top_p,
@@ -203,7 +220,7 @@ def new_job(taken: TakeResult) -> _Job:
         request=record.request,
         choices=choices,
         owner=record.owner,
-        batch_line=bool(record.batch),
+        batch_line=bool(record.batch) or record.request.service_tier == "flex",
         deadline=record.job.created_at + timeout if timeout else None,
         created_at=record.job.created_at,
     )
@@ -253,15 +270,17 @@ def _per_job(deltas: list[Delta], cursors: dict[str, JobCursor]) -> list[Delta]:
     return list(by_job.values())
 
 
-def _job_counts(running: list[str], waiting: list[str], cursors: dict[str, JobCursor]) -> dict[str, int]:
-    """The engine's running and waiting requests as the metrics count them: per job. A job runs
+def _job_sets(
+    running: list[str], waiting: list[str], cursors: dict[str, JobCursor]
+) -> tuple[set[str], set[str]]:
+    """The jobs of the engine's running and waiting requests, as the metrics count them: a job runs
     while any of its choices holds a slot, and waits while none does yet."""
 
     def job_of(engine_id: str) -> str:
         return cursors[engine_id].job_id if engine_id in cursors else engine_id
 
     jobs_running = set(map(job_of, running))
-    return {"running": len(jobs_running), "waiting": len(set(map(job_of, waiting)) - jobs_running)}
+    return jobs_running, set(map(job_of, waiting)) - jobs_running
 
 
 class EngineRuntime:
@@ -279,6 +298,8 @@ class EngineRuntime:
         self.settings = settings
         self.name = name  # heartbeat key and the job hash's `worker`
         self.model = model  # shown in heartbeats and jobs
+        self.queue = settings.keys.model_queue(model)  # the only queue it takes jobs from
+        self._tenant_weights = settings.tenant_weight_map  # SPOOL_TENANT_WEIGHTS
         self.metrics = WorkerMetrics(model)  # observed on the engine thread (workers/metrics.py)
         self._stop = threading.Event()
         self._inbox: queue.SimpleQueue[_Add | _Abort | _Drop | object] = queue.SimpleQueue()
@@ -289,7 +310,7 @@ class EngineRuntime:
         self._stats: dict[str, Any] = engine.stats()  # engine thread writes, heartbeat reads
         self._pending: list[Delta] = []  # ends made outside engine.step(), written with the next step
         self._publisher = Publisher(store, self._stop)
-        self.liveness = Liveness(store, settings, name, self, self._stop, requeue)
+        self.liveness = Liveness(store, settings, name, self, self._stop, requeue, self.queue)
         self._watchdog = Watchdog(settings.engine_stall_s, self._stop, self.liveness.forget_heartbeat)
         self._intaking: set[str] = set()  # jobs the intake thread found queued, being taken (under _lock)
         self._threads = [
@@ -315,6 +336,11 @@ class EngineRuntime:
             max_prefill_tokens_per_step=settings.max_prefill_tokens_per_step,
             enable_prefix_caching=settings.enable_prefix_caching,
             max_guide_mask_ms=settings.max_guide_mask_ms,
+            fair_share=(
+                TokenWeights(settings.fair_prompt_weight, settings.fair_output_weight)
+                if settings.fair_share
+                else None
+            ),
             # Unset: where it was measured to pay, a CPU (docs/benchmarks.md); not yet on a GPU.
             compile=settings.compile if settings.compile is not None else settings.device == "cpu",
         )
@@ -323,8 +349,9 @@ class EngineRuntime:
         except Exception as e:
             model = repr(settings.model) if settings.model else f"unset (the default model, {path})"
             raise ModelLoadError(f"SPOOL_MODEL={model} did not load: {type(e).__name__}: {e}") from e
-        model = settings.served_model_name or settings.model or "spool-default"
-        runtime = cls(engine, SyncJobStore.from_settings(settings), settings, name, model, requeue)
+        runtime = cls(
+            engine, SyncJobStore.from_settings(settings), settings, name, settings.served_model, requeue
+        )
         if settings.worker_metrics_port is not None:
             runtime.metrics.serve(settings.worker_metrics_port)
         runtime.start()
@@ -380,8 +407,8 @@ class EngineRuntime:
         if taken.record is not None and taken.record.cancel_requested:
             self._inbox.put(_Abort(job_id, None))  # cancelled while an earlier attempt ran it
         self._inbox.put(_Add(job_id))
-        if not job.batch_line:  # a step of batch lines in flight stops for it (Engine.interrupt)
-            self.engine.interrupt(0)
+        if not job.batch_line:  # a step of lower priorities in flight stops for it (Engine.interrupt)
+            self.engine.interrupt(job.request.priority)
         job.done.wait()
         return job.outcome
 
@@ -416,7 +443,7 @@ class EngineRuntime:
         engine or waiting for a slot), an interactive message waits in the queue until some line
         ends, however far ahead of the lines it is queued (with lines of one length that is the
         end of a whole wave of them). So every ``INTAKE_S`` a worker that holds a line reads the
-        oldest queued jobs (the queued set holds interactive jobs and text parts, never lines)
+        oldest queued jobs of its model (the queued set holds interactive jobs and text parts, never lines)
         and runs each as its message would, on a thread of its own, as many as its engine has
         slots not held by interactive jobs: the engine preempts a line for it at the next step.
         The take is the same script (one worker wins it); the message, delivered later, finds
@@ -427,7 +454,7 @@ class EngineRuntime:
             if room <= 0:
                 continue
             try:
-                queued = self.store.oldest_queued(room)
+                queued = self.store.oldest_queued(room, self.queue)
             except RedisError:
                 continue  # Redis unreachable: the messages still come through Celery
             with self._lock:
@@ -487,8 +514,11 @@ class EngineRuntime:
                     cursors = {eid: j.cursor for j in self._jobs.values() for eid in j.engine_ids}
                 self._end_siblings(deltas, cursors)
                 appends = self._publisher.prepare(deltas, cursors)
-                counts = _job_counts(*self.engine.request_ids(), cursors)
-                self.metrics.step(started, _per_job(deltas, cursors), appends, {**self._stats, **counts})
+                jobs_running, jobs_waiting = _job_sets(*self.engine.request_ids(), cursors)
+                counts = {"running": len(jobs_running), "waiting": len(jobs_waiting)}
+                self.metrics.step(
+                    started, _per_job(deltas, cursors), appends, {**self._stats, **counts}, jobs_waiting
+                )
                 if appends:
                     self._outbox.put(appends)  # waits while the writer is OUTBOX_STEPS behind
             except Exception:
@@ -570,7 +600,10 @@ class EngineRuntime:
             if not done:  # every choice ended before the job's terminal event was written
                 self._pending += end_deltas(job, FinishReason.STOP, choices=[])
             return
-        params = sampling_params(job.request, BATCH_LINE_PRIORITY if job.batch_line else 0)
+        tenant = tenant_of(job.owner)
+        weight = self._tenant_weights.get(tenant, 1.0)
+        priority = BATCH_LINE_PRIORITY if job.batch_line else job.request.priority
+        params = sampling_params(job.request, priority, tenant, weight)
         added: list[_Choice] = []
         try:
             prompt = prompt_of(job.request, self.engine.tokenizer)
@@ -599,7 +632,14 @@ class EngineRuntime:
             return
         job.in_engine = True
         cur = job.cursor
-        self.metrics.added(job_id, job.created_at, cur.prompt_tokens, cur.attempt, bool(job.resume_token_ids))
+        self.metrics.added(
+            job_id,
+            job.created_at,
+            cur.prompt_tokens,
+            cur.attempt,
+            bool(job.resume_token_ids),
+            tenant_of(job.owner),
+        )
 
     def _abort(self, cmd: _Abort) -> None:
         job = self._job(cmd.job_id)

@@ -20,10 +20,11 @@ _runtime: EngineRuntime | None = None
 
 
 def requeue(job_id: str) -> None:
-    """Send a job's message again (the runtime's sweep found it orphaned: workers/reaper.py)."""
-    app.send_task(
-        GENERATE_TASK, args=[job_id], queue=get_settings().keys.queue_llm, priority=REQUEUE_PRIORITY
-    )
+    """Send a job's message again, to this worker's model's queue (the runtime's sweep found it
+    orphaned: workers/reaper.py, which requeues only the jobs of that queue)."""
+    settings = get_settings()
+    queue = settings.keys.model_queue(settings.served_model)
+    app.send_task(GENERATE_TASK, args=[job_id], queue=queue, priority=REQUEUE_PRIORITY)
 
 
 @signals.worker_init.connect

@@ -13,7 +13,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, StrictInt, ValidationError
 
 from api.errors import ApiError, body_errors
-from common.schemas import MAX_LOGPROBS, TOO_DEEP, JobRequest, too_deep_message
+from common.schemas import MAX_LOGPROBS, SERVICE_TIERS, TOO_DEEP, JobRequest, too_deep_message
 from common.settings import Settings
 
 # Values of unsupported parameters that change nothing, so a client sending them is served.
@@ -96,6 +96,8 @@ class OpenAIRequest(_Open):
     guided_choice: list[str] | None = None
     webhook: str | None = None  # Spool's: where to POST the job's events (docs/webhooks.md)
     webhook_events: list[str] | None = None
+    service_tier: str | None = None  # OpenAI's: auto and default (interactive), flex (the batch tier)
+    priority: int | None = None  # vLLM's: lower runs first
 
     def prompt_fields(self) -> dict[str, Any]:
         raise NotImplementedError
@@ -153,11 +155,23 @@ class OpenAIRequest(_Open):
             "n": self.n,
             "webhook": self.webhook,
             "webhook_events": self.webhook_events,
+            "service_tier": self._service_tier(),
+            "priority": self.priority,
         }
         try:
             return JobRequest.accept({k: v for k, v in fields.items() if v is not None}, settings)
         except ValidationError as e:
             raise body_errors(e, {"max_tokens": tokens_name}) from None
+
+    def _service_tier(self) -> str | None:
+        if self.service_tier not in (None, *SERVICE_TIERS):
+            raise ApiError(
+                400,
+                f"service_tier {self.service_tier!r} is not served here; give one of {', '.join(SERVICE_TIERS)}",
+                param="service_tier",
+                code="unsupported_value",
+            )
+        return self.service_tier
 
     def _response_format(self) -> dict[str, Any] | None:
         if self.guided_json is None:

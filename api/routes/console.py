@@ -11,6 +11,7 @@ from fastapi.responses import FileResponse, HTMLResponse
 from api.auth import bearer_owner
 from api.deps import ServicesDep
 from api.errors import ApiError
+from api.served import queued_models
 from common.keys import split_part_id
 from common.store import AsyncJobStore
 
@@ -50,8 +51,8 @@ async def console_status(services: ServicesDep, request: Request) -> dict[str, A
     the key that made it), and the queue depths. Public like /readyz; a 503 envelope when Redis
     is unreachable."""
     store = services.store
-    workers = []
-    for w in await store.list_workers():
+    workers, heartbeats = [], await store.list_workers()
+    for w in heartbeats:
         shown = w.public()
         part = w.engine.get("part")
         if isinstance(part, str) and await _may_see(store, part, services.settings.api_key_set, request):
@@ -60,7 +61,7 @@ async def console_status(services: ServicesDep, request: Request) -> dict[str, A
     return {
         "workers": workers,
         "queued_jobs": await store.queued_count(),
-        "queues": dict(await store.queue_depths()),
+        "queues": dict(await store.queue_depths(queued_models(heartbeats, store.settings))),
     }
 
 

@@ -11,6 +11,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from api.deps import ServicesDep, StoreDep
 from api.errors import ApiError
 from api.metrics import BATCH_LIVE
+from api.served import queued_models
 from common.store.hooks import AsyncHookStore
 
 router = APIRouter(tags=["operations"])
@@ -37,8 +38,9 @@ async def readyz(store: StoreDep) -> dict[str, Any]:
 async def metrics(services: ServicesDep) -> Response:
     m = services.metrics
     m.queued_jobs.set(await services.store.queued_count())
-    m.set_queue_depths(await services.store.queue_depths())
-    m.set_workers(await services.store.list_workers())
+    workers = await services.store.list_workers()
+    m.set_queue_depths(await services.store.queue_depths(queued_models(workers, services.settings)))
+    m.set_workers(workers)
     m.set_batches(await services.batches.batch_counts(BATCH_LIVE))
     m.webhook_backlog.set(await AsyncHookStore(services.store.redis, services.settings).backlog())
     return Response(generate_latest(m.registry), media_type=CONTENT_TYPE_LATEST)

@@ -20,7 +20,7 @@ from api.errors import ApiError
 from api.openai_compat.chunks import View
 from api.openai_compat.images import ImageGenerationRequest, ImageStreamView, failure, image_data
 from api.openai_compat.requests import ChatCompletionRequest, CompletionRequest, OpenAIRequest
-from api.served import check_media_workers, check_servable, resolve_model, served_models
+from api.served import check_media_workers, check_servable, resolve_model, served
 from api.services import Services
 from api.submission import streamed_submit, submit_job, wait_for_job
 from common.schemas import JobStatus, WorkerHeartbeat
@@ -58,7 +58,7 @@ async def images_generations(body: ImageGenerationRequest, services: ServicesDep
                 param="model",
                 code="model_not_found",
             )
-    job = await submit_job(services, request)
+    job = await submit_job(services, request, services.settings.served_model)  # no text part: any model
     headers = {JOB_ID_HEADER: job.id}
     if body.stream:
         view = ImageStreamView.of(services.store, job.id, job.created_at, request)
@@ -76,13 +76,16 @@ async def images_generations(body: ImageGenerationRequest, services: ServicesDep
 
 @router.get("/models")
 async def list_models(store: StoreDep) -> dict[str, Any]:
-    """The models the live workers serve (empty while no worker runs)."""
-    return {"object": "list", "data": [_model(w) for w in (await served_models(store)).values()]}
+    """The models the live workers serve (empty while no worker runs), each with ``workers``: how
+    many live workers serve it."""
+    workers = await store.list_workers()
+    return {"object": "list", "data": [_model(w, workers) for w in served(workers).values()]}
 
 
 @router.get("/models/{model:path}")
 async def retrieve_model(model: str, store: StoreDep) -> dict[str, Any]:
-    return _model(resolve_model(await served_models(store), model))
+    workers = await store.list_workers()
+    return _model(resolve_model(served(workers), model), workers)
 
 
 @asynccontextmanager
@@ -97,7 +100,7 @@ async def _write_refused_first(services: Services) -> AsyncIterator[None]:
         raise
 
 
-def _model(worker: WorkerHeartbeat) -> dict[str, Any]:
+def _model(worker: WorkerHeartbeat, workers: list[WorkerHeartbeat]) -> dict[str, Any]:
     # NOTE: a served model has no creation date of its own; like vLLM, answer with the time now.
     return {
         "id": worker.model,
@@ -105,6 +108,7 @@ def _model(worker: WorkerHeartbeat) -> dict[str, Any]:
         "created": int(time.time()),
         "owned_by": "spool",
         "max_model_len": worker.max_model_len,
+        "workers": sum(w.kind == "text" and w.model == worker.model for w in workers),
     }
 
 
@@ -114,7 +118,7 @@ async def _serve(body: OpenAIRequest, services: ServicesDep, http: Request) -> R
         worker = resolve_model(await services.served.get(), body.model)
     check_servable(request, worker)
     await services.context.check(request, worker)
-    job = await submit_job(services, request)
+    job = await submit_job(services, request, worker.model)
     view = View.of(job.id, job.created_at, request, worker.model)
     headers = {JOB_ID_HEADER: job.id}
     if body.stream:

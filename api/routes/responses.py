@@ -50,7 +50,7 @@ async def create_response(body: ResponseRequest, services: ServicesDep, http: Re
     request = body.to_job_request(services.settings, record.messages())
     check_servable(request, worker)
     await services.context.check(request, worker)
-    job = await submit_job(services, request)
+    job = await submit_job(services, request, worker.model)
     record.created_at = job.created_at
     await services.store.put_response(job.id, record.model_dump_json())
     view = ResponseView(job.id, record)

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 
 import redis.asyncio as aredis
 from redis.asyncio.client import NEVER_DECODE
 
-from common.keys import part_id
+from common.keys import BATCH_PRIORITY, REQUEUE_PRIORITY, part_id
 from common.schemas import Job, JobList, JobRequest, JobStatus, JobSummary, LogEntry, WorkerHeartbeat
 from common.settings import Settings
 from common.store.clients import WRITE_PROBE_TTL_MS, async_client
@@ -41,6 +42,8 @@ from common.store.records import (
 )
 from common.store.responses import ResponseRecords
 from common.store.watchers import WatcherSets
+
+QUEUE_POSITION_SCAN = 1000  # queued jobs read to count a job's place among its model's
 
 
 class AsyncJobStore(WatcherSets, ResponseRecords):
@@ -165,6 +168,36 @@ class AsyncJobStore(WatcherSets, ResponseRecords):
     async def queued_count(self) -> int:
         return int(await self.redis.zcard(self.keys.queued_jobs()))
 
+    async def queue_position(self, job_id: str) -> int | None:
+        """How many jobs its model's workers take before this queued one (None: not queued).
+
+        In the queue's order: the requeues waiting, then the interactive jobs of its model queued
+        before it; a job of the batch tier (flex) waits for every interactive one, for the batch
+        lines sent before it and the flex jobs queued before it. Numeric priorities, which the
+        engine orders among the jobs it holds, are not counted. The jobs queued ahead are read
+        among the oldest QUEUE_POSITION_SCAN of every model's: past them it is a lower bound.
+        """
+        queued = self.keys.queued_jobs()
+        queue, tier = await self.redis.hmget(self.keys.job(job_id), ["queue", "tier"])
+        found = await self.redis.zrank(queued, job_id)
+        if not isinstance(found, int) or not queue:  # (a list only with withscore)
+            return None
+        rank, queue = found, str(queue)
+        scan = min(QUEUE_POSITION_SCAN if tier else rank, QUEUE_POSITION_SCAN)  # flex: those after it too
+        ids = await self.redis.zrange(queued, 0, scan - 1) if scan else []
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.llen(self.keys.broker_list(queue, REQUEUE_PRIORITY))
+            pipe.llen(self.keys.broker_list(queue, BATCH_PRIORITY))
+            for j in ids:
+                pipe.hmget(self.keys.job(str(j)), ["queue", "tier"])
+            requeued, lines, *replies = await pipe.execute()
+        ahead = [
+            i
+            for i, (q, t) in enumerate(replies)
+            if q == queue and i != rank and (not t or (tier and i < rank))
+        ]
+        return int(requeued) + len(ahead) + (int(lines) if tier else 0)
+
     async def list_jobs(
         self, owner: str, limit: int, after: str | None = None, status: JobStatus | None = None
     ) -> JobList:
@@ -220,15 +253,20 @@ class AsyncJobStore(WatcherSets, ResponseRecords):
         hashes = {job_id: [next(replies) for _ in range(part_counts[job_id])] for job_id in with_parts}
         return [summary_with_parts(j, hashes[j.id]) if j.id in hashes else j for j in jobs]
 
-    async def queue_depths(self) -> list[tuple[str, int]]:
-        """Messages waiting in each Celery queue ("llm", "media"), every priority's list counted."""
-        queues = {"llm": self.keys.queue_llm, "media": self.keys.queue_media}
+    async def queue_depths(self, models: Iterable[str]) -> list[tuple[str, int]]:
+        """Messages waiting in the text queues of these models together ("llm") and in the media
+        queue ("media"), every priority's list counted."""
+        queues = {
+            "llm": [self.keys.model_queue(m) for m in sorted(set(models))],
+            "media": [self.keys.queue_media],
+        }
+        lists = {kind: [name for q in qs for name in self.keys.queue_lists(q)] for kind, qs in queues.items()}
         async with self.redis.pipeline(transaction=False) as pipe:
-            for queue in queues.values():
-                for name in self.keys.queue_lists(queue):
+            for names in lists.values():
+                for name in names:
                     pipe.llen(name)
-            lengths = await pipe.execute()
-        return [(q, lengths[2 * i] + lengths[2 * i + 1]) for i, q in enumerate(queues)]
+            lengths = iter(await pipe.execute())
+        return [(kind, sum(next(lengths) for _ in names)) for kind, names in lists.items()]
 
     async def get_tokenizer(self, digest: str) -> str | None:
         """The tokenizer spec a heartbeat names (common/prompt_tokens.py), None if not stored."""

@@ -312,7 +312,6 @@ class AsyncBatchStore:
         lines: tuple[int, int],
         jobs: Sequence[LineJob],
         rejected: Sequence[LineResult],
-        broker_list: str,
     ) -> int:
         """Turn lines ``lines[0]`` to ``lines[1] - 1`` into jobs, or results where refused.
 
@@ -322,14 +321,14 @@ class AsyncBatchStore:
             k.batch(batch_id),
             k.batch_window(batch_id),
             k.batch_results(batch_id),
-            broker_list,
             k.owner_jobs(owner),
         ]
         index = [owner_index_age_s(self.settings), OWNER_INDEX_MAX]
         args: list[Any] = [str(lines[0]), str(lines[1]), len(jobs), len(rejected), repr(now), *index]
         for j in jobs:
             fields = {**new_job_fields(j.job_id, j.request, owner, now), "batch": batch_id}
-            keys.append(k.job(j.job_id))
+            fields["queue"] = j.message.queue
+            keys += [k.job(j.job_id), j.message.list_key]
             args += [j.job_id, json.dumps([j.line, j.custom_id]), j.message.payload, 2 * len(fields)]
             args += _flat(fields)
         for r in rejected:
@@ -338,6 +337,13 @@ class AsyncBatchStore:
 
     async def queue_length(self, broker_list: str) -> int:
         return int(await self.redis.llen(broker_list))
+
+    async def job_queues(self, job_ids: Sequence[str]) -> list[str]:
+        """The Celery queue of each of these jobs (its hash's ``queue``; empty if none)."""
+        pipe = self.redis.pipeline(transaction=False)
+        for job_id in job_ids:
+            pipe.hget(self.keys.job(job_id), "queue")
+        return [q or "" for q in await pipe.execute()]
 
     async def resend(self, job_id: str, message: QueueMessage, min_gap_s: float) -> bool:
         """Push a queued line's message again if it has waited ``min_gap_s`` since it was sent."""

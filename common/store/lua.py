@@ -373,7 +373,8 @@ return status
 """
 )
 
-# KEYS: batch hash, window hash, results hash, broker list, owner's job index, job hash, job hash, ...
+# KEYS: batch hash, window hash, results hash, owner's job index, then per job: its hash, the broker
+#       list of its message (its model's queue: Keys.model_queue).
 # ARGV: next line expected, next line after, jobs, rejected lines, now, index max age (s), index
 #       max length, then per job: job id, window value, message, field count n, n fields and values;
 #       then per rejected line: line index, result JSON.
@@ -386,19 +387,19 @@ if redis.call('HGET', KEYS[1], 'status') ~= 'in_progress' or redis.call('HGET', 
   return -1
 end
 if redis.call('HGET', KEYS[1], 'next_line') ~= ARGV[1] then return 0 end
-local i, k = 8, 6
+local i, k = 8, 5
 for _ = 1, tonumber(ARGV[3]) do
   local n = tonumber(ARGV[i + 3])
   redis.call('HSET', KEYS[k], unpack(ARGV, i + 4, i + 3 + n))
-  redis.call('LPUSH', KEYS[4], ARGV[i + 2])
+  redis.call('LPUSH', KEYS[k + 1], ARGV[i + 2])
   redis.call('HSET', KEYS[2], ARGV[i], ARGV[i + 1])
-  redis.call('ZADD', KEYS[5], ARGV[5], ARGV[i])
-  i, k = i + 4 + n, k + 1
+  redis.call('ZADD', KEYS[4], ARGV[5], ARGV[i])
+  i, k = i + 4 + n, k + 2
 end
 if tonumber(ARGV[3]) > 0 then
-  redis.call('ZREMRANGEBYSCORE', KEYS[5], '-inf', '(' .. (tonumber(ARGV[5]) - tonumber(ARGV[6])))
-  redis.call('ZREMRANGEBYRANK', KEYS[5], 0, -tonumber(ARGV[7]) - 1)
-  redis.call('EXPIRE', KEYS[5], ARGV[6])
+  redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', '(' .. (tonumber(ARGV[5]) - tonumber(ARGV[6])))
+  redis.call('ZREMRANGEBYRANK', KEYS[4], 0, -tonumber(ARGV[7]) - 1)
+  redis.call('EXPIRE', KEYS[4], ARGV[6])
 end
 local failed = 0
 for _ = 1, tonumber(ARGV[4]) do

@@ -142,7 +142,10 @@ def new_job_id() -> str:
 
 
 def new_job_fields(job_id: str, request: JobRequest, owner: str, now: float) -> dict[str, str]:
+    # The batch tier's jobs are marked: a worker's intake takes interactive jobs only.
+    tier = {"tier": "flex"} if isinstance(request, JobRequest) and request.service_tier == "flex" else {}
     return {
+        **tier,
         "id": job_id,
         "status": JobStatus.QUEUED.value,
         "request": request.model_dump_json(),
@@ -160,6 +163,7 @@ class QueueMessage:
 
     list_key: str
     payload: str
+    queue: str = ""  # the Celery queue: stored in the job's hash, for its requeues (workers/reaper.py)
 
 
 MessageFor = Callable[[str], QueueMessage]  # a job id -> the message that hands it to the workers
@@ -183,6 +187,8 @@ def create_call(
             keys, settings, "job", job_id, request.webhook, request.webhook_events, owner
         )
     message = message_for(job_id) if message_for else None
+    if message:
+        fields["queue"] = message.queue
     flat = [x for kv in fields.items() for x in kv]
     script_keys = [keys.queued_jobs(), keys.job(job_id), keys.owner_jobs(owner)]
     script_keys += [message.list_key] if message else []
@@ -269,7 +275,7 @@ def create_parts_call(
         else:
             zset, score = (keys.queued_jobs() if text else keys.queued_media() if push else ""), now
         if message is not None:
-            pf.update(list_key=message.list_key, message=message.payload)
+            pf.update(list_key=message.list_key, message=message.payload, queue=message.queue)
         parts.append(
             {
                 "id": pid,

@@ -46,6 +46,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# Oldest queued jobs read to find one model's (the queued set holds every model's); a worker's
+# intake reads this many each poll while it holds batch lines (workers/runtime.py).
+QUEUED_PAGE = 64
 CANCEL_POLL_S = 1.0  # how long the cancel listener blocks for a message before checking for stop
 
 
@@ -163,7 +166,7 @@ class SyncJobStore:
 
     def lapsed_leases(self, now: float, limit: int = 100) -> list[tuple[str, str, str]]:
         """(job id, worker, queue) of running jobs whose lease lapsed: their worker stopped renewing
-        it. The queue is the Celery queue of a part's kind; empty for a text job (``{p}.llm``)."""
+        it. The queue is the Celery queue the job's messages go to (its model's, for text)."""
         ids = [
             str(j)
             for j in self.redis.zrangebyscore(self.keys.running_jobs(), "-inf", now, start=0, num=limit)
@@ -172,31 +175,54 @@ class SyncJobStore:
             return []
         pipe = self.redis.pipeline(transaction=False)
         for job_id in ids:
-            pipe.hmget(self.keys.job(job_id), ["worker", "type"])
+            pipe.hmget(self.keys.job(job_id), ["worker", "type", "queue"])
         kinds = {"image": self.keys.queue_media}
-        return [(j, w or "", kinds.get(t or "", "")) for j, (w, t) in zip(ids, pipe.execute(), strict=True)]
+        replies = zip(ids, pipe.execute(), strict=True)
+        return [(j, w or "", kinds.get(t or "", q or "")) for j, (w, t, q) in replies]
 
-    def stale_queued(self, queued_before: float, limit: int = 100, queue: str = "") -> list[str]:
-        """Jobs queued since before ``queued_before`` although the Celery queue is empty.
+    def stale_queued(self, queued_before: float, queue: str, limit: int = 100) -> list[str]:
+        """Jobs of ``queue`` queued since before ``queued_before`` although that Celery queue is empty.
 
         With messages in the queue, old queued jobs are just waiting their turn; with none, a job
         still queued long after it was sent lost its message (e.g. Redis went down as a worker
-        received it), and only sending it again runs it. ``queue``: "" for text jobs (and text
-        parts), ``keys.queue_media`` for image parts.
+        received it), and only sending it again runs it. ``queue``: a model's (text jobs and text
+        parts of that model), or ``keys.queue_media`` (image parts).
         """
         pipe = self.redis.pipeline(transaction=False)
-        for name in self.keys.queue_lists(queue or self.keys.queue_llm):
+        for name in self.keys.queue_lists(queue):
             pipe.llen(name)
         if any(pipe.execute()):
             return []
-        zset = self._queued_set(queue)
-        ids = self.redis.zrangebyscore(zset, "-inf", queued_before, start=0, num=limit)
-        return [str(j) for j in ids]
+        if queue == self.keys.queue_media:
+            ids = self.redis.zrangebyscore(
+                self.keys.queued_media(), "-inf", queued_before, start=0, num=limit
+            )
+            return [str(j) for j in ids]
+        ids = self.redis.zrangebyscore(
+            self.keys.queued_jobs(), "-inf", queued_before, start=0, num=QUEUED_PAGE
+        )
+        return self._of_queue(ids, queue)[:limit]
 
-    def oldest_queued(self, limit: int) -> list[str]:
-        """The jobs (and text parts) queued longest, oldest first: interactive work only (a batch's
-        lines are never in the queued set)."""
-        return [str(j) for j in self.redis.zrange(self.keys.queued_jobs(), 0, limit - 1)]
+    def oldest_queued(self, limit: int, queue: str) -> list[str]:
+        """The jobs (and text parts) of ``queue`` (a model's) queued longest, oldest first:
+        interactive work only (a batch's lines are never in the queued set, flex jobs are left out).
+
+        NOTE: the queued set holds every model's jobs; those of ``queue`` are looked for among the
+        oldest ``QUEUED_PAGE`` only, so a model whose jobs wait behind that many of other models'
+        is left to its messages (which its workers take all the same)."""
+        ids = self.redis.zrange(self.keys.queued_jobs(), 0, QUEUED_PAGE - 1)
+        return self._of_queue(ids, queue, interactive=True)[:limit]
+
+    def _of_queue(self, ids: Sequence[Any], queue: str, interactive: bool = False) -> list[str]:
+        """Those of these jobs whose messages go to ``queue`` (``interactive``: and not of the
+        batch tier), in order."""
+        if not ids:
+            return []
+        pipe = self.redis.pipeline(transaction=False)
+        for job_id in ids:
+            pipe.hmget(self.keys.job(str(job_id)), ["queue", "tier"])
+        replies = zip(ids, pipe.execute(), strict=True)
+        return [str(j) for j, (q, tier) in replies if q == queue and not (interactive and tier)]
 
     def live_workers(self, names: Iterable[str]) -> set[str]:
         """Which of these workers have a live heartbeat."""

@@ -17,7 +17,7 @@ from procs import REDIS_URL, Prefixes, Service, start_api
 
 from api.enqueue import Enqueuer
 from common.keys import GENERATE_TASK, JOB_PRIORITY, MEDIA_TASK, Keys
-from common.settings import Settings
+from common.settings import DEFAULT_SERVED_MODEL, Settings
 
 BURST = 48
 
@@ -31,10 +31,11 @@ def api_alone(prefixes: Prefixes, log_dir: Path) -> Iterator[Service]:
 
 
 def queued_messages(client: redis.Redis, prefix: str) -> list[tuple[str, list[object]]]:
-    """(task name, args) of every message in the prefix's Celery queue (kombu's Redis format)."""
+    """(task name, args) of every message in the prefix's Celery queue of the default model (no
+    worker is live and no request names one) (kombu's Redis format)."""
     keys = Keys(prefix)
     found = []
-    for name in keys.queue_lists(keys.queue_llm):
+    for name in keys.queue_lists(keys.model_queue(DEFAULT_SERVED_MODEL)):
         for raw in client.lrange(name, 0, -1):
             message = json.loads(raw)
             args, _kwargs, _embed = json.loads(base64.b64decode(message["body"]))
@@ -78,7 +79,13 @@ def test_a_jobs_message_is_the_one_celery_would_send(prefixes: Prefixes) -> None
     # A job's, and a held image part's (its task's keyword argument).
     enqueuer = Enqueuer(settings)
     cases = [
-        (enqueuer.generate("job-1"), GENERATE_TASK, "job-1", keys.queue_llm, {}),
+        (
+            enqueuer.generate("job-1", keys.model_queue("m")),
+            GENERATE_TASK,
+            "job-1",
+            keys.model_queue("m"),
+            {},
+        ),
         (
             enqueuer.media("job-1:part:1", held=True),
             MEDIA_TASK,

@@ -94,7 +94,7 @@ def test_queue_full_refuses_atomically(store: StoreForTests, settings: Settings)
 
 
 def test_a_job_and_its_message_are_stored_together(store: StoreForTests, settings: Settings) -> None:
-    queue = store.keys.broker_list(store.keys.queue_llm, JOB_PRIORITY)
+    queue = store.keys.broker_list(store.keys.model_queue("m"), JOB_PRIORITY)
 
     def message_for(job_id: str) -> QueueMessage:
         return QueueMessage(queue, f"message of {job_id}")
@@ -110,7 +110,7 @@ def test_a_job_and_its_message_are_stored_together(store: StoreForTests, setting
 
 
 def test_an_idempotency_key_creates_one_job(store: StoreForTests, settings: Settings) -> None:
-    queue = store.keys.broker_list(store.keys.queue_llm, JOB_PRIORITY)
+    queue = store.keys.broker_list(store.keys.model_queue("m"), JOB_PRIORITY)
 
     def message_for(job_id: str) -> QueueMessage:
         return QueueMessage(queue, job_id)
@@ -302,13 +302,16 @@ def test_a_restarted_worker_releases_only_its_own_leases(store: StoreForTests) -
 
 
 def test_requeue_claim_is_once_per_gap(store: StoreForTests) -> None:
-    job = store.create_job(JobRequest(prompt="hello"))
+    queue = store.keys.model_queue("tiny")
+    job = store.create_job(
+        JobRequest(prompt="hello"), message_for=lambda j: QueueMessage(f"{queue}:sent", j, queue)
+    )
     store.take_job(job.id, "w1", "tiny")
     now = time.time()
     assert not store.claim_requeue(job.id, now, 10)  # its lease is live
     assert store.lapsed_leases(now) == []
     store.redis.zadd(store.keys.running_jobs(), {job.id: now - 1})
-    assert store.lapsed_leases(now) == [(job.id, "w1", "")]
+    assert store.lapsed_leases(now) == [(job.id, "w1", queue)]  # requeued to its model's queue
     assert store.live_workers(["w1"]) == set()
     assert [store.claim_requeue(job.id, now, 10) for _ in range(3)] == [True, False, False]
     assert store.claim_requeue(job.id, now + 11, 10)  # the requeue got lost: claim again
@@ -338,16 +341,34 @@ def test_attempts_fields_of_jobs_that_no_longer_run_are_dropped_in_pages(store: 
     assert store.get_job(running.id).text == "hi"
 
 
+def test_oldest_queued_are_one_models(store: StoreForTests) -> None:
+    """A worker's intake takes only its model's queued jobs, oldest first."""
+    a, b = store.keys.model_queue("a"), store.keys.model_queue("b")
+    jobs = [
+        store.create_job(
+            JobRequest(prompt="x"), message_for=lambda j, q=q: QueueMessage(f"{q}:sent", j, q)
+        ).id
+        for q in (a, b, a)
+    ]
+    assert store.oldest_queued(5, a) == [jobs[0], jobs[2]]
+    assert store.oldest_queued(1, a) == [jobs[0]]
+    assert store.oldest_queued(5, b) == [jobs[1]]
+
+
 @pytest.mark.parametrize("priority_list", [0, 1], ids=["requeues", "first-messages"])
 def test_stale_queued_only_with_an_empty_celery_queue(store: StoreForTests, priority_list: int) -> None:
-    job = store.create_job(JobRequest(prompt="hello"))
+    model = store.keys.model_queue("m")
+    job = store.create_job(
+        JobRequest(prompt="hello"), message_for=lambda j: QueueMessage(f"{model}:sent", j, model)
+    )
     later = time.time() + 1
-    assert store.stale_queued(later) == [job.id]
-    queue = store.keys.queue_lists(store.keys.queue_llm)[priority_list]
+    assert store.stale_queued(later, model) == [job.id]
+    assert store.stale_queued(later, store.keys.model_queue("another")) == []  # another model's sweep
+    queue = store.keys.queue_lists(model)[priority_list]
     store.redis.rpush(queue, "a message")
-    assert store.stale_queued(later) == []
+    assert store.stale_queued(later, model) == []
     store.redis.delete(queue)
-    assert store.stale_queued(later - 60) == []  # not old enough
+    assert store.stale_queued(later - 60, model) == []  # not old enough
     assert store.claim_requeue(job.id, later, 10) and not store.claim_requeue(job.id, later, 10)
 
 

@@ -18,6 +18,7 @@ T = TypeVar("T")
 
 TEXT = {"type": "text", "prompt": "hi", "max_tokens": 4}
 IMAGE = {"type": "image", "prompt": "a boat", "size": "32x32", "steps": 2}
+MODEL = "m"  # the text parts' model
 
 
 def run(settings: Settings, op: Any) -> Any:
@@ -37,7 +38,8 @@ def create(settings: Settings, parts: list[dict[str, Any]]) -> Job:
     request = JobRequest.accept({"parts": parts}, settings)
 
     def llm(i):
-        return QueueMessage(settings.keys.queue_llm, f"text {i}")
+        queue = settings.keys.model_queue(MODEL)
+        return QueueMessage(queue, f"text {i}", queue)
 
     def media(i, held):
         return QueueMessage(settings.keys.queue_media, f"image {i}" + " held" * held)
@@ -74,7 +76,7 @@ def end_image(store: StoreForTests, pid: str, attempt: int, seq: int, status: Jo
 def test_messages_go_to_each_kind_and_a_dependent_waits(store: StoreForTests, settings: Settings) -> None:
     job = create(settings, [TEXT, IMAGE, {**IMAGE, "prompt": None, "prompt_from": 0}])
     r, keys = store.redis, settings.keys
-    assert r.lrange(keys.queue_llm, 0, -1) == [f"text {part_id(job.id, 0)}"]
+    assert r.lrange(keys.model_queue(MODEL), 0, -1) == [f"text {part_id(job.id, 0)}"]
     # The image is held for the text part's first token (SPOOL_IMAGE_HOLD_S: 2 s by default).
     assert r.lrange(keys.queue_media, 0, -1) == []
     # The text part counts as a queued job (backpressure, the sweep); the job itself never does.
@@ -256,12 +258,14 @@ def test_image_parts_whose_message_was_sent_are_swept_for_a_lost_one(
     text, image, dependent = (part_id(job.id, k) for k in range(3))
     assert r.zrange(keys.queued_media(), 0, -1) == [image]  # the dependent has no message yet
     later = time.time() + 60
-    assert store.stale_queued(later, queue=media) == []  # its message is still in the queue
+    llm = keys.model_queue(MODEL)
+    assert store.stale_queued(later, media) == []  # its message is still in the queue
     r.delete(*keys.queue_lists(media))  # lost (e.g. a Redis restart without it)
-    assert store.stale_queued(later, queue=media) == [image]
-    assert store.stale_queued(later) == []  # the text part's message is still in its queue
-    r.delete(*keys.queue_lists(keys.queue_llm))
-    assert store.stale_queued(later) == [text]  # the text sweep sees only text jobs and parts
+    assert store.stale_queued(later, media) == [image]
+    assert store.stale_queued(later, llm) == []  # the text part's message is still in its queue
+    r.delete(*keys.queue_lists(llm))
+    assert store.stale_queued(later, llm) == [text]  # the text sweep sees only text jobs and parts
+    assert store.stale_queued(later, keys.model_queue("another")) == []  # and of its model
     assert store.claim_requeue(image, later, 10, media)
     assert not store.claim_requeue(image, later, 10, media)  # once per gap
     # The text part succeeds: the dependent's message is sent, and it is queued from then on.

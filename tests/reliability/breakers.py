@@ -49,6 +49,11 @@ class Workers:
     def full_name(self, name: str) -> str:
         return f"{self.prefix}-{name}"
 
+    @property
+    def queue(self) -> str:
+        """The Celery queue of their model."""
+        return Keys(self.prefix).model_queue(str(self.model))
+
     def by_full_name(self, full: str) -> str:
         return full.removeprefix(f"{self.prefix}-")
 
@@ -103,7 +108,7 @@ class RedisServer:
 
 def clean_prefix(client: redis.Redis, prefix: str) -> None:
     keys = Keys(prefix)
-    for pattern in (f"{prefix}:*", f"{keys.queue_llm}*", f"_kombu.binding*.{prefix}.*"):
+    for pattern in (f"{prefix}:*", keys.model_queues(), f"_kombu.binding*.{prefix}.*"):
         for key in client.scan_iter(pattern):
             client.delete(key)
 

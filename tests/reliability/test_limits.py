@@ -204,7 +204,7 @@ def test_cancel_at_every_stage(
 
     # The queued job never reached the engine: once its message was consumed (the Celery queue
     # is empty) it still has no attempt, no worker, no start, and one event.
-    lists = keys.queue_lists(keys.queue_llm)
+    lists = keys.queue_lists(workers.queue)
     poll(lambda: sum(r.llen(q) for q in lists) == 0, "the cancelled job's message consumed", 60)
     h = r.hgetall(keys.job(queued["id"]))
     assert (h["attempt"], h.get("worker"), h.get("started_at")) == ("0", None, None)

@@ -116,7 +116,7 @@ def test_a_redis_refusing_writes_for_a_while_loses_nothing_and_kills_nothing(
     # delivery now, and in the window finds the job busy and acknowledges it, which Redis
     # refuses (that refusal, raised out of kombu's event loop, used to end the worker).
     broker = make_app(Settings(redis_url=memory_redis.url, redis_prefix=workers.prefix))
-    broker.send_task(GENERATE_TASK, args=[jobs[0][0]], queue=keys.queue_llm, countdown=DUPLICATE_DUE_S)
+    broker.send_task(GENERATE_TASK, args=[jobs[0][0]], queue=workers.queue, countdown=DUPLICATE_DUE_S)
     broker.close()
     r.config_set("maxmemory-policy", "noeviction")
     used = int(r.info("memory")["used_memory"])

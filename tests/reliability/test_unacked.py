@@ -92,16 +92,16 @@ def test_the_restore_of_an_ended_jobs_message_does_nothing_but_drop_its_record(
         watch = JobWatch(r, keys, job_id)
         log_before = watch.log()
         # The record a worker killed before it acknowledged would leave, older than the timeout.
-        message = json.loads(Enqueuer(settings).generate(job_id).payload)
+        message = json.loads(Enqueuer(settings).generate(job_id, worker_pool.queue).payload)
         tag = message["properties"]["delivery_tag"]
         names = keys.broker_unacked
-        r.hset(names["unacked_key"], tag, json.dumps([message, "", keys.queue_llm]))
+        r.hset(names["unacked_key"], tag, json.dumps([message, "", worker_pool.queue]))
         r.zadd(names["unacked_index_key"], {tag: 0})
         options = {**names, "visibility_timeout": 60}
         with Connection(settings.redis_url, transport=Transport, transport_options=options) as conn:
             conn.default_channel.qos.restore_visible(num=10, interval=1)
         # Back on the queue, a worker takes it (and records its delivery under the same tag).
-        poll(lambda: not any(r.llen(q) for q in keys.queue_lists(keys.queue_llm)), "the message taken", 30)
+        poll(lambda: not any(r.llen(q) for q in keys.queue_lists(worker_pool.queue)), "the message taken", 30)
         poll(lambda: tag not in set.union(*records(r, keys)), "its delivery acknowledged", 30)
     # A worker took that very message (not a sweep that dropped the record before the restore).
     received = f"Task spool.generate[{message['headers']['id']}] received"

@@ -283,7 +283,7 @@ def test_a_dead_workers_jobs_are_taken_before_the_jobs_queued_behind_them(
         poll(lambda: r.zcard(keys.running_jobs()) == 5, "five jobs held by the worker", 60)
         pool.kill("a", signal.SIGSTOP)
         queued += [submit(client, api.url, LONG_PROMPT) for _ in range(4)]
-        first_messages = keys.queue_lists(keys.queue_llm)[1]
+        first_messages = keys.queue_lists(pool.queue)[1]
         assert r.llen(first_messages) == 4  # where kombu keeps JOB_PRIORITY messages
         pool.kill("a")
         pool.start("a")  # at once: it releases its earlier run's leases itself

@@ -27,6 +27,7 @@ from procs import (
 )
 
 from common.keys import Keys
+from common.settings import DEFAULT_SERVED_MODEL
 
 BAD_MODEL = "/nonexistent/model"
 FALLBACK = "the compiled forward failed at load; the engine runs eagerly"
@@ -38,7 +39,8 @@ def r() -> redis.Redis:
 
 
 def queued_messages(r: redis.Redis, keys: Keys) -> int:
-    return sum(int(r.llen(name)) for name in keys.queue_lists(keys.queue_llm))
+    """The messages in the default model's queue (the API's: no worker is live, none is named)."""
+    return sum(int(r.llen(name)) for name in keys.queue_lists(keys.model_queue(DEFAULT_SERVED_MODEL)))
 
 
 def test_a_worker_whose_model_does_not_load_exits_with_the_reason_before_taking_a_job(

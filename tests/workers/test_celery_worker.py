@@ -29,8 +29,10 @@ def worker(prefixes, tiny_model: Path, log_dir: Path) -> Iterator[tuple[str, Ser
 
 
 @pytest.fixture(scope="module")
-def store(worker: tuple[str, Service]) -> Iterator[StoreForTests]:
-    s = StoreForTests.from_settings(load_settings(redis_url=REDIS_URL, redis_prefix=worker[0]))
+def store(worker: tuple[str, Service], tiny_model: Path) -> Iterator[StoreForTests]:
+    # The worker's model: the app sends the task to that model's queue.
+    settings = load_settings(redis_url=REDIS_URL, redis_prefix=worker[0], model=str(tiny_model))
+    s = StoreForTests.from_settings(settings)
     yield s
     s.close()
 

@@ -15,7 +15,7 @@ from store_helpers import StoreForTests
 
 from common.schemas import ChatMessage, Job, JobRequest, JobStatus, LogEntry
 from common.settings import load_settings
-from common.store import Append, Appended, token_entry
+from common.store import Append, Appended, QueueMessage, token_entry
 from workers.engine import Engine, SamplingParams
 from workers.runtime import EngineRuntime, Outcome, prompt_of
 
@@ -264,7 +264,11 @@ def test_a_worker_holding_batch_lines_takes_a_queued_interactive_job_itself(
     poll(lambda: store.read_log(line.id), "the line's first token")
     # An interactive job whose message no task thread takes (all of them hold lines, as far as
     # Celery is concerned): the runtime's intake takes it from the queued set.
-    job = store.create_job(JobRequest(prompt="hello", max_tokens=8, temperature=0))
+    # (Of this worker's model: its intake takes no other model's jobs.)
+    sent = QueueMessage(f"{runtime.queue}:sent", "", runtime.queue)  # in no list the worker reads
+    job = store.create_job(
+        JobRequest(prompt="hello", max_tokens=8, temperature=0), message_for=lambda _: sent
+    )
     done = poll(lambda: (j := store.get_job(job.id)).status.terminal and j, "the interactive job to end")
     assert done.status is JobStatus.SUCCEEDED  # type: ignore[attr-defined]
     assert done.text == greedy(reference, "hello", 8)[0]  # type: ignore[attr-defined]

@@ -26,10 +26,10 @@ def test_queue_time_counts_only_the_jobs_the_engine_admitted() -> None:
     m = WorkerMetrics("m")
     for job_id in ("a", "b", "c"):
         m.added(job_id, created_at=100.0, prompt_tokens=3, attempt=1, resumed=False)
-    m.step(101.0, [token("a"), token("b")], [], {"waiting": 1, "running": 2})  # c waits for a slot
+    m.step(101.0, [token("a"), token("b")], [], {"waiting": 1, "running": 2}, {"c"})  # c waits for a slot
     assert sample(m, "spool_request_queue_time_seconds_count") == 2
     assert sample(m, "spool_request_queue_time_seconds_sum") == 2.0
-    m.step(102.0, [token("a", reason=FinishReason.LENGTH)], [final("a", "length", 2)], {"waiting": 0})
+    m.step(102.0, [token("a", reason=FinishReason.LENGTH)], [final("a", "length", 2)], {"waiting": 0}, set())
     assert sample(m, "spool_request_queue_time_seconds_count") == 3  # c got a's slot at 102
     assert sample(m, "spool_request_queue_time_seconds_sum") == 4.0
     assert sample(m, "spool_time_to_first_token_seconds_count") == 2
@@ -44,9 +44,9 @@ def test_a_job_cancelled_while_waiting_frees_no_slot_in_the_count() -> None:
     m = WorkerMetrics("m")
     m.added("a", 100.0, 3, 1, False)
     m.added("b", 100.0, 3, 1, False)
-    m.step(101.0, [token("a")], [], {"waiting": 1})
+    m.step(101.0, [token("a")], [], {"waiting": 1}, {"b"})
     cancelled = Delta("b", (), "", FinishReason.CANCELLED, 3, 0)
-    m.step(102.0, [cancelled], [final("b", "cancelled", 0)], {"waiting": 0})
+    m.step(102.0, [cancelled], [final("b", "cancelled", 0)], {"waiting": 0}, set())
     assert sample(m, "spool_request_queue_time_seconds_count") == 1  # b never got a slot
     assert sample(m, "spool_request_success_total", finished_reason="cancelled") == 1
 
@@ -54,7 +54,7 @@ def test_a_job_cancelled_while_waiting_frees_no_slot_in_the_count() -> None:
 def test_a_takeover_counts_and_its_first_token_is_no_ttft() -> None:
     m = WorkerMetrics("m")
     m.added("a", 100.0, 3, attempt=2, resumed=True)
-    m.step(101.0, [token("a")], [], {"waiting": 0})
+    m.step(101.0, [token("a")], [], {"waiting": 0}, set())
     assert sample(m, "spool_takeovers_total") == 1
     assert sample(m, "spool_time_to_first_token_seconds_count") == 0
     assert sample(m, "spool_request_prefill_time_seconds_count") == 1
@@ -62,4 +62,22 @@ def test_a_takeover_counts_and_its_first_token_is_no_ttft() -> None:
 
 def test_a_fault_in_a_figure_never_reaches_the_engine_loop() -> None:
     m = WorkerMetrics("m")
-    m.step(1.0, [], [], {"waiting": "not a number"})  # logged, not raised
+    m.step(1.0, [], [], {"waiting": "not a number"}, set())  # logged, not raised
+
+
+def test_tokens_queue_time_and_waiting_jobs_per_tenant() -> None:
+    """The engine admits by fair share, not in the order added: the metrics follow its list."""
+    m = WorkerMetrics("m")
+    m.added("a", 100.0, 3, 1, False, tenant="t1")
+    m.added("b", 100.0, 5, 1, False, tenant="t2")
+    m.added("c", 100.0, 2, 1, False)
+    m.step(101.0, [token("b", 2)], [], {"waiting": 2}, {"a", "c"})  # t2's job admitted first
+    assert sample(m, "spool_tenant_queue_time_seconds_count", tenant="t2") == 1
+    assert sample(m, "spool_tenant_requests_waiting", tenant="t1") == 1
+    assert sample(m, "spool_tenant_requests_waiting", tenant="anonymous") == 1
+    assert sample(m, "spool_tenant_tokens_total", tenant="t2", kind="generated") == 2
+    assert sample(m, "spool_tenant_tokens_total", tenant="t2", kind="prompt") == 5
+    m.step(103.0, [token("a")], [], {"waiting": 1}, {"c"})
+    assert sample(m, "spool_tenant_queue_time_seconds_sum", tenant="t1") == 3.0
+    assert sample(m, "spool_tenant_requests_waiting", tenant="t1") == 0
+    assert sample(m, "spool_request_queue_time_seconds_count") == 2

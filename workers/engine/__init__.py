@@ -4,7 +4,14 @@ A library on its own: it imports torch, transformers and tokenizers, never Redis
 """
 
 from workers.engine.engine import Engine, RequestTooLongError
-from workers.engine.types import CompletionOutput, Delta, EngineConfig, FinishReason, SamplingParams
+from workers.engine.types import (
+    CompletionOutput,
+    Delta,
+    EngineConfig,
+    FinishReason,
+    SamplingParams,
+    TokenWeights,
+)
 
 __all__ = [
     "CompletionOutput",
@@ -14,4 +21,5 @@ __all__ = [
     "FinishReason",
     "RequestTooLongError",
     "SamplingParams",
+    "TokenWeights",
 ]

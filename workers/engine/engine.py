@@ -67,6 +67,7 @@ class Engine:
             prefill_chunk_size=config.prefill_chunk_size,
             max_prefill_tokens_per_step=config.max_prefill_tokens_per_step,
             prefix_caching=config.enable_prefix_caching,
+            fair_share=config.fair_share,
         )
         self.sampler = Sampler(self.runner.device, seed)
         self.eos_token_ids = self._eos_token_ids()

@@ -2,7 +2,9 @@
 
 Running requests occupy KV slots ``0..n-1`` (``running[i].slot == i``). Each step:
 admit waiting requests into free slots by priority (lower first: interactive requests before
-batch lines), first come, first served within one; plan one prefill chunk for each request that
+batch lines), and within one the request of the tenant that has received the least service
+(``fair_share``: the Virtual Token Counter of fairness.py; without it first come, first served,
+which also breaks ties); plan one prefill chunk for each request that
 still has prompt tokens to feed (within a per-step token budget, so a long
 prompt never stalls decode rows for more than one chunk); decode every request that has
 exactly one token to feed.
@@ -34,10 +36,13 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from itertools import takewhile
 
 from workers.engine import prefix_cache
+from workers.engine.fairness import VirtualTokenCounter
 from workers.engine.prefix_cache import BLOCK_SIZE, CachedPrefix
 from workers.engine.request import Request, RequestStatus
+from workers.engine.types import TokenWeights
 
 
 @dataclass(frozen=True)
@@ -102,8 +107,10 @@ class Scheduler:
         prefill_chunk_size: int,
         max_prefill_tokens_per_step: int,
         prefix_caching: bool = False,
+        fair_share: TokenWeights | None = None,
     ) -> None:
         self.num_slots = num_slots
+        self.fairness = VirtualTokenCounter(fair_share) if fair_share is not None else None
         self.prefill_chunk_size = prefill_chunk_size
         self.max_prefill_tokens = max_prefill_tokens_per_step
         self.prefix_caching = prefix_caching
@@ -120,6 +127,8 @@ class Scheduler:
     def add(self, request: Request) -> None:
         self._arrivals += 1
         request.arrival = self._arrivals
+        if self.fairness is not None:
+            self.fairness.arrive(request)
         self._enqueue(request)
 
     def _enqueue(self, request: Request) -> None:
@@ -140,13 +149,15 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         while self.waiting:
+            admit = self._next()
             if not self.can_admit():
-                victim = self._victim(self.waiting[0])
+                victim = self._victim(admit)
                 if victim is None:
                     break
                 out.cache_ops += self._preempt(victim)
                 out.preempted.append(victim)
-            out.cache_ops += self._admit(self.waiting.popleft())
+            self.waiting.remove(admit)
+            out.cache_ops += self._admit(admit)
 
         # A request still to get its first token (prompt left to feed, or admitted this step with
         # all of it cached) runs without the lower priorities' rows: they sit this step out, their
@@ -178,10 +189,22 @@ class Scheduler:
                     computing.update(
                         prefix_cache.block_hashes(request, end)[request.num_computed // BLOCK_SIZE :]
                     )
+            if due and self.fairness is not None:
+                self.fairness.charge_token(request)
             if due and request.starting:
                 request.starting = False
                 out.started.append(request)
         return out
+
+    def _next(self) -> Request:
+        """The waiting request to admit next: of the highest priority waiting, the one of the
+        tenant with the least service (the first to arrive among equals)."""
+        head = self.waiting[0]
+        fairness = self.fairness
+        if fairness is None:
+            return head
+        peers = takewhile(lambda r: r.params.priority == head.params.priority, self.waiting)
+        return min(peers, key=lambda r: (fairness.counter(r.params.tenant), _order(r)))
 
     def remove(self, request: Request, keep_cache: bool = True) -> list[CacheOp]:
         """Take a request out (finished or aborted). Returns the cache ops that fill its slot.
@@ -191,6 +214,8 @@ class Scheduler:
         first free slot instead of being overwritten.
         """
         request.status = RequestStatus.FINISHED
+        if self.fairness is not None:
+            self.fairness.leave(request)
         if request.slot is None:
             self.waiting.remove(request)
             return []
@@ -254,6 +279,8 @@ class Scheduler:
         request.status = RequestStatus.RUNNING
         request.starting = True
         self.running.append(request)
+        if self.fairness is not None and not request.num_preemptions:
+            self.fairness.charge_prompt(request)  # once: a preempted request's recompute is free
         if not self.prefix_caching:
             return []
         self.prefix_cache_queries += request.num_tokens

@@ -20,6 +20,18 @@ GREEDY_TEMPERATURE = 1e-5
 
 
 @dataclass(frozen=True)
+class TokenWeights:
+    """What one token of service costs a tenant (VTC's w_p and w_q: generated tokens cost more)."""
+
+    prompt: float = 1.0
+    output: float = 2.0
+
+    def __post_init__(self) -> None:
+        if self.prompt < 0 or self.output <= 0:
+            raise ValueError(f"token weights must be prompt >= 0 and output > 0, got {self}")
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 16  # new tokens to generate at most
     temperature: float = 1.0  # below GREEDY_TEMPERATURE (0 included) means greedy
@@ -29,6 +41,9 @@ class SamplingParams:
     stop: tuple[str, ...] = ()  # stop strings; the match is not part of the output
     stop_token_ids: tuple[int, ...] = ()  # extra token ids that end the request (kept out of the text)
     priority: int = 0  # waiting requests are admitted lowest first (a batch line's is 1, below interactive)
+    # Fair shares within a priority (fairness.py): an opaque tenant id, and its weight (its share).
+    tenant: str = ""
+    tenant_weight: float = 1.0
     ignore_eos: bool = False  # keep going past EOS (benchmarks)
     # Logits processing, per request (workers/engine/processors.py). Neutral values cost nothing.
     frequency_penalty: float = 0.0  # OpenAI's: minus this times each generated token's count so far
@@ -53,6 +68,8 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
         if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
+        if not self.tenant_weight > 0:
+            raise ValueError(f"tenant_weight must be > 0, got {self.tenant_weight}")
         if self.logprobs is not None and self.logprobs < 0:
             raise ValueError(f"logprobs must be >= 0 or None, got {self.logprobs}")
         if any(not s for s in self.stop):
@@ -99,6 +116,8 @@ class EngineConfig:
     # Run the forward through torch.compile (model_runner.py), compiled at load; the worker's
     # SPOOL_COMPILE turns it on for a CPU unless set.
     compile: bool = False
+    # Fair shares between tenants within a priority (fairness.py); None: first come, first served.
+    fair_share: TokenWeights | None = field(default_factory=TokenWeights)
 
     def __post_init__(self) -> None:
         if self.max_guide_mask_ms < 0:

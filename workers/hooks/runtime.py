@@ -72,7 +72,7 @@ class HookRuntime:
         self._delivered = 0
         self._me = asdict(this_process())  # the heartbeat's host, pid, pid_ns and instance
         store = SyncJobStore.from_settings(settings)
-        self.liveness = Liveness(store, settings, name, self, self._stop)
+        self.liveness = Liveness(store, settings, name, self, self._stop, None, "")  # no jobs to sweep
         self._sweeper: concurrent.futures.Future[None] | None = None
 
     @classmethod
