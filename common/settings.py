@@ -109,6 +109,8 @@ class Settings(BaseSettings):
     worker_name: str = ""  # empty: spool-{hostname}-{pid}-{random} (workers/identity.py)
     # Each worker process serves its Prometheus metrics on this port (workers/metrics.py); unset: none.
     worker_metrics_port: int | None = Field(None, ge=1, le=65535)
+    # Celery's task events and worker heartbeats (what Flower shows); `spool up` and compose turn them on.
+    task_events: bool = False
 
     # API process
     host: str = "127.0.0.1"

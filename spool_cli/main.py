@@ -53,21 +53,28 @@ def cmd_worker(args: argparse.Namespace) -> int:
         from workers.media.tasks import app  # loads torch and diffusers: only here
 
         concurrency, queue = 1, settings.keys.queue_media
+        model = settings.image_model or "spool-tiny-image"
     else:
         from workers.celery_app import app, worker_concurrency  # loads torch: only here
 
         concurrency, queue = worker_concurrency(settings), settings.keys.queue_llm
+        model = settings.served_model_name or settings.model or "spool-default"
+    from workers.celery_app import node_name
+
+    # Liveness is Spool's own heartbeat key; gossip and mingle only slow the start. Celery's
+    # heartbeat events are sent with the task events (SPOOL_TASK_EVENTS), for Flower.
+    events = ["--task-events"] if settings.task_events else ["--without-heartbeat"]
     app.worker_main(
         [
             "worker",
             "--pool=threads",
             f"--concurrency={concurrency}",
             f"--queues={queue}",
+            f"--hostname={node_name(args.kind, model)}",
             "--loglevel=INFO",
-            # Liveness is Spool's own heartbeat key; Celery's chatter only slows the start.
             "--without-gossip",
             "--without-mingle",
-            "--without-heartbeat",
+            *events,
         ]
     )
     return 0
@@ -276,7 +283,8 @@ def parser() -> argparse.ArgumentParser:
         "exit status, stops the others and exits 1; it restarts nothing. The workers get "
         "SPOOL_TORCH_THREADS=<CPUs minus one> unless it is set, leaving a core to the API and Redis; "
         "the media worker gets SPOOL_IMAGE_NICE=10 unless it is set, and with "
-        "SPOOL_WORKER_METRICS_PORT set, the port after the text worker's.",
+        "SPOOL_WORKER_METRICS_PORT set, the port after the text worker's; SPOOL_TASK_EVENTS=true unless "
+        "it is set (Flower sees the workers and their tasks).",
         "Settings: all of the worker's and the API's (spool worker --help, spool api --help).",
         "SPOOL_PORT=8001 spool up",
     )

@@ -8,6 +8,7 @@ The workers run torch on the CPUs minus one (``SPOOL_TORCH_THREADS``, unless set
 Redis share the machine. The media worker runs at niceness 10 (``SPOOL_IMAGE_NICE``, unless set),
 so that an image part's denoising delays no text part's first token (docs/benchmarks.md), and
 with ``SPOOL_WORKER_METRICS_PORT`` set it serves its metrics on the port after the text worker's.
+Celery's task events are on (``SPOOL_TASK_EVENTS``, unless set), for Flower.
 """
 
 from __future__ import annotations
@@ -60,7 +61,8 @@ def up() -> int:
     url, redis_server = found
     # SIGTERM (a service manager's stop) takes the same path as Ctrl-C: children are stopped, not orphaned.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
-    env = {**os.environ, "SPOOL_REDIS_URL": url}
+    # Celery's task events on unless set: Flower and `celery inspect` see the workers and tasks.
+    env = {"SPOOL_TASK_EVENTS": "true", **os.environ, "SPOOL_REDIS_URL": url}
     spool = [sys.executable, "-m", "spool_cli.main"]
     children: list[harness.Proc] = []
     status = 0
