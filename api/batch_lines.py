@@ -84,8 +84,8 @@ async def line_request(
         raise ApiError(
             400, "stream is not supported in a batch", param="stream", code="unsupported_parameter"
         )
+    model = _OPENAI.get(endpoint)
     try:
-        model = _OPENAI.get(endpoint)
         if model is None:
             request = JobRequest.accept(body, settings)
             check_with_live_workers(models, request)
@@ -101,9 +101,9 @@ async def line_request(
                 check_servable(request, worker)
                 await context.check(request, worker)
     except ValidationError as e:
-        raise validation_error(body_errors(e)) from None
+        raise validation_error(body_errors(e), openai=model is not None) from None
     except RequestValidationError as e:
-        raise validation_error(e) from None
+        raise validation_error(e, openai=model is not None) from None
     return request.model_copy(update={"background": True, "stream": False})
 
 
