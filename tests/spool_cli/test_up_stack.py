@@ -122,3 +122,17 @@ def test_flower_sees_both_workers_and_a_finished_task(stack: Stack, flower: str)
     wait_until(task_succeeded, "flower to show the finished task", 60)
     [task] = [t for t in tasks.values() if t["name"] == GENERATE_TASK]
     assert kinds([task["worker"]]) == {"text"}
+
+
+def test_ready_is_said_once_a_text_worker_serves_and_names_both_kinds(stack: Stack) -> None:
+    url = stack.url
+    wait_until(
+        lambda: "ready at" in stack.up.handle.log_tail(10**7), "spool up's ready line", 60, (stack.up,)
+    )
+    [ready] = [line for line in stack.up.handle.log_tail(10**7).splitlines() if "spool: ready at" in line]
+    model = stack.env["SPOOL_MODEL"]
+    assert ready.startswith(f"spool: ready at {url} (docs: {url}/docs): ")
+    assert f"text worker ({model})" in ready
+    media = f"media worker up ({stack.env['SPOOL_IMAGE_MODEL']})"
+    wait_until(lambda: media in stack.up.handle.log_tail(10**7), "the media worker's line", 180, (stack.up,))
+    assert ready.endswith(f'try: scripts/spool generate "ROMEO:"  (served by {model})')
