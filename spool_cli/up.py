@@ -95,10 +95,21 @@ def up() -> int:
         say(f"{died.name} (pid {died.pid}) {died.exit_status()}; stopping the others")
         status = EXIT_CHILD_DIED
     except KeyboardInterrupt:
-        pass
+        done.set()
+        say("stopping the API and the workers (Ctrl-C again kills them)")
     finally:
         done.set()
-        harness.stop_all(children, STOP_S)  # the API and the worker first, Redis last
+        stop(children, redis_server)
+    return status
+
+
+def stop(children: list[harness.Proc], redis_server: harness.Proc | None) -> None:
+    """The API and the workers first, Redis last; a second Ctrl-C meanwhile kills them all."""
+    try:
+        harness.stop_all(children, STOP_S)
         if redis_server is not None:
             redis_server.stop()
-    return status
+    except KeyboardInterrupt:
+        for p in [*children, *([redis_server] if redis_server else [])]:
+            p.signal(signal.SIGKILL)
+        say("killed the API and the workers")

@@ -3,11 +3,13 @@ there is none or a child exited."""
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 from pathlib import Path
 
 import pytest
-from procs import Service, free_port, spool_env, start_spool_up, wait_until
+from procs import Service, free_port, spool_env, spool_up_children, start_spool_up, wait_until
 
 from common.settings import Settings
 from spool_cli import ready
@@ -51,3 +53,19 @@ def test_no_ready_when_the_text_worker_exits_at_start(
     log = up.handle.log_tail(10**7)
     assert "worker (pid" in log and "exited with status 78" in log
     assert "spool: ready" not in log
+
+
+def test_ctrl_c_during_the_start_says_one_line_and_no_traceback(
+    prefixes, tiny_model: Path, log_dir: Path
+) -> None:  # type: ignore[no-untyped-def]
+    env = spool_env(prefixes.new(), model=tiny_model, port=free_port(), heartbeat_s=0.5)
+    up = start_spool_up("spool-up-ctrl-c", env, log_dir)
+    try:
+        spool_up_children(up)  # started, and loading
+        os.kill(up.proc.pid, signal.SIGINT)
+        assert up.proc.wait(120) == 0
+    finally:
+        up.stop()
+    log = up.handle.log_tail(10**7)
+    assert "spool: stopping the API and the workers (Ctrl-C again kills them)" in log
+    assert "Traceback" not in log and "spool: ready" not in log

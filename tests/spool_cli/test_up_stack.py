@@ -4,6 +4,9 @@ and `celery inspect` see each worker under a name of its own, and Flower sees th
 from __future__ import annotations
 
 import json
+import os
+import re
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -15,6 +18,7 @@ import httpx
 import pytest
 from procs import (
     ROOT,
+    SPOOL,
     Service,
     finished_job,
     free_port,
@@ -22,7 +26,6 @@ from procs import (
     http_status,
     spool_env,
     start,
-    start_spool_up,
     wait_until,
 )
 
@@ -31,25 +34,34 @@ from common.keys import GENERATE_TASK, Keys
 CELERY = str(Path(sys.executable).with_name("celery"))
 
 
+API_KEY = "k-up-stack"
+
+
 @dataclass
 class Stack:
     up: Service
     env: dict[str, str]
     url: str
+    model: str
 
     @property
     def keys(self) -> Keys:
         return Keys(self.up.prefix)
 
+    def output(self) -> str:
+        return self.up.handle.log_tail(10**7)
+
 
 @pytest.fixture(scope="module")
 def stack(prefixes, tiny_model: Path, tiny_image_model: Path, log_dir: Path, redis_client) -> Iterator[Stack]:  # type: ignore[no-untyped-def]
-    """`spool up` on the tiny models (a text and a media worker, the API), once both beat."""
+    """`spool up --model M --port P --api-keys K` on the tiny models (a text and a media worker,
+    the API), once both beat; the flags, not SPOOL_* variables, name the model, port and keys."""
     port = free_port()
     prefix = prefixes.new()
-    env = spool_env(prefix, model=tiny_model, image_model=tiny_image_model, port=port, heartbeat_s=0.5)
-    up = start_spool_up(f"spool-up-{prefix}", env, log_dir)
-    stack = Stack(up, env, f"http://127.0.0.1:{port}")
+    env = spool_env(prefix, image_model=tiny_image_model, heartbeat_s=0.5)
+    argv = [SPOOL, "up", "--model", str(tiny_model), "--port", str(port), "--api-keys", API_KEY]
+    up = start(f"spool-up-{prefix}", argv, env, log_dir)
+    stack = Stack(up, env, f"http://127.0.0.1:{port}", str(tiny_model))
     try:
         wait_until(lambda: http_status(stack.url + "/readyz") == 200, "spool up: /readyz", 180, (up,))
         wait_until(
@@ -110,7 +122,13 @@ def test_flower_sees_both_workers_and_a_finished_task(stack: Stack, flower: str)
     pids = {info["stats"]["pid"] for info in workers.values() if "stats" in info}
     assert len(pids) == 2  # two processes, not one node name for both
 
-    with httpx.Client(timeout=30) as client:
+    with httpx.Client(timeout=30, headers={"Authorization": f"Bearer {API_KEY}"}) as client:
+        assert (
+            client.post(
+                f"{stack.url}/v1/jobs", json={"prompt": "x"}, headers={"Authorization": ""}
+            ).status_code
+            == 401
+        )
         job = client.post(f"{stack.url}/v1/jobs", json={"prompt": "hello", "max_tokens": 4}).json()
         assert finished_job(client, stack.url, job["id"])["status"] == "succeeded"
     tasks: dict[str, Any] = {}
@@ -126,13 +144,36 @@ def test_flower_sees_both_workers_and_a_finished_task(stack: Stack, flower: str)
 
 def test_ready_is_said_once_a_text_worker_serves_and_names_both_kinds(stack: Stack) -> None:
     url = stack.url
-    wait_until(
-        lambda: "ready at" in stack.up.handle.log_tail(10**7), "spool up's ready line", 60, (stack.up,)
-    )
-    [ready] = [line for line in stack.up.handle.log_tail(10**7).splitlines() if "spool: ready at" in line]
-    model = stack.env["SPOOL_MODEL"]
+    wait_until(lambda: "ready at" in stack.output(), "spool up's ready line", 60, (stack.up,))
+    [ready] = [line for line in stack.output().splitlines() if "spool: ready at" in line]
     assert ready.startswith(f"spool: ready at {url} (docs: {url}/docs): ")
-    assert f"text worker ({model})" in ready
+    assert f"text worker ({stack.model})" in ready
+    assert ready.endswith(f'try: scripts/spool generate "ROMEO:"  (served by {stack.model})')
     media = f"media worker up ({stack.env['SPOOL_IMAGE_MODEL']})"
-    wait_until(lambda: media in stack.up.handle.log_tail(10**7), "the media worker's line", 180, (stack.up,))
-    assert ready.endswith(f'try: scripts/spool generate "ROMEO:"  (served by {model})')
+    wait_until(lambda: media in stack.output(), "the media worker's line", 180, (stack.up,))
+
+
+def test_spool_workers_lists_each_live_worker_with_its_kind_model_and_load(stack: Stack) -> None:
+    result = subprocess.run(
+        [SPOOL, "workers", "--url", stack.url], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert result.returncode == 0, result.stderr
+    header, *rows = result.stdout.splitlines()
+    assert header.split() == ["KIND", "MODEL", "LOAD"]
+    by_kind = {row.split()[0]: row.split()[1] for row in rows}
+    assert by_kind == {"text": stack.model, "media": stack.env["SPOOL_IMAGE_MODEL"]}
+    [text] = [row for row in rows if row.startswith("text")]
+    assert re.search(r"0 running of \d+ slots, 0 waiting$", text), text
+
+
+def test_ctrl_c_stops_it_with_one_line_no_traceback_and_no_leak_report(stack: Stack) -> None:
+    # Last in this module: it stops the module's spool up.
+    before = len(stack.output())
+    os.kill(stack.up.proc.pid, signal.SIGINT)
+    assert stack.up.proc.wait(120) == 0
+    after = stack.output()[before:]
+    assert [line for line in after.splitlines() if line.startswith("spool: ")] == [
+        "spool: stopping the API and the workers (Ctrl-C again kills them)"
+    ]
+    assert "Traceback" not in after
+    assert "nanobind" not in stack.output()  # triton's "leaked ..." report at the workers' exit
