@@ -27,6 +27,7 @@ const view = {
   images: [], // object URLs of the images shown, revoked when another job is shown
 };
 const CANCELLABLE_BATCH = ["validating", "in_progress"];
+const ENDED_EARLY = ["cancelled", "failed", "expired"]; // a batch whose lines did not all run
 
 class ApiError extends Error {
   constructor(status, error) {
@@ -56,8 +57,16 @@ async function request(path, options = {}) {
   throw new ApiError(r.status, body.error || { message: r.statusText });
 }
 
+// NOTE: a JSON number past 2^53 (an image's seed) loses digits as a JS number; such an integer
+// is kept as its text, so a seed copied from the page makes the same image.
+function parseJson(text) {
+  return JSON.parse(text, (key, value, context) =>
+    typeof value === "number" && !Number.isSafeInteger(value) && context && /^-?\d+$/.test(context.source)
+      ? context.source : value);
+}
+
 async function getJson(path, options) {
-  return (await request(path, options)).json();
+  return parseJson(await (await request(path, options)).text());
 }
 
 function explain(err) {
@@ -141,7 +150,7 @@ async function follow(jobId) {
         if (ev.id === null) continue; // not a job event: a stream ended by an outage says so, then closes
         if (ev.id <= view.lastId) continue; // already shown
         view.lastId = ev.id;
-        if (show(ev.event, JSON.parse(ev.data))) {
+        if (show(ev.event, parseJson(ev.data))) {
           finished();
           return;
         }
@@ -394,12 +403,25 @@ function jobBody() {
   return JSON.stringify({ parts: [{ type: "text", ...body }, imagePart($("image-prompt").value.trim())] });
 }
 
+// The job's text (every choice's, one after another) to the clipboard; the button says it did.
+async function copyText() {
+  const choices = [...document.querySelectorAll("#choices .choice")].map((el) => el.textContent);
+  const text = $("choices").hidden ? $("output").textContent : choices.join("\n\n");
+  try {
+    await navigator.clipboard.writeText(text);
+    $("copy").textContent = "Copied";
+  } catch (err) {
+    banner(`Copy failed: ${err.message}`);
+  }
+  setTimeout(() => { $("copy").textContent = "Copy"; }, 1500);
+}
+
 async function submit(e) {
   e.preventDefault();
   $("submit").disabled = true;
   try {
     const r = await request("/v1/jobs", { method: "POST", headers: { "Content-Type": "application/json" }, body: jobBody() });
-    const job = await r.json();
+    const job = parseJson(await r.text());
     banner("");
     setStatus(job.status);
     follow(job.id);
@@ -447,7 +469,8 @@ function jobItem(job) {
   link.addEventListener("click", (e) => { e.preventDefault(); follow(job.id); });
   const when = document.createElement("span");
   when.className = "when";
-  const parts = job.parts && job.parts.length ? `${job.parts.length} parts · ` : "";
+  const n = job.parts ? job.parts.length : 0;
+  const parts = n ? `${n} ${n === 1 ? "part" : "parts"} · ` : "";
   when.textContent = `${parts}${job.usage.completion_tokens} tok · ${new Date(job.created_at * 1000).toLocaleTimeString()}`;
   li.append(status, link, when);
   return li;
@@ -538,7 +561,10 @@ function batchRow(li, b) {
   pill.dataset.state = b.status;
   const bar = li.querySelector("progress");
   bar.max = Math.max(c.total, 1);
-  bar.value = done;
+  // A batch that ended early fills its bar with the lines that succeeded only: its cancelled
+  // lines count as failed, and a full bar would read as a completed batch.
+  bar.value = ENDED_EARLY.includes(b.status) ? c.completed : done;
+  bar.dataset.state = b.status;
   li.querySelector(".counts").textContent =
     `${done}/${c.total} · ${c.completed} completed · ${c.failed} failed · ${b.endpoint}`;
   const actions = li.querySelector(".batch-actions");
@@ -569,7 +595,7 @@ function batchAction(b, what, label) {
   a.href = `/v1/files/${encodeURIComponent(fileId)}/content`; // read with fetch(), with the key
   a.className = `file-${what}`;
   a.textContent = label;
-  a.addEventListener("click", (e) => { e.preventDefault(); showFile(fileId, `${label} of ${b.id}`); });
+  a.addEventListener("click", (e) => { e.preventDefault(); showFile(fileId, `${label} of ${b.id}`, what !== "input"); });
   return a;
 }
 
@@ -584,12 +610,29 @@ async function cancelBatch(batchId, button) {
   refreshBatches();
 }
 
-async function showFile(fileId, title) {
+// One output or error line as a person reads it: its custom_id and the response's text (a
+// chat message's, a completion's or a job's), or the error's message.
+function readableLine(line) {
+  let row;
+  try {
+    row = parseJson(line);
+  } catch {
+    return line;
+  }
+  const body = (row.response && row.response.body) || {};
+  const choice = (body.choices || [])[0];
+  const error = row.error || body.error;
+  const text = choice ? (choice.message ? choice.message.content : choice.text)
+    : body.text !== undefined ? body.text : error ? `error: ${error.message}` : null;
+  return text === null || text === undefined ? line : `${row.custom_id}: ${text}`;
+}
+
+async function showFile(fileId, title, readable) {
   try {
     const text = await (await request(`/v1/files/${encodeURIComponent(fileId)}/content`)).text();
-    const lines = text.split("\n").filter((l) => l.trim()).length;
-    $("batch-file-title").textContent = `${title} (${lines} lines)`;
-    $("batch-lines").textContent = text;
+    const rows = text.split("\n").filter((l) => l.trim());
+    $("batch-file-title").textContent = `${title} (${rows.length} lines)`;
+    $("batch-lines").textContent = readable ? rows.map(readableLine).join("\n") : text;
     $("batch-lines").dataset.fileId = fileId;
     const download = $("batch-file-download");
     if (download.href.startsWith("blob:")) URL.revokeObjectURL(download.href);
@@ -649,6 +692,7 @@ function start() {
   showForm();
   $("job-form").addEventListener("submit", submit);
   $("cancel").addEventListener("click", cancel);
+  $("copy").addEventListener("click", copyText);
   $("refresh-jobs").addEventListener("click", refreshJobs);
   $("refresh-batches").addEventListener("click", refreshBatches);
   $("batch-form").addEventListener("submit", startBatch);
