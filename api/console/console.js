@@ -121,10 +121,11 @@ function sleep(ms, signal) {
 }
 
 // Follow a job's events from the first, reconnecting after the last one shown until the terminal one.
-async function follow(jobId) {
+// submittedAt: performance.now() of its submit from this page (its time to first token is shown).
+async function follow(jobId, submittedAt = null) {
   if (view.stream) view.stream.abort();
   const ctrl = new AbortController();
-  Object.assign(view, { jobId, lastId: 0, tokens: 0, stream: ctrl });
+  Object.assign(view, { jobId, lastId: 0, tokens: 0, stream: ctrl, submittedAt, firstTokenAt: null });
   view.partTokens.clear();
   for (const u of view.images.splice(0)) URL.revokeObjectURL(u);
   $("parts").replaceChildren();
@@ -184,6 +185,7 @@ function show(type, data) {
     }
     view.partTokens.set(k, before + 1);
     view.tokens += 1;
+    if (view.firstTokenAt === null) view.firstTokenAt = performance.now();
     choiceOutput(data.choice ?? 0).append(data.text);
     showCursor();
     setStatus("running");
@@ -211,6 +213,8 @@ function show(type, data) {
       const u = data.usage || {};
       $("job-meta").textContent =
         `finish_reason: ${data.finish_reason} · prompt ${u.prompt_tokens} + completion ${u.completion_tokens} tokens`;
+      showSpeed(view.jobId, u.completion_tokens);
+      if (data.status === "succeeded") chatReplied(view.jobId, $("output").textContent);
     }
     return true;
   }
@@ -220,6 +224,50 @@ function show(type, data) {
     return true;
   }
   return false;
+}
+
+// ---- chat: the conversation so far goes with each next message ---------------------------------
+
+const chat = { turns: [], pending: null }; // pending: the user message whose reply is awaited
+
+function chatReplied(jobId, reply) {
+  if (!chat.pending || chat.pending.jobId !== jobId) return;
+  chat.turns.push(chat.pending.user, { role: "assistant", content: reply });
+  chat.pending = null;
+  $("prompt").value = "";
+  showConversation();
+}
+
+function newChat() {
+  chat.turns = [];
+  chat.pending = null;
+  showConversation();
+}
+
+function showConversation() {
+  $("conversation").replaceChildren(...chat.turns.map((m) => {
+    const li = document.createElement("li");
+    li.dataset.role = m.role;
+    li.textContent = m.content;
+    return li;
+  }));
+  $("conversation").hidden = !chat.turns.length;
+}
+
+// A finished text job's rate over its generation (a worker took it until it ended, from the
+// job's timestamps) and, for a job submitted from this page, its time to first token.
+async function showSpeed(jobId, tokens) {
+  const ttft = view.submittedAt !== null && view.firstTokenAt !== null
+    ? ` · TTFT ${((view.firstTokenAt - view.submittedAt) / 1000).toFixed(2)} s` : "";
+  try {
+    const job = await getJson(`/v1/jobs/${encodeURIComponent(jobId)}`);
+    if (jobId !== view.jobId || !job.started_at || !job.finished_at) return;
+    const seconds = Math.max(job.finished_at - job.started_at, 1e-3);
+    $("job-meta").dataset.tokPerS = (tokens / seconds).toFixed(1);
+    $("job-meta").textContent += ` · ${(tokens / seconds).toFixed(1)} tok/s${ttft}`;
+  } catch (err) {
+    // the figures are extras: the job's own line stays as it is
+  }
 }
 
 // ---- parts ----------------------------------------------------------------------------------
@@ -395,7 +443,9 @@ function jobBody() {
   if (stop.length) body.stop = stop;
   if (mode() === "chat") {
     const system = $("system").value.trim();
-    body.messages = [...(system ? [{ role: "system", content: system }] : []), { role: "user", content: $("prompt").value }];
+    const user = { role: "user", content: $("prompt").value };
+    chat.pending = { jobId: null, user };
+    body.messages = [...(system ? [{ role: "system", content: system }] : []), ...chat.turns, user];
   } else {
     body.prompt = $("prompt").value;
   }
@@ -420,11 +470,13 @@ async function submit(e) {
   e.preventDefault();
   $("submit").disabled = true;
   try {
+    const submittedAt = performance.now();
     const r = await request("/v1/jobs", { method: "POST", headers: { "Content-Type": "application/json" }, body: jobBody() });
     const job = parseJson(await r.text());
     banner("");
     setStatus(job.status);
-    follow(job.id);
+    if (mode() === "chat" && chat.pending) chat.pending.jobId = job.id;
+    follow(job.id, submittedAt);
     refreshJobs();
   } catch (err) {
     banner(explain(err));
@@ -681,6 +733,7 @@ function start() {
   const showForm = () => {
     const m = mode();
     $("system").hidden = m !== "chat";
+    $("chat").hidden = m !== "chat";
     $("prompt").placeholder = { chat: "User message", image: "Image prompt" }[m] || "Prompt";
     $("text-params").hidden = m === "image";
     $("with-image-label").hidden = m === "image";
@@ -693,6 +746,7 @@ function start() {
   $("job-form").addEventListener("submit", submit);
   $("cancel").addEventListener("click", cancel);
   $("copy").addEventListener("click", copyText);
+  $("new-chat").addEventListener("click", newChat);
   $("refresh-jobs").addEventListener("click", refreshJobs);
   $("refresh-batches").addEventListener("click", refreshBatches);
   $("batch-form").addEventListener("submit", startBatch);

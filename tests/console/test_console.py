@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 from collections.abc import Iterator
@@ -758,3 +759,55 @@ def test_copy_puts_the_jobs_text_on_the_clipboard(stack: Stack, browser: Any, cl
         assert copied == finished_job(client, stack.api.url, job_id)["text"] != ""
     finally:
         context.close()
+
+
+def test_a_finished_job_shows_its_rate_and_time_to_first_token(
+    stack: Stack, page: Any, client: httpx.Client
+) -> None:
+    open_console(page, stack.api.url)
+    job_id = submit(page, "the quick brown fox", 12)
+    assert wait_terminal(page) == "succeeded"
+    page.wait_for_selector("#job-meta[data-tok-per-s]")
+    job = finished_job(client, stack.api.url, job_id)
+    rate = job["usage"]["completion_tokens"] / (job["finished_at"] - job["started_at"])
+    meta = str(page.text_content("#job-meta"))
+    assert re.search(r" · \d+\.\d tok/s · TTFT \d+\.\d\d s$", meta), meta
+    assert page.get_attribute("#job-meta", "data-tok-per-s") == f"{rate:.1f}"
+    # A job followed from its link (not submitted here) has a rate and no TTFT of this page's.
+    open_console(page, stack.api.url, f"?job={job_id}")
+    page.wait_for_selector("#job-meta[data-tok-per-s]")
+    assert "TTFT" not in str(page.text_content("#job-meta"))
+
+
+def request_messages(stack: Stack, job_id: str) -> list[dict[str, str]]:
+    """The messages the job was submitted with (its stored request)."""
+    r = redis.Redis.from_url(REDIS_URL)
+    return list(json.loads(r.hget(Keys(stack.prefix).job(job_id), "request"))["messages"])
+
+
+def test_chat_keeps_the_conversation_until_a_new_chat(stack: Stack, page: Any, client: httpx.Client) -> None:
+    open_console(page, stack.api.url)
+    page.check("input[name=mode][value=chat]")
+    assert page.is_visible("#new-chat") and page.is_hidden("#conversation")
+    first = submit(page, "hello", 6)
+    assert wait_terminal(page) == "succeeded"
+    reply = finished_job(client, stack.api.url, first)["text"]
+    page.wait_for_selector("#conversation li[data-role='assistant']")
+    turns = page.eval_on_selector_all(
+        "#conversation li", "lis => lis.map(li => [li.dataset.role, li.textContent])"
+    )
+    assert turns == [["user", "hello"], ["assistant", reply]]
+    assert page.input_value("#prompt") == ""  # ready for the next message
+    second = submit(page, "and then?", 6)
+    assert wait_terminal(page) == "succeeded"
+    assert request_messages(stack, second) == [
+        {"role": "user", "content": "hello"},
+        {"role": "assistant", "content": reply},
+        {"role": "user", "content": "and then?"},
+    ]
+    page.wait_for_function("document.querySelectorAll('#conversation li').length === 4")
+    page.click("#new-chat")
+    assert page.is_hidden("#conversation")
+    third = submit(page, "anew", 4)
+    assert wait_terminal(page) == "succeeded"
+    assert request_messages(stack, third) == [{"role": "user", "content": "anew"}]
