@@ -119,8 +119,8 @@ async def line_request(
         raise ApiError(
             400, "stream is not supported in a batch", param="stream", code="unsupported_parameter"
         )
+    model = _OPENAI.get(endpoint)
     try:
-        model = _OPENAI.get(endpoint)
         if endpoint == RESPONSES:
             response = ResponseRequest.model_validate(body)
             request = response.batch_job_request(settings)
@@ -143,9 +143,9 @@ async def line_request(
                 check_servable(request, worker)
                 await context.check(request, worker)
     except ValidationError as e:
-        raise validation_error(body_errors(e)) from None
+        raise validation_error(body_errors(e), openai=endpoint != "/v1/jobs") from None
     except RequestValidationError as e:
-        raise validation_error(e) from None
+        raise validation_error(e, openai=endpoint != "/v1/jobs") from None
     return request.model_copy(update={"background": True, "stream": False})
 
 

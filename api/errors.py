@@ -115,8 +115,15 @@ def _location(loc: Sequence[int | str]) -> str | None:
     return ".".join(parts) or None
 
 
-def validation_error(exc: RequestValidationError) -> ApiError:
-    """How a request's validation errors answer (also a batch line's: api/batch_lines.py)."""
+def openai_route(path: str) -> bool:
+    """The OpenAI-compatible routes: everything under /v1/ but Spool's own jobs API."""
+    return path.startswith("/v1/") and not path.startswith("/v1/jobs")
+
+
+def validation_error(exc: RequestValidationError, openai: bool = False) -> ApiError:
+    """How a request's validation errors answer (also a batch line's: api/batch_lines.py).
+    ``openai``: an OpenAI route's, where a schema violation is a 400 (as OpenAI and vLLM answer
+    ``top_p: 3``), not the jobs API's 422."""
     errors = exc.errors()
     first = errors[0]
     if first["type"] == "json_invalid":
@@ -129,7 +136,7 @@ def validation_error(exc: RequestValidationError) -> ApiError:
     # that do not fit (an unknown type, prompt_from forward, a bad size): 400 too.
     bad_parts = first["type"] == INVALID_PART or first["loc"][1:2] == ("parts",)
     refused = (LIMIT_EXCEEDED, OUT_OF_RANGE, INVALID_SCHEMA, INVALID_GUIDED, TOO_DEEP, INVALID_WEBHOOK)
-    status = 400 if first["type"] in refused or bad_parts else 422
+    status = 400 if first["type"] in refused or bad_parts or openai else 422
     return ApiError(status, message, param=_location(first["loc"]), code=str(first["type"]))
 
 
@@ -138,7 +145,7 @@ async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
     first = exc.errors()[0]
     if first["type"] == LIMIT_EXCEEDED and (context := await _past_the_context(request, first)):
         return _respond(context)
-    return _respond(validation_error(exc))
+    return _respond(validation_error(exc, openai=openai_route(request.url.path)))
 
 
 async def _past_the_context(request: Request, error: Mapping[str, Any]) -> ApiError | None:

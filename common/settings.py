@@ -135,6 +135,8 @@ class Settings(BaseSettings):
     tenant_priority_floors: str = ""
     # Each worker process serves its Prometheus metrics on this port (workers/metrics.py); unset: none.
     worker_metrics_port: int | None = Field(None, ge=1, le=65535)
+    # Celery's task events and worker heartbeats (what Flower shows); `spool up` and compose turn them on.
+    task_events: bool = False
 
     # Webhooks (docs/webhooks.md): signing, destinations, delivery by `spool worker --kind hooks`
     # Comma-separated whsec_ secrets, the first current (every one signs, for a rotation); unset:

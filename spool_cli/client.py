@@ -28,6 +28,7 @@ PAGE_MAX = 100  # the most jobs one GET /v1/jobs answers with (its `limit`)
 SECOND_CTRL_C_S = 2.0  # a second Ctrl-C within this long of the first cancels the job
 INTERRUPTED = 130  # the shell's status for a command ended by SIGINT
 NEVER_CONNECTED = (httpx.ConnectError, httpx.ConnectTimeout)
+BATCH_ID_PREFIX = "batch_"  # `spool cancel` cancels these as batches
 READY_HEADER = "X-Spool-Ready"  # "false" on a submit while no worker is live (the job waits)
 
 
@@ -177,7 +178,7 @@ def _stream(api: Api, state: Follow, body: dict[str, Any] | None) -> int:
                             _say(f"{_message(data) or data[:200]}; resuming after event {state.last}")
                             break
                         state.last, failures = event_id, 0
-                        if (code := _show(state, event, json.loads(data))) is not None:
+                        if (code := _show(api, state, event, json.loads(data))) is not None:
                             return code
         except httpx.TransportError as e:
             api.lost(e)
@@ -212,7 +213,7 @@ def _end_line(state: Follow) -> None:
         state.newline = False
 
 
-def _show(state: Follow, event: str, data: dict[str, Any]) -> int | None:
+def _show(api: Api, state: Follow, event: str, data: dict[str, Any]) -> int | None:
     """Print one event; the exit code once the job ended, else None."""
     if event == "token":
         print(data["text"], end="", flush=True)
@@ -224,14 +225,25 @@ def _show(state: Follow, event: str, data: dict[str, Any]) -> int | None:
         _say(f"job {state.job_id} failed ({data['type']}): {data['message']}")
         return 1
     tokens = data["usage"]["completion_tokens"]
-    rate = ""  # a job followed after its start: its tokens came before this client did
-    if state.started is not None:
-        seconds = time.monotonic() - state.started
-        rate = f" in {seconds:.1f} s ({tokens / seconds if seconds > 0 else 0.0:.1f} tok/s)"
+    job, _ = _get_job(api, str(state.job_id))
     _say(
-        f"{data['status']} (finish reason {data['finish_reason']}), {tokens} tokens{rate}, job {state.job_id}"
+        f"{data['status']} (finish reason {data['finish_reason']}), {tokens} tokens"
+        f"{_timing(tokens, job or {})}, job {state.job_id}"
     )
     return 0 if data["status"] == "succeeded" else 1
+
+
+def _timing(tokens: int, job: dict[str, Any]) -> str:
+    """The job's rate over its generation alone (a worker took it until it ended) and its wait
+    in the queue before, from the job's own timestamps; "" when they are missing."""
+    created, started, finished = job.get("created_at"), job.get("started_at"), job.get("finished_at")
+    if created is None or started is None or finished is None:
+        return ""
+    generation = max(finished - started, 1e-3)
+    return (
+        f" in {generation:.1f} s ({tokens / generation:.1f} tok/s)"
+        f" after {max(started - created, 0.0):.1f} s in the queue"
+    )
 
 
 def _interrupted(api: Api, state: Follow) -> int:
@@ -285,9 +297,13 @@ def cancel_jobs(url: str, job_ids: list[str], api_key: str | None) -> int:
 
 
 def _cancel(api: Api, job_ids: list[str]) -> int:
-    """Cancel each job; the exit code. A job that already ended is said, not an error."""
+    """Cancel each job (a batch_... id: the batch); the exit code. A job that already ended is
+    said, not an error."""
     code = 0
     for job_id in job_ids:
+        if job_id.startswith(BATCH_ID_PREFIX):
+            code = _cancel_batch(api, job_id) or code
+            continue
         try:
             resp = api.http.post(f"/v1/jobs/{job_id}/cancel")
         except httpx.TransportError as e:
@@ -303,6 +319,51 @@ def _cancel(api: Api, job_ids: list[str]) -> int:
         else:
             _say(f"job {job_id}: cancel requested (its status now: {resp.json()['status']})")
     return code
+
+
+def _cancel_batch(api: Api, batch_id: str) -> int:
+    try:
+        resp = api.http.post(f"/v1/batches/{batch_id}/cancel")
+    except httpx.TransportError as e:
+        api.lost(e)
+        _say(f"batch {batch_id}: connection lost ({e}); not cancelled")
+        return 1
+    if resp.is_error:
+        _say(f"batch {batch_id}: {_error(resp)}")
+        return 0 if resp.status_code == 409 else 1
+    _say(f"batch {batch_id}: cancel requested (its status now: {resp.json()['status']})")
+    return 0
+
+
+def list_workers(url: str, api_key: str | None) -> int:
+    """The live workers (GET /console-status), one line each: kind, model, load."""
+    with Api(url, api_key) as api:
+        try:
+            resp = api.http.get("/console-status")
+        except httpx.TransportError as e:
+            api.lost(e)
+            _say(f"connection lost ({e})")
+            return 1
+    if resp.is_error:
+        _say(_error(resp))
+        return 1
+    workers = sorted(resp.json()["workers"], key=lambda w: (w.get("kind", ""), w.get("model", "")))
+    if not workers:
+        _say("no live worker")
+        return 0
+    print(f"{'KIND':5}  {'MODEL':40}  LOAD")
+    for w in workers:
+        print(f"{w.get('kind', 'text'):5}  {w.get('model', '?'):40}  {_load(w.get('engine') or {})}")
+    return 0
+
+
+def _load(engine: dict[str, Any]) -> str:
+    """A worker's load, from its heartbeat's engine figures."""
+    if "slots" in engine:  # a text worker's engine stats
+        return f"{engine['running']} running of {engine['slots']} slots, {engine['waiting']} waiting"
+    if "step" in engine:  # a media worker with a part
+        return f"1 image part, step {engine['step']} of {engine['steps']}"
+    return f"{engine.get('running', 0)} running"
 
 
 def list_jobs(url: str, limit: int, status: str | None, api_key: str | None) -> int:

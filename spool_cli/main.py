@@ -2,7 +2,7 @@
 
 Every command reads its settings from SPOOL_* environment variables (the README's table), so
 processes started with the same environment find each other. `spool api` and the client
-commands (generate, batch, jobs, job, cancel) never import torch. `spool COMMAND --help` says
+commands (generate, batch, jobs, job, cancel, workers) never import torch. `spool COMMAND --help` says
 what each command does, which settings it reads, and gives an example.
 """
 
@@ -48,31 +48,45 @@ def check_redis_at_start(url: str) -> None:
 def cmd_worker(args: argparse.Namespace) -> int:
     check_redis_at_start(get_settings().redis_url)  # before torch loads: seconds sooner
     settings = get_settings()
+    if (settings.image_device if args.kind == "media" else settings.device) == "cpu":
+        # NOTE: triton (xgrammar's dependency, for its CUDA kernels) is imported by torch.compile
+        # even on a CPU, where it runs nothing, and at every exit nanobind reports its module
+        # objects as leaked (54 lines). A None in sys.modules makes `import triton` raise
+        # ImportError, which torch and xgrammar take as "no triton".
+        sys.modules.setdefault("triton", None)  # type: ignore[arg-type]
     if args.kind == "media":
         if settings.image_nice:
             os.nice(settings.image_nice)  # before any thread starts: every one inherits it
         from workers.media.tasks import app  # loads torch and diffusers: only here
 
         concurrency, queue = 1, settings.keys.queue_media
+        model = settings.image_model or "spool-tiny-image"
     elif args.kind == "hooks":
         from workers.hooks.tasks import HOOK_TASK_THREADS, app  # no torch
 
         concurrency, queue = HOOK_TASK_THREADS, settings.keys.queue_hooks
+        model = "webhooks"
     else:
         from workers.celery_app import app, worker_concurrency  # loads torch: only here
 
         concurrency, queue = worker_concurrency(settings), settings.keys.model_queue(settings.served_model)
+        model = settings.served_model
+    from workers.celery_app import node_name
+
+    # Liveness is Spool's own heartbeat key; gossip and mingle only slow the start. Celery's
+    # heartbeat events are sent with the task events (SPOOL_TASK_EVENTS), for Flower.
+    events = ["--task-events"] if settings.task_events else ["--without-heartbeat"]
     app.worker_main(
         [
             "worker",
             "--pool=threads",
             f"--concurrency={concurrency}",
             f"--queues={queue}",
+            f"--hostname={node_name(args.kind, model)}",
             "--loglevel=INFO",
-            # Liveness is Spool's own heartbeat key; Celery's chatter only slows the start.
             "--without-gossip",
             "--without-mingle",
-            "--without-heartbeat",
+            *events,
         ]
     )
     return 0
@@ -119,9 +133,23 @@ def listening_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def cmd_up(_: argparse.Namespace) -> int:
+UP_FLAGS = {
+    "model": "SPOOL_MODEL",
+    "device": "SPOOL_DEVICE",
+    "host": "SPOOL_HOST",
+    "port": "SPOOL_PORT",
+    "api_keys": "SPOOL_API_KEYS",
+}
+
+
+def cmd_up(args: argparse.Namespace) -> int:
     from spool_cli.up import up
 
+    # A flag is its variable, for spool up and every child it starts.
+    os.environ.update(
+        {var: str(getattr(args, flag)) for flag, var in UP_FLAGS.items() if getattr(args, flag) is not None}
+    )
+    get_settings.cache_clear()
     return up()
 
 
@@ -191,6 +219,12 @@ def cmd_cancel(args: argparse.Namespace) -> int:
     return cancel_jobs(args.url or default_url(), args.ids, api_key(args))
 
 
+def cmd_workers(args: argparse.Namespace) -> int:
+    from spool_cli.client import list_workers
+
+    return list_workers(args.url or default_url(), api_key(args))
+
+
 def cmd_tiny_model(args: argparse.Namespace) -> int:
     from workers.engine.tiny import build_tiny_model
 
@@ -215,6 +249,15 @@ def default_url() -> str:
 
 def api_key(args: argparse.Namespace) -> str | None:
     return args.api_key or get_settings().api_key or None
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("spool")
+    except PackageNotFoundError:  # a checkout run with PYTHONPATH, not installed
+        return "(not installed)"
 
 
 def _positive(text: str) -> int:
@@ -255,6 +298,7 @@ def parser() -> argparse.ArgumentParser:
         epilog='example:\n  spool up    # then, in another terminal: spool generate "ROMEO:"',
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    root.add_argument("--version", action="version", version=f"spool {_version()}")
     sub = root.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = _command(
@@ -313,10 +357,16 @@ def parser() -> argparse.ArgumentParser:
         "SPOOL_TORCH_THREADS=<CPUs minus one> unless it is set, leaving a core to the API and Redis; "
         "the media worker gets SPOOL_IMAGE_NICE=10 unless it is set, and with "
         "SPOOL_WORKER_METRICS_PORT set, the port after the text worker's (the hook worker, which "
-        "delivers webhooks, the one after that).",
+        "delivers webhooks, the one after that); SPOOL_TASK_EVENTS=true unless it is set (Flower "
+        "sees the workers and their tasks).",
         "Settings: all of the worker's and the API's (spool worker --help, spool api --help).",
-        "SPOOL_PORT=8001 spool up",
+        "spool up --model Qwen/Qwen2.5-0.5B-Instruct --port 8001",
     )
+    p.add_argument("--model", help="the text worker's model, a hub id or a directory (SPOOL_MODEL)")
+    p.add_argument("--device", help="the text worker's device: cpu, cuda, cuda:N or mps (SPOOL_DEVICE)")
+    p.add_argument("--host", help="the API's interface (SPOOL_HOST)")
+    p.add_argument("--port", type=int, help="the API's port (SPOOL_PORT)")
+    p.add_argument("--api-keys", help="comma-separated keys the API accepts (SPOOL_API_KEYS)")
     p.set_defaults(func=cmd_up)
 
     p = _command(
@@ -429,15 +479,29 @@ def parser() -> argparse.ArgumentParser:
     p = _command(
         sub,
         "cancel",
-        "cancel jobs by id",
+        "cancel jobs or batches by id",
         "A queued job ends at once, a running one at the worker's next step; a job that already "
-        "ended is said so (and is not an error).",
+        "ended is said so (and is not an error). An id that starts with batch_ cancels that batch: "
+        "its lines not yet run end, its running ones stop, the finished ones keep their results.",
         CLIENT_SETTINGS,
-        "spool cancel 3f0c9a1e2b7d4c5f8e6a0b1c2d3e4f5a",
+        "spool cancel 3f0c9a1e2b7d4c5f8e6a0b1c2d3e4f5a batch_6b1f0e2d9c8a7b3e",
     )
-    p.add_argument("ids", nargs="+", metavar="ID", help="the jobs' ids")
+    p.add_argument("ids", nargs="+", metavar="ID", help="the jobs' (or batch_...: the batches') ids")
     _client_options(p)
     p.set_defaults(func=cmd_cancel)
+
+    p = _command(
+        sub,
+        "workers",
+        "list the live workers: kind, model and load",
+        "One line per worker with a live heartbeat (GET /console-status): its kind (text or media), "
+        "its model, and its load: a text worker's running and waiting requests out of its batch "
+        "slots, a media worker's image part and denoising step.",
+        CLIENT_SETTINGS,
+        "spool workers",
+    )
+    _client_options(p)
+    p.set_defaults(func=cmd_workers)
 
     p = _command(
         sub,

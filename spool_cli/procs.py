@@ -45,6 +45,15 @@ class Proc:
     def alive(self) -> bool:
         return self.popen.poll() is None
 
+    def running(self) -> bool:
+        """Alive, asked without reaping it: safe from another thread while ``wait_any`` waits."""
+        if self.popen.returncode is not None:
+            return False
+        try:
+            return os.waitid(os.P_PID, self.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None
+        except ChildProcessError:  # reaped meanwhile
+            return False
+
     def log_tail(self, chars: int = LOG_TAIL_CHARS) -> str:
         if self.log_path is None:
             return ""

@@ -1,75 +1,107 @@
-"""Say when a starting Spool is ready: ``python -m spool_cli.ready --pid PID`` (scripts/serve.sh).
+"""What ``spool up`` says while it starts: which workers are up, a line every ``NOTE_S`` while the
+text worker loads and compiles its model, and ``ready at URL`` once a text worker serves the model.
 
-One line when the model starts loading, one with the URL once ``/readyz`` answers 200 (a
-worker's heartbeat is live: the model is loaded), never before. It gives up quietly when the
-process it watches (``spool up``) exits first.
+Ready means a text worker beats (its first heartbeat comes after its model loaded and its forward
+compiled) and ``/readyz`` answers 200: a media worker alone is not ready, since a job's text runs
+on a text worker. It reads the public ``/console-status`` (the live workers, their kind and model)
+and never says ready once one of ``spool up``'s children exited: ``spool up`` says which one.
 """
 
 from __future__ import annotations
 
-import argparse
-import os
-import sys
+import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
 import httpx
 
-from common.settings import SettingsError, get_settings
+from common.settings import Settings
 
 POLL_S = 0.25
+NOTE_S = 15.0  # a line this often while the text worker is not up yet
+KINDS = {"text", "media"}  # the workers spool up starts
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process of that pid: still there
-        pass
-    return True
-
-
-def _ready(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/readyz", timeout=2).status_code == 200
-    except httpx.TransportError:
-        return False
-
-
-def local_url() -> str:
+def local_url(settings: Settings) -> str:
     """The URL ``spool api`` listens on, as a client on this machine reaches it."""
-    settings = get_settings()
     host = "127.0.0.1" if settings.host in ("0.0.0.0", "::", "") else settings.host
     return f"http://{host}:{settings.port}"
 
 
-def wait(url: str, pid: int) -> bool:
-    settings = get_settings()
-    model = settings.model or "the embedded default model"
-    print(f"spool: starting the API and a worker; loading {model} (on {settings.device})", file=sys.stderr)
-    while _alive(pid):
-        if _ready(url):
-            print(
-                f'spool: ready at {url} (docs: {url}/docs); try: scripts/spool generate "ROMEO:"',
-                file=sys.stderr,
-            )
-            return True
-        time.sleep(POLL_S)
-    return False
-
-
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--pid", type=int, required=True, help="stop waiting when this process exits")
-    p.add_argument("--url", help="default: http://SPOOL_HOST:SPOOL_PORT")
-    args = p.parse_args()
+def _get(url: str) -> httpx.Response | None:
     try:
-        return 0 if wait(args.url or local_url(), args.pid) else 1
-    except SettingsError:
-        return 1  # spool up says what is wrong with the settings
-    except KeyboardInterrupt:  # Ctrl-C reaches the whole foreground group
-        return 130
+        return httpx.get(url, timeout=2)
+    except httpx.TransportError:
+        return None
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def _status(url: str) -> int | None:
+    resp = _get(url)
+    return None if resp is None else resp.status_code
+
+
+def live_workers(url: str) -> list[dict[str, Any]] | None:
+    """The live workers /console-status lists (kind, model, ...); None while the API does not answer."""
+    resp = _get(f"{url}/console-status")
+    if resp is None or resp.status_code != 200:
+        return None
+    workers: list[dict[str, Any]] = resp.json().get("workers", [])
+    return workers
+
+
+def _by_kind(workers: list[dict[str, Any]]) -> dict[str, list[str]]:
+    kinds: dict[str, list[str]] = {}
+    for w in workers:
+        kinds.setdefault(str(w.get("kind", "text")), []).append(str(w.get("model", "?")))
+    return {kind: sorted(set(models)) for kind, models in kinds.items()}
+
+
+def _up(kinds: dict[str, list[str]]) -> str:
+    return ", ".join(f"{kind} worker ({', '.join(models)})" for kind, models in sorted(kinds.items()))
+
+
+def watch(
+    settings: Settings, children_alive: Callable[[], bool], done: threading.Event, say: Callable[[str], None]
+) -> bool:
+    """Say what is up until a text worker serves and /readyz answers, then ``ready at``, then a
+    line for a media worker that comes up later; stop quietly once ``done`` is set or a child
+    exited. True once ready was said."""
+    url = local_url(settings)
+    model = settings.model or "the embedded default model"
+    compiling = settings.compile if settings.compile is not None else settings.device == "cpu"
+    say(
+        f"starting the API and the workers; the text worker loads {model} (on {settings.device})"
+        + (" and compiles its forward" if compiling else "")
+    )
+    started = time.monotonic()
+    next_note = started + NOTE_S
+    seen: set[str] = set()
+    ready = False
+    while not done.is_set() and children_alive() and not (ready and seen >= KINDS):
+        workers = live_workers(url)
+        kinds = _by_kind(workers or [])
+        if not ready and "text" in kinds and _status(f"{url}/readyz") == 200:
+            if done.is_set() or not children_alive():
+                break
+            ready = True
+            say(
+                f"ready at {url} (docs: {url}/docs): {_up(kinds)} up; "
+                f'try: scripts/spool generate "ROMEO:"  (served by {kinds["text"][0]})'
+            )
+            seen |= set(kinds)
+        for kind in sorted(set(kinds) - seen - {"text"}):
+            say(
+                f"{kind} worker up ({', '.join(kinds[kind])})"
+                + ("" if ready else "; waiting for the text worker")
+            )
+        seen |= set(kinds)
+        if not ready and time.monotonic() >= next_note:
+            next_note += NOTE_S
+            doing = "loading and compiling" if compiling else "loading"
+            say(
+                f"+{time.monotonic() - started:.0f} s: text worker still {doing} {model}"
+                + ("" if workers is not None else "; the API does not answer yet")
+            )
+        done.wait(POLL_S)
+    return ready

@@ -8,7 +8,9 @@ The workers run torch on the CPUs minus one (``SPOOL_TORCH_THREADS``, unless set
 Redis share the machine. The media worker runs at niceness 10 (``SPOOL_IMAGE_NICE``, unless set),
 so that an image part's denoising delays no text part's first token (docs/benchmarks.md), and
 with ``SPOOL_WORKER_METRICS_PORT`` set it serves its metrics on the port after the text worker's
-(the hook worker on the one after that).
+(the hook worker on the one after that). Celery's task events are on (``SPOOL_TASK_EVENTS``,
+unless set), for Flower. It says ``ready at URL`` once a text worker serves the model
+(spool_cli/ready.py), never after a child exited.
 """
 
 from __future__ import annotations
@@ -16,8 +18,11 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
 
+from common.settings import get_settings
 from spool_cli import procs as harness
+from spool_cli.ready import watch
 
 LOCAL_REDIS = "redis://127.0.0.1:6379/0"
 STOP_S = 20.0  # how long children get to stop before they are killed
@@ -61,9 +66,11 @@ def up() -> int:
     url, redis_server = found
     # SIGTERM (a service manager's stop) takes the same path as Ctrl-C: children are stopped, not orphaned.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
-    env = {**os.environ, "SPOOL_REDIS_URL": url}
+    # Celery's task events on unless set: Flower and `celery inspect` see the workers and tasks.
+    env = {"SPOOL_TASK_EVENTS": "true", **os.environ, "SPOOL_REDIS_URL": url}
     spool = [sys.executable, "-m", "spool_cli.main"]
     children: list[harness.Proc] = []
+    done = threading.Event()  # set when spool up stops: the watcher says nothing more
     status = 0
     try:
         worker_env = {**env, "SPOOL_TORCH_THREADS": worker_torch_threads(env)}
@@ -82,13 +89,32 @@ def up() -> int:
         children.append(harness.start("hook worker", [*spool, "worker", "--kind", "hooks"], env=hooks_env))
         children.append(harness.start("api", [*spool, "api"], env=env))
         say(", ".join(f"{p.name} (pid {p.pid})" for p in children) + " started")
+        watcher = threading.Thread(
+            target=watch,
+            args=(get_settings(), lambda: all(p.running() for p in children), done, say),
+            daemon=True,
+        )
+        watcher.start()
         died = harness.wait_any(children if redis_server is None else [*children, redis_server])
+        done.set()  # before the line: "ready" is never said after it
         say(f"{died.name} (pid {died.pid}) {died.exit_status()}; stopping the others")
         status = EXIT_CHILD_DIED
     except KeyboardInterrupt:
-        pass
+        done.set()
+        say("stopping the API and the workers (Ctrl-C again kills them)")
     finally:
-        harness.stop_all(children, STOP_S)  # the API and the worker first, Redis last
+        done.set()
+        stop(children, redis_server)
+    return status
+
+
+def stop(children: list[harness.Proc], redis_server: harness.Proc | None) -> None:
+    """The API and the workers first, Redis last; a second Ctrl-C meanwhile kills them all."""
+    try:
+        harness.stop_all(children, STOP_S)
         if redis_server is not None:
             redis_server.stop()
-    return status
+    except KeyboardInterrupt:
+        for p in [*children, *([redis_server] if redis_server else [])]:
+            p.signal(signal.SIGKILL)
+        say("killed the API and the workers")

@@ -210,7 +210,7 @@ def test_bad_lines_fail_with_the_endpoints_errors_and_the_rest_complete(
 ) -> None:
     lines = [chat_line(i) for i in range(6)]
     lines[1]["body"]["tool_choice"] = "auto"  # refused by the endpoint: 400 unsupported_parameter
-    del lines[4]["body"]["messages"]  # a missing field: the endpoint's 422
+    del lines[4]["body"]["messages"]  # a missing field: the endpoint's 400
     batch = ended(oai, run_batch(oai, lines, "/v1/chat/completions"))
     assert batch.status == "completed"
     assert (batch.request_counts.total, batch.request_counts.completed, batch.request_counts.failed) == (

@@ -243,13 +243,24 @@ def test_unknown_model_is_404(oai: openai.OpenAI) -> None:
     [
         ({"temperature": 5}, "temperature"),
         ({"top_p": 0}, "top_p"),
+        ({"top_p": 3}, "top_p"),
         ({"max_completion_tokens": 0}, "max_completion_tokens"),
         ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ],
 )
-def test_invalid_values_are_422(oai: openai.OpenAI, model: str, kwargs: dict[str, Any], param: str) -> None:
+def test_invalid_values_are_400_as_openai_answers_them(
+    oai: openai.OpenAI, model: str, kwargs: dict[str, Any], param: str
+) -> None:
     body = {"model": model, "messages": MESSAGES, **kwargs}
-    _refused(lambda: oai.chat.completions.create(**body), param, openai.UnprocessableEntityError)
+    _refused(lambda: oai.chat.completions.create(**body), param, openai.BadRequestError)
+
+
+def test_an_out_of_range_completion_value_is_400_and_a_jobs_one_422(
+    oai: openai.OpenAI, model: str, cluster: Cluster, client: httpx.Client
+) -> None:
+    call = lambda: oai.completions.create(model=model, prompt=PROMPT, top_p=3)  # noqa: E731
+    _refused(call, "top_p", openai.BadRequestError)
+    assert client.post(f"{cluster.url}/v1/jobs", json={"prompt": PROMPT, "top_p": 3}).status_code == 422
 
 
 def test_max_tokens_past_the_context_is_400(oai: openai.OpenAI, model: str) -> None:

@@ -102,11 +102,12 @@ def test_serve_reaches_ready_and_prints_the_url_only_then(prefixes, tmp_path: Pa
     setup = ["creating the venv", "installing torch", "installing Spool"] if fresh else ["using the venv at"]
     for stage, expected in zip(stages, setup, strict=False):
         assert stage.startswith(f"spool: {expected}"), lines
-    # The watcher's line and spool up's "started" come from two processes, in either order.
     ready_at = next(i for i, line in enumerate(stages) if "ready at" in line)
-    assert any("loading the embedded default model" in line for line in stages[len(setup) : ready_at]), lines
-    ready = [line for line in stages if "ready at" in line]
-    assert ready == [f'spool: ready at {url} (docs: {url}/docs); try: scripts/spool generate "ROMEO:"'], lines
+    assert any("loads the embedded default model" in line for line in stages[len(setup) : ready_at]), lines
+    [ready] = [line for line in stages if "ready at" in line]
+    assert ready.startswith(f"spool: ready at {url} (docs: {url}/docs): "), lines
+    assert "text worker (spool-default)" in ready, lines  # a text worker, not only the media one
+    assert ready.endswith('try: scripts/spool generate "ROMEO:"  (served by spool-default)'), lines
     assert readyz_when_printed == [200]
     wrapper = subprocess.run(
         [str(tree / "scripts" / "spool"), "jobs", "--help"],

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import re
+import socket
+
 from celery import Celery
 
 from common.keys import GENERATE_TASK, MEDIA_TASK
@@ -18,6 +22,14 @@ VISIBILITY_TIMEOUT_S = 3600
 
 def worker_concurrency(settings: Settings) -> int:
     return settings.max_batch_size + SPARE_TASK_THREADS
+
+
+def node_name(kind: str, model: str) -> str:
+    """The worker's Celery node name, ``{kind}-{model}-{pid}@{host}``: unique per process, so
+    ``celery inspect`` and Flower tell each worker apart (Celery's default is ``celery@{host}``
+    for all of them). ``model``: its last path component, in the characters a node name allows."""
+    short = re.sub(r"[^A-Za-z0-9_.-]+", "-", model.rstrip("/").rsplit("/", 1)[-1]) or "default"
+    return f"{kind}-{short}-{os.getpid()}@{socket.gethostname()}"
 
 
 def make_app(
@@ -55,6 +67,7 @@ def make_app(
         worker_pool="threads",
         worker_concurrency=concurrency or worker_concurrency(settings),
         worker_cancel_long_running_tasks_on_connection_loss=False,
+        worker_send_task_events=settings.task_events,
     )
     return app
 

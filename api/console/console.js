@@ -27,6 +27,7 @@ const view = {
   images: [], // object URLs of the images shown, revoked when another job is shown
 };
 const CANCELLABLE_BATCH = ["validating", "in_progress"];
+const ENDED_EARLY = ["cancelled", "failed", "expired"]; // a batch whose lines did not all run
 
 class ApiError extends Error {
   constructor(status, error) {
@@ -56,8 +57,16 @@ async function request(path, options = {}) {
   throw new ApiError(r.status, body.error || { message: r.statusText });
 }
 
+// NOTE: a JSON number past 2^53 (an image's seed) loses digits as a JS number; such an integer
+// is kept as its text, so a seed copied from the page makes the same image.
+function parseJson(text) {
+  return JSON.parse(text, (key, value, context) =>
+    typeof value === "number" && !Number.isSafeInteger(value) && context && /^-?\d+$/.test(context.source)
+      ? context.source : value);
+}
+
 async function getJson(path, options) {
-  return (await request(path, options)).json();
+  return parseJson(await (await request(path, options)).text());
 }
 
 function explain(err) {
@@ -112,10 +121,11 @@ function sleep(ms, signal) {
 }
 
 // Follow a job's events from the first, reconnecting after the last one shown until the terminal one.
-async function follow(jobId) {
+// submittedAt: performance.now() of its submit from this page (its time to first token is shown).
+async function follow(jobId, submittedAt = null) {
   if (view.stream) view.stream.abort();
   const ctrl = new AbortController();
-  Object.assign(view, { jobId, lastId: 0, tokens: 0, stream: ctrl });
+  Object.assign(view, { jobId, lastId: 0, tokens: 0, stream: ctrl, submittedAt, firstTokenAt: null });
   view.partTokens.clear();
   for (const u of view.images.splice(0)) URL.revokeObjectURL(u);
   $("parts").replaceChildren();
@@ -141,7 +151,7 @@ async function follow(jobId) {
         if (ev.id === null) continue; // not a job event: a stream ended by an outage says so, then closes
         if (ev.id <= view.lastId) continue; // already shown
         view.lastId = ev.id;
-        if (show(ev.event, JSON.parse(ev.data))) {
+        if (show(ev.event, parseJson(ev.data))) {
           finished();
           return;
         }
@@ -175,6 +185,7 @@ function show(type, data) {
     }
     view.partTokens.set(k, before + 1);
     view.tokens += 1;
+    if (view.firstTokenAt === null) view.firstTokenAt = performance.now();
     choiceOutput(data.choice ?? 0).append(data.text);
     showCursor();
     setStatus("running");
@@ -202,6 +213,8 @@ function show(type, data) {
       const u = data.usage || {};
       $("job-meta").textContent =
         `finish_reason: ${data.finish_reason} · prompt ${u.prompt_tokens} + completion ${u.completion_tokens} tokens`;
+      showSpeed(view.jobId, u.completion_tokens);
+      if (data.status === "succeeded") chatReplied(view.jobId, $("output").textContent);
     }
     return true;
   }
@@ -211,6 +224,50 @@ function show(type, data) {
     return true;
   }
   return false;
+}
+
+// ---- chat: the conversation so far goes with each next message ---------------------------------
+
+const chat = { turns: [], pending: null }; // pending: the user message whose reply is awaited
+
+function chatReplied(jobId, reply) {
+  if (!chat.pending || chat.pending.jobId !== jobId) return;
+  chat.turns.push(chat.pending.user, { role: "assistant", content: reply });
+  chat.pending = null;
+  $("prompt").value = "";
+  showConversation();
+}
+
+function newChat() {
+  chat.turns = [];
+  chat.pending = null;
+  showConversation();
+}
+
+function showConversation() {
+  $("conversation").replaceChildren(...chat.turns.map((m) => {
+    const li = document.createElement("li");
+    li.dataset.role = m.role;
+    li.textContent = m.content;
+    return li;
+  }));
+  $("conversation").hidden = !chat.turns.length;
+}
+
+// A finished text job's rate over its generation (a worker took it until it ended, from the
+// job's timestamps) and, for a job submitted from this page, its time to first token.
+async function showSpeed(jobId, tokens) {
+  const ttft = view.submittedAt !== null && view.firstTokenAt !== null
+    ? ` · TTFT ${((view.firstTokenAt - view.submittedAt) / 1000).toFixed(2)} s` : "";
+  try {
+    const job = await getJson(`/v1/jobs/${encodeURIComponent(jobId)}`);
+    if (jobId !== view.jobId || !job.started_at || !job.finished_at) return;
+    const seconds = Math.max(job.finished_at - job.started_at, 1e-3);
+    $("job-meta").dataset.tokPerS = (tokens / seconds).toFixed(1);
+    $("job-meta").textContent += ` · ${(tokens / seconds).toFixed(1)} tok/s${ttft}`;
+  } catch (err) {
+    // the figures are extras: the job's own line stays as it is
+  }
 }
 
 // ---- parts ----------------------------------------------------------------------------------
@@ -386,7 +443,9 @@ function jobBody() {
   if (stop.length) body.stop = stop;
   if (mode() === "chat") {
     const system = $("system").value.trim();
-    body.messages = [...(system ? [{ role: "system", content: system }] : []), { role: "user", content: $("prompt").value }];
+    const user = { role: "user", content: $("prompt").value };
+    chat.pending = { jobId: null, user };
+    body.messages = [...(system ? [{ role: "system", content: system }] : []), ...chat.turns, user];
   } else {
     body.prompt = $("prompt").value;
   }
@@ -394,15 +453,30 @@ function jobBody() {
   return JSON.stringify({ parts: [{ type: "text", ...body }, imagePart($("image-prompt").value.trim())] });
 }
 
+// The job's text (every choice's, one after another) to the clipboard; the button says it did.
+async function copyText() {
+  const choices = [...document.querySelectorAll("#choices .choice")].map((el) => el.textContent);
+  const text = $("choices").hidden ? $("output").textContent : choices.join("\n\n");
+  try {
+    await navigator.clipboard.writeText(text);
+    $("copy").textContent = "Copied";
+  } catch (err) {
+    banner(`Copy failed: ${err.message}`);
+  }
+  setTimeout(() => { $("copy").textContent = "Copy"; }, 1500);
+}
+
 async function submit(e) {
   e.preventDefault();
   $("submit").disabled = true;
   try {
+    const submittedAt = performance.now();
     const r = await request("/v1/jobs", { method: "POST", headers: { "Content-Type": "application/json" }, body: jobBody() });
-    const job = await r.json();
+    const job = parseJson(await r.text());
     banner("");
     setStatus(job.status);
-    follow(job.id);
+    if (mode() === "chat" && chat.pending) chat.pending.jobId = job.id;
+    follow(job.id, submittedAt);
     refreshJobs();
   } catch (err) {
     banner(explain(err));
@@ -447,7 +521,8 @@ function jobItem(job) {
   link.addEventListener("click", (e) => { e.preventDefault(); follow(job.id); });
   const when = document.createElement("span");
   when.className = "when";
-  const parts = job.parts && job.parts.length ? `${job.parts.length} parts · ` : "";
+  const n = job.parts ? job.parts.length : 0;
+  const parts = n ? `${n} ${n === 1 ? "part" : "parts"} · ` : "";
   when.textContent = `${parts}${job.usage.completion_tokens} tok · ${new Date(job.created_at * 1000).toLocaleTimeString()}`;
   li.append(status, link, when);
   return li;
@@ -538,7 +613,10 @@ function batchRow(li, b) {
   pill.dataset.state = b.status;
   const bar = li.querySelector("progress");
   bar.max = Math.max(c.total, 1);
-  bar.value = done;
+  // A batch that ended early fills its bar with the lines that succeeded only: its cancelled
+  // lines count as failed, and a full bar would read as a completed batch.
+  bar.value = ENDED_EARLY.includes(b.status) ? c.completed : done;
+  bar.dataset.state = b.status;
   li.querySelector(".counts").textContent =
     `${done}/${c.total} · ${c.completed} completed · ${c.failed} failed · ${b.endpoint}`;
   const actions = li.querySelector(".batch-actions");
@@ -569,7 +647,7 @@ function batchAction(b, what, label) {
   a.href = `/v1/files/${encodeURIComponent(fileId)}/content`; // read with fetch(), with the key
   a.className = `file-${what}`;
   a.textContent = label;
-  a.addEventListener("click", (e) => { e.preventDefault(); showFile(fileId, `${label} of ${b.id}`); });
+  a.addEventListener("click", (e) => { e.preventDefault(); showFile(fileId, `${label} of ${b.id}`, what !== "input"); });
   return a;
 }
 
@@ -584,12 +662,29 @@ async function cancelBatch(batchId, button) {
   refreshBatches();
 }
 
-async function showFile(fileId, title) {
+// One output or error line as a person reads it: its custom_id and the response's text (a
+// chat message's, a completion's or a job's), or the error's message.
+function readableLine(line) {
+  let row;
+  try {
+    row = parseJson(line);
+  } catch {
+    return line;
+  }
+  const body = (row.response && row.response.body) || {};
+  const choice = (body.choices || [])[0];
+  const error = row.error || body.error;
+  const text = choice ? (choice.message ? choice.message.content : choice.text)
+    : body.text !== undefined ? body.text : error ? `error: ${error.message}` : null;
+  return text === null || text === undefined ? line : `${row.custom_id}: ${text}`;
+}
+
+async function showFile(fileId, title, readable) {
   try {
     const text = await (await request(`/v1/files/${encodeURIComponent(fileId)}/content`)).text();
-    const lines = text.split("\n").filter((l) => l.trim()).length;
-    $("batch-file-title").textContent = `${title} (${lines} lines)`;
-    $("batch-lines").textContent = text;
+    const rows = text.split("\n").filter((l) => l.trim());
+    $("batch-file-title").textContent = `${title} (${rows.length} lines)`;
+    $("batch-lines").textContent = readable ? rows.map(readableLine).join("\n") : text;
     $("batch-lines").dataset.fileId = fileId;
     const download = $("batch-file-download");
     if (download.href.startsWith("blob:")) URL.revokeObjectURL(download.href);
@@ -638,6 +733,7 @@ function start() {
   const showForm = () => {
     const m = mode();
     $("system").hidden = m !== "chat";
+    $("chat").hidden = m !== "chat";
     $("prompt").placeholder = { chat: "User message", image: "Image prompt" }[m] || "Prompt";
     $("text-params").hidden = m === "image";
     $("with-image-label").hidden = m === "image";
@@ -649,6 +745,8 @@ function start() {
   showForm();
   $("job-form").addEventListener("submit", submit);
   $("cancel").addEventListener("click", cancel);
+  $("copy").addEventListener("click", copyText);
+  $("new-chat").addEventListener("click", newChat);
   $("refresh-jobs").addEventListener("click", refreshJobs);
   $("refresh-batches").addEventListener("click", refreshBatches);
   $("batch-form").addEventListener("submit", startBatch);

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 from collections.abc import Iterator
@@ -628,6 +629,18 @@ def row_counts(page: Any, batch_id: str) -> dict[str, int]:
     return {k: int(row.get_attribute(f"data-{k}") or -1) for k in ("total", "completed", "failed")}
 
 
+def readable_lines(text: str) -> str:
+    """An output or error file as the page shows it: each line's custom_id and text (or error)."""
+    shown = []
+    for line in text.splitlines():
+        row = json.loads(line)
+        body = (row.get("response") or {}).get("body") or {}
+        error = row.get("error") or body.get("error")
+        said = body["choices"][0]["text"] if body.get("choices") else f"error: {error['message']}"
+        shown.append(f"{row['custom_id']}: {said}")
+    return "\n".join(shown)
+
+
 def test_a_batch_from_the_page_shows_its_progress_and_its_output_lines(
     stack: Stack, page: Any, client: httpx.Client, tmp_path: Path
 ) -> None:
@@ -645,7 +658,7 @@ def test_a_batch_from_the_page_shows_its_progress_and_its_output_lines(
     batch_row(page, batch_id).locator("a.file-output").click()
     page.wait_for_selector(f"#batch-lines[data-file-id='{batch['output_file_id']}']")
     output = client.get(f"{stack.api.url}/v1/files/{batch['output_file_id']}/content").text
-    assert page.text_content("#batch-lines") == output
+    assert page.text_content("#batch-lines") == readable_lines(output)  # the texts, not raw JSON
     assert sorted(json.loads(x)["custom_id"] for x in output.splitlines()) == [f"line-{i}" for i in range(6)]
     assert "(6 lines)" in str(page.text_content("#batch-file-title"))
     page.screenshot(path=tmp_path / "batch-done.png", full_page=True)
@@ -676,10 +689,125 @@ def test_cancel_a_batch_from_the_page(stack: Stack, page: Any, client: httpx.Cli
     assert batch["status"] == "cancelled"
     counts = row_counts(page, batch_id)
     assert counts == batch["request_counts"] and counts["completed"] < 24
+    # Its bar: the lines that succeeded, in the colour of a cancel, not full as a completed one's.
+    bar = batch_row(page, batch_id).locator("progress")
+    assert (bar.evaluate("b => b.value"), bar.get_attribute("data-state")) == (
+        counts["completed"],
+        "cancelled",
+    )
     assert batch_row(page, batch_id).locator(".cancel-batch").count() == 0
     if batch["error_file_id"]:  # the lines cancelled before they ended
         batch_row(page, batch_id).locator("a.file-errors").click()
         page.wait_for_selector(f"#batch-lines[data-file-id='{batch['error_file_id']}']")
         errors = client.get(f"{stack.api.url}/v1/files/{batch['error_file_id']}/content").text
-        assert page.text_content("#batch-lines") == errors
+        assert page.text_content("#batch-lines") == readable_lines(errors)
+        assert str(page.text_content("#batch-lines")).startswith("line-")
     page.screenshot(path=tmp_path / "batch-cancelled.png", full_page=True)
+
+
+BIG_SEED = 646082351487918506  # past 2**53: a JS number would show 646082351487918500
+
+
+def test_a_seed_past_2_to_the_53_is_shown_exactly_and_one_part_is_one_part(
+    stack: Stack, media_worker: Service, page: Any, client: httpx.Client
+) -> None:
+    part_body = {"type": "image", "prompt": "a kite", "size": "32x32", "steps": 2, "seed": BIG_SEED}
+    job = client.post(f"{stack.api.url}/v1/jobs", json={"parts": [part_body]}).json()
+    assert finished_job(client, stack.api.url, job["id"])["status"] == "succeeded"
+    open_console(page, stack.api.url, f"?job={job['id']}")
+    assert wait_terminal(page) == "succeeded"
+    page.wait_for_function(
+        "document.querySelector('#parts .detail') && /seed/.test(document.querySelector('#parts .detail').textContent)"
+    )
+    assert f"seed {BIG_SEED}" in str(part(page, 0).locator(".detail").text_content())
+    row = page.locator(f"#jobs li:has(a[title='{job['id']}']) .when")
+    row.wait_for()
+    assert str(row.text_content()).startswith("1 part · ")
+
+
+def test_a_favicon_and_a_dark_theme_under_a_dark_system_theme(stack: Stack, browser: Any) -> None:
+    backgrounds = {}
+    for scheme in ("light", "dark"):
+        context = browser.new_context(color_scheme=scheme)
+        try:
+            page = context.new_page()
+            page.set_default_timeout(PAGE_TIMEOUT_MS)
+            open_console(page, stack.api.url)
+            assert str(page.get_attribute("link[rel=icon]", "href")).startswith("data:image/svg+xml")
+            backgrounds[scheme] = (
+                page.evaluate("getComputedStyle(document.body.parentElement).backgroundColor"),
+                page.evaluate("getComputedStyle(document.querySelector('section')).backgroundColor"),
+            )
+        finally:
+            context.close()
+    assert backgrounds["light"] == ("rgb(246, 247, 249)", "rgb(255, 255, 255)")
+    assert backgrounds["dark"] == ("rgb(20, 23, 29)", "rgb(29, 33, 41)")
+
+
+def test_copy_puts_the_jobs_text_on_the_clipboard(stack: Stack, browser: Any, client: httpx.Client) -> None:
+    context = browser.new_context()
+    context.grant_permissions(["clipboard-read", "clipboard-write"], origin=stack.api.url)
+    try:
+        page = context.new_page()
+        page.set_default_timeout(PAGE_TIMEOUT_MS)
+        open_console(page, stack.api.url)
+        job_id = submit(page, "to copy", 8)
+        assert wait_terminal(page) == "succeeded"
+        page.click("#copy")
+        page.wait_for_function("document.querySelector('#copy').textContent === 'Copied'")
+        copied = page.evaluate("navigator.clipboard.readText()")
+        assert copied == finished_job(client, stack.api.url, job_id)["text"] != ""
+    finally:
+        context.close()
+
+
+def test_a_finished_job_shows_its_rate_and_time_to_first_token(
+    stack: Stack, page: Any, client: httpx.Client
+) -> None:
+    open_console(page, stack.api.url)
+    job_id = submit(page, "the quick brown fox", 12)
+    assert wait_terminal(page) == "succeeded"
+    page.wait_for_selector("#job-meta[data-tok-per-s]")
+    job = finished_job(client, stack.api.url, job_id)
+    rate = job["usage"]["completion_tokens"] / (job["finished_at"] - job["started_at"])
+    meta = str(page.text_content("#job-meta"))
+    assert re.search(r" · \d+\.\d tok/s · TTFT \d+\.\d\d s$", meta), meta
+    assert page.get_attribute("#job-meta", "data-tok-per-s") == f"{rate:.1f}"
+    # A job followed from its link (not submitted here) has a rate and no TTFT of this page's.
+    open_console(page, stack.api.url, f"?job={job_id}")
+    page.wait_for_selector("#job-meta[data-tok-per-s]")
+    assert "TTFT" not in str(page.text_content("#job-meta"))
+
+
+def request_messages(stack: Stack, job_id: str) -> list[dict[str, str]]:
+    """The messages the job was submitted with (its stored request)."""
+    r = redis.Redis.from_url(REDIS_URL)
+    return list(json.loads(r.hget(Keys(stack.prefix).job(job_id), "request"))["messages"])
+
+
+def test_chat_keeps_the_conversation_until_a_new_chat(stack: Stack, page: Any, client: httpx.Client) -> None:
+    open_console(page, stack.api.url)
+    page.check("input[name=mode][value=chat]")
+    assert page.is_visible("#new-chat") and page.is_hidden("#conversation")
+    first = submit(page, "hello", 6)
+    assert wait_terminal(page) == "succeeded"
+    reply = finished_job(client, stack.api.url, first)["text"]
+    page.wait_for_selector("#conversation li[data-role='assistant']")
+    turns = page.eval_on_selector_all(
+        "#conversation li", "lis => lis.map(li => [li.dataset.role, li.textContent])"
+    )
+    assert turns == [["user", "hello"], ["assistant", reply]]
+    assert page.input_value("#prompt") == ""  # ready for the next message
+    second = submit(page, "and then?", 6)
+    assert wait_terminal(page) == "succeeded"
+    assert request_messages(stack, second) == [
+        {"role": "user", "content": "hello"},
+        {"role": "assistant", "content": reply},
+        {"role": "user", "content": "and then?"},
+    ]
+    page.wait_for_function("document.querySelectorAll('#conversation li').length === 4")
+    page.click("#new-chat")
+    assert page.is_hidden("#conversation")
+    third = submit(page, "anew", 4)
+    assert wait_terminal(page) == "succeeded"
+    assert request_messages(stack, third) == [{"role": "user", "content": "anew"}]

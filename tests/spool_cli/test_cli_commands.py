@@ -20,7 +20,19 @@ from common.keys import Keys
 from spool_cli.client import PAGE_MAX
 
 LONG_PROMPT = "the quick brown fox"  # greedy on the tiny model runs to max_tokens (no EOS)
-COMMANDS = ("worker", "api", "up", "generate", "batch", "batches", "jobs", "job", "cancel", "tiny-model")
+COMMANDS = (
+    "worker",
+    "api",
+    "up",
+    "generate",
+    "batch",
+    "batches",
+    "jobs",
+    "job",
+    "cancel",
+    "workers",
+    "tiny-model",
+)
 JOB_ID = re.compile(r"job ([0-9a-f]{32})")
 
 
@@ -100,7 +112,8 @@ def test_generate_reads_the_prompt_from_stdin_and_ends_with_one_summary_line(  #
     assert result.stdout == greedy(tiny_model, "hello", 9).text + "\n"
     [line] = result.stderr.splitlines()
     assert re.fullmatch(
-        r"spool: succeeded \(finish reason length\), 9 tokens in \d+\.\d s \(\d+\.\d tok/s\), job [0-9a-f]{32}",
+        r"spool: succeeded \(finish reason length\), 9 tokens in \d+\.\d s \(\d+\.\d tok/s\) "
+        r"after \d+\.\d s in the queue, job [0-9a-f]{32}",
         line,
     ), line
 
@@ -282,3 +295,25 @@ def test_ctrl_c_in_batch_leaves_the_batch_running_and_a_second_one_cancels_it(
     statuses = [httpx.get(f"{bare_api.url}/v1/batches/{b}").json()["status"] for b in batch_ids]
     assert statuses[0] in ("validating", "in_progress")  # no worker: its lines wait
     assert statuses[1] in ("cancelling", "cancelled")
+
+
+def test_cancel_takes_a_batch_id_and_cancels_the_batch(
+    bare_api: Service, env: dict[str, str], tmp_path: Path
+) -> None:
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps({"prompt": f"b{i}"}) + "\n" for i in range(2)))
+    proc = popen("batch", str(src), "--url", bare_api.url, env=env)
+    assert proc.stderr is not None
+    [batch_id] = set(re.findall(r"batch_[0-9a-f]{32}", proc.stderr.readline().decode()))
+    proc.send_signal(signal.SIGINT)  # the command stops; the batch waits for a worker
+    proc.communicate(timeout=30)
+    result = spool("cancel", batch_id, "--url", bare_api.url, env=env)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.startswith(f"spool: batch {batch_id}: cancel requested")
+    status = httpx.get(f"{bare_api.url}/v1/batches/{batch_id}").json()["status"]
+    assert status in ("cancelling", "cancelled")
+
+
+def test_version(env: dict[str, str]) -> None:
+    result = spool("--version", env=env)
+    assert result.returncode == 0 and re.fullmatch(r"spool \d+\.\d+\.\d+\S*\n", result.stdout), result.stdout
