@@ -127,3 +127,16 @@ async def owned_file(store: AsyncBatchStore, file_id: str) -> dict[str, str]:
             404, f"No file with id {file_id!r} (unknown, or expired)", param="file_id", code="file_not_found"
         )
     return h
+
+
+async def owned_batch(store: AsyncBatchStore, batch_id: str) -> dict[str, str]:
+    """A batch's hash; 404 for an unknown id or another API key's batch (api/routes/batches.py)."""
+    h = await store.get_batch(batch_id)
+    if h is None or h.get("owner", "") != current_owner():
+        raise ApiError(
+            404,
+            f"No batch with id {batch_id!r} (unknown, or expired)",
+            param="batch_id",
+            code="batch_not_found",
+        )
+    return h

@@ -16,12 +16,11 @@ from fastapi import APIRouter, Path, Query
 from pydantic import BaseModel, ConfigDict, Field
 
 from api.auth import current_owner
-from api.deps import ServicesDep, owned_file
+from api.deps import ServicesDep, owned_batch, owned_file
 from api.errors import ApiError
 from api.openai_compat.batches import COMPLETION_WINDOWS, ENDPOINTS, page
 from api.services import Services
 from api.submission import check_webhook
-from common.store import AsyncBatchStore
 from common.store.hooks import hook_field
 from common.views import batch_object
 from common.webhooks import BATCH_EVENTS
@@ -105,21 +104,9 @@ async def _check_webhook(services: Services, body: BatchRequest) -> None:
         await check_webhook(services, body.webhook)
 
 
-async def _owned(store: AsyncBatchStore, batch_id: str) -> dict[str, str]:
-    h = await store.get_batch(batch_id)
-    if h is None or h.get("owner", "") != current_owner():
-        raise ApiError(
-            404,
-            f"No batch with id {batch_id!r} (unknown, or expired)",
-            param="batch_id",
-            code="batch_not_found",
-        )
-    return h
-
-
 @router.get("/{batch_id}")
 async def retrieve_batch(batch_id: BatchId, services: ServicesDep) -> dict[str, Any]:
-    return batch_object(await _owned(services.batches, batch_id))
+    return batch_object(await owned_batch(services.batches, batch_id))
 
 
 @router.get("")
@@ -137,7 +124,7 @@ async def cancel_batch(batch_id: BatchId, services: ServicesDep) -> dict[str, An
 
     Idempotent; a batch that already ended otherwise (or is writing its files) answers 409."""
     store = services.batches
-    await _owned(store, batch_id)
+    await owned_batch(store, batch_id)
     was = await store.end_batch(batch_id, "cancelled")
     if was not in ("validating", "in_progress", "cancelling", "cancelled"):
         raise ApiError(
@@ -146,4 +133,4 @@ async def cancel_batch(batch_id: BatchId, services: ServicesDep) -> dict[str, An
             param="batch_id",
             code="conflict",
         )
-    return batch_object(await _owned(store, batch_id))
+    return batch_object(await owned_batch(store, batch_id))

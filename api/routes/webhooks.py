@@ -11,7 +11,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Path
 
 from api.auth import current_owner
-from api.deps import JobId, ServicesDep
+from api.deps import JobId, ServicesDep, owned_batch
 from api.errors import ApiError
 from api.services import Services
 from common.store import JobNotFound
@@ -32,17 +32,6 @@ async def _owned_job(services: Services, job_id: str) -> None:
     owner = await services.store.owner(job_id)
     if owner is None or owner != current_owner():
         raise JobNotFound(job_id)
-
-
-async def _owned_batch(services: Services, batch_id: str) -> None:
-    h = await services.batches.get_batch(batch_id)
-    if h is None or h.get("owner", "") != current_owner():
-        raise ApiError(
-            404,
-            f"No batch with id {batch_id!r} (unknown, or expired)",
-            param="batch_id",
-            code="batch_not_found",
-        )
 
 
 async def _retry(services: Services, kind: str, object_id: str, delivery_id: str) -> dict[str, Any]:
@@ -80,7 +69,7 @@ async def retry_job_webhook(job_id: JobId, delivery_id: DeliveryId, services: Se
 
 @router.get("/v1/batches/{batch_id}/webhooks")
 async def batch_webhooks(batch_id: BatchId, services: ServicesDep) -> dict[str, Any]:
-    await _owned_batch(services, batch_id)
+    await owned_batch(services.batches, batch_id)
     return _page(await _hooks(services).deliveries("batch", batch_id))
 
 
@@ -88,7 +77,7 @@ async def batch_webhooks(batch_id: BatchId, services: ServicesDep) -> dict[str, 
 async def retry_batch_webhook(
     batch_id: BatchId, delivery_id: DeliveryId, services: ServicesDep
 ) -> dict[str, Any]:
-    await _owned_batch(services, batch_id)
+    await owned_batch(services.batches, batch_id)
     return await _retry(services, "batch", batch_id, delivery_id)
 
 
