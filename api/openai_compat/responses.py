@@ -261,7 +261,7 @@ class ResponseView:
         record = ResponseRecord(
             model=model,
             created_at=job.created_at,
-            input=[_message_item(m.role, m.content) for m in request.messages or ()],
+            input=[_message_item(m.role, m.content or "") for m in request.messages or ()],
             max_output_tokens=request.max_tokens,
             temperature=request.temperature,
             top_p=request.top_p,
