@@ -27,6 +27,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from common.settings import DEFAULT_MAX_TOKENS, Settings
+from common.tool_calls import call_schema
 
 MAX_STOP_STRINGS = 4
 # Integer fields are StrictInt: lax ints took `"steps": true` as 1 (and "5" as 5).
@@ -348,7 +349,13 @@ class TextParams(BaseModel):
     @property
     def guide(self) -> tuple[str, Any] | None:
         """What the output is constrained to: ("json", schema or None for any object), ("regex",
-        pattern) or ("choice", strings); None: nothing."""
+        pattern), ("choice", strings) or ("tool_call", the schema of one call: a required or
+        named tool_choice); None: nothing."""
+        if self.tools is not None and self.tool_choice not in ("auto", "none"):
+            tools = [t.model_dump(exclude_none=True) for t in self.tools]
+            return "tool_call", call_schema(
+                tools, None if self.tool_choice == "required" else self.tool_choice
+            )
         if self.response_format is not None and self.response_format.constrained:
             return "json", self.response_format.schema_or_none
         if self.guided_regex is not None:

@@ -103,6 +103,25 @@ def template_messages(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]
     return out
 
 
+def call_schema(tools: Sequence[dict[str, Any]], name: str | None) -> dict[str, Any]:
+    """The JSON schema of one call (``{"name", "arguments"}``) to ``name``, or to any of
+    ``tools`` (OpenAI's ``{"type": "function", "function": {...}}``) when None."""
+    options = [
+        {
+            "type": "object",
+            "properties": {
+                "name": {"const": f["name"]},
+                "arguments": f.get("parameters") or {"type": "object"},
+            },
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
+        for f in (t["function"] for t in tools)
+        if name is None or f["name"] == name
+    ]
+    return options[0] if len(options) == 1 else {"anyOf": options}
+
+
 def call_id(job_id: str, index: int) -> str:
     """The same id for the same call on every replica, streamed or not."""
     return f"call_{job_id.replace('-', '')[:24]}_{index}"

@@ -7,8 +7,11 @@ tool_choice auto) so that what is tested is the rendering, the parsing and the s
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
+import jsonschema
 import openai
 import pytest
 from transformers import AutoTokenizer
@@ -18,7 +21,11 @@ WEATHER = {
     "function": {
         "name": "get_weather",
         "description": "The weather in a city",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 8}},
+            "required": ["city"],
+        },
     },
 }
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
@@ -143,3 +150,117 @@ def test_bad_tool_requests_are_refused(oai: openai.OpenAI, model: str) -> None:
     ]
     with pytest.raises((openai.BadRequestError, openai.UnprocessableEntityError)):
         oai.chat.completions.create(model=model, messages=bad_args, max_tokens=2)  # type: ignore[arg-type]
+
+
+FORECAST = {
+    "type": "function",
+    "function": {
+        "name": "forecast",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 8},
+                "days": {"type": "integer", "minimum": 1, "maximum": 7},
+                "unit": {"enum": ["c", "f"]},
+            },
+            "required": ["city", "days", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+PING = {"type": "function", "function": {"name": "ping", "parameters": {"type": "object", "properties": {}}}}
+
+
+@pytest.mark.parametrize("choice", ["named", "required"])
+def test_a_forced_call_validates_every_time(oai: openai.OpenAI, model: str, choice: str) -> None:
+    tool_choice: Any = (
+        {"type": "function", "function": {"name": "forecast"}} if choice == "named" else "required"
+    )
+
+    def one(seed: int) -> Any:
+        return oai.chat.completions.create(
+            model=model,
+            messages=MESSAGES,
+            tools=[FORECAST, PING],
+            tool_choice=tool_choice,
+            temperature=1,
+            seed=seed,
+            max_tokens=110,
+        ).choices[0]
+
+    with ThreadPoolExecutor(20) as pool:
+        choices = list(pool.map(one, range(20)))
+    params = {t["function"]["name"]: t["function"]["parameters"] for t in (FORECAST, PING)}
+    for c in choices:
+        assert c.finish_reason == "tool_calls", c
+        [call] = c.message.tool_calls or []
+        assert call.function.name in (["forecast"] if choice == "named" else params)
+        jsonschema.validate(json.loads(call.function.arguments), params[call.function.name])
+
+
+RESPONSES_WEATHER = {"type": "function", **WEATHER["function"]}  # the Responses API's shape
+
+
+def test_responses_function_call_and_its_output(oai: openai.OpenAI, model: str) -> None:
+    r = oai.responses.create(
+        model=model,
+        input="Weather in Paris?",
+        tools=[RESPONSES_WEATHER],  # type: ignore[list-item]
+        tool_choice={"type": "function", "name": "get_weather"},
+        temperature=1,
+        max_output_tokens=200,
+        extra_body={"seed": 7},
+    )
+    assert r.status == "completed"
+    [call] = [i for i in r.output if i.type == "function_call"]
+    assert call.name == "get_weather" and call.call_id.startswith("call_")
+    jsonschema.validate(json.loads(call.arguments), WEATHER["function"]["parameters"])  # type: ignore[index]
+    assert oai.responses.retrieve(r.id).output == r.output
+    # The call's output continues the conversation: rendered as the chat's tool message is.
+    follow = oai.responses.create(
+        model=model,
+        previous_response_id=r.id,
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": "Sunny, 21 C"}],
+        tools=[RESPONSES_WEATHER],  # type: ignore[list-item]
+        max_output_tokens=2,
+    )
+    chat = oai.chat.completions.create(
+        model=model,
+        messages=[
+            *MESSAGES,
+            {
+                "role": "assistant",
+                "tool_calls": [
+                    {
+                        "id": call.call_id,
+                        "type": "function",
+                        "function": {"name": call.name, "arguments": call.arguments},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": call.call_id, "content": "Sunny, 21 C"},
+        ],  # type: ignore[list-item]
+        tools=[WEATHER],  # type: ignore[list-item]
+        max_tokens=2,
+    )
+    assert follow.usage is not None and chat.usage is not None
+    assert follow.usage.input_tokens == chat.usage.prompt_tokens
+    # The same conversation given as input items.
+    again = oai.responses.create(
+        model=model,
+        input=[
+            {"role": "user", "content": "Weather in Paris?"},
+            {
+                "type": "function_call",
+                "call_id": call.call_id,
+                "name": call.name,
+                "arguments": call.arguments,
+            },
+            {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny, 21 C"},
+        ],
+        tools=[RESPONSES_WEATHER],  # type: ignore[list-item]
+        max_output_tokens=2,
+    )
+    assert again.usage is not None and again.usage.input_tokens == chat.usage.prompt_tokens
+    with pytest.raises(openai.BadRequestError):
+        oai.responses.create(model=model, input="x", tools=[{"type": "web_search"}])  # type: ignore[list-item]

@@ -36,7 +36,7 @@ from common.prompt_tokens import chat_inputs
 from common.schemas import JobError, JobRequest, LogEntry
 from common.settings import Settings
 from common.store import Append, SyncJobStore, TakeResult, TakeStatus, job_text
-from common.tool_calls import parser_for, renders_tools
+from common.tool_calls import PARSERS, parser_for, renders_tools
 from workers.engine import Delta, Engine, EngineConfig, FinishReason, RequestTooLongError, SamplingParams
 from workers.engine.grammar import GrammarError
 from workers.engine.tiny import default_model_path
@@ -262,6 +262,8 @@ def end_deltas(
 
 def _guide_name(request: JobRequest) -> str:
     guide = request.guide
+    if guide is not None and guide[0] == "tool_call":
+        return "tool_choice"
     return "response_format" if guide is None or guide[0] == "json" else f"guided_{guide[0]}"
 
 
@@ -419,7 +421,13 @@ class EngineRuntime:
         if guide is None:
             return
         try:
-            job.json_grammar = self.engine.grammars.guide(*guide)
+            if guide[0] == "tool_call":
+                if self._tool_parser is None:
+                    raise GrammarError("this model takes no tools")
+                tags = PARSERS[self._tool_parser]
+                job.json_grammar = self.engine.grammars.tool_call(tags.open, guide[1], tags.close)
+            else:
+                job.json_grammar = self.engine.grammars.guide(*guide)
         except GrammarError as e:
             job.grammar_error = str(e)
 
