@@ -11,9 +11,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import httpx
 import jsonschema
 import openai
 import pytest
+from openai_stream import read_stream
+from procs import Cluster
 from transformers import AutoTokenizer
 
 WEATHER = {
@@ -264,3 +267,20 @@ def test_responses_function_call_and_its_output(oai: openai.OpenAI, model: str) 
     assert again.usage is not None and again.usage.input_tokens == chat.usage.prompt_tokens
     with pytest.raises(openai.BadRequestError):
         oai.responses.create(model=model, input="x", tools=[{"type": "web_search"}])  # type: ignore[list-item]
+
+
+def test_a_stream_resumed_inside_a_call_goes_on_with_it(cluster: Cluster, client: httpx.Client) -> None:
+    body = {
+        "messages": MESSAGES,
+        "tools": [WEATHER],
+        "max_tokens": 250,
+        "stream": True,
+        **_forced(CALL + CALL),
+    }
+    full = read_stream(client, "POST", f"{cluster.url}/v1/chat/completions", body=body)
+    ids = sorted({c.id for c in full.chunks if c.id is not None})
+    for k in ids[1 : len(ids) - 1 : max(1, len(ids) // 6)]:
+        rest = read_stream(
+            client, "GET", f"{cluster.url}/v1/jobs/{full.job_id}/events?format=openai", last_event_id=k
+        )
+        assert [c.data for c in rest.chunks] == [c.data for c in full.chunks if c.id is None or c.id > k]
