@@ -31,7 +31,7 @@ CODE = "context_length_exceeded"
 
 
 def prompt_chars(request: JobRequest) -> int:
-    return len(request.prompt or "") + sum(len(m.content) for m in request.messages or ())
+    return len(request.prompt or "") + sum(len(m.content or "") for m in request.messages or ())
 
 
 def prompt_field(request: JobRequest) -> str:

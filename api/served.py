@@ -147,4 +147,12 @@ def check_servable(request: JobRequest, worker: WorkerHeartbeat) -> None:
             param="messages",
             code="no_chat_template",
         )
+    if request.tools_on and worker.chat_template is not None and worker.tool_parser is None:
+        raise ApiError(
+            400,
+            f"The model {worker.model!r} takes no tools: its chat template renders none, or no tool "
+            "parser reads its calls (the worker's SPOOL_TOOL_PARSER)",
+            param="tools",
+            code="tools_not_supported",
+        )
     # Whether the request fits the model's context is api/context.py's check (it counts tokens).

@@ -26,7 +26,8 @@ from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
-from common.schemas import JobRequest
+from common.schemas import JobRequest, TextParams
+from common.tool_calls import template_messages
 
 # What the worker checks the count on before it publishes a spec: plain text, spaces, newlines,
 # non-ASCII, and (added per tokenizer) its special tokens' text; and conversations of each role.
@@ -113,13 +114,15 @@ class PromptCounter:
         # every other thread for 1.9 s, the API's event loop included); encode_batch releases it.
         return list(self._tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids)
 
-    def messages_ids(self, messages: Sequence[dict[str, str]]) -> list[int] | None:
+    def messages_ids(
+        self, messages: Sequence[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int] | None:
         """The rendered conversation's ids (with the generation prompt); None without a template."""
         if self._template is None:
             return None
         rendered = self._template.render(
             messages=list(messages),
-            tools=None,
+            tools=tools,
             documents=None,
             add_generation_prompt=True,
             **self.spec.template_vars,
@@ -130,8 +133,16 @@ class PromptCounter:
         """The request's prompt tokens; None when they cannot be counted here (no template)."""
         if request.prompt is not None:
             return len(self.prompt_ids(request.prompt))
-        ids = self.messages_ids([m.model_dump() for m in request.messages or ()])
+        ids = self.messages_ids(*chat_inputs(request))
         return None if ids is None else len(ids)
+
+
+def chat_inputs(request: TextParams) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+    """What the chat template renders a request's conversation from (the worker's
+    ``apply_chat_template`` and the count here): its messages and tools."""
+    messages = template_messages([m.model_dump() for m in request.messages or ()])
+    tools = [t.model_dump(exclude_none=True) for t in request.tools or ()] if request.tools_on else None
+    return messages, tools
 
 
 def agrees(

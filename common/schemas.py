@@ -27,6 +27,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from common.settings import DEFAULT_MAX_TOKENS, Settings
+from common.tool_calls import call_schema
 from common.webhooks import check_events, check_url_form
 
 MAX_STOP_STRINGS = 4
@@ -88,16 +89,70 @@ class JobStatus(str, enum.Enum):
         return self not in (JobStatus.QUEUED, JobStatus.RUNNING)
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    arguments: str  # a JSON object, as text
+
+    @field_validator("arguments")
+    @classmethod
+    def _object(cls, v: str) -> str:
+        try:
+            ok = isinstance(json.loads(v), dict)
+        except ValueError:
+            ok = False
+        if not ok:
+            raise ValueError("function.arguments must be a JSON object, as text")
+        return v
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    role: Literal["system", "user", "assistant"]
-    content: str
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str | None = None  # None only for an assistant message with tool_calls
+    tool_calls: list[ToolCall] | None = None  # the assistant's calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
     @field_validator("content")
     @classmethod
-    def _content(cls, v: str) -> str:
+    def _content(cls, v: str | None) -> str | None:
         return _encodable(v)  # type: ignore[no-any-return]
+
+    @model_validator(mode="after")
+    def _shape(self) -> Self:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required (but for an assistant message with tool_calls)")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages have tool_calls")
+        if (self.role == "tool") != (self.tool_call_id is not None):
+            raise ValueError("a tool message, and only one, has a tool_call_id")
+        return self
+
+
+class FunctionTool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"]
+    function: FunctionTool
 
 
 def _encodable(v: Any) -> Any:
@@ -230,6 +285,11 @@ class TextParams(BaseModel):
     # expression, or is exactly one of the strings. At most one of the three per request.
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
+    # Function tools, rendered by the chat template; the calls are parsed from the output
+    # (common/tool_calls.py). tool_choice: "auto", "none", "required" or one tool's name.
+    tools: list[Tool] | None = Field(None, min_length=1)
+    tool_choice: str = "auto"
+    parallel_tool_calls: bool = True  # false: at most one call
 
     @field_validator("frequency_penalty", "presence_penalty", "logprobs", "min_tokens")
     @classmethod
@@ -294,7 +354,13 @@ class TextParams(BaseModel):
     @property
     def guide(self) -> tuple[str, Any] | None:
         """What the output is constrained to: ("json", schema or None for any object), ("regex",
-        pattern) or ("choice", strings); None: nothing."""
+        pattern), ("choice", strings) or ("tool_call", the schema of one call: a required or
+        named tool_choice); None: nothing."""
+        if self.tools is not None and self.tool_choice not in ("auto", "none"):
+            tools = [t.model_dump(exclude_none=True) for t in self.tools]
+            return "tool_call", call_schema(
+                tools, None if self.tool_choice == "required" else self.tool_choice
+            )
         if self.response_format is not None and self.response_format.constrained:
             return "json", self.response_format.schema_or_none
         if self.guided_regex is not None:
@@ -366,6 +432,28 @@ class TextParams(BaseModel):
 
     def _needs_prompt(self) -> bool:
         return True
+
+    @model_validator(mode="after")
+    def _tools(self) -> Self:
+        names = [t.function.name for t in self.tools or ()]
+        if self.tools is not None and self.messages is None:
+            raise ValueError("tools need messages (a chat)")
+        if len(set(names)) < len(names):
+            raise ValueError("tools must have distinct names")
+        if self.tool_choice not in ("auto", "none", "required", *names):
+            raise ValueError(f"tool_choice {self.tool_choice!r} is not auto, none, required or a tool's name")
+        if self.tool_choice not in ("auto", "none") and (
+            self.response_format is not None
+            or self.guided_regex is not None
+            or self.guided_choice is not None
+        ):
+            raise ValueError("a required or named tool_choice cannot be combined with a guide")
+        return self
+
+    @property
+    def tools_on(self) -> bool:
+        """The tools are rendered and calls parsed (tool_choice "none": neither)."""
+        return self.tools is not None and self.tool_choice != "none"
 
     @model_validator(mode="after")
     def _prompt_or_messages(self) -> Self:
@@ -590,6 +678,12 @@ class JobRequest(TextParams):
         return data
 
     @model_validator(mode="after")
+    def _tools_n(self) -> JobRequest:
+        if self.tools is not None and self.n != 1:
+            raise ValueError("tools take n = 1")
+        return self
+
+    @model_validator(mode="after")
     def _parts(self) -> JobRequest:
         if self.parts is None:
             return self
@@ -791,6 +885,7 @@ class WorkerHeartbeat(BaseModel):
     # The jobs it runs: text (the {p}.llm queue), image parts, or webhook deliveries ({p}.hooks)
     kind: Literal["text", "media", "hooks"] = "text"
     chat_template: bool | None = None  # the tokenizer has one (messages can be rendered); None: not said
+    tool_parser: str | None = None  # how tool calls are read from its output; None: no tools
     max_model_len: int | None = None  # prompt + generated tokens per request
     tokenizer: str | None = None  # digest of its tokenizer spec in Redis (Keys.tokenizer); None: none stored
     # The worker process (workers/identity.py): tells a live holder of the name from an earlier run.

@@ -14,6 +14,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from common.keys import Keys
+from common.tool_calls import PARSERS
 from common.webhooks import check_secret
 
 DEFAULT_MAX_TOKENS = 128  # a request's max_tokens when it gives none (SPOOL_DEFAULT_MAX_TOKENS)
@@ -55,6 +56,9 @@ class Settings(BaseSettings):
     # The worker's torch threads (torch.set_num_threads); unset: torch's own default, a thread per
     # core. `spool up` sets it to the cores minus one, so the API and Redis beside it keep a core.
     torch_threads: int | None = Field(None, ge=1)
+    # How tool calls are read from the output (common/tool_calls.py PARSERS) when the chat
+    # template does not say (one that writes <tool_call> gets hermes); empty: tools are refused.
+    tool_parser: str = ""
 
     # Media worker (image parts): one diffusers pipeline, loaded with DiffusionPipeline.from_pretrained
     image_model: str = ""  # hub id or directory; empty: a tiny random pipeline built on first use
@@ -190,6 +194,13 @@ class Settings(BaseSettings):
     @classmethod
     def _tenant_priority_floors(cls, v: str) -> str:
         parse_tenant_values(v, int)
+        return v
+
+    @field_validator("tool_parser")
+    @classmethod
+    def _tool_parser(cls, v: str) -> str:
+        if v and v not in PARSERS:
+            raise ValueError(f"must be one of {', '.join(PARSERS)} (or empty)")
         return v
 
     @field_validator("api_keys")

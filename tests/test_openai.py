@@ -192,11 +192,9 @@ def _refused(call: Callable[[], object], param: str, error: type[openai.APIStatu
 
 
 CHAT_REFUSALS: list[tuple[dict[str, Any], str]] = [
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
     ({"extra_body": {"guided_grammar": "root ::= x"}}, "guided_grammar"),
     ({"extra_body": {"foo": 1}}, "foo"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),
-    ({"messages": [{"role": "tool", "content": "x", "tool_call_id": "1"}]}, "messages[0].role"),
     ({"messages": [{"role": "user", "content": "x", "name": "bob"}]}, "messages[0].name"),
     (
         {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},

@@ -147,7 +147,7 @@ def test_store_false_is_not_kept(oai: openai.OpenAI, model: str) -> None:
             {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
             "input[0].content[0].type",
         ),
-        ({"input": "x", "tools": [{"type": "web_search"}]}, "tools"),
+        ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type"),
         ({"input": "x", "background": True, "store": False}, "store"),
         ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
         ({"input": "x", "previous_response_id": "resp_nope"}, "previous_response_id"),
@@ -195,4 +195,4 @@ def test_a_batch_of_response_lines(oai: openai.OpenAI, model: str) -> None:
         assert body["output"][0]["content"][0]["text"] == direct.output_text
         assert body["usage"]["output_tokens"] == direct.usage.output_tokens  # type: ignore[union-attr]
     [error] = [json.loads(raw) for raw in oai.files.content(batch.error_file_id).text.splitlines()]
-    assert error["custom_id"] == "r-3" and error["response"]["body"]["error"]["param"] == "tools"
+    assert error["custom_id"] == "r-3" and error["response"]["body"]["error"]["param"] == "tools[0].type"

@@ -32,10 +32,12 @@ import torch
 from redis.exceptions import RedisError
 
 from common.process import NamedThread
+from common.prompt_tokens import chat_inputs
 from common.schemas import MAX_PRIORITY, JobError, JobRequest, LogEntry
 from common.settings import Settings
 from common.store import Append, SyncJobStore, TakeResult, TakeStatus, job_text
 from common.tenants import tenant_of
+from common.tool_calls import PARSERS, parser_for, renders_tools
 from workers.engine import (
     Delta,
     Engine,
@@ -160,13 +162,34 @@ def prompt_of(request: JobRequest, tokenizer: Any) -> str | list[int]:
     if not tokenizer.chat_template:
         # NOTE: no made-up fallback format: the model was never trained on it.
         raise ValueError("the model has no chat template, so it cannot take messages; send a prompt")
-    messages = [m.model_dump() for m in request.messages or ()]
+    messages, tools = chat_inputs(request)
     # NOTE: token ids, not text: templates often start with BOS and encoding the rendered
     # text would add a second one.
     ids: list[int] = tokenizer.apply_chat_template(
-        messages, add_generation_prompt=True, tokenize=True, return_dict=False
+        messages, tools=tools, add_generation_prompt=True, tokenize=True, return_dict=False
     )
     return ids
+
+
+def tool_parser_of(tokenizer: Any, setting: str) -> str | None:
+    """How this model's tool calls are read (common/tool_calls.py); None: its template renders
+    no tools, or no parser knows its format."""
+    template = tokenizer.chat_template
+    name = parser_for(template if isinstance(template, str) else None, setting or None)
+    if name is None or not template:
+        return None
+
+    def render(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str:
+        text: str = tokenizer.apply_chat_template(
+            messages, tools=tools, add_generation_prompt=True, tokenize=False
+        )
+        return text
+
+    try:
+        return name if renders_tools(render) else None
+    except Exception:  # a template that fails on the probe: no tools
+        log.exception("could not render the chat template with tools")
+        return None
 
 
 def choice_seed(seed: int | None, index: int) -> int | None:
@@ -253,6 +276,8 @@ def end_deltas(
 
 def _guide_name(request: JobRequest) -> str:
     guide = request.guide
+    if guide is not None and guide[0] == "tool_call":
+        return "tool_choice"
     return "response_format" if guide is None or guide[0] == "json" else f"guided_{guide[0]}"
 
 
@@ -301,6 +326,7 @@ class EngineRuntime:
         self.queue = settings.keys.model_queue(model)  # the only queue it takes jobs from
         self._tenant_weights = settings.tenant_weight_map  # SPOOL_TENANT_WEIGHTS
         self.metrics = WorkerMetrics(model)  # observed on the engine thread (workers/metrics.py)
+        self._tool_parser = tool_parser_of(engine.tokenizer, settings.tool_parser)
         self._stop = threading.Event()
         self._inbox: queue.SimpleQueue[_Add | _Abort | _Drop | object] = queue.SimpleQueue()
         # One list of log entries per step; None after the last.
@@ -419,7 +445,13 @@ class EngineRuntime:
         if guide is None:
             return
         try:
-            job.json_grammar = self.engine.grammars.guide(*guide)
+            if guide[0] == "tool_call":
+                if self._tool_parser is None:
+                    raise GrammarError("this model takes no tools")
+                tags = PARSERS[self._tool_parser]
+                job.json_grammar = self.engine.grammars.tool_call(tags.open, guide[1], tags.close)
+            else:
+                job.json_grammar = self.engine.grammars.guide(*guide)
         except GrammarError as e:
             job.grammar_error = str(e)
 
@@ -496,6 +528,7 @@ class EngineRuntime:
             "engine": self._stats,
             "model": self.model,
             "chat_template": bool(self.engine.tokenizer.chat_template),
+            "tool_parser": self._tool_parser,
             "max_model_len": self.engine.max_model_len,
             **asdict(this_process()),
         }

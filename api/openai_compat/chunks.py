@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 import json
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +18,7 @@ from fastapi.sse import ServerSentEvent
 
 from api.errors import ApiError, error_body
 from common.schemas import Job, JobError, JobRequest, LogEntry, TokenLogprob, TopLogprob, Usage
+from common.tool_calls import PARSERS, Call, CallStream, call_id, parse
 
 DONE = ServerSentEvent(raw_data="[DONE]")
 
@@ -51,9 +52,14 @@ class View:
     include_usage: bool  # the stream ends with a usage chunk
     logprobs: bool  # the request asked for logprobs: choices carry them
     n: int = 1  # choices: a job with n > 1 says in its token events which one each belongs to
+    job_id: str = ""
+    tool_parser: str | None = None  # calls are read from the text (common/tool_calls.py); None: none
+    single_call: bool = False  # parallel_tool_calls false: the first call only
 
     @classmethod
-    def of(cls, job_id: str, created_at: float, request: JobRequest, model: str) -> View:
+    def of(
+        cls, job_id: str, created_at: float, request: JobRequest, model: str, tool_parser: str | None = None
+    ) -> View:
         chat = request.messages is not None
         return cls(
             chat=chat,
@@ -63,7 +69,16 @@ class View:
             include_usage=request.stream_include_usage,
             logprobs=request.logprobs is not None,
             n=request.n,
+            job_id=job_id,
+            tool_parser=tool_parser if request.tools_on else None,
+            single_call=not request.parallel_tool_calls,
         )
+
+    def tool_stream(self) -> ToolStream | None:
+        """The state a stream with tools keeps from chunk to chunk; None without tools."""
+        if self.tool_parser is None:
+            return None
+        return ToolStream(CallStream(PARSERS[self.tool_parser]), self)
 
     @property
     def needs_log(self) -> bool:
@@ -101,11 +116,31 @@ class View:
             "usage": job.usage.model_dump(),
         }
 
+    def calls(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
+        """The message's content and tool calls (OpenAI's shape) from the generated text."""
+        if self.tool_parser is None:
+            return text, []
+        content, calls = parse(self.tool_parser, text)
+        calls = calls[:1] if self.single_call else calls
+        return content or None, [self.call_json(i, c) for i, c in enumerate(calls)]
+
+    def call_json(self, index: int, call: Call) -> dict[str, Any]:
+        return {
+            "id": call_id(self.job_id, index),
+            "type": "function",
+            "function": {"name": call.name, "arguments": call.arguments},
+        }
+
     def _choice(
         self, index: int, text: str, log: Sequence[LogEntry], finish_reason: str | None
     ) -> dict[str, Any]:
         if self.chat:
-            body: dict[str, Any] = {"message": {"role": "assistant", "content": text, "refusal": None}}
+            content, calls = self.calls(text)
+            message: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None}
+            if calls:
+                message["tool_calls"] = calls
+                finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
+            body: dict[str, Any] = {"message": message}
         else:
             body = {"text": text}
         return {"index": index, **body, "logprobs": self._logprobs(log), "finish_reason": finish_reason}
@@ -161,12 +196,22 @@ class View:
         choice: int = 0,
     ) -> ServerSentEvent:
         if self.chat:
-            delta: dict[str, str] = {"role": "assistant"} if first else {}
+            delta: dict[str, Any] = {"role": "assistant"} if first else {}
             if text or finish_reason is None:
                 delta["content"] = text
             part: dict[str, Any] = {"delta": delta}
         else:
             part = {"text": text}
+        return self.part_chunk(sid, part, finish_reason, logprobs, choice)
+
+    def part_chunk(
+        self,
+        sid: str,
+        part: dict[str, Any],
+        finish_reason: str | None,
+        logprobs: Sequence[LogEntry] = (),
+        choice: int = 0,
+    ) -> ServerSentEvent:
         body = {
             **self._chunk_head(),
             "choices": [
@@ -214,3 +259,60 @@ def _chat_logprob(t: TopLogprob) -> dict[str, Any]:
 
 def _event(sid: str, body: dict[str, Any]) -> ServerSentEvent:
     return ServerSentEvent(id=sid, raw_data=json.dumps(body, ensure_ascii=False, separators=(",", ":")))
+
+
+class ToolStream:
+    """A chat stream with tools: text outside calls streams as content, each call as it closes
+    (a chunk with its index, id and name, then one with its arguments), and a turn that called
+    ends with finish_reason "tool_calls". It keeps what it has read, so one per stream."""
+
+    def __init__(self, calls: CallStream, view: View) -> None:
+        self._calls = calls
+        self._view = view
+        self._count = 0  # calls streamed so far
+
+    def prime(self, entries: Sequence[LogEntry]) -> None:
+        """Read the entries a resumed stream already had, without sending them."""
+        for entry in entries:
+            self.render(entry)
+
+    def render(self, entry: LogEntry) -> list[ServerSentEvent]:
+        view, sid = self._view, str(entry.seq)
+        if entry.type == "token":
+            first = entry.data["index"] == 0
+            chunks = self._pieces(sid, self._calls.feed(entry.data["text"]), first)
+            return chunks or (
+                [view.part_chunk(sid, {"delta": {"role": "assistant", "content": ""}}, None)] if first else []
+            )
+        if entry.type == "error":
+            return view.render(entry)
+        chunks = self._pieces(sid, self._calls.end(), entry.seq == 1)
+        reason = entry.data["finish_reason"]
+        reason = "tool_calls" if self._count and reason == "stop" else reason
+        delta = {"role": "assistant"} if entry.seq == 1 and not chunks else {}
+        chunks.append(view.part_chunk(sid, {"delta": delta}, reason))
+        if view.include_usage:
+            usage = Usage.model_validate(entry.data["usage"]).model_dump()
+            chunks.append(_event(sid, {**view._chunk_head(), "choices": [], "usage": usage}))
+        return [*chunks, DONE]
+
+    def _pieces(self, sid: str, pieces: Iterable[str | Call], first: bool) -> list[ServerSentEvent]:
+        chunks = []
+        for piece in pieces:
+            if isinstance(piece, str):
+                delta: dict[str, Any] = {"content": piece}
+            elif self._view.single_call and self._count:
+                continue
+            else:
+                call = self._view.call_json(self._count, piece)
+                head = {**call, "function": {"name": piece.name, "arguments": ""}}
+                chunks.append(self._delta(sid, {"tool_calls": [{"index": self._count, **head}]}, first))
+                first = False
+                delta = {"tool_calls": [{"index": self._count, "function": {"arguments": piece.arguments}}]}
+                self._count += 1
+            chunks.append(self._delta(sid, delta, first))
+            first = False
+        return chunks
+
+    def _delta(self, sid: str, delta: dict[str, Any], first: bool) -> ServerSentEvent:
+        return self._view.part_chunk(sid, {"delta": {"role": "assistant", **delta} if first else delta}, None)

@@ -20,13 +20,12 @@ from common.settings import Settings
 _NEUTRAL: dict[str, object] = {
     "echo": False,
     "best_of": 1,
-    "tools": [],
     "functions": [],
     "store": False,
     "metadata": {},
 }
 COMPLETION_MAX_LOGPROBS = 5  # OpenAI's limit for /v1/completions' logprobs
-_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 
 
 def _neutral(name: str, value: object) -> bool:
@@ -67,6 +66,8 @@ class Message(_Open):
     role: str
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # validated as JobRequest's ToolCall
+    tool_call_id: str | None = None
 
 
 class OpenAIRequest(_Open):
@@ -237,6 +238,9 @@ class ChatCompletionRequest(OpenAIRequest):
     max_completion_tokens: StrictInt | None = None
     logprobs: bool | None = None
     top_logprobs: StrictInt | None = None  # 0 to 20, with logprobs: true
+    tools: list[dict[str, Any]] | None = None  # validated as JobRequest's Tool
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
     def logprobs_field(self) -> int | None:
         top = _at_most("top_logprobs", self.top_logprobs, MAX_LOGPROBS)
@@ -258,10 +262,35 @@ class ChatCompletionRequest(OpenAIRequest):
         return "max_tokens", self.max_tokens
 
     def prompt_fields(self) -> dict[str, Any]:
-        return {"messages": [_message(m, i) for i, m in enumerate(self.messages)]}
+        return {
+            "messages": [_message(m, i) for i, m in enumerate(self.messages)],
+            **tool_fields(self.tools or None, self.tool_choice, self.parallel_tool_calls, chat=True),
+        }
 
 
-def _message(m: Message, i: int) -> dict[str, str]:
+def tool_fields(
+    tools: list[dict[str, Any]] | None, choice: str | dict[str, Any] | None, parallel: bool | None, chat: bool
+) -> dict[str, Any]:
+    """JobRequest's tools, tool_choice and parallel_tool_calls; ``chat``: a named choice is
+    chat's {"type": "function", "function": {"name": ...}}, else the Responses API's
+    {"type": "function", "name": ...}."""
+    if isinstance(choice, dict):
+        name = (choice.get("function") or {}).get("name") if chat else choice.get("name")
+        if choice.get("type") != "function" or not isinstance(name, str):
+            shape = (
+                '{"type": "function", "function": {"name": ...}}'
+                if chat
+                else '{"type": "function", "name": ...}'
+            )
+            raise ApiError(400, f"tool_choice must be auto, none, required or {shape}", param="tool_choice")
+        choice = name
+    if choice is not None and tools is None:
+        raise ApiError(400, "tool_choice needs tools", param="tool_choice")
+    fields = {"tools": tools, "tool_choice": choice, "parallel_tool_calls": parallel}
+    return {k: v for k, v in fields.items() if v is not None}
+
+
+def _message(m: Message, i: int) -> dict[str, Any]:
     where = f"messages[{i}]"
     if m.role not in _ROLES:
         raise ApiError(
@@ -273,9 +302,15 @@ def _message(m: Message, i: int) -> dict[str, str]:
     _refuse_extras(m.model_extra, f"{where}.")
     if m.name is not None:
         _refuse_extras({"name": m.name}, f"{where}.")
-    if m.content is None:
+    if m.content is None and not (m.role == "assistant" and m.tool_calls):
         raise ApiError(400, f"{where}.content is required", param=f"{where}.content")
-    return {"role": _ROLES[m.role], "content": _text(m.content, where)}
+    message = {
+        "role": _ROLES[m.role],
+        "content": None if m.content is None else _text(m.content, where),
+        "tool_calls": m.tool_calls,
+        "tool_call_id": m.tool_call_id,
+    }
+    return {k: v for k, v in message.items() if v is not None}
 
 
 def _text(content: str | list[TextPart], where: str) -> str:

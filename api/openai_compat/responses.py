@@ -21,9 +21,10 @@ from fastapi.sse import ServerSentEvent
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from api.errors import ApiError, body_errors
-from api.openai_compat.requests import _Open, _refuse_extras
+from api.openai_compat.requests import _Open, _refuse_extras, tool_fields
 from common.schemas import Job, JobError, JobRequest, JobStatus, LogEntry, Usage
 from common.settings import Settings
+from common.tool_calls import Call, call_id, parse
 
 RESPONSE_PREFIX = "resp_"
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
@@ -75,6 +76,25 @@ class ResponseRequest(_Open):
     user: str | None = None
     parallel_tool_calls: bool | None = None
     truncation: str | None = None
+    tools: list[dict[str, Any]] | None = None  # function tools, {"type": "function", "name", ...}
+    tool_choice: str | dict[str, Any] | None = None
+
+    def chat_tools(self) -> list[dict[str, Any]] | None:
+        """The tools in chat's shape ({"type": "function", "function": {...}})."""
+        if not self.tools:
+            return None
+        out = []
+        for i, tool in enumerate(self.tools):
+            if tool.get("type") != "function":
+                raise ApiError(
+                    400,
+                    f"tools[{i}].type {tool.get('type')!r} is not supported; only function tools are "
+                    "(no built-in tools such as web search)",
+                    param=f"tools[{i}].type",
+                    code="unsupported_parameter",
+                )
+            out.append({"type": "function", "function": {k: v for k, v in tool.items() if k != "type"}})
+        return out
 
     def input_items(self) -> list[dict[str, Any]]:
         """The input as message items, each checked (400 naming the item)."""
@@ -90,6 +110,13 @@ class ResponseRequest(_Open):
         if self.truncation not in (None, "disabled"):
             raise ApiError(
                 400, "truncation 'auto' is not supported", param="truncation", code="unsupported_parameter"
+            )
+        if self.stream and self.tools and self.tool_choice != "none":
+            raise ApiError(
+                400,
+                "stream with tools is not supported yet on /v1/responses; use background mode and poll",
+                param="stream",
+                code="unsupported_parameter",
             )
         if self.background and not self.store:
             raise ApiError(400, "background mode needs store: true", param="store")
@@ -138,6 +165,9 @@ class ResponseRequest(_Open):
             top_p=self.top_p,
             text_format=fmt.model_dump(by_alias=True, exclude_none=True) if fmt is not None else None,
             user=self.user,
+            tools=self.tools or [],
+            tool_choice=self.tool_choice or "auto",
+            parallel_tool_calls=self.parallel_tool_calls is not False,
         )
 
     def batch_job_request(self, settings: Settings) -> JobRequest:
@@ -153,7 +183,7 @@ class ResponseRequest(_Open):
             )
         return self.to_job_request(settings, self.record("", []).messages())
 
-    def to_job_request(self, settings: Settings, messages: list[dict[str, str]]) -> JobRequest:
+    def to_job_request(self, settings: Settings, messages: list[dict[str, Any]]) -> JobRequest:
         fields: dict[str, Any] = {
             "messages": messages,
             "max_tokens": self.max_output_tokens,
@@ -163,6 +193,7 @@ class ResponseRequest(_Open):
             "user": self.user,
             "background": self.background,
             "response_format": self.response_format(),
+            **tool_fields(self.chat_tools(), self.tool_choice, self.parallel_tool_calls, chat=False),
         }
         try:
             return JobRequest.accept({k: v for k, v in fields.items() if v is not None}, settings)
@@ -175,12 +206,38 @@ def _message_item(role: str, text: str) -> dict[str, Any]:
     return {"type": "message", "role": role, "content": [{"type": kind, "text": text}]}
 
 
+# The fields of a function call item and of its output's, all strings.
+_CALL_ITEMS = {
+    "function_call": ("call_id", "name", "arguments"),
+    "function_call_output": ("call_id", "output"),
+}
+
+
 def _input_item(item: dict[str, Any], where: str) -> dict[str, Any]:
     kind = item.get("type", "message")
+    if kind in _CALL_ITEMS:
+        fields = _CALL_ITEMS[kind]
+        _refuse_extras(
+            {k: v for k, v in item.items() if k not in ("type", "id", "status", *fields)}, f"{where}."
+        )
+        for name in fields:
+            if not isinstance(item.get(name), str):
+                raise ApiError(400, f"{where}.{name} must be a string", param=f"{where}.{name}")
+        if kind == "function_call":
+            try:
+                ok = isinstance(json.loads(item["arguments"]), dict)
+            except ValueError:
+                ok = False
+            if not ok:
+                raise ApiError(
+                    400, f"{where}.arguments must be a JSON object, as text", param=f"{where}.arguments"
+                )
+        return {"type": kind, **{name: item[name] for name in fields}}
     if kind != "message":
         raise ApiError(
             400,
-            f"{where}.type {kind!r} is not supported; input items are messages",
+            f"{where}.type {kind!r} is not supported; input items are messages, function_call and "
+            "function_call_output",
             param=f"{where}.type",
             code="unsupported_parameter",
         )
@@ -238,12 +295,34 @@ class ResponseRecord(BaseModel):
     top_p: float | None = None
     text_format: dict[str, Any] | None = None  # the request's text.format; None: plain text
     user: str | None = None
+    tools: list[dict[str, Any]] = Field(default_factory=list)  # as the request gave them
+    tool_choice: str | dict[str, Any] = "auto"
+    parallel_tool_calls: bool = True
+    tool_parser: str | None = None  # how the served model's calls are read (common/tool_calls.py)
 
-    def messages(self) -> list[dict[str, str]]:
-        """The chat the job renders: instructions, the earlier turns, this input."""
-        system = [{"role": "system", "content": self.instructions}] if self.instructions else []
-        turns = [{"role": _ROLES[i["role"]], "content": item_text(i)} for i in (*self.history, *self.input)]
-        return system + turns
+    def messages(self) -> list[dict[str, Any]]:
+        """The chat the job renders: instructions, the earlier turns, this input (a run of
+        function_call items is one assistant message with tool_calls; an output, a tool message)."""
+        turns: list[dict[str, Any]] = (
+            [{"role": "system", "content": self.instructions}] if self.instructions else []
+        )
+        for i in (*self.history, *self.input):
+            kind = i.get("type", "message")
+            if kind == "function_call":
+                call = {
+                    "id": i["call_id"],
+                    "type": "function",
+                    "function": {"name": i["name"], "arguments": i["arguments"]},
+                }
+                if turns and turns[-1]["role"] == "assistant" and "tool_calls" in turns[-1]:
+                    turns[-1]["tool_calls"].append(call)
+                else:
+                    turns.append({"role": "assistant", "tool_calls": [call]})
+            elif kind == "function_call_output":
+                turns.append({"role": "tool", "tool_call_id": i["call_id"], "content": i["output"]})
+            else:
+                turns.append({"role": _ROLES[i["role"]], "content": item_text(i)})
+        return turns
 
 
 @dataclass(frozen=True)
@@ -261,7 +340,7 @@ class ResponseView:
         record = ResponseRecord(
             model=model,
             created_at=job.created_at,
-            input=[_message_item(m.role, m.content) for m in request.messages or ()],
+            input=[_message_item(m.role, m.content or "") for m in request.messages or ()],
             max_output_tokens=request.max_tokens,
             temperature=request.temperature,
             top_p=request.top_p,
@@ -292,8 +371,7 @@ class ResponseView:
         error = incomplete = usage = None
         if job is not None:
             status, error, incomplete = _status(job)
-            if job.text or status in ("completed", "incomplete"):
-                output = [self._message(job.text, "completed" if status == "completed" else "incomplete")]
+            output = self._output(job, status)
             usage = _usage(job.usage)
         return {
             "id": self.id,
@@ -308,18 +386,44 @@ class ResponseView:
             "metadata": r.metadata,
             "model": r.model,
             "output": output,
-            "parallel_tool_calls": True,
+            "parallel_tool_calls": r.parallel_tool_calls,
             "previous_response_id": r.previous_response_id,
             "store": r.store,
             "temperature": r.temperature if r.temperature is not None else 1.0,
             "text": {"format": r.text_format or {"type": "text"}},
-            "tool_choice": "auto",
-            "tools": [],
+            "tool_choice": r.tool_choice,
+            "tools": r.tools,
             "top_p": r.top_p if r.top_p is not None else 1.0,
             "truncation": "disabled",
             "usage": usage,
             "user": r.user,
         }
+
+    def _output(self, job: Job, status: str) -> list[dict[str, Any]]:
+        """The output items: the message (when there is text, or the response ended), then the
+        function calls read from the text."""
+        r, text = self.record, job.text
+        calls: list[Call] = []
+        if r.tool_parser is not None and r.tools and r.tool_choice != "none" and status != "in_progress":
+            text, calls = parse(r.tool_parser, text)
+            calls = calls[:1] if not r.parallel_tool_calls else calls
+        done = "completed" if status == "completed" else "incomplete"
+        output = (
+            [self._message(text, done)]
+            if text or (status in ("completed", "incomplete") and not calls)
+            else []
+        )
+        return output + [
+            {
+                "id": f"fc_{self.job_id}_{k}",
+                "type": "function_call",
+                "status": "completed",
+                "call_id": call_id(self.job_id, k),
+                "name": c.name,
+                "arguments": c.arguments,
+            }
+            for k, c in enumerate(calls)
+        ]
 
     def _message(self, text: str, status: str) -> dict[str, Any]:
         return {

@@ -145,17 +145,23 @@ async def job_events(
     ``?format=openai``: the same ids, as OpenAI stream chunks ending with ``data: [DONE]`` (a job
     of image parts: as the Images API's stream events).
     """
-    render = to_sse_list if format == "spool" else await _openai_render(services, job)
+    render = to_sse_list if format == "spool" else await _openai_render(services, job, cursor)
     return event_stream(
         rendered(services.store, inbox, job.job_id, cursor, services.settings.sse_ping_s, render)
     )
 
 
-async def _openai_render(services: Services, job: StreamState) -> Render | AsyncRender:
-    """How an existing job streams in the OpenAI format."""
+async def _openai_render(services: Services, job: StreamState, cursor: int) -> Render | AsyncRender:
+    """How an existing job streams in the OpenAI format, after ``cursor``."""
     parts = job.request.parts
     if parts and all(p.type == "image" for p in parts):
         return ImageStreamView.of(services.store, job.job_id, job.created_at, job.request).stream
     # The worker that took the job wrote its model's name; a queued job gets the served one's.
-    model = job.model or min(await served_models(services.store), default="")
-    return View.of(job.job_id, job.created_at, job.request, model).render
+    served = await served_models(services.store)
+    model = job.model or min(served, default="")
+    worker = served.get(model) or next(iter(served.values()), None)
+    view = View.of(job.job_id, job.created_at, job.request, model, worker.tool_parser if worker else None)
+    if (tools := view.tool_stream()) is None:
+        return view.render
+    tools.prime([e for e in await services.store.read_log(job.job_id) if e.seq <= cursor])
+    return tools.render

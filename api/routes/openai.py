@@ -119,10 +119,11 @@ async def _serve(body: OpenAIRequest, services: ServicesDep, http: Request) -> R
     check_servable(request, worker)
     await services.context.check(request, worker)
     job = await submit_job(services, request, worker.model)
-    view = View.of(job.id, job.created_at, request, worker.model)
+    view = View.of(job.id, job.created_at, request, worker.model, worker.tool_parser)
     headers = {JOB_ID_HEADER: job.id}
     if body.stream:
-        return streamed_submit(services, job.id, view.render, not request.background, headers)
+        render = tools.render if (tools := view.tool_stream()) else view.render
+        return streamed_submit(services, job.id, render, not request.background, headers)
     try:
         done = await wait_for_job(services, job.id, http)
         log = await services.store.read_log(job.id) if view.needs_log else []

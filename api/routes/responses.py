@@ -24,6 +24,7 @@ from api.openai_compat.responses import (
     ResponseRecord,
     ResponseRequest,
     ResponseView,
+    item_text,
     job_id_of,
 )
 from api.served import check_servable, resolve_model
@@ -47,6 +48,7 @@ async def create_response(body: ResponseRequest, services: ServicesDep, http: Re
         history = await _history(services.store, body.previous_response_id)
     worker = resolve_model(await services.served.get(), body.model)
     record = body.record(worker.model, history)
+    record.tool_parser = worker.tool_parser
     request = body.to_job_request(services.settings, record.messages())
     check_servable(request, worker)
     await services.context.check(request, worker)
@@ -198,10 +200,8 @@ async def _history(store: AsyncJobStore, previous: str) -> list[dict[str, Any]]:
             param="previous_response_id",
         )
     r = view.record
-    output = [
-        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": job.text}]}
-    ]
-    return [*r.history, *r.input, *(output if job.text else [])]
+    output = [i for i in view.obj(job)["output"] if i["type"] == "function_call" or item_text(i)]
+    return [*r.history, *r.input, *output]
 
 
 async def _cancel(services: Services, job_id: str) -> None:

@@ -79,9 +79,22 @@ class Grammars:
         ebnf = "root ::= " + " | ".join(map(_ebnf_string, choices))
         return self._cached("choice\0" + ebnf, lambda: self._compiler.compile_grammar(ebnf), "choice")
 
+    def tool_call(self, open: str, schema: dict[str, Any], close: str) -> xgr.CompiledGrammar:
+        """The grammar of one tool call: ``open``, JSON that validates against ``schema`` (the
+        call's name and arguments), ``close``."""
+        key = json.dumps([open, schema, close])
+
+        def compile() -> xgr.CompiledGrammar:
+            tags = [xgr.Grammar.from_ebnf("root ::= " + _ebnf_string(t)) for t in (open + "\n", "\n" + close)]
+            return self._compiler.compile_grammar(
+                xgr.Grammar.concat(tags[0], json_grammar(json.dumps(schema)), tags[1])
+            )
+
+        return self._cached("tool_call\0" + key, compile, "tool's JSON schema")
+
     def guide(self, kind: str, spec: Any) -> xgr.CompiledGrammar:
         """The grammar of a request's guide: ("json", schema or None), ("regex", pattern) or
-        ("choice", strings)."""
+        ("choice", strings); ("tool_call", ...) is ``tool_call``'s."""
         if kind == "json":
             return self.json(spec)
         if kind == "regex":
