@@ -32,7 +32,8 @@ class Pool:
     def __init__(self, prefix: str, log_dir: Path, kind: str, model: dict[str, Path]) -> None:
         self.prefix, self.log_dir, self.kind, self.model = prefix, log_dir, kind, model
         self.started: list[Service] = []
-        self.api = start_api(prefix, log_dir, ready=False)
+        # The API is told the model too: a job sent while no worker is live goes to its queue.
+        self.api = start_api(prefix, log_dir, ready=False, **model)
 
     def start(self, name: str, **settings: object) -> Service:
         env = spool_env(
