@@ -52,7 +52,7 @@ NASTY: list[tuple[str, bytes, dict[str, str]]] = [
     ("huge seed", b'{"prompt": "hi", "seed": 1' + b"0" * 40 + b"}", JSON),
     ("deep nesting", b'{"prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}", JSON),
     ("wrong type", b'{"prompt": ["a", 1]}', JSON),
-    ("unknown field", b'{"prompt": "hi", "priority": 9}', JSON),
+    ("unknown field", b'{"prompt": "hi", "frobnicate": 9}', JSON),
     ("top-level string", b'"hi"', JSON),
     ("empty body", b"", JSON),
     ("null", b"null", JSON),
