@@ -375,6 +375,38 @@ def test_openai_routes_take_a_webhook(client: httpx.Client, hooks: Hooks) -> Non
     wait_until(lambda: bool(of_job(hooks.receiver.at("/oai"), job_id)), "the completion's webhook", 30)
 
 
+def test_a_response_sends_its_end_as_openai_names_it(client: httpx.Client, hooks: Hooks) -> None:
+    url = f"{hooks.api.url}/v1/responses"
+    bad = client.post(
+        url, json={"input": "hi", "webhook": hooks.receiver.url("/r"), "webhook_events": ["start"]}
+    )
+    assert bad.status_code == 400, bad.text
+    assert bad.json()["error"]["code"] == "invalid_webhook"
+    ends = {}
+    for path, body in (
+        ("/r-length", {"max_output_tokens": 2}),  # cut at its limit: incomplete
+        ("/r-cancel", {"max_output_tokens": 400}),
+    ):
+        created = client.post(
+            url, json={"input": "hi", "background": True, "webhook": hooks.receiver.url(path), **body}
+        )
+        assert created.status_code == 200, created.text
+        ends[path] = created.json()["id"], created.headers["X-Spool-Job-Id"]
+    cancelled = client.post(f"{url}/{ends['/r-cancel'][0]}/cancel")
+    assert cancelled.json()["status"] == "cancelled", cancelled.text
+    unwrap = openai.OpenAI(api_key="unused", webhook_secret=SECRET).webhooks.unwrap
+    for path, expected in (("/r-length", "incomplete"), ("/r-cancel", "cancelled")):
+        resp_id, job_id = ends[path]
+        wait_until(lambda p=path: bool(hooks.receiver.at(p)), f"{path}'s webhook", 30)  # type: ignore[misc]
+        [got] = hooks.receiver.at(path)
+        event = unwrap(got.body, got.headers)
+        assert client.get(f"{url}/{resp_id}").json()["status"] == expected
+        assert event.type == f"response.{expected}"
+        assert event.data.id == resp_id  # type: ignore[union-attr]
+        assert got.event["data"] == {"id": resp_id}  # OpenAI's webhook data for a response
+        assert [d["type"] for d in deliveries(client, hooks, job_id)] == [f"response.{expected}"]
+
+
 def test_a_batch_sends_batch_completed(client: httpx.Client, hooks: Hooks) -> None:
     lines = [
         {

@@ -24,8 +24,8 @@ from api.errors import ApiError, body_errors
 from api.openai_compat.requests import _Open, _refuse_extras
 from common.schemas import Job, JobError, JobRequest, JobStatus, LogEntry, Usage
 from common.settings import Settings
+from common.store.responses import RESPONSE_PREFIX
 
-RESPONSE_PREFIX = "resp_"
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 _TEXT_PARTS = ("input_text", "output_text", "text")  # content parts an input message may hold
 MAX_METADATA = 16  # OpenAI's limits on metadata: pairs, key and value lengths
@@ -75,6 +75,9 @@ class ResponseRequest(_Open):
     user: str | None = None
     parallel_tool_calls: bool | None = None
     truncation: str | None = None
+    # Spool's: where to POST the response's end (response.completed, ...: docs/webhooks.md).
+    webhook: str | None = None
+    webhook_events: list[str] | None = None
 
     def input_items(self) -> list[dict[str, Any]]:
         """The input as message items, each checked (400 naming the item)."""
@@ -163,11 +166,22 @@ class ResponseRequest(_Open):
             "user": self.user,
             "background": self.background,
             "response_format": self.response_format(),
+            "webhook": self.webhook,
+            "webhook_events": self.webhook_events,
         }
+        if self.webhook_events is not None and self.webhook_events != ["completed"]:
+            raise ApiError(
+                400,
+                "a response's webhook_events is ['completed'] (its end: response.completed, "
+                "response.failed, response.cancelled or response.incomplete)",
+                param="webhook_events",
+                code="invalid_webhook",
+            )
         try:
-            return JobRequest.accept({k: v for k, v in fields.items() if v is not None}, settings)
+            request = JobRequest.accept({k: v for k, v in fields.items() if v is not None}, settings)
         except ValidationError as e:
             raise body_errors(e, {"max_tokens": "max_output_tokens", "response_format": "text"}) from None
+        return request.as_response()
 
 
 def _message_item(role: str, text: str) -> dict[str, Any]:

@@ -31,10 +31,18 @@ from common.webhooks import BATCH_EVENTS, DEFAULT_EVENTS, check_secret, new_secr
 # events filter on; part the part's index for a part's event (or nil).
 # NOTE: it writes keys named in the object's hash, not in KEYS (as PARTS_LIB does with part_keys).
 HOOK_LIB = """
+local RESPONSE_ENDS = {succeeded = 'response.completed', failed = 'response.failed',
+                       cancelled = 'response.cancelled', partial = 'response.incomplete'}
 local function hook_event(obj, event, kind, now, part)
   local raw = redis.call('HGET', obj, 'hook')
   if not raw then return end
   local hook = cjson.decode(raw)
+  if hook.events_of == 'response' and event == 'completed' then
+    -- A response's end, as OpenAI names it (api/openai_compat/responses.py's statuses).
+    local status, reason = unpack(redis.call('HMGET', obj, 'status', 'finish_reason'))
+    kind = RESPONSE_ENDS[status] or kind
+    if kind == 'response.completed' and reason == 'length' then kind = 'response.incomplete' end
+  end
   for _, e in ipairs(hook.events) do
     if e == event then
       local n = redis.call('HINCRBY', hook.key, 'events', 1)
@@ -122,10 +130,18 @@ STATUSES = ("pending", "delivered", "failed", "disabled")  # a delivery's; faile
 
 
 def hook_field(
-    keys: Keys, settings: Settings, kind: str, object_id: str, url: str, events: list[str] | None, owner: str
+    keys: Keys,
+    settings: Settings,
+    kind: str,
+    object_id: str,
+    url: str,
+    events: list[str] | None,
+    owner: str,
+    events_of: str = "job",
 ) -> str:
     """The ``hook`` field of an object with a webhook: what HOOK_LIB needs to record its deliveries.
-    ``events``: those sent (default: a job's completed, every end of a batch)."""
+    ``events``: those sent (default: a job's completed, every end of a batch); ``events_of``
+    "response": a job's end is sent as a response's (response.completed, ...)."""
     chosen = list(events or (BATCH_EVENTS if kind == "batch" else DEFAULT_EVENTS))
     ttl = int(
         settings.webhook_horizon_s + max(settings.job_ttl_s, settings.file_ttl_s if kind == "batch" else 0)
@@ -140,6 +156,7 @@ def hook_field(
             "events": chosen,
             "owner": owner,
             "ttl": ttl,
+            "events_of": events_of,
         }
     )
 

@@ -184,7 +184,7 @@ def create_call(
     fields = new_job_fields(job_id, request, owner, now)
     if request.webhook is not None:
         fields["hook"] = hook_field(
-            keys, settings, "job", job_id, request.webhook, request.webhook_events, owner
+            keys, settings, "job", job_id, request.webhook, request.webhook_events, owner, request.events_of
         )
     message = message_for(job_id) if message_for else None
     if message:
@@ -239,7 +239,7 @@ def create_parts_call(
     fields = new_job_fields(job_id, request, owner, now)
     if request.webhook is not None:
         fields["hook"] = hook_field(
-            keys, settings, "job", job_id, request.webhook, request.webhook_events, owner
+            keys, settings, "job", job_id, request.webhook, request.webhook_events, owner, request.events_of
         )
     ids = [part_id(job_id, k) for k in range(len(request.parts))]
     fields["parts"] = str(len(ids))
