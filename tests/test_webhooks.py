@@ -29,6 +29,7 @@ from procs import (
     START_TIMEOUT_S,
     Prefixes,
     Service,
+    finished_job,
     heartbeats,
     spool_env,
     start,
@@ -415,6 +416,53 @@ def test_a_response_sends_its_end_as_openai_names_it(client: httpx.Client, hooks
         assert event.data.id == resp_id  # type: ignore[union-attr]
         assert got.event["data"] == {"id": resp_id}  # OpenAI's webhook data for a response
         assert [d["type"] for d in deliveries(client, hooks, job_id)] == [f"response.{expected}"]
+
+
+def test_a_keys_endpoints_receive_every_jobs_events_until_deleted(client: httpx.Client, hooks: Hooks) -> None:
+    url = f"{hooks.api.url}/v1/webhook_endpoints"
+    for bad in (
+        {"url": f"http://localhost:{hooks.receiver.port}/"},
+        {"url": hooks.receiver.url("/endpoint"), "events": ["finished"]},
+        {"url": hooks.receiver.url("/endpoint"), "events": []},
+    ):
+        response = client.post(url, json=bad)
+        assert response.status_code == 400, (bad, response.text)
+        assert response.json()["error"]["code"] == "invalid_webhook"
+    created = client.post(
+        url, json={"url": hooks.receiver.url("/endpoint"), "events": ["start", "completed"]}
+    )
+    assert created.status_code == 200, created.text
+    endpoint = created.json()
+    try:
+        assert client.get(url).json()["data"] == [endpoint]
+        plain = client.post(f"{hooks.api.url}/v1/jobs", json={"prompt": "hi", "max_tokens": 2}).json()["id"]
+        own = submit(client, hooks, "/own")  # its own webhook too: each gets its events
+        wait_until(
+            lambda: (
+                len(of_job(hooks.receiver.at("/endpoint"), plain)) == 2
+                and len(of_job(hooks.receiver.at("/endpoint"), own)) == 2
+                and len(of_job(hooks.receiver.at("/own"), own)) == 1
+            ),
+            "the endpoint's and the job's own deliveries",
+            30,
+        )
+        assert [r.event["type"] for r in of_job(hooks.receiver.at("/endpoint"), plain)] == [
+            "job.started",
+            "job.completed",
+        ]
+        assert [r.event["type"] for r in of_job(hooks.receiver.at("/own"), own)] == ["job.completed"]
+        assert {d["url"] for d in deliveries(client, hooks, own)} == {
+            hooks.receiver.url("/own"),
+            hooks.receiver.url("/endpoint"),
+        }
+    finally:
+        deleted = client.delete(f"{url}/{endpoint['id']}")
+    assert deleted.json()["deleted"] is True, deleted.text
+    assert client.get(url).json()["data"] == []
+    assert client.delete(f"{url}/{endpoint['id']}").status_code == 404
+    after = client.post(f"{hooks.api.url}/v1/jobs", json={"prompt": "hi", "max_tokens": 2}).json()["id"]
+    finished_job(client, hooks.api.url, after)
+    assert deliveries(client, hooks, after) == []  # recorded with its end, had there been one
 
 
 def test_a_batch_sends_batch_completed(client: httpx.Client, hooks: Hooks) -> None:
