@@ -22,6 +22,7 @@ from api.services import Services
 from api.sse import AsyncRender, Chunk, Render, event_stream, relay, rendered
 from common.schemas import Job, JobRequest, LogEntry
 from common.store import IdempotencyConflict, QueueFull
+from common.store.hooks import AsyncHookStore
 from common.tenants import tenant_of
 from common.webhooks import BadDestination, check_destination
 
@@ -48,6 +49,7 @@ async def submit_job(
             code="priority_not_allowed",
         )
     queue, priority = settings.keys.model_queue(model), message_priority(body)
+    body.with_endpoints(await AsyncHookStore(services.store.redis, settings).endpoints(owner))
     try:
         job = await services.store.create_job(
             body,

@@ -260,6 +260,11 @@ class Keys:
         """Set of the webhook URLs an owner's receiver disabled (answered 410)."""
         return f"{self.prefix}:hooks:disabled:{owner or 'anonymous'}"
 
+    def hooks_endpoints(self, owner: str) -> str:
+        """Hash: an owner's server-wide webhook endpoints (``whe_...`` -> its id, url, events and
+        created_at as JSON); each receives the events of every job the owner submits."""
+        return f"{self.prefix}:hooks:endpoints:{owner or 'anonymous'}"
+
     def hooks_secret(self) -> str:
         """String: the webhook signing secret generated when SPOOL_WEBHOOK_SECRET is unset."""
         return f"{self.prefix}:hooks:secret"

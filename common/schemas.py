@@ -19,6 +19,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PrivateAttr,
     StrictInt,
     ValidationInfo,
     field_validator,
@@ -593,6 +594,29 @@ class JobRequest(TextParams):
     # Where to POST the job's events (docs/webhooks.md), and which: start, part, completed.
     webhook: str | None = None
     webhook_events: list[str] | None = None
+    # Whose events its webhook sends: a job's, or a response's (response.completed, ...): set by
+    # POST /v1/responses only (``as_response``), never by a body.
+    _events_of: str = PrivateAttr("job")
+    # Its owner's server-wide webhook endpoints (POST /v1/webhook_endpoints), set at submit.
+    _endpoints: list[dict[str, Any]] = PrivateAttr(default_factory=list)
+
+    def as_response(self) -> JobRequest:
+        """This request as a response's: its webhook sends response.* events."""
+        self._events_of = "response"
+        return self
+
+    def with_endpoints(self, endpoints: list[dict[str, Any]]) -> JobRequest:
+        """This request with its owner's endpoints: each receives its events too."""
+        self._endpoints = endpoints
+        return self
+
+    @property
+    def events_of(self) -> str:
+        return self._events_of
+
+    @property
+    def endpoints(self) -> list[dict[str, Any]]:
+        return self._endpoints
 
     @field_validator("webhook")
     @classmethod

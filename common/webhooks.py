@@ -24,6 +24,7 @@ DEFAULT_EVENTS = ("completed",)
 # A batch's ends (batch.completed, batch.failed, ...): every one by default.
 BATCH_EVENTS = ("completed", "failed", "cancelled", "expired")
 MAX_URL_CHARS = 2048
+MAX_ENDPOINTS = 10  # server-wide endpoints per API key (POST /v1/webhook_endpoints)
 SECRET_PREFIX = "whsec_"
 SECRET_BYTES = 32
 

@@ -1,6 +1,8 @@
 """Webhooks end to end: a real API, text worker and two hook workers (`spool worker --kind hooks`)
 on a prefix of their own, and a real receiver (an HTTP server on 127.0.0.1, allowed by
 SPOOL_WEBHOOK_ALLOW_HOSTS; `localhost` stays refused, so the private-address guard is tested too).
+The per-host bound has an API and hook worker of its own (``bounded``), with receivers on
+127.0.0.1 and 127.0.0.2 as two hosts.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from procs import (
     START_TIMEOUT_S,
     Prefixes,
     Service,
+    finished_job,
     heartbeats,
     spool_env,
     start,
@@ -65,13 +68,16 @@ class Receiver:
     """Answers each path with the next of its scripted codes (then the last one again)."""
 
     port: int
+    host: str = "127.0.0.1"
     received: list[Received] = field(default_factory=list)
     scripts: dict[str, list[int]] = field(default_factory=dict)
     hold: threading.Event = field(default_factory=threading.Event)  # /hold waits for it
     lock: threading.Lock = field(default_factory=threading.Lock)
+    holding: int = 0  # /hold requests waiting now
+    most_held: int = 0  # the most that waited at once
 
     def url(self, path: str) -> str:
-        return f"http://127.0.0.1:{self.port}{path}"
+        return f"http://{self.host}:{self.port}{path}"
 
     def at(self, path: str) -> list[Received]:
         with self.lock:
@@ -90,7 +96,12 @@ def serve(receiver: Receiver) -> ThreadingHTTPServer:
             body = self.rfile.read(int(self.headers["Content-Length"]))
             if self.path == "/hold":
                 receiver.answer(self.path, body, dict(self.headers))
+                with receiver.lock:
+                    receiver.holding += 1
+                    receiver.most_held = max(receiver.most_held, receiver.holding)
                 receiver.hold.wait(60)
+                with receiver.lock:
+                    receiver.holding -= 1
                 code = 200
             else:
                 code = receiver.answer(self.path, body, dict(self.headers))
@@ -103,7 +114,7 @@ def serve(receiver: Receiver) -> ThreadingHTTPServer:
         def log_message(self, *args: Any) -> None:
             pass
 
-    server = ThreadingHTTPServer(("127.0.0.1", receiver.port), Handler)
+    server = ThreadingHTTPServer((receiver.host, receiver.port), Handler)
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return server
@@ -375,6 +386,85 @@ def test_openai_routes_take_a_webhook(client: httpx.Client, hooks: Hooks) -> Non
     wait_until(lambda: bool(of_job(hooks.receiver.at("/oai"), job_id)), "the completion's webhook", 30)
 
 
+def test_a_response_sends_its_end_as_openai_names_it(client: httpx.Client, hooks: Hooks) -> None:
+    url = f"{hooks.api.url}/v1/responses"
+    bad = client.post(
+        url, json={"input": "hi", "webhook": hooks.receiver.url("/r"), "webhook_events": ["start"]}
+    )
+    assert bad.status_code == 400, bad.text
+    assert bad.json()["error"]["code"] == "invalid_webhook"
+    ends = {}
+    for path, body in (
+        ("/r-length", {"max_output_tokens": 2}),  # cut at its limit: incomplete
+        ("/r-cancel", {"max_output_tokens": 400}),
+    ):
+        created = client.post(
+            url, json={"input": "hi", "background": True, "webhook": hooks.receiver.url(path), **body}
+        )
+        assert created.status_code == 200, created.text
+        ends[path] = created.json()["id"], created.headers["X-Spool-Job-Id"]
+    cancelled = client.post(f"{url}/{ends['/r-cancel'][0]}/cancel")
+    assert cancelled.json()["status"] == "cancelled", cancelled.text
+    unwrap = openai.OpenAI(api_key="unused", webhook_secret=SECRET).webhooks.unwrap
+    for path, expected in (("/r-length", "incomplete"), ("/r-cancel", "cancelled")):
+        resp_id, job_id = ends[path]
+        wait_until(lambda p=path: bool(hooks.receiver.at(p)), f"{path}'s webhook", 30)  # type: ignore[misc]
+        [got] = hooks.receiver.at(path)
+        event = unwrap(got.body, got.headers)
+        assert client.get(f"{url}/{resp_id}").json()["status"] == expected
+        assert event.type == f"response.{expected}"
+        assert event.data.id == resp_id  # type: ignore[union-attr]
+        assert got.event["data"] == {"id": resp_id}  # OpenAI's webhook data for a response
+        assert [d["type"] for d in deliveries(client, hooks, job_id)] == [f"response.{expected}"]
+
+
+def test_a_keys_endpoints_receive_every_jobs_events_until_deleted(client: httpx.Client, hooks: Hooks) -> None:
+    url = f"{hooks.api.url}/v1/webhook_endpoints"
+    for bad in (
+        {"url": f"http://localhost:{hooks.receiver.port}/"},
+        {"url": hooks.receiver.url("/endpoint"), "events": ["finished"]},
+        {"url": hooks.receiver.url("/endpoint"), "events": []},
+    ):
+        response = client.post(url, json=bad)
+        assert response.status_code == 400, (bad, response.text)
+        assert response.json()["error"]["code"] == "invalid_webhook"
+    created = client.post(
+        url, json={"url": hooks.receiver.url("/endpoint"), "events": ["start", "completed"]}
+    )
+    assert created.status_code == 200, created.text
+    endpoint = created.json()
+    try:
+        assert client.get(url).json()["data"] == [endpoint]
+        plain = client.post(f"{hooks.api.url}/v1/jobs", json={"prompt": "hi", "max_tokens": 2}).json()["id"]
+        own = submit(client, hooks, "/own")  # its own webhook too: each gets its events
+        wait_until(
+            lambda: (
+                len(of_job(hooks.receiver.at("/endpoint"), plain)) == 2
+                and len(of_job(hooks.receiver.at("/endpoint"), own)) == 2
+                and len(of_job(hooks.receiver.at("/own"), own)) == 1
+            ),
+            "the endpoint's and the job's own deliveries",
+            30,
+        )
+        assert [r.event["type"] for r in of_job(hooks.receiver.at("/endpoint"), plain)] == [
+            "job.started",
+            "job.completed",
+        ]
+        assert [r.event["type"] for r in of_job(hooks.receiver.at("/own"), own)] == ["job.completed"]
+        assert {d["url"] for d in deliveries(client, hooks, own)} == {
+            hooks.receiver.url("/own"),
+            hooks.receiver.url("/endpoint"),
+        }
+    finally:
+        deleted = client.delete(f"{url}/{endpoint['id']}")
+    assert deleted.json()["deleted"] is True, deleted.text
+    assert client.get(url).json()["data"] == []
+    assert client.delete(f"{url}/{endpoint['id']}").status_code == 404
+    after = client.post(f"{hooks.api.url}/v1/jobs", json={"prompt": "hi", "max_tokens": 2}).json()["id"]
+    finished_job(client, hooks.api.url, after)
+    assert deliveries(client, hooks, after) == []  # recorded with its end, had there been one
+
+
 def test_a_batch_sends_batch_completed(client: httpx.Client, hooks: Hooks) -> None:
     lines = [
         {
@@ -456,3 +546,65 @@ def test_sigkill_of_the_delivering_worker_loses_nothing(client: httpx.Client, ho
     held = hooks.receiver.at("/hold")
     assert {h.headers["webhook-id"] for h in held} == {held[0].headers["webhook-id"]}
     assert len(held) == 2  # the attempt cut off, and the one that delivered
+
+
+MAX_PER_HOST = 2
+
+
+@pytest.fixture(scope="module")
+def bounded(prefixes: Prefixes, log_dir: Path) -> Iterator[Service]:
+    """An API and one hook worker of their own, private addresses allowed, MAX_PER_HOST deliveries
+    in flight per host, a long timeout (a held delivery stays held); no text worker: the jobs end
+    by their cancel, which records their job.completed."""
+    prefix, name = prefixes.new(), "bounded-h1"
+    settings = {
+        **HOOK_SETTINGS,
+        "webhook_allow_private": True,
+        "webhook_max_per_host": MAX_PER_HOST,
+        "webhook_timeout_s": 60,
+    }
+    env = spool_env(prefix, worker_name=name, heartbeat_s=0.5, **settings)
+    worker = start(f"hooks-{prefix}-{name}", [SPOOL, "worker", "--kind", "hooks"], env, log_dir)
+    api = start_api(prefix, log_dir, ready=False, **settings)
+    r = redis.Redis.from_url(REDIS_URL)
+    wait_until(lambda: bool(r.exists(Keys(prefix).worker(name))), f"{worker.name} heartbeat", 60, (worker,))
+    yield api
+    api.stop()
+    worker.stop()
+
+
+def test_a_slow_host_holds_at_most_max_per_host_while_another_host_gets_its_own(
+    client: httpx.Client, bounded: Service
+) -> None:
+    slow, other = Receiver(free_port()), Receiver(free_port(), host="127.0.0.2")
+    servers = [serve(slow), serve(other)]
+
+    def ended_job(url: str) -> str:
+        created = client.post(f"{bounded.url}/v1/jobs", json={"prompt": "x", "webhook": url})
+        assert created.status_code == 202, created.text
+        job_id = str(created.json()["id"])
+        cancelled = client.post(f"{bounded.url}/v1/jobs/{job_id}/cancel")
+        assert cancelled.json()["status"] == "cancelled", cancelled.text
+        return job_id
+
+    def listed(job_id: str) -> dict[str, Any]:
+        [d] = client.get(f"{bounded.url}/v1/jobs/{job_id}/webhooks").json()["data"]
+        return dict(d)
+
+    try:
+        held = [ended_job(slow.url("/hold")) for _ in range(MAX_PER_HOST + 2)]
+        wait_until(lambda: slow.holding == MAX_PER_HOST, "the slow host's deliveries in flight", 30)
+        other_id = ended_job(other.url("/ok"))
+        wait_until(lambda: bool(other.at("/ok")), "the other host's delivery, past the slow one", 30)
+        assert other.at("/ok")[0].event["data"]["id"] == other_id
+        # The slow host's other deliveries wait for a slot.
+        assert len(slow.at("/hold")) == MAX_PER_HOST
+        assert all(listed(j)["status"] == "pending" for j in held)
+        slow.hold.set()
+        wait_until(lambda: all(listed(j)["status"] == "delivered" for j in held), "every slow delivery", 60)
+        assert slow.most_held == MAX_PER_HOST
+        assert all(len(listed(j)["attempts"]) == 1 for j in held)  # a wait for a slot is no attempt
+    finally:
+        slow.hold.set()
+        for server in servers:
+            server.shutdown()

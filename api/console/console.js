@@ -11,6 +11,8 @@
 // denoising progress comes in its progress events, and its PNG is fetched (with the key) once
 // the part succeeded. Batches are listed with their live request counts, can be cancelled, and
 // their output and error files are shown in the page (fetched with the key, so no key in a URL).
+// A job with a webhook shows its deliveries (each attempt's time and answer, the next retry),
+// polled while one is pending.
 "use strict";
 
 const $ = (id) => document.getElementById(id);
@@ -25,6 +27,7 @@ const view = {
   stream: null, // AbortController of the stream being followed
   partTokens: new Map(), // part index -> its token events shown (a token's index counts its part's)
   images: [], // object URLs of the images shown, revoked when another job is shown
+  hooksTimer: null, // the next poll of the job's webhook deliveries
 };
 const CANCELLABLE_BATCH = ["validating", "in_progress"];
 const ENDED_EARLY = ["cancelled", "failed", "expired"]; // a batch whose lines did not all run
@@ -136,6 +139,9 @@ async function follow(jobId, submittedAt = null) {
   showCursor();
   $("job-id").textContent = jobId;
   $("job-meta").textContent = "";
+  clearTimeout(view.hooksTimer);
+  $("webhooks").replaceChildren();
+  $("webhooks-view").hidden = true;
   $("cancel").disabled = false;
   history.replaceState(null, "", `?job=${encodeURIComponent(jobId)}`);
   let delay = 250;
@@ -389,6 +395,7 @@ function showCursor() {
 
 function finished() {
   view.stream = null;
+  refreshWebhooks(view.jobId);
   $("cancel").disabled = true;
   setStream("ended");
   banner("");
@@ -414,6 +421,60 @@ async function refreshJob(jobId) {
   } catch (err) {
     /* the stream reports its own errors */
   }
+  refreshWebhooks(jobId);
+}
+
+// ---- the job's webhook deliveries -----------------------------------------------------------
+
+const clock = (t) => new Date(t * 1000).toLocaleTimeString();
+
+async function refreshWebhooks(jobId) {
+  clearTimeout(view.hooksTimer);
+  let page;
+  try {
+    page = await getJson(`/v1/jobs/${encodeURIComponent(jobId)}/webhooks`);
+  } catch (err) {
+    return; // the job's own view says what is wrong
+  }
+  if (view.jobId !== jobId) return;
+  $("webhooks").replaceChildren(...page.data.map(deliveryItem));
+  $("webhooks-view").hidden = !page.data.length;
+  if (page.data.some((d) => d.status === "pending")) {
+    view.hooksTimer = setTimeout(() => refreshWebhooks(jobId), POLL_MS);
+  }
+}
+
+// A delivery: its status, event type and URL, then a line per attempt.
+function deliveryItem(d) {
+  const li = document.createElement("li");
+  li.className = "delivery";
+  li.dataset.id = d.id;
+  const status = document.createElement("span");
+  status.className = "pill";
+  status.dataset.state = d.status;
+  status.textContent = d.status;
+  const type = document.createElement("code");
+  type.className = "type";
+  type.textContent = d.type;
+  const url = document.createElement("span");
+  url.className = "url";
+  url.textContent = d.url;
+  const attempts = document.createElement("ol");
+  attempts.className = "attempts";
+  for (const a of d.attempts) {
+    const row = document.createElement("li");
+    const answer = a.status_code != null ? `HTTP ${a.status_code}` : a.error;
+    const retry = a.next_attempt_at ? ` · retry at ${clock(a.next_attempt_at)}` : "";
+    row.textContent = `${clock(a.at)} · ${answer}${retry}`;
+    attempts.append(row);
+  }
+  const next = document.createElement("span");
+  next.className = "next";
+  if (d.status === "pending") {
+    next.textContent = d.next_attempt_at ? `next retry at ${clock(d.next_attempt_at)}` : "due";
+  }
+  li.append(status, type, url, next, attempts);
+  return li;
 }
 
 // ---- submit and cancel ----------------------------------------------------------------------

@@ -24,9 +24,9 @@ from api.errors import ApiError, body_errors
 from api.openai_compat.requests import _Open, _refuse_extras, tool_fields
 from common.schemas import Job, JobError, JobRequest, JobStatus, LogEntry, Usage
 from common.settings import Settings
+from common.store.responses import RESPONSE_PREFIX
 from common.tool_calls import Call, call_id, parse
 
-RESPONSE_PREFIX = "resp_"
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 _TEXT_PARTS = ("input_text", "output_text", "text")  # content parts an input message may hold
 MAX_METADATA = 16  # OpenAI's limits on metadata: pairs, key and value lengths
@@ -76,6 +76,9 @@ class ResponseRequest(_Open):
     user: str | None = None
     parallel_tool_calls: bool | None = None
     truncation: str | None = None
+    # Spool's: where to POST the response's end (response.completed, ...: docs/webhooks.md).
+    webhook: str | None = None
+    webhook_events: list[str] | None = None
     tools: list[dict[str, Any]] | None = None  # function tools, {"type": "function", "name", ...}
     tool_choice: str | dict[str, Any] | None = None
 
@@ -194,11 +197,22 @@ class ResponseRequest(_Open):
             "background": self.background,
             "response_format": self.response_format(),
             **tool_fields(self.chat_tools(), self.tool_choice, self.parallel_tool_calls, chat=False),
+            "webhook": self.webhook,
+            "webhook_events": self.webhook_events,
         }
+        if self.webhook_events is not None and self.webhook_events != ["completed"]:
+            raise ApiError(
+                400,
+                "a response's webhook_events is ['completed'] (its end: response.completed, "
+                "response.failed, response.cancelled or response.incomplete)",
+                param="webhook_events",
+                code="invalid_webhook",
+            )
         try:
-            return JobRequest.accept({k: v for k, v in fields.items() if v is not None}, settings)
+            request = JobRequest.accept({k: v for k, v in fields.items() if v is not None}, settings)
         except ValidationError as e:
             raise body_errors(e, {"max_tokens": "max_output_tokens", "response_format": "text"}) from None
+        return request.as_response()
 
 
 def _message_item(role: str, text: str) -> dict[str, Any]:

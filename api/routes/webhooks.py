@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Path
+from pydantic import BaseModel, ConfigDict
 
 from api.auth import current_owner
 from api.deps import JobId, ServicesDep, owned_batch
@@ -16,7 +17,14 @@ from api.errors import ApiError
 from api.services import Services
 from common.store import JobNotFound
 from common.store.hooks import AsyncHookStore
-from common.webhooks import owner_secrets
+from common.webhooks import (
+    DEFAULT_EVENTS,
+    MAX_ENDPOINTS,
+    BadDestination,
+    check_destination,
+    check_events,
+    owner_secrets,
+)
 
 router = APIRouter(tags=["webhooks"])
 
@@ -79,6 +87,55 @@ async def retry_batch_webhook(
 ) -> dict[str, Any]:
     await owned_batch(services.batches, batch_id)
     return await _retry(services, "batch", batch_id, delivery_id)
+
+
+class EndpointRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    url: str
+    events: list[str] | None = None  # of start, part, completed; default completed
+
+
+EndpointId = Annotated[str, Path(pattern=r"^whe_[0-9a-f]{1,64}$")]
+
+
+@router.post("/v1/webhook_endpoints")
+async def create_endpoint(body: EndpointRequest, services: ServicesDep) -> dict[str, Any]:
+    """A server-wide endpoint of this API key: it receives the events of every job the key
+    submits from now on (besides each job's own ``webhook``)."""
+    settings = services.settings
+    try:
+        events = check_events(body.events if body.events is not None else DEFAULT_EVENTS)
+        if not events:
+            raise ValueError("events names at least one of start, part, completed")
+    except ValueError as e:
+        raise ApiError(400, str(e), param="events", code="invalid_webhook") from None
+    try:
+        await check_destination(body.url, settings.webhook_allow_private, settings.webhook_allow_host_set)
+    except BadDestination as e:
+        raise ApiError(400, str(e), param="url", code="invalid_webhook") from None
+    endpoint = await _hooks(services).add_endpoint(current_owner(), body.url, events)
+    if endpoint is None:
+        raise ApiError(
+            400,
+            f"an API key has at most {MAX_ENDPOINTS} webhook endpoints",
+            param="url",
+            code="too_many_endpoints",
+        )
+    return endpoint
+
+
+@router.get("/v1/webhook_endpoints")
+async def list_endpoints(services: ServicesDep) -> dict[str, Any]:
+    return _page(await _hooks(services).endpoints(current_owner()))
+
+
+@router.delete("/v1/webhook_endpoints/{endpoint_id}")
+async def delete_endpoint(endpoint_id: EndpointId, services: ServicesDep) -> dict[str, Any]:
+    """Delete it: jobs submitted from now on no longer send to it (those before still do)."""
+    if not await _hooks(services).delete_endpoint(current_owner(), endpoint_id):
+        raise ApiError(404, f"No webhook endpoint {endpoint_id!r}", param="endpoint_id", code="not_found")
+    return {"id": endpoint_id, "object": "webhook_endpoint", "deleted": True}
 
 
 @router.get("/v1/webhook_secret")

@@ -16,7 +16,9 @@ of its claim: the next sweep after it sends it again (at most that delivery twic
 from __future__ import annotations
 
 import json
+import secrets
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,27 +26,43 @@ import redis.asyncio as aredis
 
 from common.keys import Keys
 from common.settings import Settings
-from common.webhooks import BATCH_EVENTS, DEFAULT_EVENTS, check_secret, new_secret
+from common.webhooks import BATCH_EVENTS, DEFAULT_EVENTS, MAX_ENDPOINTS, check_secret, new_secret
 
 # Shared by every script that records an event (common/store/lua.py).
 # hook_event(obj, event, type, now, part): obj is the object's hash; event the name its webhook's
 # events filter on; part the part's index for a part's event (or nil).
 # NOTE: it writes keys named in the object's hash, not in KEYS (as PARTS_LIB does with part_keys).
 HOOK_LIB = """
+local RESPONSE_ENDS = {succeeded = 'response.completed', failed = 'response.failed',
+                       cancelled = 'response.cancelled', partial = 'response.incomplete'}
 local function hook_event(obj, event, kind, now, part)
   local raw = redis.call('HGET', obj, 'hook')
   if not raw then return end
   local hook = cjson.decode(raw)
-  for _, e in ipairs(hook.events) do
-    if e == event then
-      local n = redis.call('HINCRBY', hook.key, 'events', 1)
-      local record = {n = n, id = 'evt_' .. hook.id .. '_' .. n, type = kind, created_at = tonumber(now),
-                      url = hook.url, status = 'pending', part = part}
-      redis.call('HSET', hook.key, 'd' .. n, cjson.encode(record), 'hook', raw)
-      redis.call('EXPIRE', hook.key, hook.ttl)
-      redis.call('ZADD', hook.due, 'NX', now, hook.key)
-      return
+  if hook.events_of == 'response' and event == 'completed' then
+    -- A response's end, as OpenAI names it (api/openai_compat/responses.py's statuses).
+    local status, reason = unpack(redis.call('HMGET', obj, 'status', 'finish_reason'))
+    kind = RESPONSE_ENDS[status] or kind
+    if kind == 'response.completed' and reason == 'length' then kind = 'response.incomplete' end
+  end
+  local recorded = false
+  -- NOTE: a hook field written before endpoints has one url and its events, no targets.
+  for _, target in ipairs(hook.targets or {{url = hook.url, events = hook.events}}) do
+    for _, e in ipairs(target.events) do
+      if e == event then
+        local n = redis.call('HINCRBY', hook.key, 'events', 1)
+        local record = {n = n, id = 'evt_' .. hook.id .. '_' .. n, type = kind, created_at = tonumber(now),
+                        url = target.url, status = 'pending', part = part}
+        redis.call('HSET', hook.key, 'd' .. n, cjson.encode(record))
+        recorded = true
+        break
+      end
     end
+  end
+  if recorded then
+    redis.call('HSET', hook.key, 'hook', raw)
+    redis.call('EXPIRE', hook.key, hook.ttl)
+    redis.call('ZADD', hook.due, 'NX', now, hook.key)
   end
 end
 """
@@ -122,11 +140,24 @@ STATUSES = ("pending", "delivered", "failed", "disabled")  # a delivery's; faile
 
 
 def hook_field(
-    keys: Keys, settings: Settings, kind: str, object_id: str, url: str, events: list[str] | None, owner: str
+    keys: Keys,
+    settings: Settings,
+    kind: str,
+    object_id: str,
+    url: str | None,
+    events: list[str] | None,
+    owner: str,
+    events_of: str = "job",
+    endpoints: Sequence[dict[str, Any]] = (),
 ) -> str:
     """The ``hook`` field of an object with a webhook: what HOOK_LIB needs to record its deliveries.
-    ``events``: those sent (default: a job's completed, every end of a batch)."""
+    ``url`` and ``events``: its own webhook, if any, and the events sent (default: a job's
+    completed, every end of a batch); ``endpoints``: its owner's server-wide ones (each with its
+    url and events); ``events_of`` "response": a job's end is sent as a response's
+    (response.completed, ...)."""
     chosen = list(events or (BATCH_EVENTS if kind == "batch" else DEFAULT_EVENTS))
+    targets = [{"url": url, "events": chosen}] if url is not None else []
+    targets += [{"url": e["url"], "events": e["events"]} for e in endpoints]
     ttl = int(
         settings.webhook_horizon_s + max(settings.job_ttl_s, settings.file_ttl_s if kind == "batch" else 0)
     )
@@ -136,10 +167,10 @@ def hook_field(
             "due": keys.hooks_due(),
             "kind": kind,
             "id": object_id,
-            "url": url,
-            "events": chosen,
+            "targets": targets,
             "owner": owner,
             "ttl": ttl,
+            "events_of": events_of,
         }
     )
 
@@ -227,6 +258,31 @@ class AsyncHookStore:
 
     async def disable(self, owner: str, url: str) -> None:
         await self.redis.sadd(self.keys.hooks_disabled(owner), url)
+
+    async def endpoints(self, owner: str) -> list[dict[str, Any]]:
+        """The owner's server-wide endpoints, oldest first."""
+        raw = await self.redis.hvals(self.keys.hooks_endpoints(owner))
+        return sorted((json.loads(v) for v in raw), key=lambda e: (e["created_at"], e["id"]))
+
+    async def add_endpoint(self, owner: str, url: str, events: list[str]) -> dict[str, Any] | None:
+        """A new endpoint (None when the owner has MAX_ENDPOINTS already)."""
+        key = self.keys.hooks_endpoints(owner)
+        endpoint_id = "whe_" + secrets.token_hex(12)
+        endpoint: dict[str, Any] = {
+            "id": endpoint_id,
+            "object": "webhook_endpoint",
+            "url": url,
+            "events": events,
+            "created_at": int(time.time()),
+        }
+        # NOTE: two concurrent adds may pass the count together: at most one over, no harm.
+        if await self.redis.hlen(key) >= MAX_ENDPOINTS:
+            return None
+        await self.redis.hset(key, endpoint_id, json.dumps(endpoint))
+        return endpoint
+
+    async def delete_endpoint(self, owner: str, endpoint_id: str) -> bool:
+        return bool(await self.redis.hdel(self.keys.hooks_endpoints(owner), endpoint_id))
 
     async def deliveries(self, kind: str, object_id: str) -> list[dict[str, Any]]:
         """An object's deliveries, oldest first, as ``delivery_view`` shows them."""

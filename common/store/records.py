@@ -171,6 +171,21 @@ MessageFor = Callable[[str], QueueMessage]  # a job id -> the message that hands
 MediaMessageFor = Callable[[str, bool], QueueMessage]
 
 
+def job_hook(keys: Keys, settings: Settings, job_id: str, request: JobRequest, owner: str) -> str:
+    """A job's ``hook`` field: its webhook's and its owner's endpoints' (common/store/hooks.py)."""
+    return hook_field(
+        keys,
+        settings,
+        "job",
+        job_id,
+        request.webhook,
+        request.webhook_events,
+        owner,
+        request.events_of,
+        request.endpoints,
+    )
+
+
 def create_call(
     keys: Keys,
     settings: Settings,
@@ -182,10 +197,8 @@ def create_call(
     """A new job's fields, and the create script's call that stores them."""
     now, job_id = time.time(), new_job_id()
     fields = new_job_fields(job_id, request, owner, now)
-    if request.webhook is not None:
-        fields["hook"] = hook_field(
-            keys, settings, "job", job_id, request.webhook, request.webhook_events, owner
-        )
+    if request.webhook is not None or request.endpoints:
+        fields["hook"] = job_hook(keys, settings, job_id, request, owner)
     message = message_for(job_id) if message_for else None
     if message:
         fields["queue"] = message.queue
@@ -237,10 +250,8 @@ def create_parts_call(
     assert request.parts is not None
     now, job_id = time.time(), new_job_id()
     fields = new_job_fields(job_id, request, owner, now)
-    if request.webhook is not None:
-        fields["hook"] = hook_field(
-            keys, settings, "job", job_id, request.webhook, request.webhook_events, owner
-        )
+    if request.webhook is not None or request.endpoints:
+        fields["hook"] = job_hook(keys, settings, job_id, request, owner)
     ids = [part_id(job_id, k) for k in range(len(request.parts))]
     fields["parts"] = str(len(ids))
     fields["part_keys"] = json.dumps([[keys.job(i), keys.job_text(i), keys.part_content(i)] for i in ids])

@@ -8,6 +8,7 @@ import redis.asyncio as aredis
 from common.keys import Keys
 
 RESPONSE_FIELD = "response"
+RESPONSE_PREFIX = "resp_"  # a response's id: this and its job's
 
 # Set the field only on a job that exists: a job already expired must not come back as a hash
 # without an expiry.

@@ -12,8 +12,10 @@ import os
 import re
 import shutil
 import signal
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -811,3 +813,67 @@ def test_chat_keeps_the_conversation_until_a_new_chat(stack: Stack, page: Any, c
     third = submit(page, "anew", 4)
     assert wait_terminal(page) == "succeeded"
     assert request_messages(stack, third) == [{"role": "user", "content": "anew"}]
+
+
+# ---- webhooks ----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def hooked_api(stack: Stack) -> Iterator[tuple[Service, str]]:
+    """An API that lets webhooks to 127.0.0.1 through, a hook worker on the stack's prefix, and a
+    receiver there that answers 500 once, then 200 (its URL)."""
+    codes = [500, 200]
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(codes.pop(0) if len(codes) > 1 else codes[0])
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", free_port()), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    hook_settings = {"webhook_allow_hosts": "127.0.0.1", "webhook_backoff_s": 0.3, "webhook_sweep_s": 0.1}
+    name = f"{stack.prefix}-h1"
+    env = spool_env(stack.prefix, worker_name=name, heartbeat_s=0.5, **hook_settings)
+    worker = start(f"hooks-{name}", [SPOOL, "worker", "--kind", "hooks"], env, stack.log_dir)
+    api = start_api(stack.prefix, stack.log_dir, **hook_settings)
+    r = redis.Redis.from_url(REDIS_URL)
+    wait_until(
+        lambda: bool(r.exists(Keys(stack.prefix).worker(name))), f"{worker.name} heartbeat", 60, (worker,)
+    )
+    yield api, f"http://127.0.0.1:{server.server_address[1]}/hook"
+    api.stop()
+    worker.stop()
+    server.shutdown()
+
+
+def test_a_jobs_webhook_deliveries_are_shown_with_their_attempts(
+    hooked_api: tuple[Service, str], page: Any, client: httpx.Client, tmp_path: Path
+) -> None:
+    api, url = hooked_api
+    r = client.post(f"{api.url}/v1/jobs", json={"prompt": "hi", "max_tokens": 3, "webhook": url})
+    assert r.status_code == 202, r.text
+    job_id = r.json()["id"]
+    open_console(page, api.url, f"?job={job_id}")
+    assert wait_terminal(page) == "succeeded"
+    # Polled while pending: the 500 and its retry, then the 200.
+    page.wait_for_selector("#webhooks .delivery .pill[data-state='delivered']")
+    [listed] = client.get(f"{api.url}/v1/jobs/{job_id}/webhooks").json()["data"]
+    assert [a["status_code"] for a in listed["attempts"]] == [500, 200]
+    item = page.locator("#webhooks .delivery")
+    assert item.locator(".type").text_content() == "job.completed"
+    assert item.locator(".url").text_content() == url
+    rows = [str(t) for t in item.locator(".attempts li").all_text_contents()]
+    assert len(rows) == 2
+    assert "HTTP 500" in rows[0] and "retry at" in rows[0]
+    assert "HTTP 200" in rows[1] and "retry" not in rows[1]
+    page.screenshot(path=tmp_path / "webhooks.png", full_page=True)
+    # A job without a webhook shows none.
+    plain = client.post(f"{api.url}/v1/jobs", json={"prompt": "hi", "max_tokens": 2}).json()["id"]
+    open_console(page, api.url, f"?job={plain}")
+    assert wait_terminal(page) == "succeeded"
+    assert page.locator("#webhooks-view").is_hidden()

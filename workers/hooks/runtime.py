@@ -28,6 +28,7 @@ from common.settings import Settings
 from common.store import AsyncBatchStore, AsyncJobStore, JobNotFound, SyncJobStore
 from common.store.clients import async_client
 from common.store.hooks import AsyncHookStore, Begun
+from common.store.responses import RESPONSE_PREFIX
 from common.views import batch_object
 from common.webhooks import (
     BadDestination,
@@ -200,7 +201,9 @@ class HookRuntime:
         stored, so every retry sends the same bytes."""
         kind, object_id, record = begun.hook["kind"], begun.hook["id"], begun.record
         data: dict[str, Any]
-        if kind == "batch":
+        if begun.hook.get("events_of") == "response":  # OpenAI's webhook data for a response: its id
+            data = {"id": RESPONSE_PREFIX + object_id}
+        elif kind == "batch":
             h = await self.batches.get_batch(object_id)
             data = batch_object(h) if h else {"id": object_id, "object": "batch"}
         else:
