@@ -15,7 +15,7 @@ import sys
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Self
 
@@ -132,18 +132,19 @@ class Follow:
     started: float | None  # monotonic time of the submit; None: following a job submitted earlier
     last: str = "0"  # id of the last event shown
     newline: bool = False  # the terminal's cursor is after some text
+    text: list[str] = field(default_factory=list)  # the tokens' text shown so far
 
 
 def generate(url: str, body: dict[str, Any], api_key: str | None) -> int:
     """Submit with ``"stream": true`` and print the tokens as they arrive; after a drop, resume
     the job's stream with Last-Event-ID (or, before the job's id came back, submit again with
-    the same Idempotency-Key). Ctrl-C: see ``_interrupted``."""
+    the same Idempotency-Key). Ctrl-C: see ``interrupted``."""
     state = Follow(None, time.monotonic())
     with Api(url, api_key) as api:
         try:
-            return _stream(api, state, body)
+            return stream_job(api, state, body)
         except KeyboardInterrupt:
-            return _interrupted(api, state)
+            return interrupted(api, state)
 
 
 def follow(url: str, job_id: str, api_key: str | None) -> int:
@@ -151,12 +152,14 @@ def follow(url: str, job_id: str, api_key: str | None) -> int:
     state = Follow(job_id, None)
     with Api(url, api_key) as api:
         try:
-            return _stream(api, state, None)
+            return stream_job(api, state, None)
         except KeyboardInterrupt:
-            return _interrupted(api, state)
+            return interrupted(api, state)
 
 
-def _stream(api: Api, state: Follow, body: dict[str, Any] | None) -> int:
+def stream_job(api: Api, state: Follow, body: dict[str, Any] | None) -> int:
+    """Submit ``body`` (or, when None, follow ``state.job_id``) and print its tokens until it
+    ends, resuming after a drop; the exit code. Ctrl-C propagates (see ``interrupted``)."""
     failures, submit_key = 0, _idempotency()
     while failures <= MAX_RECONNECTS:
         try:
@@ -217,6 +220,7 @@ def _show(api: Api, state: Follow, event: str, data: dict[str, Any]) -> int | No
     """Print one event; the exit code once the job ended, else None."""
     if event == "token":
         print(data["text"], end="", flush=True)
+        state.text.append(data["text"])
         state.newline = state.newline or bool(data["text"])
         return None
     print(flush=True)  # the text's end (an empty line for a job with none)
@@ -246,7 +250,7 @@ def _timing(tokens: int, job: dict[str, Any]) -> str:
     )
 
 
-def _interrupted(api: Api, state: Follow) -> int:
+def interrupted(api: Api, state: Follow) -> int:
     """Ctrl-C: the job runs on (it is a background job); say how to resume or cancel it, and
     cancel it if a second Ctrl-C comes within ``SECOND_CTRL_C_S``."""
     _end_line(state)

@@ -2,7 +2,7 @@
 
 Every command reads its settings from SPOOL_* environment variables (the README's table), so
 processes started with the same environment find each other. `spool api` and the client
-commands (generate, batch, jobs, job, cancel, workers) never import torch. `spool COMMAND --help` says
+commands (generate, chat, batch, jobs, job, cancel, workers) never import torch. `spool COMMAND --help` says
 what each command does, which settings it reads, and gives an example.
 """
 
@@ -161,6 +161,11 @@ def job_body(args: argparse.Namespace) -> dict[str, Any]:
         text: dict[str, Any] = {"messages": [*system, {"role": "user", "content": prompt}]}
     else:
         text = {"prompt": prompt}
+    return {**text, **sampling(args), **({"webhook": args.webhook} if args.webhook is not None else {})}
+
+
+def sampling(args: argparse.Namespace) -> dict[str, Any]:
+    """The sampling fields given on the command line (`generate`, `chat`)."""
     stop = args.stop[0] if args.stop and len(args.stop) == 1 else args.stop
     options = {
         "max_tokens": args.max_tokens,
@@ -169,15 +174,20 @@ def job_body(args: argparse.Namespace) -> dict[str, Any]:
         "top_k": args.top_k,
         "seed": args.seed,
         "stop": stop,
-        "webhook": args.webhook,
     }
-    return {**text, **{k: v for k, v in options.items() if v is not None}}
+    return {k: v for k, v in options.items() if v is not None}
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from spool_cli.client import generate
 
     return generate(args.url or default_url(), job_body(args), api_key(args))
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from spool_cli.chat import chat
+
+    return chat(args.url or default_url(), sampling(args), args.system, args.model, api_key(args))
 
 
 def cmd_batch(args: argparse.Namespace) -> int:
@@ -273,6 +283,15 @@ def _client_options(p: argparse.ArgumentParser) -> None:
         "--api-key",
         help="sent as 'Authorization: Bearer KEY' when the API has keys (default: SPOOL_API_KEY)",
     )
+
+
+def _sampling_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, help="tokens to generate at most (default: the API's)")
+    p.add_argument("--temperature", type=float, help="0 for greedy (default: 1.0)")
+    p.add_argument("--top-p", type=float, help="nucleus sampling: the smallest set of tokens this likely")
+    p.add_argument("--top-k", type=int, help="sample from the k likeliest tokens only")
+    p.add_argument("--seed", type=int, help="same seed, same tokens")
+    p.add_argument("--stop", action="append", help="end before this string (repeat for up to 4)")
 
 
 def _command(
@@ -382,12 +401,7 @@ def parser() -> argparse.ArgumentParser:
         'echo "Speak, friend." | spool generate - --chat --system "You are terse." --max-tokens 40 --seed 7',
     )
     p.add_argument("prompt", help="the prompt; - reads it from stdin")
-    p.add_argument("--max-tokens", type=int, help="tokens to generate at most (default: the API's)")
-    p.add_argument("--temperature", type=float, help="0 for greedy (default: 1.0)")
-    p.add_argument("--top-p", type=float, help="nucleus sampling: the smallest set of tokens this likely")
-    p.add_argument("--top-k", type=int, help="sample from the k likeliest tokens only")
-    p.add_argument("--seed", type=int, help="same seed, same tokens")
-    p.add_argument("--stop", action="append", help="end before this string (repeat for up to 4)")
+    _sampling_options(p)
     p.add_argument(
         "--chat", action="store_true", help="send the prompt as a user message (the chat template)"
     )
@@ -397,6 +411,25 @@ def parser() -> argparse.ArgumentParser:
     )
     _client_options(p)
     p.set_defaults(func=cmd_generate)
+
+    p = _command(
+        sub,
+        "chat",
+        "chat in the terminal, one line a message, the replies streamed",
+        "Each request carries the conversation so far (the system message, the earlier turns that "
+        "succeeded and the new message) as chat messages; each reply streams as generate's does and "
+        "ends with its summary line on stderr, and a dropped connection resumes the reply by its job "
+        "id (Last-Event-ID). /reset clears the history; /exit or end of input (Ctrl-D) quits. Ctrl-C "
+        "during a reply leaves its job running (not kept in the history) and the chat goes on. "
+        "--model is checked against GET /v1/models; the jobs go to the API's model, as generate's.",
+        CLIENT_SETTINGS,
+        'spool chat --system "You are terse." --max-tokens 60',
+    )
+    _sampling_options(p)
+    p.add_argument("--system", help="a system message before the conversation")
+    p.add_argument("--model", help="the served model to chat with (fails at once if not served)")
+    _client_options(p)
+    p.set_defaults(func=cmd_chat)
 
     p = _command(
         sub,

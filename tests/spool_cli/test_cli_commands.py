@@ -31,6 +31,7 @@ COMMANDS = (
     "job",
     "cancel",
     "workers",
+    "chat",
     "tiny-model",
 )
 JOB_ID = re.compile(r"job ([0-9a-f]{32})")
