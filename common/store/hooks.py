@@ -46,8 +46,7 @@ local function hook_event(obj, event, kind, now, part)
     if kind == 'response.completed' and reason == 'length' then kind = 'response.incomplete' end
   end
   local recorded = false
-  -- NOTE: a hook field written before endpoints has one url and its events, no targets.
-  for _, target in ipairs(hook.targets or {{url = hook.url, events = hook.events}}) do
+  for _, target in ipairs(hook.targets) do
     for _, e in ipairs(target.events) do
       if e == event then
         local n = redis.call('HINCRBY', hook.key, 'events', 1)
