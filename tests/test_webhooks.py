@@ -523,21 +523,12 @@ def test_many_jobs_every_completed_delivered(client: httpx.Client, hooks: Hooks)
 def test_sigkill_of_the_delivering_worker_loses_nothing(client: httpx.Client, hooks: Hooks) -> None:
     job_id = submit(client, hooks, "/hold")
     wait_until(lambda: bool(hooks.receiver.at("/hold")), "the delivery held open", 30)
-    r = redis.Redis.from_url(REDIS_URL)
-    delivering: list[Service] = []
-
-    def found() -> bool:
-        busy = {
-            b["pid"] for b in heartbeats(r, hooks.keys) if b.get("kind") == "hooks" and b["engine"]["running"]
-        }
-        delivering[:] = [w for w in hooks.workers if w.proc.pid in busy]
-        return bool(delivering)
-
-    wait_until(found, "the delivering worker's heartbeat", 10)
-    [victim] = delivering
-    victim.handle.signal(signal.SIGKILL)
-    victim.proc.wait(10)
-    hooks.workers.remove(victim)
+    # Every hook worker is killed, so the one holding the delivery is: which one holds it, a
+    # heartbeat on a loaded machine does not tell reliably (it can be a beat behind).
+    for worker in hooks.workers:
+        worker.handle.signal(signal.SIGKILL)
+        worker.proc.wait(10)
+    hooks.workers.clear()
     hooks.receiver.hold.set()  # the next attempt is answered
     hooks.workers.append(hooks.start_hook_worker("h3"))
     wait_until(
