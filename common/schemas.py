@@ -20,9 +20,11 @@ from pydantic import (
     ConfigDict,
     Field,
     PrivateAttr,
+    SerializerFunctionWrapHandler,
     StrictInt,
     ValidationInfo,
     field_validator,
+    model_serializer,
     model_validator,
 )
 from pydantic_core import PydanticCustomError
@@ -138,6 +140,15 @@ class ChatMessage(BaseModel):
         if (self.role == "tool") != (self.tool_call_id is not None):
             raise ValueError("a tool message, and only one, has a tool_call_id")
         return self
+
+    @model_serializer(mode="wrap")
+    def _stored_as_sent(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """A message without tool fields is stored and shown without them (as it was sent)."""
+        data: dict[str, Any] = handler(self)
+        for name in ("tool_calls", "tool_call_id"):
+            if data.get(name) is None:
+                data.pop(name, None)
+        return data
 
 
 class FunctionTool(BaseModel):
