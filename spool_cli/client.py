@@ -357,7 +357,8 @@ def list_workers(url: str, api_key: str | None) -> int:
         return 0
     print(f"{'KIND':5}  {'MODEL':40}  LOAD")
     for w in workers:
-        print(f"{w.get('kind', 'text'):5}  {w.get('model', '?'):40}  {_load(w.get('engine') or {})}")
+        model = w.get("model") or "-"  # a hook worker serves no model
+        print(f"{w.get('kind', 'text'):5}  {model:40}  {_load(w.get('engine') or {})}")
     return 0
 
 

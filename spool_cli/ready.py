@@ -58,7 +58,11 @@ def _by_kind(workers: list[dict[str, Any]]) -> dict[str, list[str]]:
 
 
 def _up(kinds: dict[str, list[str]]) -> str:
-    return ", ".join(f"{kind} worker ({', '.join(models)})" for kind, models in sorted(kinds.items()))
+    """``hooks worker, text worker (M)``: a hook worker serves no model."""
+    named = {kind: [m for m in models if m] for kind, models in sorted(kinds.items())}
+    return ", ".join(
+        f"{kind} worker ({', '.join(ms)})" if ms else f"{kind} worker" for kind, ms in named.items()
+    )
 
 
 def watch(
