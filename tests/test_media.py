@@ -691,7 +691,8 @@ def test_a_held_image_part_starts_once_its_text_part_has_its_first_token(
     """No text worker yet: the image part stays queued, its message unsent, until one starts and
     the text part streams its first token; then a media worker takes it."""
     r = redis.Redis.from_url(REDIS_URL, decode_responses=True)
-    bare.start_api(image_hold_s=120)
+    # The API knows the text model: the text part, sent while no text worker is live, goes to its queue.
+    bare.start_api(image_hold_s=120, model=tiny_model)
     bare.start_media_worker("m1")
     job_id = submit(client, bare, HELD)
     assert held(r, bare, job_id)
