@@ -121,23 +121,16 @@ async def line_request(
         )
     model = _OPENAI.get(endpoint)
     try:
-        if endpoint == RESPONSES:
-            response = ResponseRequest.model_validate(body)
-            request = response.batch_job_request(settings)
-            if models:
-                worker = resolve_model(models, response.model)
-                check_servable(request, worker)
-                await context.check(request, worker)
-        elif model is None:
+        if model is None and endpoint != RESPONSES:
             request = JobRequest.accept(body, settings)
             check_with_live_workers(models, request)
             await context.check_live(request, models)
         else:
-            try:
-                parsed = model.model_validate(body)
-            except ValidationError as e:
-                raise body_errors(e) from None
-            request = parsed.to_job_request(settings)
+            parsed = (model or ResponseRequest).model_validate(body)
+            if isinstance(parsed, ResponseRequest):
+                request = parsed.batch_job_request(settings)
+            else:
+                request = parsed.to_job_request(settings)
             if models:
                 worker = resolve_model(models, parsed.model)
                 check_servable(request, worker)
