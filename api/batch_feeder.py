@@ -56,7 +56,7 @@ from api.errors import ApiError
 from api.openai_compat.batches import error_line
 from api.served import ServedModels, queue_model
 from common.keys import BATCH_PRIORITY, Keys
-from common.schemas import JobStatus
+from common.schemas.views import JobStatus
 from common.settings import Settings
 from common.store import (
     AsyncBatchStore,

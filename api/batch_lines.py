@@ -25,15 +25,10 @@ from api.openai_compat.chunks import View, failure
 from api.openai_compat.requests import ChatCompletionRequest, CompletionRequest, OpenAIRequest
 from api.openai_compat.responses import ResponseRequest, ResponseView
 from api.served import check_servable, check_with_live_workers, resolve_model
-from common.schemas import (
-    MAX_JSON_DEPTH,
-    TOO_DEEP,
-    JobRequest,
-    JobStatus,
-    LogEntry,
-    WorkerHeartbeat,
-    too_deep_message,
-)
+from common.schemas.checks import MAX_JSON_DEPTH, TOO_DEEP, too_deep_message
+from common.schemas.events import LogEntry
+from common.schemas.requests import JobRequest
+from common.schemas.views import JobStatus, WorkerHeartbeat
 from common.settings import Settings
 from common.store import JobRecord, LineResult
 

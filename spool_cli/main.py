@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from common.redis_policy import UnsafeRedis
-from common.schemas import JobStatus
+from common.schemas.views import JobStatus
 from common.settings import SettingsError, check_api_settings, get_settings
 
 SETTINGS_EXIT = 2
