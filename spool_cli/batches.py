@@ -21,7 +21,7 @@ from typing import IO, Any
 
 import httpx
 
-from spool_cli.client import INTERRUPTED, SECOND_CTRL_C_S, Api, read_batch
+from spool_cli.client import INTERRUPTED, SECOND_CTRL_C_S, Api
 
 POLL_S = 1.0
 RETRY_STATUSES = {502, 503, 504}  # a replica restarting, Redis unreachable: poll again
@@ -31,6 +31,32 @@ BAR = 24  # characters of the progress bar
 
 class BatchError(RuntimeError):
     """The API refused something: the message is its error envelope's."""
+
+
+class BadBatch(ValueError):
+    """The input file cannot be read or a line is not a job: nothing was submitted."""
+
+
+def read_batch(file: Path) -> list[dict[str, Any]]:
+    """Every job of a JSONL file, all checked before any is submitted (blank lines skipped)."""
+    try:
+        text = file.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise BadBatch(f"no such file: {file}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise BadBatch(f"cannot read {file}: {e}") from None
+    rows = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError as e:
+            raise BadBatch(f"{file} line {number}: not JSON ({e}); nothing submitted") from None
+        if not isinstance(row, dict):
+            raise BadBatch(f"{file} line {number}: not a JSON object (a job request); nothing submitted")
+        rows.append(row)
+    return rows
 
 
 def _check(resp: httpx.Response) -> dict[str, Any]:
