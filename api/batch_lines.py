@@ -55,7 +55,12 @@ class LineError(ValueError):
         self.code, self.message, self.param = code, message, param
 
     def entry(self, line: int) -> dict[str, Any]:
-        return {"code": self.code, "message": self.message, "param": self.param, "line": line}
+        return batch_error(self.code, self.message, self.param, line)
+
+
+def batch_error(code: str, message: str, param: str | None = None, line: int | None = None) -> dict[str, Any]:
+    """An entry of a failed batch's ``errors.data``."""
+    return {"code": code, "message": message, "param": param, "line": line}
 
 
 def parse_line(raw: str, endpoint: str) -> dict[str, Any] | None:
