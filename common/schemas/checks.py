@@ -4,6 +4,7 @@ answers 400 with (api/errors.py), and the field checks more than one model runs.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any, Literal, TypeVar, get_args
 
 from pydantic import ValidationInfo
@@ -71,6 +72,16 @@ def server_settings(info: ValidationInfo) -> Settings | None:
     settings = (info.context or {}).get(SERVER_SETTINGS)
     assert settings is None or isinstance(settings, Settings)
     return settings
+
+
+def check_limit(
+    info: ValidationInfo, value: int, cap_of: Callable[[Settings], int], message: str, /, **ctx: Any
+) -> None:
+    """LIMIT_EXCEEDED (a 400) when ``value`` is above the accepting server's limit ``cap_of(settings)``;
+    ``message`` names ``{cap}`` and the keys of ``ctx``."""
+    settings = server_settings(info)
+    if settings is not None and value > (cap := cap_of(settings)):
+        raise PydanticCustomError(LIMIT_EXCEEDED, message, {**ctx, "cap": cap})
 
 
 def guide_size(name: str, size: int, info: ValidationInfo, detail: str = "") -> None:

@@ -21,13 +21,13 @@ from pydantic_core import PydanticCustomError
 from common.schemas.checks import (
     INVALID_PART,
     INVALID_WEBHOOK,
-    LIMIT_EXCEEDED,
     MAX_JSON_DEPTH,
     MAX_PRIORITY,
     OUT_OF_RANGE,
     SERVER_SETTINGS,
     TOO_DEEP,
     ServiceTier,
+    check_limit,
     encodable,
     finite,
     nested_too_deep,
@@ -82,25 +82,26 @@ class ImagePart(BaseModel):
             raise PydanticCustomError(
                 INVALID_PART, "size {v} is not a multiple of 8 in both dimensions", {"v": v}
             )
-        settings = server_settings(info)
-        if settings is not None and w * h > (cap := settings.max_image_pixels):
-            raise PydanticCustomError(
-                LIMIT_EXCEEDED,
-                "size {v} is {px} pixels, above this server's limit of {cap} (SPOOL_MAX_IMAGE_PIXELS)",
-                {"v": v, "px": w * h, "cap": cap},
-            )
+        check_limit(
+            info,
+            w * h,
+            lambda s: s.max_image_pixels,
+            "size {v} is {px} pixels, above this server's limit of {cap} (SPOOL_MAX_IMAGE_PIXELS)",
+            v=v,
+            px=w * h,
+        )
         return v
 
     @field_validator("steps")
     @classmethod
     def _steps(cls, v: int, info: ValidationInfo) -> int:
-        settings = server_settings(info)
-        if settings is not None and v > (cap := settings.max_image_steps):
-            raise PydanticCustomError(
-                LIMIT_EXCEEDED,
-                "steps is {v}, above this server's limit of {cap} (SPOOL_MAX_IMAGE_STEPS)",
-                {"v": v, "cap": cap},
-            )
+        check_limit(
+            info,
+            v,
+            lambda s: s.max_image_steps,
+            "steps is {v}, above this server's limit of {cap} (SPOOL_MAX_IMAGE_STEPS)",
+            v=v,
+        )
         return v
 
     @model_validator(mode="after")
@@ -197,13 +198,13 @@ class JobRequest(TextParams):
     def _n(cls, v: int, info: ValidationInfo) -> int:
         if v < 1:
             raise PydanticCustomError(OUT_OF_RANGE, "n is {value}; it must be at least 1", {"value": v})
-        settings = server_settings(info)
-        if settings is not None and v > (cap := settings.max_n):
-            raise PydanticCustomError(
-                LIMIT_EXCEEDED,
-                "n is {value}, above this server's limit of {cap} (SPOOL_MAX_N)",
-                {"value": v, "cap": cap},
-            )
+        check_limit(
+            info,
+            v,
+            lambda s: s.max_n,
+            "n is {value}, above this server's limit of {cap} (SPOOL_MAX_N)",
+            value=v,
+        )
         return v
 
     @field_validator("user")
@@ -217,12 +218,13 @@ class JobRequest(TextParams):
     @field_validator("parts")
     @classmethod
     def _parts_limit(cls, v: list[Any] | None, info: ValidationInfo) -> list[Any] | None:
-        settings = server_settings(info)
-        if v is not None and settings is not None and len(v) > (cap := settings.max_parts):
-            raise PydanticCustomError(
-                LIMIT_EXCEEDED,
+        if v is not None:
+            check_limit(
+                info,
+                len(v),
+                lambda s: s.max_parts,
                 "the job has {n} parts, above this server's limit of {cap} (SPOOL_MAX_PARTS)",
-                {"n": len(v), "cap": cap},
+                n=len(v),
             )
         return v
 

@@ -12,11 +12,11 @@ from pydantic_core import PydanticCustomError
 from common.schemas.chat import ChatMessage, ResponseFormat, Tool
 from common.schemas.checks import (
     INVALID_GUIDED,
-    LIMIT_EXCEEDED,
     MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
     MAX_STOP_STRINGS,
     OUT_OF_RANGE,
+    check_limit,
     encodable,
     finite,
     guide_size,
@@ -188,14 +188,14 @@ class TextParams(BaseModel):
     @field_validator("max_tokens")
     @classmethod
     def _max_tokens_cap(cls, v: int, info: ValidationInfo) -> int:
-        settings = server_settings(info)
-        if settings is not None and v > (cap := settings.max_tokens_cap):
-            # A well-formed request above a limit of this server: the API answers 400, not 422.
-            raise PydanticCustomError(
-                LIMIT_EXCEEDED,
-                "max_tokens is {value}, above this server's cap of {cap} (SPOOL_MAX_TOKENS_CAP)",
-                {"value": v, "cap": cap},
-            )
+        # A well-formed request above a limit of this server: the API answers 400, not 422.
+        check_limit(
+            info,
+            v,
+            lambda s: s.max_tokens_cap,
+            "max_tokens is {value}, above this server's cap of {cap} (SPOOL_MAX_TOKENS_CAP)",
+            value=v,
+        )
         return v
 
     @field_validator("stop")
