@@ -21,10 +21,9 @@ from typing import IO, Any
 
 import httpx
 
-from spool_cli.client import INTERRUPTED, SECOND_CTRL_C_S, Api
+from spool_cli.client import INTERRUPTED, RETRY_STATUSES, SECOND_CTRL_C_S, Api, error_text
 
 POLL_S = 1.0
-RETRY_STATUSES = {502, 503, 504}  # a replica restarting, Redis unreachable: poll again
 ENDED = {"completed", "failed", "expired", "cancelled"}
 BAR = 24  # characters of the progress bar
 
@@ -61,11 +60,7 @@ def read_batch(file: Path) -> list[dict[str, Any]]:
 
 def _check(resp: httpx.Response) -> dict[str, Any]:
     if resp.status_code >= 400:
-        try:
-            message = resp.json()["error"]["message"]
-        except (ValueError, KeyError, TypeError):
-            message = f"HTTP {resp.status_code}: {resp.text[:200]}"
-        raise BatchError(message)
+        raise BatchError(error_text(resp))
     return dict(resp.json())
 
 
