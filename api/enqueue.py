@@ -25,7 +25,7 @@ from kombu.utils.json import dumps as json_dumps
 from kombu.utils.uuid import uuid
 
 from common.keys import BATCH_PRIORITY, GENERATE_TASK, JOB_PRIORITY, MEDIA_TASK, REQUEUE_PRIORITY, Keys
-from common.schemas import JobRequest
+from common.schemas.requests import JobRequest
 from common.settings import Settings
 from common.store import QueueMessage
 

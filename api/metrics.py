@@ -17,7 +17,7 @@ from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api.hub import Hub
-from common.schemas import WorkerHeartbeat
+from common.schemas.views import WorkerHeartbeat
 from common.store import BATCH_LINE_STATES, BatchCounts
 
 # Per live worker, from the engine stats in its heartbeat: (metric, help, stats key).

@@ -8,7 +8,9 @@ import time
 
 import redis
 
-from common.schemas import Job, JobRequest, LogEntry, WorkerHeartbeat
+from common.schemas.events import LogEntry
+from common.schemas.requests import JobRequest
+from common.schemas.views import Job, WorkerHeartbeat
 from common.settings import Settings
 from common.store import (
     JobNotFound,

@@ -9,7 +9,9 @@ import redis.asyncio as aredis
 from redis.asyncio.client import NEVER_DECODE
 
 from common.keys import BATCH_PRIORITY, REQUEUE_PRIORITY, part_id
-from common.schemas import Job, JobList, JobRequest, JobStatus, JobSummary, LogEntry, WorkerHeartbeat
+from common.schemas.events import LogEntry
+from common.schemas.requests import JobRequest
+from common.schemas.views import Job, JobList, JobStatus, JobSummary, WorkerHeartbeat
 from common.settings import Settings
 from common.store.clients import WRITE_PROBE_TTL_MS, async_client
 from common.store.errors import JobNotFound

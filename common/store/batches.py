@@ -21,7 +21,7 @@ from typing import Any
 import redis.asyncio as aredis
 
 from common.keys import Keys
-from common.schemas import JobRequest
+from common.schemas.requests import JobRequest
 from common.settings import Settings
 from common.store.batch_lua import (
     APPEND_ATTEMPT_LUA,

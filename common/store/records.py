@@ -17,20 +17,9 @@ import redis.asyncio as aredis
 from pydantic_core import to_json
 
 from common.keys import Keys, part_id, split_part_id
-from common.schemas import (
-    DoneEvent,
-    ImagePart,
-    Job,
-    JobError,
-    JobRequest,
-    JobStatus,
-    JobSummary,
-    LogEntry,
-    TokenEvent,
-    TokenLogprob,
-    Usage,
-    WorkerHeartbeat,
-)
+from common.schemas.events import DoneEvent, LogEntry, TokenEvent, TokenLogprob
+from common.schemas.requests import ImagePart, JobRequest
+from common.schemas.views import Job, JobError, JobStatus, JobSummary, Usage, WorkerHeartbeat
 from common.settings import Settings
 from common.store.errors import Conflict, IdempotencyConflict, JobNotFound, QueueFull
 from common.store.hooks import hook_field

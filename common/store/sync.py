@@ -12,7 +12,7 @@ import redis
 from redis.exceptions import RedisError
 
 from common.keys import part_id, split_part_id
-from common.schemas import WorkerHeartbeat
+from common.schemas.views import WorkerHeartbeat
 from common.settings import Settings
 from common.store.clients import sync_client
 from common.store.lua import (
