@@ -6,6 +6,9 @@
 # Before the tests: ruff check, ruff format --check and mypy over the packages (pyproject.toml
 # holds their settings); a finding fails the run. Extra arguments go to pytest (e.g.
 # scripts/test.sh tests/engine -x); TEST_LINT=0 skips the checks.
+# --fast leaves out the tests marked slow (compiles, benchmark smoke runs, crash and restart,
+# the browser, spool up stacks, several workers): pytest -m "not slow", a few minutes, for the
+# development loop. Without it every test runs, as CI (.ci/run) does.
 set -euo pipefail
 source "$(dirname "$0")/bootstrap.sh" test "[test]"
 
@@ -35,4 +38,8 @@ while True:
 " "$url"
 fi
 export TEST_REDIS_URL="$url"
-python -m pytest "$@"
+args=()
+for a in "$@"; do
+  if [ "$a" = --fast ]; then args+=(-m "not slow"); else args+=("$a"); fi
+done
+python -m pytest "${args[@]}"

@@ -12,6 +12,8 @@ from greedy import greedy
 from workers.engine import SamplingParams
 from workers.engine.kv_cache import StepInterrupted
 
+pytestmark = pytest.mark.slow  # each test compiles the forward
+
 PROMPTS = ["a", "the quick brown fox", "over the lazy dog " * 6, "rivers run to the sea " * 14]
 
 

@@ -23,6 +23,8 @@ from sse_client import check_full_stream, read_events
 
 from api.watchers import LEASE_S, RENEW_S
 
+pytestmark = pytest.mark.slow  # API replicas stopped and killed
+
 GRACE_S = 1.0
 MAX_MODEL_LEN = 32768
 PROMPT = "In the beginning"

@@ -29,6 +29,8 @@ from sse_client import Event, check_full_stream
 from common.keys import Keys
 from common.settings import Settings
 
+pytestmark = pytest.mark.slow  # workers killed, frozen and restarted
+
 LONG_PROMPT = "the quick brown fox"  # greedy on the tiny model: no EOS within 400 tokens
 MAX_TOKENS = 400
 PROMPTS = [LONG_PROMPT, "once upon a time there", "a long way from home, the"]
