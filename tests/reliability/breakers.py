@@ -108,7 +108,7 @@ class RedisServer:
 def clean_prefix(client: redis.Redis, prefix: str) -> None:
     keys = Keys(prefix)
     for pattern in (f"{prefix}:*", keys.model_queues(), f"_kombu.binding*.{prefix}.*"):
-        for key in client.scan_iter(pattern):
+        for key in client.scan_iter(pattern, count=1000):
             client.delete(key)
 
 
