@@ -73,7 +73,7 @@ def test_an_interrupted_compiled_step_is_dropped_and_the_next_runs_it_again(
         return calls == 2
 
     with pytest.raises(StepInterrupted):
-        runner.forward([(request.running_slot(), len(request.prompt_token_ids), out[0])], [], stop)
+        runner.forward([(request.running_slot, len(request.prompt_token_ids), out[0])], [], stop)
     assert calls == 2
     while engine.has_unfinished():
         out += [t for d in engine.step() for t in d.token_ids]
