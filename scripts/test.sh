@@ -7,8 +7,8 @@
 # holds their settings); a finding fails the run. Extra arguments go to pytest (e.g.
 # scripts/test.sh tests/engine -x); TEST_LINT=0 skips the checks.
 # --fast leaves out the tests marked slow (compiles, benchmark smoke runs, crash and restart,
-# the browser, spool up stacks, several workers): pytest -m "not slow", a few minutes, for the
-# development loop. Without it every test runs, as CI (.ci/run) does.
+# the browser, spool up stacks, several workers): pytest -m "not slow", for the development
+# loop. Without it every test runs, as CI (.ci/run) does.
 set -euo pipefail
 source "$(dirname "$0")/bootstrap.sh" test "[test]"
 
