@@ -376,113 +376,36 @@ def measure(
     return row
 
 
-def run_uniform(plan: Plan, args: argparse.Namespace, model_dir: Path, hf: HFModel) -> dict[str, Any]:
-    rng = random.Random(args.seed)
-    prompts = random_prompts(rng, plan.uniform_requests, plan.uniform_prompt_len, plan.model.vocab_size)
-    n_new, batch = plan.uniform_new_tokens, plan.uniform_batch
-    expected = n_new * len(prompts)
-    few = prompts[: plan.warmup_requests]
-    few_new = min(n_new, plan.warmup_tokens)
-    engine_few = unseen_like(rng, few, plan.model.vocab_size)
-    max_model_len = args.max_model_len or plan.decode_max_model_len
-    rows: dict[str, Row] = {}
+@dataclass
+class Workload:
+    """A throughput section's requests (uniform, mixed), as the shared runner takes them."""
 
-    decode_forwards = math.ceil(
-        (expected - len(prompts)) / batch
-    )  # the first token of each comes from its prefill
-    fcfs = fcfs_decode_forwards([n_new] * len(prompts), batch)
-
-    def ceiling() -> dict[str, Any]:
-        r = ceiling_seconds(hf, prompts, batch, decode_forwards, segment=n_new - 1)
-        return {"tokens": expected, **r}
-
-    rows["ceiling"] = measure(
-        "uniform",
-        "ceiling",
-        lambda: ceiling_seconds(hf, few, min(batch, len(few)), 2, segment=2),
-        ceiling,
-        expected,
-        note=f"{len(prompts)} prefills at batch 1 + {decode_forwards} forwards at batch {batch}",
-    )
-    if not args.skip_hf:
-        rows["generate"] = measure(
-            "uniform",
-            "model.generate (one at a time)",
-            lambda: hf_generate_one_by_one(hf, few[:1], few_new),
-            lambda: hf_generate_one_by_one(hf, prompts, n_new),
-            expected,
-        )
-        cb = cb_config(batch, prompts, n_new)
-        try:
-            rows["generate_batch"] = measure(
-                "uniform",
-                "transformers generate_batch",
-                lambda: hf_generate_batch(hf, few, few_new, cb, keep=True),
-                lambda: hf_generate_batch(hf, prompts, n_new, cb, keep=False),
-                expected,
-                note=f"max_requests_per_batch={batch}",
-            )
-        finally:
-            hf.destroy_cached_continuous_batching_manager()
-
-    log(f"uniform: loading the engine (max_batch_size={batch}, max_model_len={max_model_len})")
-    engine = spool_engine(model_dir, args, batch, max_model_len)
-    rows["engine"] = measure(
-        "uniform",
-        "spool Engine.generate",
-        lambda: engine_generate(engine, engine_few, [few_new] * len(few)),
-        lambda: engine_generate(engine, prompts, [n_new] * len(prompts)),
-        expected,
-        note=f"max_batch_size={batch}, max_model_len={max_model_len}",
-    )
-    rows["engine"].note += f", {rows['engine'].extra['steps']} steps"
-    rows["engine_nocache"] = engine_without_prefix_caching(
-        "uniform",
-        model_dir,
-        args,
-        batch,
-        max_model_len,
-        engine_few,
-        [few_new] * len(few),
-        prompts,
-        [n_new] * len(prompts),
-    )
-
-    e = rows["engine"].tok_s
-    ratios = {
-        "engine/ceiling": ratio(e, rows["ceiling"].tok_s),
-        "engine caching on/off": ratio(e, rows["engine_nocache"].tok_s),
-        "engine caching on/off, CPU time": cpu_ratio(rows["engine"], rows["engine_nocache"]),
-        "engine/generate": ratio(e, rows["generate"].tok_s) if "generate" in rows else None,
-        "engine/generate_batch": ratio(e, rows["generate_batch"].tok_s) if "generate_batch" in rows else None,
-    }
-    return {
-        "workload": {
-            "requests": len(prompts),
-            "prompt_tokens": sum(len(p) for p in prompts),
-            "new_tokens_each": n_new,
-            "batch": batch,
-            "ceiling_decode_forwards": decode_forwards,
-            "fcfs_decode_forwards": fcfs,
-        },
-        "rows": {k: asdict(v) for k, v in rows.items()},
-        "ratios": ratios,
-    }
+    section: str
+    rng: random.Random  # drew the prompts; draws the engine's warm-up prompts next
+    prompts: list[list[int]]
+    max_tokens: list[int]
+    batch: int
+    shape: dict[str, Any]  # the section's own workload figures, after requests and prompt_tokens
+    # The transformers baselines: their row names, and (workload, model, warm-up prompts, their
+    # max tokens) -> those rows.
+    baseline_rows: tuple[str, str]
+    baselines: Callable[[Workload, HFModel, list[list[int]], list[int]], dict[str, Row]]
 
 
-def run_mixed(plan: Plan, args: argparse.Namespace, model_dir: Path, hf: HFModel) -> dict[str, Any]:
-    rng = random.Random(args.seed + 1)
-    prompts = random_prompts(rng, plan.mixed_requests, plan.mixed_prompt_len, plan.model.vocab_size)
-    max_tokens = [rng.randint(*plan.mixed_max_tokens) for _ in prompts]
-    batch = plan.mixed_batch
+def run_throughput(
+    w: Workload, plan: Plan, args: argparse.Namespace, model_dir: Path, hf: HFModel
+) -> dict[str, Any]:
+    """One throughput section: the ceiling, the transformers baselines (unless --skip-hf), the
+    engine with prefix caching on and off, and the ratios of the engine to each."""
+    prompts, max_tokens, batch = w.prompts, w.max_tokens, w.batch
     expected = sum(max_tokens)
     few = prompts[: plan.warmup_requests]
     few_max = [min(m, plan.warmup_tokens) for m in max_tokens[: plan.warmup_requests]]
-    engine_few = unseen_like(rng, few, plan.model.vocab_size)
+    engine_few = unseen_like(w.rng, few, plan.model.vocab_size)
     max_model_len = args.max_model_len or plan.decode_max_model_len
     rows: dict[str, Row] = {}
 
-    decode_forwards = math.ceil((expected - len(prompts)) / batch)
+    decode_forwards = math.ceil((expected - len(prompts)) / batch)  # a first token comes from its prefill
     fcfs = fcfs_decode_forwards(max_tokens, batch)
     segment = max(1, round(statistics.fmean(max_tokens)) - 1)
 
@@ -490,7 +413,7 @@ def run_mixed(plan: Plan, args: argparse.Namespace, model_dir: Path, hf: HFModel
         return {"tokens": expected, **ceiling_seconds(hf, prompts, batch, decode_forwards, segment)}
 
     rows["ceiling"] = measure(
-        "mixed",
+        w.section,
         "ceiling",
         lambda: ceiling_seconds(hf, few, min(batch, len(few)), 2, segment=2),
         ceiling,
@@ -498,39 +421,12 @@ def run_mixed(plan: Plan, args: argparse.Namespace, model_dir: Path, hf: HFModel
         note=f"{len(prompts)} prefills at batch 1 + {decode_forwards} forwards at batch {batch}",
     )
     if not args.skip_hf:
+        rows.update(w.baselines(w, hf, few, few_max))
 
-        def static() -> dict[str, Any]:
-            useful, computed = hf_static_waves(hf, prompts, max_tokens, batch)
-            return {"tokens": useful, "computed_tokens": computed}
-
-        rows["static"] = measure(
-            "mixed",
-            "static batching (generate, waves)",
-            lambda: hf_static_waves(hf, few, few_max, batch),
-            static,
-            expected,
-            note=f"waves of {batch}, left-padded, each to its longest request",
-        )
-        cb = cb_config(batch, prompts, max(max_tokens))
-        hf.destroy_cached_continuous_batching_manager()
-        log("mixed: starting transformers' ContinuousBatchingManager")
-        manager = HFContinuousBatching(hf, cb)
-        try:
-            rows["transformers_cb"] = measure(
-                "mixed",
-                "transformers CB manager",
-                lambda: manager.run(few, few_max),
-                lambda: manager.run(prompts, max_tokens),
-                expected,
-                note=f"add_request(max_new_tokens=own), max_requests_per_batch={batch}",
-            )
-        finally:
-            manager.close()
-
-    log(f"mixed: loading the engine (max_batch_size={batch}, max_model_len={max_model_len})")
+    log(f"{w.section}: loading the engine (max_batch_size={batch}, max_model_len={max_model_len})")
     engine = spool_engine(model_dir, args, batch, max_model_len)
     rows["engine"] = measure(
-        "mixed",
+        w.section,
         "spool Engine.generate",
         lambda: engine_generate(engine, engine_few, few_max),
         lambda: engine_generate(engine, prompts, max_tokens),
@@ -539,7 +435,7 @@ def run_mixed(plan: Plan, args: argparse.Namespace, model_dir: Path, hf: HFModel
     )
     rows["engine"].note += f", {rows['engine'].extra['steps']} steps"
     rows["engine_nocache"] = engine_without_prefix_caching(
-        "mixed", model_dir, args, batch, max_model_len, engine_few, few_max, prompts, max_tokens
+        w.section, model_dir, args, batch, max_model_len, engine_few, few_max, prompts, max_tokens
     )
 
     e = rows["engine"].tok_s
@@ -547,17 +443,14 @@ def run_mixed(plan: Plan, args: argparse.Namespace, model_dir: Path, hf: HFModel
         "engine/ceiling": ratio(e, rows["ceiling"].tok_s),
         "engine caching on/off": ratio(e, rows["engine_nocache"].tok_s),
         "engine caching on/off, CPU time": cpu_ratio(rows["engine"], rows["engine_nocache"]),
-        "engine/static": ratio(e, rows["static"].tok_s) if "static" in rows else None,
-        "engine/transformers_cb": ratio(e, rows["transformers_cb"].tok_s)
-        if "transformers_cb" in rows
-        else None,
     }
+    for name in w.baseline_rows:
+        ratios[f"engine/{name}"] = ratio(e, rows[name].tok_s) if name in rows else None
     return {
         "workload": {
             "requests": len(prompts),
             "prompt_tokens": sum(len(p) for p in prompts),
-            "generated_tokens": expected,
-            "max_tokens_range": list(plan.mixed_max_tokens),
+            **w.shape,
             "batch": batch,
             "ceiling_decode_forwards": decode_forwards,
             "fcfs_decode_forwards": fcfs,
@@ -565,6 +458,103 @@ def run_mixed(plan: Plan, args: argparse.Namespace, model_dir: Path, hf: HFModel
         "rows": {k: asdict(v) for k, v in rows.items()},
         "ratios": ratios,
     }
+
+
+def uniform_baselines(w: Workload, hf: HFModel, few: list[list[int]], few_max: list[int]) -> dict[str, Row]:
+    """model.generate() one prompt at a time, and transformers' generate_batch()."""
+    n_new, few_new = w.max_tokens[0], few_max[0]
+    rows = {
+        "generate": measure(
+            "uniform",
+            "model.generate (one at a time)",
+            lambda: hf_generate_one_by_one(hf, few[:1], few_new),
+            lambda: hf_generate_one_by_one(hf, w.prompts, n_new),
+            sum(w.max_tokens),
+        )
+    }
+    cb = cb_config(w.batch, w.prompts, n_new)
+    try:
+        rows["generate_batch"] = measure(
+            "uniform",
+            "transformers generate_batch",
+            lambda: hf_generate_batch(hf, few, few_new, cb, keep=True),
+            lambda: hf_generate_batch(hf, w.prompts, n_new, cb, keep=False),
+            sum(w.max_tokens),
+            note=f"max_requests_per_batch={w.batch}",
+        )
+    finally:
+        hf.destroy_cached_continuous_batching_manager()
+    return rows
+
+
+def run_uniform(plan: Plan, args: argparse.Namespace, model_dir: Path, hf: HFModel) -> dict[str, Any]:
+    rng = random.Random(args.seed)
+    prompts = random_prompts(rng, plan.uniform_requests, plan.uniform_prompt_len, plan.model.vocab_size)
+    n_new = plan.uniform_new_tokens
+    workload = Workload(
+        "uniform",
+        rng,
+        prompts,
+        [n_new] * len(prompts),
+        plan.uniform_batch,
+        {"new_tokens_each": n_new},
+        ("generate", "generate_batch"),
+        uniform_baselines,
+    )
+    return run_throughput(workload, plan, args, model_dir, hf)
+
+
+def mixed_baselines(w: Workload, hf: HFModel, few: list[list[int]], few_max: list[int]) -> dict[str, Row]:
+    """Static batching with model.generate(), and transformers' ContinuousBatchingManager."""
+    expected = sum(w.max_tokens)
+
+    def static() -> dict[str, Any]:
+        useful, computed = hf_static_waves(hf, w.prompts, w.max_tokens, w.batch)
+        return {"tokens": useful, "computed_tokens": computed}
+
+    rows = {
+        "static": measure(
+            "mixed",
+            "static batching (generate, waves)",
+            lambda: hf_static_waves(hf, few, few_max, w.batch),
+            static,
+            expected,
+            note=f"waves of {w.batch}, left-padded, each to its longest request",
+        )
+    }
+    cb = cb_config(w.batch, w.prompts, max(w.max_tokens))
+    hf.destroy_cached_continuous_batching_manager()
+    log("mixed: starting transformers' ContinuousBatchingManager")
+    manager = HFContinuousBatching(hf, cb)
+    try:
+        rows["transformers_cb"] = measure(
+            "mixed",
+            "transformers CB manager",
+            lambda: manager.run(few, few_max),
+            lambda: manager.run(w.prompts, w.max_tokens),
+            expected,
+            note=f"add_request(max_new_tokens=own), max_requests_per_batch={w.batch}",
+        )
+    finally:
+        manager.close()
+    return rows
+
+
+def run_mixed(plan: Plan, args: argparse.Namespace, model_dir: Path, hf: HFModel) -> dict[str, Any]:
+    rng = random.Random(args.seed + 1)
+    prompts = random_prompts(rng, plan.mixed_requests, plan.mixed_prompt_len, plan.model.vocab_size)
+    max_tokens = [rng.randint(*plan.mixed_max_tokens) for _ in prompts]
+    workload = Workload(
+        "mixed",
+        rng,
+        prompts,
+        max_tokens,
+        plan.mixed_batch,
+        {"generated_tokens": sum(max_tokens), "max_tokens_range": list(plan.mixed_max_tokens)},
+        ("static", "transformers_cb"),
+        mixed_baselines,
+    )
+    return run_throughput(workload, plan, args, model_dir, hf)
 
 
 def engine_decode_ms(engine: Engine, prompt: list[int], steps: int, warm: int = 2) -> list[float]:

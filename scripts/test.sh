@@ -7,6 +7,9 @@
 # holds their settings), and luacheck over the store's Lua scripts where it is installed
 # (.luacheckrc; Debian's lua-check); a finding fails the run. Extra arguments go to pytest (e.g.
 # scripts/test.sh tests/engine -x); TEST_LINT=0 skips the checks.
+# --fast leaves out the tests marked slow (compiles, benchmark smoke runs, crash and restart,
+# the browser, spool up stacks, several workers): pytest -m "not slow", for the development
+# loop. Without it every test runs, as CI (.ci/run) does.
 set -euo pipefail
 source "$(dirname "$0")/bootstrap.sh" test "[test]"
 
@@ -39,4 +42,8 @@ while True:
 " "$url"
 fi
 export TEST_REDIS_URL="$url"
-python -m pytest "$@"
+args=()
+for a in "$@"; do
+  if [ "$a" = --fast ]; then args+=(-m "not slow"); else args+=("$a"); fi
+done
+python -m pytest "${args[@]}"

@@ -106,6 +106,13 @@ def client() -> Iterator[httpx.Client]:
         yield c
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The browser's tests (tests/console) are slow as a whole: marked here, not in each file."""
+    for item in items:
+        if item.path.parent.name == "console":
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(
     item: pytest.Item, call: pytest.CallInfo[Any]

@@ -7,6 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow  # a benchmark's smoke run
+
 BENCH = Path(__file__).resolve().parent.parent / "bench" / "api_bench.py"
 
 

@@ -419,6 +419,7 @@ def _ttft(oai: openai.OpenAI) -> float:
     return first
 
 
+@pytest.mark.slow  # an API and a worker killed and restarted
 def test_a_batch_survives_its_api_and_a_worker_killed_mid_run(
     prefixes: Prefixes, tiny_model: Path, log_dir: Path
 ) -> None:

@@ -20,6 +20,7 @@ from procs import Cluster, Prefixes, Service, start_api, start_worker, wait_unti
 from sse_client import Event, check_full_stream, iter_sse, read_events
 
 TERMINAL = {"succeeded", "failed", "cancelled", "partial"}
+COLLECTED_AT = time.time()  # before the session's cluster starts (it starts with the first test using it)
 Reference = Callable[[str, int], str]
 
 
@@ -115,7 +116,7 @@ def test_readyz_lists_the_worker(cluster: Cluster, client: httpx.Client) -> None
     body = client.get(f"{cluster.url}/readyz").json()
     [worker] = body["workers"]
     assert worker["name"] == f"{cluster.prefix}-w1"
-    assert time.time() - worker["ts"] < 10
+    assert COLLECTED_AT < worker["ts"] <= time.time()  # a heartbeat of this run, in seconds since the epoch
     assert {"running", "waiting", "peak_batch_size"} <= set(worker["engine"])
     metrics = client.get(f"{cluster.url}/metrics").text
     assert "spool_workers 1.0" in metrics and "spool_jobs_submitted_total" in metrics
@@ -178,6 +179,7 @@ def test_readyz_follows_the_workers(
         api.stop()
 
 
+@pytest.mark.slow  # compiles
 def test_a_worker_with_the_compiled_forward_serves_the_same_tokens(
     prefixes: Prefixes, tiny_model: Path, log_dir: Path, client: httpx.Client, reference: Reference
 ) -> None:

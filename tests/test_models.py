@@ -28,6 +28,8 @@ from procs import REDIS_URL, Prefixes, Service, heartbeats, start_api, start_wor
 from common.keys import Keys
 from workers.engine.tiny import build_tiny_model
 
+pytestmark = pytest.mark.slow  # two workers of its own, one restarted
+
 MAX_TOKENS = 8
 PROMPTS = ["the quick brown fox", "once upon a time", "in the beginning", "to be or not to be"]
 LONG_PROMPT = "the quick brown fox"  # greedy on the tiny Llama: no EOS within 300 tokens

@@ -16,7 +16,7 @@ import openai
 import pytest
 import redis
 from openai_stream import JOB_ID_HEADER, iter_chunks, read_stream
-from procs import Cluster, Prefixes, finished_job, start_api, start_worker, waiting_request
+from procs import Cluster, Prefixes, finished_job, start_api, start_worker, wait_until, waiting_request
 from transformers import AutoTokenizer
 
 from common.keys import WATCHER_GHOST, Keys
@@ -135,10 +135,11 @@ def test_a_jobs_watcher_set_expires_once_its_watchers_left(
     )
     assert done.chunks[-1].done
     key = Keys(solo.prefix).job_watchers(done.job_id)
-    deadline = time.monotonic() + 10
-    while not any(m.startswith(WATCHER_GHOST.encode()) for m in redis_client.zrange(key, 0, -1)):
-        assert time.monotonic() < deadline, "the watcher never left"
-        time.sleep(0.01)
+    wait_until(
+        lambda: any(m.startswith(WATCHER_GHOST.encode()) for m in redis_client.zrange(key, 0, -1)),
+        "the watcher left",
+        60,
+    )
     assert redis_client.ttl(key) > 0
 
 

@@ -7,6 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow  # a benchmark's smoke run (it compiles too)
+
 BENCH = Path(__file__).resolve().parent.parent / "bench" / "peers_bench.py"
 
 

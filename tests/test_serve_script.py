@@ -7,20 +7,20 @@ the copy's own .venv and installing into it (146 s on a shared 2-core machine).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import httpx
 import pytest
-from procs import ROOT, free_port, spool_env
+from procs import ROOT, free_port, spool_env, wait_until
 
-POLL_S = 0.1
+pytestmark = pytest.mark.slow  # scripts/serve.sh's spool up stack
 
 
 def copy_of_the_tree(dest: Path) -> Path:
@@ -86,9 +86,8 @@ def test_serve_reaches_ready_and_prints_the_url_only_then(prefixes, tmp_path: Pa
     reader.start()
     deadline_s = 600 if fresh else 420  # spool up loads a text and a media worker: minutes on 2 busy cores
     try:
-        deadline = time.monotonic() + deadline_s
-        while not readyz_when_printed and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(POLL_S)
+        with contextlib.suppress(pytest.fail.Exception):  # a timeout: the assert says so, with the output
+            wait_until(lambda: bool(readyz_when_printed) or proc.poll() is not None, "ready", deadline_s)
         assert readyz_when_printed and proc.poll() is None, "".join(output[-300:])
     finally:
         if proc.poll() is None:

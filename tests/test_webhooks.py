@@ -520,6 +520,7 @@ def test_many_jobs_every_completed_delivered(client: httpx.Client, hooks: Hooks)
     assert ("spool_webhook_backlog", frozenset()) in api
 
 
+@pytest.mark.slow  # hook workers killed
 def test_sigkill_of_the_delivering_worker_loses_nothing(client: httpx.Client, hooks: Hooks) -> None:
     job_id = submit(client, hooks, "/hold")
     wait_until(lambda: bool(hooks.receiver.at("/hold")), "the delivery held open", 30)

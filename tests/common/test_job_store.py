@@ -8,6 +8,7 @@ from dataclasses import replace
 
 import pytest
 import redis
+from procs import wait_until
 from store_helpers import StoreForTests
 
 from common.keys import JOB_PRIORITY, WATCHER_GHOST
@@ -36,21 +37,25 @@ def subscribe(store: StoreForTests, channel: str) -> redis.client.PubSub:
     """A subscription that Redis has confirmed, so nothing published afterwards is missed."""
     pubsub = store.redis.pubsub()
     pubsub.subscribe(channel)
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:
+
+    def confirmed() -> bool:
         msg = pubsub.get_message(timeout=0.5)
-        if msg and msg["type"] == "subscribe":
-            return pubsub
-    raise AssertionError(f"no subscribe confirmation for {channel}")
+        return bool(msg and msg["type"] == "subscribe")
+
+    wait_until(confirmed, f"the subscribe confirmation for {channel}", 30)
+    return pubsub
 
 
-def next_messages(pubsub: redis.client.PubSub, n: int, timeout: float = 5.0) -> list[str]:
-    deadline = time.monotonic() + timeout
+def next_messages(pubsub: redis.client.PubSub, n: int) -> list[str]:
     got: list[str] = []
-    while len(got) < n and time.monotonic() < deadline:
+
+    def arrived() -> bool:
         msg = pubsub.get_message(ignore_subscribe_messages=True, timeout=0.5)
         if msg:
             got.append(msg["data"])
+        return len(got) >= n
+
+    wait_until(arrived, f"{n} messages", 30)
     return got
 
 

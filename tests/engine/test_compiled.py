@@ -1,5 +1,6 @@
 """The compiled forward (``EngineConfig(compile=True)``): compiled once at load, never again as the
-batch changes, and a dropped step leaves it as it was. Its greedy parity is in test_parity.py."""
+batch changes, and a dropped step leaves it as it was. Its greedy parity is in test_parity.py.
+The tests share one compiled engine (the compile is the cost); each leaves it with nothing to run."""
 
 from __future__ import annotations
 
@@ -7,10 +8,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from greedy import greedy
+from greedy import TEST_DEVICE, greedy
 
-from workers.engine import SamplingParams
+from workers.engine import Engine, EngineConfig, SamplingParams
 from workers.engine.kv_cache import StepInterrupted
+
+pytestmark = pytest.mark.slow  # each test compiles the forward
 
 PROMPTS = ["a", "the quick brown fox", "over the lazy dog " * 6, "rivers run to the sea " * 14]
 
@@ -27,8 +30,21 @@ def run_all(engine, prompts: list[str], max_tokens: list[int]) -> dict[str, list
     return tokens
 
 
-def test_steps_of_every_shape_after_the_load_compile_nothing(make_engine, llama_dir: Path) -> None:  # type: ignore[no-untyped-def]
-    engine = make_engine(compile=True, prefill_chunk_size=16, max_prefill_tokens_per_step=32)
+@pytest.fixture(scope="module")
+def engine(llama_dir: Path) -> Engine:
+    """Small prefill chunks: a step may hold several chunks, or one that does not end its prompt."""
+    config = EngineConfig(
+        model=str(llama_dir),
+        max_batch_size=4,
+        device=TEST_DEVICE,
+        compile=True,
+        prefill_chunk_size=16,
+        max_prefill_tokens_per_step=32,
+    )
+    return Engine(config)
+
+
+def test_steps_of_every_shape_after_the_load_compile_nothing(engine: Engine, llama_dir: Path) -> None:
     max_tokens = [1, 9, 4, 12]
     with torch._dynamo.config.patch(error_on_recompile=True):  # a recompile raises
         tokens = run_all(engine, PROMPTS, max_tokens)
@@ -40,13 +56,15 @@ def test_steps_of_every_shape_after_the_load_compile_nothing(make_engine, llama_
 
 
 def test_an_interrupted_compiled_step_is_dropped_and_the_next_runs_it_again(
-    make_engine, llama_dir: Path
-) -> None:  # type: ignore[no-untyped-def]
-    engine = make_engine(compile=True)
+    engine: Engine, llama_dir: Path
+) -> None:
     runner = engine.runner
     expected = greedy(llama_dir, PROMPTS[2], 6).token_ids
     engine.add_request("r", PROMPTS[2], SamplingParams(max_tokens=6, temperature=0.0))
-    out = [t for d in engine.step() for t in d.token_ids]
+    out: list[int] = []
+    while not out:  # its prefill, a chunk a step
+        out += [t for d in engine.step() for t in d.token_ids]
+    [request] = engine.scheduler.running
     calls = 0
 
     def stop() -> bool:  # the second layer's write stops the step
@@ -55,7 +73,7 @@ def test_an_interrupted_compiled_step_is_dropped_and_the_next_runs_it_again(
         return calls == 2
 
     with pytest.raises(StepInterrupted):
-        runner.forward([(0, len(engine.tokenizer.encode(PROMPTS[2])), out[0])], [], stop)
+        runner.forward([(request.running_slot, len(request.prompt_token_ids), out[0])], [], stop)
     assert calls == 2
     while engine.has_unfinished():
         out += [t for d in engine.step() for t in d.token_ids]

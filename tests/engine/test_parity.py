@@ -52,7 +52,9 @@ def make_prompts(n: int, seed: int = 0) -> list[str]:
     return [" ".join(rng.choice(WORDS) for _ in range(rng.choice([1, 3, 8, 20, 45]))) for _ in range(n)]
 
 
-@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize(
+    "compile", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["eager", "compiled"]
+)
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_greedy_parity_with_continuous_batching(
     arch: str, compile: bool, tiny_model_dirs: dict[str, Path], make_engine

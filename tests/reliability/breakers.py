@@ -10,9 +10,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import pytest
 import redis
-from procs import Service, free_port, start_worker
+from procs import Service, free_port, start_worker, wait_until
 from sse_client import Event, iter_sse
 
 from common.keys import Keys
@@ -109,18 +108,20 @@ class RedisServer:
 def clean_prefix(client: redis.Redis, prefix: str) -> None:
     keys = Keys(prefix)
     for pattern in (f"{prefix}:*", keys.model_queues(), f"_kombu.binding*.{prefix}.*"):
-        for key in client.scan_iter(pattern):
+        for key in client.scan_iter(pattern, count=1000):
             client.delete(key)
 
 
 def poll(check: Any, what: str, timeout: float) -> Any:
-    """Poll until ``check()`` is truthy and return it (a deadline, never a bare sleep)."""
-    deadline = time.monotonic() + timeout
-    while not (got := check()):
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}")
-        time.sleep(0.01)
-    return got
+    """Poll until ``check()`` is truthy and return it (``wait_until``, with the value)."""
+    got: list[Any] = [None]
+
+    def holds() -> bool:
+        got[0] = check()
+        return bool(got[0])
+
+    wait_until(holds, what, timeout)
+    return got[0]
 
 
 class Stream:

@@ -22,6 +22,8 @@ from procs import REDIS_URL, SPOOL, Prefixes, Service, finished_job, spool_env, 
 
 from common.keys import Keys
 
+pytestmark = pytest.mark.slow  # workers killed by their jobs, again and again
+
 MAX_ATTEMPTS = 2
 STALLS = {"engine_stall_s": 0.001}
 

@@ -21,6 +21,8 @@ from procs import Prefixes, Service, start_api, start_worker, wait_until
 from api.batch_files import result_file_id
 from common.keys import Keys
 
+pytestmark = pytest.mark.slow  # an API frozen and taken over
+
 GOOD = 40  # lines that run on the worker (the output file)
 LINES = 10_000  # the rest are refused at once (the error file): a file long enough to freeze mid-way
 # A lease of 25 ticks (1.25 s) lapses soon after the assembler freezes; a window that takes a

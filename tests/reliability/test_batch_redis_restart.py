@@ -15,6 +15,8 @@ import pytest
 from breakers import SHORT_LEASES, RedisServer, clean_prefix, poll
 from procs import Prefixes, Service, start_api, start_worker
 
+pytestmark = pytest.mark.slow  # a Redis of its own, crashed mid-batch
+
 PROMPTS = ["the quick brown fox", "once upon a time", "in the beginning", "to be or not to be"]
 LINES = 30
 MAX_TOKENS = 24

@@ -44,7 +44,10 @@ ENDLESS: dict[str, Any] = {
     "stream": True,
 }
 
-pytestmark = pytest.mark.skipif(shutil.which("faketime") is None, reason="needs faketime (Debian: faketime)")
+pytestmark = [
+    pytest.mark.slow,  # a worker of its own under faketime
+    pytest.mark.skipif(shutil.which("faketime") is None, reason="needs faketime (Debian: faketime)"),
+]
 
 
 @pytest.fixture(scope="module")

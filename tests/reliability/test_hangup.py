@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from procs import REDIS_URL, Prefixes, Service, start_api
+from procs import REDIS_URL, Prefixes, Service, start_api, wait_until
 
 from common.schemas.events import DoneEvent, LogEntry
 from common.schemas.views import JobStatus, Usage, WorkerHeartbeat
@@ -28,7 +28,7 @@ from common.store import Append, Final, SyncJobStore
 
 GRACE_S = 0.3
 TRIES = 12
-CANCEL_WAIT_S = GRACE_S + 5.0  # the check runs at the grace; this is the slack of a loaded machine
+CANCEL_WAIT_S = GRACE_S + 60.0  # the check runs at the grace; a bound for a stuck one, not a figure
 MODEL = "hangup-model"
 
 
@@ -63,10 +63,13 @@ def submit_and_hang_up(api: Service, store: SyncJobStore) -> str:
     before = set(store.redis.zrange(queued, 0, -1))
     with socket.create_connection((host, int(port))) as sock:
         sock.sendall(head.encode() + body)
-        deadline = time.monotonic() + 10
-        while not (new := set(store.redis.zrange(queued, 0, -1)) - before):
-            assert time.monotonic() < deadline, "the job was never queued"
-            time.sleep(0.002)
+        new: set[str] = set()
+
+        def queued_now() -> bool:
+            new.update(set(store.redis.zrange(queued, 0, -1)) - before)
+            return bool(new)
+
+        wait_until(queued_now, "the job queued", 60)
         [job_id] = new
         store.take_job(job_id, "stand-in", MODEL)
     return str(job_id)
@@ -75,19 +78,16 @@ def submit_and_hang_up(api: Service, store: SyncJobStore) -> str:
 def test_a_client_that_hangs_up_at_once_gets_its_job_cancelled_every_time(
     store: SyncJobStore, hangup_api: Service, figures: dict[str, Any]
 ) -> None:
-    missed = []
-    for _ in range(TRIES):
+    for i in range(TRIES):
         beat(store)
         job_id = submit_and_hang_up(hangup_api, store)
-        deadline = time.monotonic() + CANCEL_WAIT_S
-        while store.redis.hget(store.keys.job(job_id), "cancel_requested") != "1":
-            if time.monotonic() > deadline:
-                missed.append(job_id)
-                break
-            time.sleep(0.01)
+        wait_until(
+            lambda: store.redis.hget(store.keys.job(job_id), "cancel_requested") == "1",  # noqa: B023
+            f"the cancel of job {i + 1} of {TRIES}, whose client left",
+            CANCEL_WAIT_S,
+        )
         # The stand-in worker ends the job (the API's relay of it ends with its terminal event).
         store.append_batch([cancelled_end(store, job_id)])
-    assert not missed, f"{len(missed)} of {TRIES} jobs still watched after their client left"
     figures["hangup_cancelled"] = f"{TRIES} of {TRIES} immediate hang-ups cancelled after the grace"
 
 

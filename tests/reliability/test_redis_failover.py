@@ -23,6 +23,8 @@ from procs import SPOOL, Prefixes, Service, finished_job, spool_env, start, star
 
 from common.keys import Keys
 
+pytestmark = pytest.mark.slow  # a Redis failover, with workers of its own
+
 LEASES = {"lease_s": 20, "heartbeat_ttl_s": 20}  # longer than the demotion: leases hold through it
 DEMOTED_BEATS = 6  # failed heartbeats (every 0.5 s) of each worker while the primary is a replica
 PROMPT = "once upon a time there"

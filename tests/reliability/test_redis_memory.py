@@ -26,6 +26,8 @@ from common.keys import GENERATE_TASK, Keys
 from common.settings import Settings
 from workers.celery_app import make_app
 
+pytestmark = pytest.mark.slow  # a Redis of its own, out of memory, with workers of its own
+
 PROMPTS = ["the quick brown fox", "once upon a time there", "a long way from home, the", "hello world"]
 JOBS = 8
 MAX_TOKENS = 500

@@ -24,6 +24,8 @@ from breakers import SHORT_LEASES, RedisServer, Stream, Workers, clean_prefix, p
 from procs import SPOOL, Prefixes, Service, spool_env, start_api
 from sse_client import Event, check_full_stream, read_events
 
+pytestmark = pytest.mark.slow  # a Redis of its own, restarted
+
 PROMPTS = ["the quick brown fox", "once upon a time there", "a long way from home, the", "hello world"]
 MAX_TOKENS = 160
 ENVELOPE = {"message", "type", "param", "code"}

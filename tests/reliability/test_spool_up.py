@@ -8,6 +8,7 @@ import os
 import signal
 from pathlib import Path
 
+import pytest
 from procs import (
     Prefixes,
     Service,
@@ -19,6 +20,8 @@ from procs import (
     start_spool_up,
     wait_until,
 )
+
+pytestmark = pytest.mark.slow  # spool up stacks
 
 
 def spool_up(prefixes: Prefixes, log_dir: Path, name: str, **settings: object) -> tuple[Service, str]:

@@ -31,6 +31,8 @@ from common.keys import Keys
 from common.settings import Settings
 from workers.broker import Transport
 
+pytestmark = pytest.mark.slow  # workers killed
+
 MAX_TOKENS = 400
 
 

@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 import httpx
+import pytest
 import redis
 from procs import (
     SPOOL,
@@ -26,6 +27,8 @@ from procs import (
 )
 
 from common.keys import Keys
+
+pytestmark = pytest.mark.slow  # several workers started
 
 PROMPT = "the quick brown fox"
 

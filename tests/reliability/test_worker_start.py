@@ -29,6 +29,8 @@ from procs import (
 from common.keys import Keys
 from common.settings import DEFAULT_SERVED_MODEL
 
+pytestmark = pytest.mark.slow  # workers that fail to start (one compiles)
+
 BAD_MODEL = "/nonexistent/model"
 FALLBACK = "the compiled forward failed at load; the engine runs eagerly"
 

@@ -100,6 +100,7 @@ def test_generate_reports_a_refused_submit(cluster) -> None:  # type: ignore[no-
     assert result.stderr.startswith("spool: ") and "temperature" in result.stderr
 
 
+@pytest.mark.slow  # an API killed and restarted
 def test_generate_resumes_when_the_api_dies_mid_stream(cluster, tiny_model: Path, log_dir: Path) -> None:  # type: ignore[no-untyped-def]
     api = start_api(cluster.prefix, log_dir)
     argv = [SPOOL, "generate", LONG_PROMPT, "--max-tokens", "300", "--temperature", "0", "--url", api.url]
@@ -198,6 +199,7 @@ def jobs_with_prompt(client: redis.Redis, prefix: str, prompt: str) -> int:
     return sum(json.loads(client.hget(k, "request"))["prompt"] == prompt for k in hashes)
 
 
+@pytest.mark.slow  # a spool up stack
 def test_up_runs_worker_and_api_and_stops_on_ctrl_c(prefixes, tiny_model: Path, log_dir: Path) -> None:  # type: ignore[no-untyped-def]
     port = free_port()
     env = spool_env(prefixes.new(), model=tiny_model, port=port, heartbeat_s=0.5)

@@ -34,6 +34,7 @@ def test_a_line_while_the_text_worker_is_not_up_and_no_ready_without_one(
     assert not any("ready" in line for line in lines), lines
 
 
+@pytest.mark.slow  # a spool up stack
 def test_no_ready_when_the_text_worker_exits_at_start(
     prefixes, tiny_image_model: Path, log_dir: Path
 ) -> None:  # type: ignore[no-untyped-def]

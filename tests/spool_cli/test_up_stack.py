@@ -31,6 +31,8 @@ from procs import (
 
 from common.keys import GENERATE_TASK, Keys
 
+pytestmark = pytest.mark.slow  # a spool up stack
+
 CELERY = str(Path(sys.executable).with_name("celery"))
 
 
