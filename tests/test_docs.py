@@ -1,16 +1,12 @@
-"""The README says what the code does: its settings table is the Settings object's, and its
-examples run as written (the batch snippet against a live cluster, the parts example's events
-are ones its request can produce)."""
+"""The README says what the code does: its settings table is the Settings object's, and the parts
+example's events are ones its request can produce. (Every README command and snippet runs against
+a live `spool up` in test_readme_runs.py.)"""
 
 from __future__ import annotations
 
 import json
 import re
 from pathlib import Path
-
-import openai
-import pytest
-from procs import Cluster
 
 from common.settings import ENV_PREFIX, Settings
 
@@ -43,32 +39,6 @@ def readme_block(lang: str, containing: str) -> str:
     readme = (ROOT / "README.md").read_text()
     [block] = [b for b in re.findall(rf"^```{lang}\n(.*?)^```", readme, re.M | re.S) if containing in b]
     return str(block)
-
-
-def test_readme_batch_snippet_runs_as_written(
-    cluster: Cluster,
-    oai: openai.OpenAI,
-    tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
-    capsys: pytest.CaptureFixture[str],
-) -> None:
-    lines = [
-        {
-            "custom_id": f"r{i}",
-            "method": "POST",
-            "url": "/v1/chat/completions",
-            "body": {"messages": [{"role": "user", "content": f"line {i}"}], "max_tokens": 4},
-        }
-        for i in range(2)
-    ]
-    (tmp_path / "requests.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
-    monkeypatch.chdir(tmp_path)
-    exec(readme_block("python", "client.batches.create"), {"client": oai})  # the README's `client`
-    out = capsys.readouterr().out
-    assert out.startswith("completed ")
-    results = [json.loads(line) for line in out.splitlines()[1:] if line.startswith("{")]
-    assert sorted(r["custom_id"] for r in results) == ["r0", "r1"]
-    assert all(r["response"]["status_code"] == 200 for r in results)
 
 
 def test_readme_parts_example_shows_only_events_its_request_can_produce() -> None:
