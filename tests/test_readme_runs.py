@@ -735,6 +735,7 @@ def test_engine_snippet_runs() -> None:
     run_engine_snippet(snippet(ENGINE_SNIPPET))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)  # `spool up` and some 35 commands, on a shared 2-core machine
 def test_readme_bash_blocks_run_as_written(stack: Stack) -> None:
     ran: list[str] = []
@@ -758,6 +759,7 @@ def test_readme_bash_blocks_run_as_written(stack: Stack) -> None:
     assert http_status(stack.url + "/readyz") == 200
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_readme_python_snippets_run_as_written(
     stack: Stack, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
