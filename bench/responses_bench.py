@@ -92,13 +92,22 @@ def one_background(client: httpx.Client, a: str, b: str, k: int, tokens: int) ->
     }
 
 
-def background(logs: Path, redis_url: str, procs: list[harness.Proc], n: int, tokens: int) -> dict[str, Any]:
+def start_worker(
+    logs: Path, redis_url: str, procs: list[harness.Proc]
+) -> tuple[harness.Proc, dict[str, str]]:
+    """The background part's worker (the tiny model), started first: it loads meanwhile."""
     env = harness.spool_env(redis_url, "respbench")
     worker = harness.start("worker", [*harness.spool_argv(), "worker"], env=env, log_dir=logs, cwd=REPO_ROOT)
     procs.append(worker)
+    return worker, env
+
+
+def background(
+    worker: harness.Proc, env: dict[str, str], logs: Path, procs: list[harness.Proc], n: int, tokens: int
+) -> dict[str, Any]:
     (api_a, a), (api_b, b) = (harness.start_api(name, env, log_dir=logs, tree=REPO_ROOT) for name in "ab")
     procs += [api_a, api_b]
-    harness.wait_until(lambda: harness.http_status(f"{a}/readyz") == 200, "a ready worker", 120, [worker])
+    harness.wait_until(lambda: harness.http_status(f"{a}/readyz") == 200, "a ready worker", 300, [worker])
     with httpx.Client(timeout=300) as client, ThreadPoolExecutor(16) as pool:
         runs = list(pool.map(lambda k: one_background(client, a, b, k, tokens), range(n)))
     bad = [
@@ -132,9 +141,10 @@ def main() -> int:
         try:
             redis, redis_url = harness.start_redis(data_dir=logs, log_dir=logs)
             procs.append(redis)
+            worker, env = start_worker(logs, redis_url, procs)
             figures = {
                 "relay": relay(redis_url, logs, procs, args.rounds, args.steps),
-                "background": background(logs, redis_url, procs, args.responses, args.tokens),
+                "background": background(worker, env, logs, procs, args.responses, args.tokens),
             }
         finally:
             harness.stop_all(procs)

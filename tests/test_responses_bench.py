@@ -15,7 +15,7 @@ def test_responses_bench_smoke_run(tmp_path: Path) -> None:
     out = tmp_path / "figures.json"
     argv = [sys.executable, str(BENCH), "--rounds", "1", "--steps", "5", "--responses", "8", "--tokens", "12"]
     result = subprocess.run(
-        [*argv, "--json", str(out)], capture_output=True, text=True, timeout=300, check=False
+        [*argv, "--json", str(out)], capture_output=True, text=True, timeout=540, check=False
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     figures = json.loads(out.read_text())
