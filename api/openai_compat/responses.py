@@ -19,8 +19,6 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from fastapi.sse import ServerSentEvent
-
 from api.openai_compat.response_output import ToolOutput, output_text
 from api.openai_compat.response_record import ResponseRecord, message_item, response_id
 from common.schemas import Job, JobError, JobRequest, JobStatus, LogEntry, Usage
@@ -141,7 +139,7 @@ class ResponseView:
         """How many events open the stream, before the log's (H in the module's doc)."""
         return (3 if self.record.background else 2) + (0 if self.tools_on else 2)
 
-    def opening_events(self, after: int) -> list[ServerSentEvent]:
+    def opening_events(self, after: int) -> list[bytes]:
         """The events before the log's, those with sequence_number > ``after``."""
         first = "queued" if self.record.background else "in_progress"
         bodies: list[dict[str, Any]] = [{"type": "response.created", "response": self.obj(None, first)}]
@@ -210,7 +208,7 @@ class ResponseEvents:
         self._output = output  # with tools: the output so far (the stream reads the log from seq 1)
         self._next = view.opening  # with tools: the number of the next event
 
-    def of(self, entry: LogEntry, job: Job | None) -> list[ServerSentEvent]:
+    def of(self, entry: LogEntry, job: Job | None) -> list[bytes]:
         """The events of one log entry (a terminal one needs its ``job``: the text, the usage)."""
         if self._output is None:
             self._next = self._view.opening + entry.seq - 1
@@ -260,9 +258,14 @@ def _usage(usage: Usage) -> dict[str, Any]:
     }
 
 
-def _event(n: int, body: dict[str, Any]) -> ServerSentEvent:
+def _event(n: int, body: dict[str, Any]) -> bytes:
+    """One event in the SSE wire format, as ``api.sse.encode`` writes a ServerSentEvent with
+    ``event`` and ``raw_data``.
+
+    NOTE: formatted here (as ``api.sse.job_event`` is), not through a ServerSentEvent, a pydantic
+    model. No SSE id: the openai client keeps the last id and makes an event of every later
+    keep-alive comment (empty data, which it fails to parse as JSON); starting_after resumes.
+    One ``data:`` line is enough: ``json.dumps`` escapes every newline."""
     body = {**body, "sequence_number": n}
     data = json.dumps(body, ensure_ascii=False, separators=(",", ":"))
-    # NOTE: no SSE id: the openai client keeps the last id and makes an event of every later
-    # keep-alive comment (empty data, which it fails to parse as JSON). starting_after resumes.
-    return ServerSentEvent(event=body["type"], raw_data=data)
+    return b"event: %s\ndata: %s\n\n" % (body["type"].encode(), data.encode())
