@@ -224,7 +224,8 @@ class BatchFeeder:
         )
         if not ended:
             return window
-        model = min(await self.served.get(), default="")
+        served = await self.served.get()
+        model = min(served, default="")
         results = []
         for job_id in ended:
             line, custom_id = window.pop(job_id)
@@ -235,7 +236,11 @@ class BatchFeeder:
             else:
                 log = await self.jobs.read_log(job_id) if needs_view_log(b["endpoint"], record) else []
                 try:
-                    results.append(job_result(line, custom_id, b["endpoint"], record, model, ending, log))
+                    worker = served.get(record.job.model or model)
+                    parser = worker.tool_parser if worker is not None else None
+                    results.append(
+                        job_result(line, custom_id, b["endpoint"], record, model, ending, log, parser)
+                    )
                 except Exception as e:
                     results.append(crashed(line, custom_id, e, job_id))
         await self.batches.record(b["id"], results)

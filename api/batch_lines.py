@@ -23,7 +23,8 @@ from api.errors import ApiError, body_errors, error_body, validation_error
 from api.openai_compat.batches import error_line, response_line
 from api.openai_compat.chunks import View, failure
 from api.openai_compat.requests import ChatCompletionRequest, CompletionRequest, OpenAIRequest
-from api.openai_compat.responses import ResponseRequest, ResponseView
+from api.openai_compat.response_request import ResponseRequest
+from api.openai_compat.responses import ResponseView
 from api.served import check_servable, check_with_live_workers, resolve_model
 from common.schemas.checks import MAX_JSON_DEPTH, TOO_DEEP, too_deep_message
 from common.schemas.events import LogEntry
@@ -168,9 +169,11 @@ def job_result(
     model: str,
     ending: str,
     log: Sequence[LogEntry] = (),
+    tool_parser: str | None = None,
 ) -> LineResult:
     """The result line of a line's job that ended: its answer as the endpoint would give it
-    (``log``: the job's log, when its view needs it: ``needs_view_log``)."""
+    (``log``: the job's log, when its view needs it: ``needs_view_log``; ``tool_parser``: how
+    its model's tool calls are read, common/tool_calls.py)."""
     job = record.job
     if job.status is JobStatus.CANCELLED:
         code = "batch_expired" if ending == "expired" else "batch_cancelled"
@@ -188,9 +191,9 @@ def job_result(
             return LineResult(
                 line, "failed", refused(line, custom_id, failure(job.error), job.id).result, job.id
             )
-        body = ResponseView.of_line(job, record.request, job.model or model).obj(job)
+        body = ResponseView.of_line(job, record.request, job.model or model, tool_parser).obj(job)
         return LineResult(line, "completed", response_line(job.id, custom_id, 200, body), job.id)
-    view = View.of(job.id, job.created_at, record.request, job.model or model)
+    view = View.of(job.id, job.created_at, record.request, job.model or model, tool_parser)
     try:
         return LineResult(
             line, "completed", response_line(job.id, custom_id, 200, view.completion(job, log)), job.id

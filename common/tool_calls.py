@@ -122,6 +122,15 @@ def call_schema(tools: Sequence[dict[str, Any]], name: str | None) -> dict[str, 
     return options[0] if len(options) == 1 else {"anyOf": options}
 
 
+def call_guide(tools: Sequence[dict[str, Any]], choice: str, parallel: bool) -> dict[str, Any]:
+    """What the grammar engine constrains a request with tools to (workers/engine/grammar.py's
+    ``Grammars.tool_call``): the schema of one call (to the named tool, or to any), and whether
+    calls are ``triggered`` (tool_choice auto: free text, a call constrained from its opening
+    tag on) or one is forced; ``single``: parallel_tool_calls false, nothing after a first call."""
+    named = None if choice in ("auto", "required") else choice
+    return {"schema": call_schema(tools, named), "triggered": choice == "auto", "single": not parallel}
+
+
 def call_id(job_id: str, index: int) -> str:
     """The same id for the same call on every replica, streamed or not."""
     return f"call_{job_id.replace('-', '')[:24]}_{index}"

@@ -16,7 +16,7 @@ import jsonschema
 import openai
 import pytest
 from openai_stream import read_stream
-from procs import Cluster
+from procs import Cluster, Service, wait_until
 from transformers import AutoTokenizer
 
 WEATHER = {
@@ -284,3 +284,125 @@ def test_a_stream_resumed_inside_a_call_goes_on_with_it(cluster: Cluster, client
             client, "GET", f"{cluster.url}/v1/jobs/{full.job_id}/events?format=openai", last_event_id=k
         )
         assert [c.data for c in rest.chunks] == [c.data for c in full.chunks if c.id is None or c.id > k]
+
+
+def _items(events: list[Any]) -> list[dict[str, Any]]:
+    """The output items a stream's events build, as the SDK would accumulate them."""
+    items: dict[int, dict[str, Any]] = {}
+    for e in events:
+        if e.type == "response.output_item.added":
+            items[e.output_index] = e.item.model_dump()
+        elif e.type == "response.output_text.delta":
+            item = items[e.output_index]
+            item["content"] = item["content"] or [{"type": "output_text", "text": ""}]
+            item["content"][0]["text"] += e.delta
+        elif e.type == "response.function_call_arguments.delta":
+            items[e.output_index]["arguments"] += e.delta
+        elif e.type == "response.output_item.done":
+            assert items[e.output_index]["id"] == e.item.id
+            if e.item.type == "function_call":
+                assert e.item.arguments == items[e.output_index]["arguments"]
+            else:
+                assert e.item.content[0].text == items[e.output_index]["content"][0]["text"]
+            items[e.output_index] = e.item.model_dump()
+    return [items[k] for k in sorted(items)]
+
+
+@pytest.mark.parametrize("choice", ["required", "auto"])
+def test_responses_streamed_calls_reassemble_and_resume_on_another_replica(
+    oai: openai.OpenAI, model: str, second_api: Service, choice: str
+) -> None:
+    kwargs: Any = {
+        "model": model,
+        "input": "Weather in Paris?",
+        "tools": [{"type": "function", **FORECAST["function"]}, {"type": "function", **PING["function"]}],
+        "tool_choice": choice,
+        "temperature": 1,
+        "max_output_tokens": 100,
+        "background": True,
+    }
+    with openai.OpenAI(base_url=f"{second_api.url}/v1", api_key="unused", max_retries=0) as other:
+        for seed in range(3):
+            events = list(oai.responses.create(stream=True, extra_body={"seed": seed}, **kwargs))
+            assert [e.sequence_number for e in events] == list(range(len(events)))
+            final = events[-1].response
+            assert final.status in ("completed", "incomplete")
+            whole = oai.responses.retrieve(final.id)
+            assert [i.model_dump() for i in whole.output] == [i.model_dump() for i in final.output]
+            assert _items(events) == [i.model_dump() for i in whole.output]
+            calls = [i for i in whole.output if i.type == "function_call"]
+            if choice == "required":
+                assert len(calls) == 1 and whole.status == "completed"
+            params = {t["function"]["name"]: t["function"]["parameters"] for t in (FORECAST, PING)}
+            for c in calls:
+                jsonschema.validate(json.loads(c.arguments), params[c.name])
+                done = [e for e in events if e.type == "response.function_call_arguments.done"]
+                assert c.arguments in [d.arguments for d in done]
+            for n in range(0, len(events), max(1, len(events) // 5)):
+                rest = list(other.responses.retrieve(final.id, stream=True, starting_after=n))
+                assert [e.model_dump() for e in rest] == [e.model_dump() for e in events[n + 1 :]]
+
+
+@pytest.mark.parametrize("url", ["/v1/chat/completions", "/v1/responses"])
+def test_batch_lines_with_tools_get_their_calls_parsed(oai: openai.OpenAI, url: str) -> None:
+    chat = url == "/v1/chat/completions"
+    body: dict[str, Any] = (
+        {"messages": MESSAGES, "tools": [FORECAST], "tool_choice": "required", "max_tokens": 100}
+        if chat
+        else {
+            "input": "Weather?",
+            "tools": [{"type": "function", **FORECAST["function"]}],
+            "tool_choice": {"type": "function", "name": "forecast"},
+            "max_output_tokens": 100,
+        }
+    )
+    lines = [
+        {"custom_id": f"t-{i}", "method": "POST", "url": url, "body": {**body, "seed": i}} for i in range(2)
+    ]
+    content = "".join(json.dumps(x) + "\n" for x in lines).encode()
+    file_id = oai.files.create(file=("in.jsonl", content), purpose="batch").id
+    batch = oai.batches.create(input_file_id=file_id, endpoint=url, completion_window="24h")  # type: ignore[arg-type]
+
+    def ended() -> bool:
+        nonlocal batch
+        batch = oai.batches.retrieve(batch.id)
+        return batch.status in ("completed", "failed", "expired", "cancelled")
+
+    wait_until(ended, "the batch to end", 120)
+    assert batch.status == "completed" and batch.output_file_id is not None
+    outs = [
+        json.loads(raw)["response"]["body"]
+        for raw in oai.files.content(batch.output_file_id).text.splitlines()
+    ]
+    assert len(outs) == 2
+    params = FORECAST["function"]["parameters"]  # type: ignore[index]
+    for out in outs:
+        if chat:
+            [choice] = out["choices"]
+            assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+            [call] = choice["message"]["tool_calls"]
+            name, arguments = call["function"]["name"], call["function"]["arguments"]
+        else:
+            [call] = out["output"]
+            assert call["type"] == "function_call" and out["tool_choice"] == body["tool_choice"]
+            name, arguments = call["name"], call["arguments"]
+        assert name == "forecast"
+        jsonschema.validate(json.loads(arguments), params)
+
+
+def test_auto_answers_in_text_or_in_valid_calls(oai: openai.OpenAI, model: str) -> None:
+    """tool_choice auto on a random model: plain text (a call it started would be constrained:
+    tests/engine/test_tool_grammar.py starts them)."""
+    params = {t["function"]["name"]: t["function"]["parameters"] for t in (FORECAST, PING)}
+
+    def one(seed: int) -> Any:
+        return oai.chat.completions.create(
+            model=model, messages=MESSAGES, tools=[FORECAST, PING], temperature=1, seed=seed, max_tokens=60
+        ).choices[0]
+
+    with ThreadPoolExecutor(8) as pool:
+        choices = list(pool.map(one, range(8)))
+    assert any(c.message.content for c in choices)
+    for c in choices:
+        for call in c.message.tool_calls or []:
+            jsonschema.validate(json.loads(call.function.arguments), params[call.function.name])

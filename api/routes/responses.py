@@ -20,13 +20,9 @@ from api.auth import current_owner
 from api.deps import ServicesDep
 from api.errors import ApiError
 from api.openai_compat.chunks import failure
-from api.openai_compat.responses import (
-    ResponseRecord,
-    ResponseRequest,
-    ResponseView,
-    item_text,
-    job_id_of,
-)
+from api.openai_compat.response_record import ResponseRecord, item_text, job_id_of
+from api.openai_compat.response_request import ResponseRequest
+from api.openai_compat.responses import ResponseView
 from api.served import check_servable, resolve_model
 from api.services import Services
 from api.sse import AsyncRender, Chunk
@@ -95,8 +91,7 @@ async def retrieve_response(
         return JSONResponse(view.obj(await services.store.get_job(view.job_id)))
     after = starting_after
     state = await services.store.stream_state(view.job_id)
-    # The last event's number, at most (a terminal entry is up to 4 events).
-    if after > view.opening + state.log_length + 2:
+    if after > view.last_event_at_most(state.log_length):
         raise ApiError(
             400,
             f"starting_after {after} is past the response's last event",
@@ -217,6 +212,7 @@ async def _cancel(services: Services, job_id: str) -> None:
 
 def _render(store: AsyncJobStore, view: ResponseView, after: int) -> AsyncRender:
     """The stream's events from log entries; a terminal entry reads the job for its text."""
+    events = view.events(after)
 
     async def render(items: Sequence[LogEntry | ServerSentEvent]) -> list[Chunk]:
         out: list[Chunk] = []
@@ -225,7 +221,7 @@ def _render(store: AsyncJobStore, view: ResponseView, after: int) -> AsyncRender
                 out.append(item)
                 continue
             job = _as_ended(await store.get_job(view.job_id), item) if item.terminal else None
-            out += view.entry_events(item, job, after)
+            out += events.of(item, job)
         return out
 
     return AsyncRender(render)

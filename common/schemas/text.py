@@ -23,7 +23,7 @@ from common.schemas.checks import (
     server_settings,
 )
 from common.settings import DEFAULT_MAX_TOKENS
-from common.tool_calls import call_schema
+from common.tool_calls import call_guide
 
 # The sampling extras' (lowest, highest) values, both included.
 _RANGES: dict[str, tuple[float, float]] = {
@@ -131,19 +131,19 @@ class TextParams(BaseModel):
     @property
     def guide(self) -> tuple[str, Any] | None:
         """What the output is constrained to: ("json", schema or None for any object), ("regex",
-        pattern), ("choice", strings) or ("tool_call", the schema of one call: a required or
-        named tool_choice); None: nothing."""
-        if self.tools is not None and self.tool_choice not in ("auto", "none"):
-            tools = [t.model_dump(exclude_none=True) for t in self.tools]
-            return "tool_call", call_schema(
-                tools, None if self.tool_choice == "required" else self.tool_choice
-            )
+        pattern), ("choice", strings) or ("tool_call", common/tool_calls.py's call_guide: tools
+        with no other guide); None: nothing."""
+        tools = [t.model_dump(exclude_none=True) for t in self.tools or ()]
+        if tools and self.tool_choice not in ("auto", "none"):
+            return "tool_call", call_guide(tools, self.tool_choice, self.parallel_tool_calls)
         if self.response_format is not None and self.response_format.constrained:
             return "json", self.response_format.schema_or_none
         if self.guided_regex is not None:
             return "regex", self.guided_regex
         if self.guided_choice is not None:
             return "choice", list(self.guided_choice)
+        if tools and self.tool_choice == "auto":
+            return "tool_call", call_guide(tools, "auto", self.parallel_tool_calls)
         return None
 
     @field_validator("repetition_penalty")

@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 import xgrammar as xgr
+from xgrammar.structural_tag import GrammarFormat, TagFormat, TriggeredTagsFormat
 
 from workers.engine.request import Request
 
@@ -79,16 +80,20 @@ class Grammars:
         ebnf = "root ::= " + " | ".join(map(_ebnf_string, choices))
         return self._cached("choice\0" + ebnf, lambda: self._compiler.compile_grammar(ebnf), "choice")
 
-    def tool_call(self, open: str, schema: dict[str, Any], close: str) -> xgr.CompiledGrammar:
-        """The grammar of one tool call: ``open``, JSON that validates against ``schema`` (the
-        call's name and arguments), ``close``."""
-        key = json.dumps([open, schema, close])
+    def tool_call(self, open: str, guide: dict[str, Any], close: str) -> xgr.CompiledGrammar:
+        """The grammar of a request's tool calls (``guide``: common/tool_calls.py's ``call_guide``),
+        each call ``open``, JSON that validates against the call's schema (its name and
+        arguments), ``close``. A forced guide is one call and nothing else; a triggered one
+        (tool_choice auto) is free text in which ``open`` starts a call, constrained from there
+        to its end, and text again after it (with ``single``, nothing after the first call)."""
+        key = json.dumps([open, guide, close])
 
         def compile() -> xgr.CompiledGrammar:
-            tags = [xgr.Grammar.from_ebnf("root ::= " + _ebnf_string(t)) for t in (open + "\n", "\n" + close)]
-            return self._compiler.compile_grammar(
-                xgr.Grammar.concat(tags[0], json_grammar(json.dumps(schema)), tags[1])
-            )
+            call = _tag(open, json_grammar(json.dumps(guide["schema"])), close)
+            if not guide["triggered"]:
+                return self._compiler.compile_structural_tag(xgr.StructuralTag(format=call))
+            calls = TriggeredTagsFormat(triggers=[open], tags=[call], stop_after_first=guide["single"])
+            return self._compiler.compile_structural_tag(xgr.StructuralTag(format=calls))
 
         return self._cached("tool_call\0" + key, compile, "tool's JSON schema")
 
@@ -129,6 +134,11 @@ def json_grammar(schema: str) -> xgr.Grammar:
     space) that validates against ``schema``, with no raw control character inside a string."""
     ebnf = str(xgr.Grammar.from_json_schema(schema, any_whitespace=False))
     return xgr.Grammar.from_ebnf(ebnf.replace(_BOUNDED_STRING_CHAR, _JSON_STRING_CHAR))
+
+
+def _tag(open: str, content: xgr.Grammar, close: str) -> TagFormat:
+    """``open``, a newline, ``content``, a newline, ``close`` (as Hermes writes a call)."""
+    return TagFormat(begin=open + "\n", content=GrammarFormat(grammar=str(content)), end="\n" + close)
 
 
 def _ebnf_string(text: str) -> str:
