@@ -12,7 +12,7 @@ The only code of Spool that writes Redis (Celery's broker and kombu write their 
 - ``watchers``: who watches a foreground job (the API writes, a worker reads);
 - ``clients``: the Redis clients' retries, timeouts and pool;
 - ``sync`` and ``aio``: the two stores;
-- ``batches``: the API's files and batches.
+- ``files`` and ``batches``: the API's files and batches.
 """
 
 from common.store.aio import AsyncJobStore
@@ -20,10 +20,8 @@ from common.store.batches import (
     BATCH_LINE_STATES,
     AsyncBatchStore,
     BatchCounts,
-    FenceLost,
     LineJob,
     LineResult,
-    Usage,
 )
 from common.store.calls import (
     append_step_args,
@@ -39,6 +37,7 @@ from common.store.calls import (
     take_args,
 )
 from common.store.errors import Conflict, IdempotencyConflict, JobNotFound, QueueFull, StoreError
+from common.store.files import FenceLost, Usage
 from common.store.parts import (
     as_part_entry,
     own_events,
