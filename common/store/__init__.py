@@ -16,13 +16,7 @@ The only code of Spool that writes Redis (Celery's broker and kombu write their 
 """
 
 from common.store.aio import AsyncJobStore
-from common.store.batches import (
-    BATCH_LINE_STATES,
-    AsyncBatchStore,
-    BatchCounts,
-    LineJob,
-    LineResult,
-)
+from common.store.batches import BATCH_LINE_STATES, AsyncBatchStore, BatchCounts, LineJob, LineResult
 from common.store.calls import (
     append_step_args,
     cancel_args,
@@ -38,12 +32,7 @@ from common.store.calls import (
 )
 from common.store.errors import Conflict, IdempotencyConflict, JobNotFound, QueueFull, StoreError
 from common.store.files import FenceLost, Usage
-from common.store.parts import (
-    as_part_entry,
-    own_events,
-    part_reads,
-    with_parts,
-)
+from common.store.parts import as_part_entry, own_events, part_reads, with_parts
 from common.store.records import (
     JOB_ID_BYTES,
     TEXT_CHECKPOINT_EVENTS,

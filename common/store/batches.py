@@ -23,12 +23,7 @@ from common.keys import Keys
 from common.schemas import JobRequest
 from common.settings import Settings
 from common.store.files import FenceLost, FileRecords, flat, hash_or_none
-from common.store.records import (
-    OWNER_INDEX_MAX,
-    QueueMessage,
-    new_job_fields,
-    owner_index_age_s,
-)
+from common.store.records import OWNER_INDEX_MAX, QueueMessage, new_job_fields, owner_index_age_s
 from common.store.scripts import source
 
 ENDED = ("completed", "failed", "expired", "cancelled")  # a batch's final statuses
