@@ -12,19 +12,11 @@ The only code of Spool that writes Redis (Celery's broker and kombu write their 
 - ``watchers``: who watches a foreground job (the API writes, a worker reads);
 - ``clients``: the Redis clients' retries, timeouts and pool;
 - ``sync`` and ``aio``: the two stores;
-- ``batches``: the API's files and batches.
+- ``files`` and ``batches``: the API's files and batches.
 """
 
 from common.store.aio import AsyncJobStore
-from common.store.batches import (
-    BATCH_LINE_STATES,
-    AsyncBatchStore,
-    BatchCounts,
-    FenceLost,
-    LineJob,
-    LineResult,
-    Usage,
-)
+from common.store.batches import BATCH_LINE_STATES, AsyncBatchStore, BatchCounts, LineJob, LineResult
 from common.store.calls import (
     append_step_args,
     cancel_args,
@@ -39,12 +31,8 @@ from common.store.calls import (
     take_args,
 )
 from common.store.errors import Conflict, IdempotencyConflict, JobNotFound, QueueFull, StoreError
-from common.store.parts import (
-    as_part_entry,
-    own_events,
-    part_reads,
-    with_parts,
-)
+from common.store.files import FenceLost, Usage
+from common.store.parts import as_part_entry, own_events, part_reads, with_parts
 from common.store.records import (
     JOB_ID_BYTES,
     TEXT_CHECKPOINT_EVENTS,

@@ -23,11 +23,7 @@ from common.store.calls import (
 )
 from common.store.clients import WRITE_PROBE_TTL_MS, async_client
 from common.store.errors import JobNotFound
-from common.store.parts import (
-    part_reads,
-    summary_with_parts,
-    with_parts,
-)
+from common.store.parts import part_reads, summary_with_parts, with_parts
 from common.store.records import (
     LIST_SCAN_MAX,
     SUMMARY_FIELDS,

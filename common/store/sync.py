@@ -23,13 +23,7 @@ from common.store.calls import (
     take_args,
 )
 from common.store.clients import sync_client
-from common.store.records import (
-    WORKER_FORGET_S,
-    Append,
-    Appended,
-    TakeResult,
-    heartbeats_from,
-)
+from common.store.records import WORKER_FORGET_S, Append, Appended, TakeResult, heartbeats_from
 from common.store.scripts import source
 from common.store.watchers import watching
 
