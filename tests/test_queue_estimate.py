@@ -18,7 +18,7 @@ from procs import REDIS_URL, SPOOL, Prefixes, finished_job, start_api, start_wor
 from common.keys import Keys
 from common.store.service_times import estimate_start_s
 
-LONG = {"prompt": "once upon a time", "max_tokens": 200, "min_tokens": 200, "temperature": 0}
+LONG = {"prompt": "once upon a time", "max_tokens": 480, "min_tokens": 480, "temperature": 0}  # ~the context
 LEASES = {"heartbeat_ttl_s": 3, "lease_s": 3}
 
 
