@@ -14,12 +14,14 @@ flood       "flood" submits F short requests at once; "trickle" sends T requests
             its figure on an idle engine.
 throughput  generated tokens per second of the backlogged run, fairness on / off: the median of
             --repeats runs each, FCFS and fair alternating, so that a change in the machine's load
-            falls on both.
+            falls on both; also per CPU second of this process and per engine step, which other
+            processes on a shared machine bend less than the wall clock.
 
 Two models on one Redis (every job on its own model) is a test, not a figure: tests/test_models.py.
 
     .venv/bin/python bench/fair_bench.py                    # N=200, F=2000, T=40
     nice -n 5 .venv/bin/python bench/fair_bench.py --requests 100 --flood 500 --trickle 20 --repeats 2
+    .venv/bin/python bench/fair_bench.py --parts flood      # one part: backlogged or flood
 """
 
 from __future__ import annotations
