@@ -201,6 +201,11 @@ class Keys:
         slug = _UNSAFE.sub("-", model).strip("-.")[-MODEL_SLUG_CHARS:]
         return f"{self.prefix}.llm.{slug}.{digest}"
 
+    def service_times(self, queue: str) -> str:
+        """List: seconds from take to end of the latest text jobs of a model's queue, newest
+        first (common/store/service_times.py), for a queued job's ``estimated_start_s``."""
+        return f"{self.prefix}:service_s:{queue}"
+
     def model_queues(self) -> str:
         """Pattern of every model's queue list (for tests and tools that clean a prefix up)."""
         return f"{self.prefix}.llm.*"

@@ -134,7 +134,9 @@ def add_client_commands(sub: Any) -> None:
         "job",
         "show one job (JSON: status, text, usage, ...), or follow its stream",
         "With --follow it prints the job's text from the start and then as it comes, as spool "
-        "generate does: how to resume a generate that was interrupted.",
+        "generate does: how to resume a generate that was interrupted. Of a queued job it also "
+        "says, on stderr, how many jobs are ahead of it and when it can be expected to start "
+        "(queue_position, estimated_start_s).",
         CLIENT_SETTINGS,
         "spool job 3f0c9a1e2b7d4c5f8e6a0b1c2d3e4f5a --follow",
     )

@@ -35,7 +35,17 @@ def show_job(url: str, job_id: str, api_key: str | None) -> int:
         say(str(error))
         return 1
     print(json.dumps(job, indent=2, ensure_ascii=False))
+    if job.get("status") == "queued" and job.get("queue_position") is not None:
+        say(queued_line(job["queue_position"], job.get("estimated_start_s")))
     return 0
+
+
+def queued_line(position: int, estimate: float | None) -> str:
+    """What ``spool job`` says of a queued job (on stderr: stdout stays the job's JSON)."""
+    ahead = f"queued, {position} job{'' if position == 1 else 's'} ahead of it"
+    if estimate is None:
+        return f"{ahead}; no start estimate (no live worker of its model, or none of its jobs ended yet)"
+    return f"{ahead}; expected to start in about {estimate:g} s"
 
 
 def cancel_jobs(url: str, job_ids: list[str], api_key: str | None) -> int:

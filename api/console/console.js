@@ -17,6 +17,7 @@
 
 const $ = (id) => document.getElementById(id);
 const KEY_STORE = "spool-api-key";
+const HIDE_LINES_STORE = "spool-hide-batch-lines"; // the recent jobs' toggle, kept across reloads
 const POLL_MS = 2000;
 const RETRY_MAX_MS = 4000;
 
@@ -28,6 +29,7 @@ const view = {
   partTokens: new Map(), // part index -> its token events shown (a token's index counts its part's)
   images: [], // object URLs of the images shown, revoked when another job is shown
   hooksTimer: null, // the next poll of the job's webhook deliveries
+  queueTimer: null, // the next poll of a queued job's place and start estimate
 };
 const CANCELLABLE_BATCH = ["validating", "in_progress"];
 const ENDED_EARLY = ["cancelled", "failed", "expired"]; // a batch whose lines did not all run
@@ -140,6 +142,8 @@ async function follow(jobId, submittedAt = null) {
   $("job-id").textContent = jobId;
   $("job-meta").textContent = "";
   clearTimeout(view.hooksTimer);
+  clearTimeout(view.queueTimer);
+  $("queue-info").hidden = true;
   $("webhooks").replaceChildren();
   $("webhooks-view").hidden = true;
   $("cancel").disabled = false;
@@ -418,10 +422,36 @@ async function refreshJob(jobId) {
     if (view.jobId !== jobId) return;
     if (["queued", "running"].includes(job.status) && !view.tokens) setStatus(job.status);
     for (const part of job.parts || []) updatePart(part.index, part, false);
+    showQueue(jobId, job);
   } catch (err) {
     /* the stream reports its own errors */
   }
   refreshWebhooks(jobId);
+}
+
+// A queued job's place (queue_position) and start estimate (estimated_start_s), read again every
+// POLL_MS until it leaves the queue.
+function showQueue(jobId, job) {
+  clearTimeout(view.queueTimer);
+  const info = $("queue-info");
+  info.hidden = job.status !== "queued" || view.tokens > 0;
+  if (info.hidden || job.queue_position === null || job.queue_position === undefined) return;
+  const n = job.queue_position;
+  const estimate = job.estimated_start_s ?? null;
+  info.dataset.position = String(n);
+  info.dataset.estimate = estimate === null ? "" : String(estimate);
+  const start = estimate === null
+    ? "no start estimate (no live worker of its model, or none of its jobs ended yet)"
+    : `starts in about ${estimate < 90 ? `${Math.round(estimate)} s` : `${Math.round(estimate / 60)} min`}`;
+  info.textContent = `queued · ${n} job${n === 1 ? "" : "s"} ahead · ${start}`;
+  view.queueTimer = setTimeout(async () => {
+    try {
+      const again = await getJson(`/v1/jobs/${encodeURIComponent(jobId)}`);
+      if (view.jobId === jobId) showQueue(jobId, again);
+    } catch (err) {
+      if (view.jobId === jobId) showQueue(jobId, job); // try again at the next poll
+    }
+  }, POLL_MS);
 }
 
 // ---- the job's webhook deliveries -----------------------------------------------------------
@@ -561,8 +591,10 @@ async function cancel() {
 async function refreshJobs() {
   const list = $("jobs");
   try {
-    const page = await getJson("/v1/jobs?limit=10");
-    $("jobs-note").textContent = page.data.length ? "" : "No jobs yet.";
+    const hide = $("hide-batch-lines").checked;
+    const page = await getJson(`/v1/jobs?limit=10${hide ? "&batch_lines=false" : ""}`);
+    if (hide !== $("hide-batch-lines").checked) return; // toggled meanwhile: its own refresh shows
+    $("jobs-note").textContent = page.data.length ? "" : hide ? "No jobs but batch lines." : "No jobs yet.";
     list.replaceChildren(...page.data.map(jobItem));
   } catch (err) {
     $("jobs-note").textContent = explain(err);
@@ -584,7 +616,12 @@ function jobItem(job) {
   when.className = "when";
   const n = job.parts ? job.parts.length : 0;
   const parts = n ? `${n} ${n === 1 ? "part" : "parts"} · ` : "";
-  when.textContent = `${parts}${job.usage.completion_tokens} tok · ${new Date(job.created_at * 1000).toLocaleTimeString()}`;
+  if (job.batch_id) {
+    li.dataset.batchId = job.batch_id;
+    li.title = `a line of ${job.batch_id}`;
+  }
+  const line = job.batch_id ? "batch line · " : "";
+  when.textContent = `${line}${parts}${job.usage.completion_tokens} tok · ${new Date(job.created_at * 1000).toLocaleTimeString()}`;
   li.append(status, link, when);
   return li;
 }
@@ -809,6 +846,13 @@ function start() {
   $("copy").addEventListener("click", copyText);
   $("new-chat").addEventListener("click", newChat);
   $("refresh-jobs").addEventListener("click", refreshJobs);
+  const hideLines = $("hide-batch-lines");
+  hideLines.checked = localStorage.getItem(HIDE_LINES_STORE) === "1";
+  hideLines.addEventListener("change", () => {
+    if (hideLines.checked) localStorage.setItem(HIDE_LINES_STORE, "1");
+    else localStorage.removeItem(HIDE_LINES_STORE);
+    refreshJobs();
+  });
   $("refresh-batches").addEventListener("click", refreshBatches);
   $("batch-form").addEventListener("submit", startBatch);
   const jobId = new URLSearchParams(location.search).get("job");

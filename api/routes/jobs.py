@@ -83,17 +83,21 @@ async def list_jobs(
     limit: Annotated[int, Query(ge=1, le=100)] = 20,
     after: Annotated[str | None, Query(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")] = None,
     status: JobStatus | None = None,
+    batch_lines: bool = True,
 ) -> JobList:
     """The jobs of the caller's API key (without keys: every job), newest first, without their
-    text. ``after``: the ``last_id`` of the page before; ``status``: only jobs in that state."""
-    return await store.list_jobs(current_owner(), limit, after, status)
+    text. ``after``: the ``last_id`` of the page before; ``status``: only jobs in that state;
+    ``batch_lines=false``: without the jobs of batches' lines (those have a ``batch_id``)."""
+    return await store.list_jobs(current_owner(), limit, after, status, batch_lines)
 
 
 @router.get("/{job_id}")
 async def get_job(job: JobDep, store: StoreDep) -> Job:
     if job.status is not JobStatus.QUEUED:
         return job
-    return job.model_copy(update={"queue_position": await store.queue_position(job.id)})
+    position = await store.queue_position(job.id)
+    estimate = await store.estimated_start_s(job.id, position) if position is not None else None
+    return job.model_copy(update={"queue_position": position, "estimated_start_s": estimate})
 
 
 @router.post("/{job_id}/cancel")

@@ -57,6 +57,7 @@ class JobSummary(BaseModel):
     finished_at: float | None = None
     parts: list[dict[str, Any]] = Field(default_factory=list)  # multimodal parts; empty for text jobs
     model: str | None = None  # the model the worker loaded; None until a worker takes the job
+    batch_id: str | None = None  # the batch whose line this job is; None for any other job
 
 
 class Job(JobSummary):
@@ -65,6 +66,9 @@ class Job(JobSummary):
     text: str  # concatenated token texts; partial while running
     # Queued: how many jobs its model's workers take before it (AsyncJobStore.queue_position).
     queue_position: int | None = None
+    # Queued: seconds until it can be expected to start; None without a basis (no live worker of
+    # its model, or none of its jobs ended yet): AsyncJobStore.estimated_start_s.
+    estimated_start_s: float | None = None
 
 
 class JobList(BaseModel):

@@ -43,6 +43,7 @@ from common.store.records import (
 )
 from common.store.responses import ResponseRecords
 from common.store.scripts import source
+from common.store.service_times import estimate_start_s, mean_service_s, model_load
 from common.store.watchers import WatcherSets
 
 QUEUE_POSITION_SCAN = 1000  # queued jobs read to count a job's place among its model's
@@ -200,10 +201,26 @@ class AsyncJobStore(WatcherSets, ResponseRecords):
         ]
         return int(requeued) + len(ahead) + (int(lines) if tier else 0)
 
+    async def estimated_start_s(self, job_id: str, position: int) -> float | None:
+        """Seconds until a queued job at ``position`` can be expected to start, from its model's
+        live workers (slots, requests held) and recent service times; None without a basis
+        (common/store/service_times.py)."""
+        queue = await self.redis.hget(self.keys.job(job_id), "queue")
+        load = model_load(await self.list_workers(), self.keys, str(queue)) if queue else None
+        if load is None:
+            return None
+        return estimate_start_s(position, *load, await mean_service_s(self.redis, self.keys, str(queue)))
+
     async def list_jobs(
-        self, owner: str, limit: int, after: str | None = None, status: JobStatus | None = None
+        self,
+        owner: str,
+        limit: int,
+        after: str | None = None,
+        status: JobStatus | None = None,
+        batch_lines: bool = True,
     ) -> JobList:
-        """The owner's jobs newest first, from its index (``Keys.owner_jobs``), after job ``after``.
+        """The owner's jobs newest first, from its index (``Keys.owner_jobs``), after job ``after``
+        (``batch_lines`` False: without the jobs of batches' lines).
 
         Reads at most LIST_SCAN_MAX index entries: with a filter that matches few of them, the page
         may be short with ``has_more`` set and ``last_id`` the last entry read. Expired jobs are skipped.
@@ -229,7 +246,8 @@ class AsyncJobStore(WatcherSets, ResponseRecords):
                 rows = await pipe.execute()
             for job_id, row in zip(ids, rows, strict=True):
                 h = dict(zip(SUMMARY_FIELDS, row, strict=True))
-                if h["id"] is not None and (status is None or h["status"] == status.value):
+                wanted = (status is None or h["status"] == status.value) and (batch_lines or not h["batch"])
+                if h["id"] is not None and wanted:
                     found.append(summary_from_hash(h))
                     if h.get("parts"):
                         part_counts[job_id] = int(str(h["parts"]))

@@ -231,7 +231,7 @@ def with_log_tail(record: JobRecord, tail: Sequence[LogEntry]) -> JobRecord:
 
 SUMMARY_FIELDS = (
     "id", "status", "finish_reason", "prompt_tokens", "completion_tokens", "error",
-    "created_at", "started_at", "finished_at", "model", "parts",
+    "created_at", "started_at", "finished_at", "model", "parts", "batch",
 )  # fmt: skip
 LIST_SCAN_MAX = 1000  # index entries one GET /v1/jobs reads at most (a status filter skips some)
 
@@ -249,6 +249,7 @@ def summary_from_hash(h: Mapping[str, str | None]) -> JobSummary:
         started_at=float_or_none(h.get("started_at")),
         finished_at=float_or_none(h.get("finished_at")),
         model=h.get("model") or None,
+        batch_id=h.get("batch") or None,
     )
 
 

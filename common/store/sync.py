@@ -25,6 +25,7 @@ from common.store.calls import (
 from common.store.clients import sync_client
 from common.store.records import WORKER_FORGET_S, Append, Appended, TakeResult, heartbeats_from
 from common.store.scripts import source
+from common.store.service_times import record_service_times
 from common.store.watchers import watching
 
 if TYPE_CHECKING:
@@ -91,6 +92,8 @@ class SyncJobStore:
             if results[i] is None:  # a part's, in order (several steps of one part stay in order)
                 keys, args = part_append_args(self.keys, a, ttl, now)
                 results[i] = Appended.of(self._part_append(keys, args))
+        ended = [appends[i].job_id for i in jobs if appends[i].final and results[i] is Appended.WRITTEN]
+        record_service_times(self.redis, self.keys, ended)
         return [r for r in results if r is not None]
 
     def part_text(self, job_id: str, index: int) -> str:
