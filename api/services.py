@@ -68,7 +68,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     watchers = Watchers(store, settings.detach_grace_s)
     await watchers.start()
     served, context = ServedModels(store), ContextCheck(store)
-    batches = AsyncBatchStore(store.redis, settings)
+    batches = AsyncBatchStore(store.redis, settings, store.broker if settings.broker_apart else None)
     app.state.services = Services(
         settings, store, hub, enqueuer, Metrics(hub), watchers, served, context, batches
     )
