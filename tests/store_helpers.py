@@ -35,8 +35,8 @@ from common.store.lua import CANCEL_LUA, CREATE_LUA
 class StoreForTests(SyncJobStore):
     """``SyncJobStore`` plus the API's create, read and cancel."""
 
-    def __init__(self, client: redis.Redis, settings: Settings) -> None:
-        super().__init__(client, settings)
+    def __init__(self, client: redis.Redis, settings: Settings, broker: redis.Redis | None = None) -> None:
+        super().__init__(client, settings, broker)
         self._create = client.register_script(CREATE_LUA)
         self._cancel = client.register_script(CANCEL_LUA)
 
@@ -53,6 +53,7 @@ class StoreForTests(SyncJobStore):
         earlier = check_created(self._create(keys, args), self.settings.max_queued_jobs)
         if earlier is not None:
             return check_replay(self.get_record(earlier), request)
+        self.relay()
         return record_from_hash(fields, "").job
 
     def get_record(self, job_id: str) -> JobRecord:
