@@ -53,6 +53,8 @@ async def refuse_unsafe_redis(store: AsyncJobStore) -> None:
     reachable yet is not waited for (the API answers 503 until it is)."""
     try:
         await check_redis_async(store.redis)
+        if store.broker is not store.redis:  # SPOOL_BROKER_URL: an evicted queue list loses messages
+            await check_redis_async(store.broker)
     except UNREACHABLE as e:
         log.warning("Redis's maxmemory-policy not checked, Redis not reachable yet (%s)", e)
 
