@@ -16,7 +16,8 @@ in a row, with the reason. Each batch's task does one step:
   lines until ``SPOOL_BATCH_WINDOW`` are queued or running, at ``BATCH_PRIORITY`` (behind every
   interactive job in the queue). Each batch has its own window, so the queue holds about as
   many lines of each running batch: the workers are shared between them;
-- every line ended: assemble the output and error files (finalizing -> completed);
+- every line ended: assemble the output and error files (finalizing -> completed;
+  api/batch_files.py);
 - cancelled or expired: feed nothing more, cancel the window's jobs (queued ones at once, running
   ones at the worker's next step), and once they ended write the files, the lines never fed
   failing with ``batch_cancelled`` or ``batch_expired``.
@@ -30,18 +31,17 @@ mid-file and taken over writes nothing once it wakes, and a file is committed on
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import json
 import logging
 import secrets
 import time
-from dataclasses import dataclass
 from typing import Any
 
 from redis.exceptions import RedisError
 
+from api.batch_files import PAGE_LINES, ResultFiles
 from api.batch_lines import (
     LineError,
+    batch_error,
     crashed,
     job_result,
     line_request,
@@ -53,10 +53,9 @@ from api.batch_lines import (
 from api.context import ContextCheck
 from api.enqueue import Enqueuer
 from api.errors import ApiError
-from api.openai_compat.batches import error_line
 from api.served import ServedModels, queue_model
 from common.keys import BATCH_PRIORITY, Keys
-from common.schemas import JobStatus
+from common.schemas.views import JobStatus
 from common.settings import Settings
 from common.store import (
     AsyncBatchStore,
@@ -72,15 +71,9 @@ from common.store import (
 log = logging.getLogger(__name__)
 
 LEASE_TICKS = 25  # the feeder's lease lasts this many ticks: another process takes over after it
-PAGE_LINES = 1000  # lines read (validated, assembled) per round trip
 MAX_ERRORS = 100  # a failed batch's errors.data names at most this many lines
 CONCURRENT = 8  # batches advanced at once
 MAX_STRIKES = 3  # ticks in a row a batch may fail with an unexpected error before it fails
-
-
-def result_file_id(batch_id: str, kind: str) -> str:
-    """The output (or error) file of a batch: the same id however often it is assembled."""
-    return "file-" + hashlib.sha256(f"{batch_id}:{kind}".encode()).hexdigest()[:32]
 
 
 class BatchFeeder:
@@ -99,6 +92,7 @@ class BatchFeeder:
         self.enqueuer = enqueuer
         self.served = served
         self.context = context
+        self.files = ResultFiles(settings, batches)
         self._token = secrets.token_hex(8)
         self._lease_s = settings.batch_feed_s * LEASE_TICKS
         self._fence = ""  # token:fence while this process holds the lease
@@ -150,12 +144,9 @@ class BatchFeeder:
         if strikes < MAX_STRIKES:
             return
         del self._strikes[batch_id]
-        error = {
-            "code": "internal_error",
-            "message": f"the batch could not be advanced: {type(e).__name__}: {str(e)[:200]}",
-            "param": None,
-            "line": None,
-        }
+        error = batch_error(
+            "internal_error", f"the batch could not be advanced: {type(e).__name__}: {str(e)[:200]}"
+        )
         await self.batches.fail_batch(batch_id, [error])
 
     async def advance(self, batch_id: str, fence: str) -> None:
@@ -178,13 +169,13 @@ class BatchFeeder:
             if window:
                 await self.cancel(window)
             else:
-                await self.assemble(b, ending, fence)
+                await self.files.assemble(b, ending, fence)
         elif b["status"] == "finalizing":
-            await self.assemble(b, "", fence)
+            await self.files.assemble(b, "", fence)
         elif int(b["next_line"]) < int(b["line_count"]):
             await self.feed(b, self.settings.batch_window - len(window))
         elif not window and await self.batches.finalizing(batch_id):
-            await self.assemble(b, "", fence)
+            await self.files.assemble(b, "", fence)
 
     # -- validating -------------------------------------------------------------------------------
 
@@ -192,12 +183,7 @@ class BatchFeeder:
         batch_id, endpoint = b["id"], b["endpoint"]
         meta = await self.batches.get_file(b["input_file_id"])
         if meta is None:
-            error = {
-                "code": "file_not_found",
-                "message": "the input file is gone",
-                "param": "input_file_id",
-                "line": None,
-            }
+            error = batch_error("file_not_found", "the input file is gone", "input_file_id")
             await self.batches.validated(batch_id, False, 0, 0, [error])
             return
         line_count = int(meta["lines"])
@@ -222,14 +208,7 @@ class BatchFeeder:
                         seen.add(line["custom_id"])
             await asyncio.sleep(0)  # let the process's requests through between pages
         if not seen and not errors:
-            errors.append(
-                {
-                    "code": "empty_file",
-                    "message": "the input file holds no request line",
-                    "param": None,
-                    "line": None,
-                }
-            )
+            errors.append(batch_error("empty_file", "the input file holds no request line"))
         await self.batches.validated(batch_id, not errors, line_count, len(seen), errors[:MAX_ERRORS])
 
     # -- running ----------------------------------------------------------------------------------
@@ -322,91 +301,3 @@ class BatchFeeder:
                 await self.jobs.request_cancel(job_id)  # queued: at once; running: at its next step
             except (Conflict, JobNotFound):
                 pass  # it ended meanwhile: the next tick records it
-
-    # -- results ----------------------------------------------------------------------------------
-
-    async def assemble(self, b: dict[str, str], ending: str, fence: str) -> None:
-        """Write the output and error files, one line per custom_id in input order, and end the batch.
-
-        The lines never fed (cancelled or expired first) fail with ``batch_cancelled`` or
-        ``batch_expired``. Written a page at a time into lists of this fence's own, each page
-        and the commits only while the fence holds (FenceLost if not); twice gives the same
-        files under the same ids, so a repeat (another feeder took over) is safe.
-        """
-        batch_id, fed, count = b["id"], int(b["next_line"]), int(b["line_count"])
-        files = {kind: _ResultFile(result_file_id(batch_id, kind)) for kind in ("completed", "failed")}
-        for f in files.values():
-            await self.batches.drop_attempt(f.id, fence)  # this fence's own earlier, half-written
-        try:
-            for start in range(0, count, PAGE_LINES):
-                stop = min(start + PAGE_LINES, count)
-                results = await self.batches.results(batch_id, range(start, min(stop, fed)))
-                if stop > fed:
-                    unfed = await self.batches.read_lines(
-                        b["input_file_id"], max(start, fed), stop - max(start, fed)
-                    )
-                    results += [
-                        self._unfed(b, raw, i, ending) for i, raw in enumerate(unfed, max(start, fed))
-                    ]
-                ended = [r for r in results if r is not None]  # None: a blank line
-                for kind, f in files.items():
-                    lines = [_jsonl(r.result) for r in ended if r.kind == kind]
-                    if lines:
-                        await self.batches.append_attempt(f.id, fence, f.lines, lines)
-                        f.add(lines)
-            written = sum(f.lines for f in files.values())
-            if written != int(b["total"]):  # a line with no result: never a short file
-                raise RuntimeError(f"{written} result lines for the batch's {b['total']} requests")
-            for kind, f in files.items():
-                if f.lines:
-                    fields = self._file_fields(b, f, "output" if kind == "completed" else "error")
-                    await self.batches.commit_attempt(fence, fields)
-        except FenceLost:
-            for f in files.values():
-                await self.batches.drop_attempt(f.id, fence)
-            raise
-        completed, failed = files["completed"], files["failed"]
-        await self.batches.finish(
-            batch_id,
-            fence,
-            completed.id if completed.lines else "",
-            failed.id if failed.lines else "",
-            completed.lines,
-            failed.lines,
-        )
-
-    def _unfed(self, b: dict[str, str], raw: str, i: int, ending: str) -> LineResult | None:
-        line = parse_line(raw, b["endpoint"])
-        if line is None:
-            return None
-        code = "batch_expired" if ending == "expired" else "batch_cancelled"
-        message = f"the batch was {ending} before this request ran"
-        return LineResult(i, "failed", error_line(f"{b['id']}_{i}", line["custom_id"], code, message))
-
-    def _file_fields(self, b: dict[str, str], f: _ResultFile, kind: str) -> dict[str, str]:
-        now = time.time()
-        return {
-            "id": f.id,
-            "bytes": str(f.bytes),
-            "created_at": repr(now),
-            "expires_at": repr(now + self.settings.file_ttl_s),
-            "filename": f"{b['id']}_{kind}.jsonl",
-            "purpose": "batch_output",
-            "lines": str(f.lines),
-            "owner": b["owner"],
-        }
-
-
-@dataclass
-class _ResultFile:
-    id: str
-    lines: int = 0
-    bytes: int = 0
-
-    def add(self, lines: list[str]) -> None:
-        self.lines += len(lines)
-        self.bytes += sum(len(x.encode()) for x in lines)
-
-
-def _jsonl(result: dict[str, Any]) -> str:
-    return json.dumps(result, ensure_ascii=False, separators=(",", ":")) + "\n"

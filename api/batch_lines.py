@@ -25,15 +25,10 @@ from api.openai_compat.chunks import View, failure
 from api.openai_compat.requests import ChatCompletionRequest, CompletionRequest, OpenAIRequest
 from api.openai_compat.responses import ResponseRequest, ResponseView
 from api.served import check_servable, check_with_live_workers, resolve_model
-from common.schemas import (
-    MAX_JSON_DEPTH,
-    TOO_DEEP,
-    JobRequest,
-    JobStatus,
-    LogEntry,
-    WorkerHeartbeat,
-    too_deep_message,
-)
+from common.schemas.checks import MAX_JSON_DEPTH, TOO_DEEP, too_deep_message
+from common.schemas.events import LogEntry
+from common.schemas.requests import JobRequest
+from common.schemas.views import JobStatus, WorkerHeartbeat
 from common.settings import Settings
 from common.store import JobRecord, LineResult
 
@@ -60,7 +55,12 @@ class LineError(ValueError):
         self.code, self.message, self.param = code, message, param
 
     def entry(self, line: int) -> dict[str, Any]:
-        return {"code": self.code, "message": self.message, "param": self.param, "line": line}
+        return batch_error(self.code, self.message, self.param, line)
+
+
+def batch_error(code: str, message: str, param: str | None = None, line: int | None = None) -> dict[str, Any]:
+    """An entry of a failed batch's ``errors.data``."""
+    return {"code": code, "message": message, "param": param, "line": line}
 
 
 def parse_line(raw: str, endpoint: str) -> dict[str, Any] | None:

@@ -18,7 +18,8 @@ from jinja2 import TemplateError
 from api.errors import ApiError
 from api.served import text_requests
 from common.prompt_tokens import PromptCounter, TokenizerSpec
-from common.schemas import JobRequest, WorkerHeartbeat
+from common.schemas.requests import JobRequest
+from common.schemas.views import WorkerHeartbeat
 from common.store import AsyncJobStore
 
 KEEP_COUNTERS = 4  # tokenizers kept per API process (one per served model; a rollout has two)

@@ -12,7 +12,8 @@ from api.auth import current_owner
 from api.errors import ApiError, body_errors
 from api.hub import Inbox
 from api.services import Services
-from common.schemas import Job, JobRequest
+from common.schemas.requests import JobRequest
+from common.schemas.views import Job
 from common.store import AsyncBatchStore, AsyncJobStore, StreamState
 
 

@@ -1,7 +1,7 @@
 """The Celery message that hands a job to the workers; the script that creates the job queues it.
 
 The API does not publish with Celery's ``send_task``. The job-creating Lua script pushes the
-message onto the broker's list itself (common/store/lua.py ``CREATE_LUA``), so a job and its
+message onto the broker's list itself (common/store/lua/create.lua), so a job and its
 message exist together or not at all, in one round trip and without a thread: ``send_task`` is
 blocking, cost about half of a POST's CPU (docs/benchmarks.md) and left a window in which a job
 was stored but not sent.
@@ -29,7 +29,7 @@ from kombu.utils.json import dumps as json_dumps
 from kombu.utils.uuid import uuid
 
 from common.keys import BATCH_PRIORITY, GENERATE_TASK, JOB_PRIORITY, MEDIA_TASK, REQUEUE_PRIORITY, Keys
-from common.schemas import JobRequest
+from common.schemas.requests import JobRequest
 from common.settings import Settings
 from common.store import QueueMessage
 from common.store.outbox import outboxed

@@ -17,7 +17,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
 from common.redis_errors import UNREACHABLE, WRITE_REFUSED
-from common.schemas import (
+from common.schemas.checks import (
     INVALID_GUIDED,
     INVALID_PART,
     INVALID_SCHEMA,

@@ -29,7 +29,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from common.keys import Keys
-from common.schemas import LogEntry
+from common.schemas.events import LogEntry
 
 log = logging.getLogger(__name__)
 

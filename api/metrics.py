@@ -17,7 +17,7 @@ from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api.hub import Hub
-from common.schemas import WorkerHeartbeat
+from common.schemas.views import WorkerHeartbeat
 from common.store import BATCH_LINE_STATES, BatchCounts
 
 # Per live worker, from the engine stats in its heartbeat: (metric, help, stats key).
@@ -51,12 +51,14 @@ _ENGINE_COUNTERS = (
         "preemptions",
     ),
 )
-# Why a submit was refused: its error code (api/errors.py, api/served.py), 422 schema errors as
+# Why a submit was refused: its error code (api/errors.py, api/served.py). A schema violation
+# (the jobs API's 422, an OpenAI route's 400 named by pydantic's error type) counts as
 # "invalid_request"; any other code counts as "other".
 REJECT_REASONS = (
     "queue_full",
     "invalid_request",
     "invalid_json",
+    "json_too_deep",
     "limit_exceeded",
     "body_too_large",
     "unsupported_parameter",
@@ -192,8 +194,11 @@ class Metrics:
             self.batch_lines.labels(state).set(n)
 
     def rejected(self, status: int, code: str | None) -> None:
-        reason = "invalid_request" if status == 422 else code or "other"
-        self.jobs_rejected.labels(reason if reason in REJECT_REASONS else "other").inc()
+        if code in REJECT_REASONS:
+            reason = code
+        else:
+            reason = "invalid_request" if status in (400, 422) else "other"
+        self.jobs_rejected.labels(reason).inc()
 
 
 class RequestMetricsMiddleware:

@@ -13,7 +13,8 @@ import time
 from collections.abc import Callable, Mapping
 
 from api.errors import ApiError
-from common.schemas import JobRequest, WorkerHeartbeat
+from common.schemas.requests import JobRequest
+from common.schemas.views import WorkerHeartbeat
 from common.settings import Settings
 from common.store import AsyncJobStore
 

@@ -22,7 +22,7 @@ from starlette.background import BackgroundTask
 
 from api.errors import error_body
 from api.hub import PING, Inbox, Item
-from common.schemas import LogEntry
+from common.schemas.events import LogEntry
 from common.store import AsyncJobStore
 
 # An event to send: built by the relay (pings, errors) or a view (OpenAI chunks), or already in

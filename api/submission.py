@@ -20,7 +20,9 @@ from api.enqueue import message_priority
 from api.errors import ApiError
 from api.services import Services
 from api.sse import AsyncRender, Chunk, Render, event_stream, relay, rendered
-from common.schemas import Job, JobRequest, LogEntry
+from common.schemas.events import LogEntry
+from common.schemas.requests import JobRequest
+from common.schemas.views import Job
 from common.store import IdempotencyConflict, QueueFull
 from common.store.hooks import AsyncHookStore
 from common.tenants import tenant_of

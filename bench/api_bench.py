@@ -38,7 +38,9 @@ from typing import Any
 import httpx
 from measure import cpu_seconds, log
 
-from common.schemas import DoneEvent, JobRequest, JobStatus, LogEntry, Usage, WorkerHeartbeat
+from common.schemas.events import DoneEvent, LogEntry
+from common.schemas.requests import JobRequest
+from common.schemas.views import JobStatus, Usage, WorkerHeartbeat
 from common.settings import Settings
 from common.store import Append, Appended, AsyncJobStore, Final, SyncJobStore, token_entry
 from spool_cli import procs as harness

@@ -34,7 +34,7 @@ import torch
 from measure import loadavg
 from workload import FULL, QUICK, build_model, quiet_libraries
 
-from common.schemas import JobRequest
+from common.schemas.requests import JobRequest
 from spool_cli.procs import spool_argv, spool_env, start, start_api, start_redis, stop_all, wait_until
 from workers.engine import Engine, EngineConfig
 from workers.engine.tiny import make_eos_unreachable

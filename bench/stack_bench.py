@@ -81,7 +81,7 @@ from workload import (
     text_prompts,
 )
 
-from common.schemas import JobRequest
+from common.schemas.requests import JobRequest
 from spool_cli import procs as harness
 from workers.engine import Engine, FinishReason
 from workers.engine.tiny import make_eos_unreachable

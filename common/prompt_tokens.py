@@ -26,7 +26,8 @@ from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
-from common.schemas import JobRequest, TextParams
+from common.schemas.requests import JobRequest
+from common.schemas.text import TextParams
 from common.tool_calls import template_messages
 
 # What the worker checks the count on before it publishes a spec: plain text, spaces, newlines,

@@ -4,7 +4,8 @@
 # they use the Redis at TEST_REDIS_URL (default 127.0.0.1:6379) under private key
 # prefixes, and when none answers there this script starts a private redis-server.
 # Before the tests: ruff check, ruff format --check and mypy over the packages (pyproject.toml
-# holds their settings); a finding fails the run. Extra arguments go to pytest (e.g.
+# holds their settings), and luacheck over the store's Lua scripts where it is installed
+# (.luacheckrc; Debian's lua-check); a finding fails the run. Extra arguments go to pytest (e.g.
 # scripts/test.sh tests/engine -x); TEST_LINT=0 skips the checks.
 set -euo pipefail
 source "$(dirname "$0")/bootstrap.sh" test "[test]"
@@ -13,6 +14,9 @@ if [ "${TEST_LINT:-1}" != 0 ]; then
   ruff check .
   ruff format --check .
   mypy api common workers spool_cli
+  if command -v luacheck >/dev/null 2>&1; then
+    luacheck -q common/store/lua
+  fi
 fi
 
 url="${TEST_REDIS_URL:-redis://127.0.0.1:6379/0}"

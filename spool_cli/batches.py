@@ -21,10 +21,9 @@ from typing import IO, Any
 
 import httpx
 
-from spool_cli.client import INTERRUPTED, SECOND_CTRL_C_S, Api, read_batch
+from spool_cli.client import INTERRUPTED, RETRY_STATUSES, SECOND_CTRL_C_S, Api, error_text
 
 POLL_S = 1.0
-RETRY_STATUSES = {502, 503, 504}  # a replica restarting, Redis unreachable: poll again
 ENDED = {"completed", "failed", "expired", "cancelled"}
 BAR = 24  # characters of the progress bar
 
@@ -33,13 +32,35 @@ class BatchError(RuntimeError):
     """The API refused something: the message is its error envelope's."""
 
 
+class BadBatch(ValueError):
+    """The input file cannot be read or a line is not a job: nothing was submitted."""
+
+
+def read_batch(file: Path) -> list[dict[str, Any]]:
+    """Every job of a JSONL file, all checked before any is submitted (blank lines skipped)."""
+    try:
+        text = file.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise BadBatch(f"no such file: {file}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise BadBatch(f"cannot read {file}: {e}") from None
+    rows = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError as e:
+            raise BadBatch(f"{file} line {number}: not JSON ({e}); nothing submitted") from None
+        if not isinstance(row, dict):
+            raise BadBatch(f"{file} line {number}: not a JSON object (a job request); nothing submitted")
+        rows.append(row)
+    return rows
+
+
 def _check(resp: httpx.Response) -> dict[str, Any]:
     if resp.status_code >= 400:
-        try:
-            message = resp.json()["error"]["message"]
-        except (ValueError, KeyError, TypeError):
-            message = f"HTTP {resp.status_code}: {resp.text[:200]}"
-        raise BatchError(message)
+        raise BatchError(error_text(resp))
     return dict(resp.json())
 
 

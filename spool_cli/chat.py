@@ -2,7 +2,7 @@
 
 Each line read is a user message; the request carries the system message, every earlier turn
 that succeeded (the user's message and the reply) and the new message, as a streamed job on
-``/v1/jobs`` (client.stream_job: a dropped connection resumes the job's stream by its id with
+``/v1/jobs`` (stream.stream_job: a dropped connection resumes the job's stream by its id with
 Last-Event-ID). ``/reset`` clears the history, ``/exit`` or end of input quits.
 """
 
@@ -14,7 +14,8 @@ from typing import Any
 
 import httpx
 
-from spool_cli.client import Api, Follow, interrupted, stream_job
+from spool_cli.client import Api
+from spool_cli.stream import Follow, interrupted, stream_job
 
 PROMPT = "you> "
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from store_helpers import StoreForTests
 
-from common.schemas import DoneEvent, ErrorEvent, JobRequest, JobStatus, LogEntry, Usage
+from common.schemas.events import DoneEvent, ErrorEvent, LogEntry
+from common.schemas.requests import JobRequest
+from common.schemas.views import JobStatus, Usage
 from common.settings import Settings
 from common.store import Append, Appended, Final, token_entry
 

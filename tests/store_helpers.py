@@ -8,7 +8,9 @@ import time
 
 import redis
 
-from common.schemas import Job, JobRequest, LogEntry, WorkerHeartbeat
+from common.schemas.events import LogEntry
+from common.schemas.requests import JobRequest
+from common.schemas.views import Job, WorkerHeartbeat
 from common.settings import Settings
 from common.store import (
     JobNotFound,
@@ -29,7 +31,7 @@ from common.store import (
     with_log_tail,
     worker_keys,
 )
-from common.store.lua import CANCEL_LUA, CREATE_LUA
+from common.store.scripts import source
 
 
 class StoreForTests(SyncJobStore):
@@ -37,8 +39,8 @@ class StoreForTests(SyncJobStore):
 
     def __init__(self, client: redis.Redis, settings: Settings, broker: redis.Redis | None = None) -> None:
         super().__init__(client, settings, broker)
-        self._create = client.register_script(CREATE_LUA)
-        self._cancel = client.register_script(CANCEL_LUA)
+        self._create = client.register_script(source("create"))
+        self._cancel = client.register_script(source("cancel"))
 
     def create_job(
         self,

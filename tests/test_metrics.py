@@ -109,6 +109,12 @@ def test_api_counts_routes_refusals_and_resumes(stack: Stack, client: httpx.Clie
         ).status_code
         == 400
     )
+    # an OpenAI route's schema violation is a 400 named by pydantic's type, still a bad request
+    assert client.post(f"{url}/v1/completions", json={"prompt": "p", "top_p": 3}).status_code == 400
+    deep: object = "p"
+    for _ in range(100):
+        deep = [deep]
+    assert client.post(f"{url}/v1/jobs", json={"prompt": "p", "stop": deep}).status_code == 400
     job = client.post(f"{url}/v1/jobs", json={"prompt": "p", "max_tokens": 3}).json()
     finished_job(client, url, job["id"])
     assert client.get(f"{url}/v1/jobs/{job['id']}/events?after=1").status_code == 200
@@ -121,7 +127,9 @@ def test_api_counts_routes_refusals_and_resumes(stack: Stack, client: httpx.Clie
             else 0
         )
 
-    assert grew("spool_jobs_rejected_total", reason="invalid_request") == 1
+    assert grew("spool_jobs_rejected_total", reason="invalid_request") == 2
+    assert grew("spool_jobs_rejected_total", reason="json_too_deep") == 1
+    assert grew("spool_jobs_rejected_total", reason="other") == 0
     # past the cap and the model's context: the one 400 says the context (api/context.py)
     assert grew("spool_jobs_rejected_total", reason="context_length_exceeded") == 1
     assert grew("spool_jobs_rejected_total", reason="invalid_json") == 1

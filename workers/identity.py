@@ -18,7 +18,7 @@ import socket
 import time
 from dataclasses import dataclass
 
-from common.schemas import WorkerHeartbeat
+from common.schemas.views import WorkerHeartbeat
 from common.store import SyncJobStore
 
 POLL_S = 0.1

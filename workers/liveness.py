@@ -30,7 +30,7 @@ from redis.exceptions import RedisError
 
 from common.keys import split_part_id
 from common.process import NamedThread
-from common.schemas import JobError, WorkerHeartbeat
+from common.schemas.views import JobError, WorkerHeartbeat
 from common.settings import Settings
 from common.store import SyncJobStore
 from workers.reaper import Reaper, Requeue
@@ -78,7 +78,7 @@ class Executor(Protocol):
         ...
 
     def heartbeat_fields(self) -> dict[str, Any]:
-        """The heartbeat's fields besides ``name`` and ``ts`` (common.schemas.WorkerHeartbeat)."""
+        """The heartbeat's fields besides ``name`` and ``ts`` (common.schemas.views.WorkerHeartbeat)."""
         ...
 
 

@@ -8,16 +8,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from common.redis_errors import TRANSIENT, WRITE_REFUSED
-from common.schemas import (
-    DoneEvent,
-    ErrorEvent,
-    JobError,
-    JobStatus,
-    LogEntry,
-    TokenLogprob,
-    TopLogprob,
-    Usage,
-)
+from common.schemas.events import DoneEvent, ErrorEvent, LogEntry, TokenLogprob, TopLogprob
+from common.schemas.views import JobError, JobStatus, Usage
 from common.store import TEXT_CHECKPOINT_EVENTS, Append, Appended, Final, SyncJobStore, token_entry
 from workers.engine import Delta, FinishReason
 from workers.engine.types import Logprob, TokenLogprobs

@@ -33,7 +33,10 @@ from redis.exceptions import RedisError
 
 from common.process import NamedThread
 from common.prompt_tokens import chat_inputs
-from common.schemas import MAX_PRIORITY, JobError, JobRequest, LogEntry
+from common.schemas.checks import MAX_PRIORITY
+from common.schemas.events import LogEntry
+from common.schemas.requests import JobRequest
+from common.schemas.views import JobError
 from common.settings import Settings
 from common.store import Append, SyncJobStore, TakeResult, TakeStatus, job_text
 from common.tenants import tenant_of

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from common.prompt_tokens import PromptCounter, TokenizerSpec, agrees
-from common.schemas import JobRequest
+from common.schemas.requests import JobRequest
 
 log = logging.getLogger(__name__)
 

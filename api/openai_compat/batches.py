@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from common.views import int_or_none
+from common.schemas.views import int_or_none
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/jobs")
 COMPLETION_WINDOWS = {"24h": 24 * 3600}

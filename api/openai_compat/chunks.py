@@ -17,7 +17,9 @@ from typing import Any
 from fastapi.sse import ServerSentEvent
 
 from api.errors import ApiError, error_body
-from common.schemas import Job, JobError, JobRequest, LogEntry, TokenLogprob, TopLogprob, Usage
+from common.schemas.events import LogEntry, TokenLogprob, TopLogprob
+from common.schemas.requests import JobRequest
+from common.schemas.views import Job, JobError, Usage
 from common.tool_calls import PARSERS, Call, CallStream, call_id, parse
 
 DONE = ServerSentEvent(raw_data="[DONE]")

@@ -24,7 +24,10 @@ from pydantic import Field, StrictInt, ValidationError
 from api.errors import ApiError, body_errors, error_body
 from api.openai_compat.requests import _Open, _refuse_extras
 from api.sse import AsyncRender, Chunk
-from common.schemas import LIMIT_EXCEEDED, MAX_PARTIAL_IMAGES, Job, JobRequest, JobStatus, LogEntry
+from common.schemas.checks import LIMIT_EXCEEDED
+from common.schemas.events import LogEntry
+from common.schemas.requests import MAX_PARTIAL_IMAGES, JobRequest
+from common.schemas.views import Job, JobStatus
 from common.settings import Settings
 from common.store import AsyncJobStore
 

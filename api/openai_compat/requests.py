@@ -13,7 +13,8 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, StrictInt, ValidationError
 
 from api.errors import ApiError, body_errors
-from common.schemas import MAX_LOGPROBS, SERVICE_TIERS, TOO_DEEP, JobRequest, too_deep_message
+from common.schemas.checks import MAX_LOGPROBS, SERVICE_TIERS, TOO_DEEP, too_deep_message
+from common.schemas.requests import JobRequest
 from common.settings import Settings
 
 # Values of unsupported parameters that change nothing, so a client sending them is served.

@@ -22,7 +22,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from api.errors import ApiError, body_errors
 from api.openai_compat.requests import _Open, _refuse_extras, tool_fields
-from common.schemas import Job, JobError, JobRequest, JobStatus, LogEntry, Usage
+from common.schemas.events import LogEntry
+from common.schemas.requests import JobRequest
+from common.schemas.views import Job, JobError, JobStatus, Usage
 from common.settings import Settings
 from common.store.responses import RESPONSE_PREFIX
 from common.tool_calls import Call, call_id, parse

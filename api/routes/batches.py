@@ -21,8 +21,8 @@ from api.errors import ApiError
 from api.openai_compat.batches import COMPLETION_WINDOWS, ENDPOINTS, page
 from api.services import Services
 from api.submission import check_webhook
+from common.schemas.views import batch_object
 from common.store.hooks import hook_field
-from common.views import batch_object
 from common.webhooks import BATCH_EVENTS
 
 router = APIRouter(prefix="/v1/batches", tags=["batches"])

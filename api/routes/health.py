@@ -25,12 +25,15 @@ async def healthz() -> dict[str, str]:
 
 @router.get("/readyz")
 async def readyz(store: StoreDep) -> dict[str, Any]:
-    """Ready when Redis takes a write and at least one worker's heartbeat is fresh (its key has
-    a TTL). Redis out of memory answers reads and refuses writes: not ready (503)."""
+    """Ready when Redis takes a write and at least one worker that runs jobs (text or media: a
+    hook worker alone runs none) has a fresh heartbeat (its key has a TTL). Redis out of memory
+    answers reads and refuses writes: not ready (503)."""
     await store.probe_write()  # Redis refusing it: the 503 envelope with Retry-After (api/errors.py)
     workers = await store.list_workers()
-    if not workers:
-        raise ApiError(503, "No worker is running (no live heartbeat in Redis)", code="no_worker")
+    if not any(w.kind != "hooks" for w in workers):
+        raise ApiError(
+            503, "No text or media worker is running (no live heartbeat in Redis)", code="no_worker"
+        )
     return {"status": "ready", "workers": [w.public() for w in workers]}
 
 

@@ -26,7 +26,7 @@ from api.served import check_media_workers, check_with_live_workers, queue_model
 from api.services import Services
 from api.sse import AsyncRender, Render, event_stream, rendered, to_sse_list
 from api.submission import streamed_submit, submit_job, wait_for_job
-from common.schemas import Job, JobList, JobStatus
+from common.schemas.views import Job, JobList, JobStatus
 from common.store import JobNotFound, StreamState
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])

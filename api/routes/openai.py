@@ -23,7 +23,7 @@ from api.openai_compat.requests import ChatCompletionRequest, CompletionRequest,
 from api.served import check_media_workers, check_servable, resolve_model, served
 from api.services import Services
 from api.submission import streamed_submit, submit_job, wait_for_job
-from common.schemas import JobStatus, WorkerHeartbeat
+from common.schemas.views import JobStatus, WorkerHeartbeat
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 

@@ -31,7 +31,8 @@ from api.served import check_servable, resolve_model
 from api.services import Services
 from api.sse import AsyncRender, Chunk
 from api.submission import followed_stream, streamed_submit, submit_job, until_final, wait_for_job
-from common.schemas import Job, JobError, JobStatus, LogEntry, Usage
+from common.schemas.events import LogEntry
+from common.schemas.views import Job, JobError, JobStatus, Usage
 from common.store import AsyncJobStore, Conflict, JobNotFound
 
 router = APIRouter(prefix="/v1/responses", tags=["openai"])

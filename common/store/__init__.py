@@ -5,8 +5,10 @@ The only code of Spool that writes Redis (Celery's broker and kombu write their 
 ``AsyncJobStore`` (the API, ``redis.asyncio``) are thin shells over the same pure parts:
 
 - ``errors``: what the stores raise on purpose;
-- ``records``: the dataclasses read and written, each Lua call's arguments and each reply's parser;
-- ``lua``: the scripts (every status transition and every append is one);
+- ``records``: the dataclasses read and written, and a job's hash and text read as its record;
+- ``parts``: a job's parts, read and shown;
+- ``calls``: each Lua call's arguments and each reply's parser;
+- ``scripts``: the Lua scripts (common/store/lua/*.lua: every status transition and every append is one);
 - ``watchers``: who watches a foreground job (the API writes, a worker reads);
 - ``clients``: the Redis clients' retries, timeouts and pool;
 - ``sync`` and ``aio``: the two stores;
@@ -23,7 +25,26 @@ from common.store.batches import (
     LineResult,
     Usage,
 )
+from common.store.calls import (
+    append_step_args,
+    cancel_args,
+    check_cancel,
+    check_created,
+    check_replay,
+    create_call,
+    create_parts_call,
+    parse_take,
+    part_append_args,
+    part_take_args,
+    take_args,
+)
 from common.store.errors import Conflict, IdempotencyConflict, JobNotFound, QueueFull, StoreError
+from common.store.parts import (
+    as_part_entry,
+    own_events,
+    part_reads,
+    with_parts,
+)
 from common.store.records import (
     JOB_ID_BYTES,
     TEXT_CHECKPOINT_EVENTS,
@@ -39,32 +60,17 @@ from common.store.records import (
     StreamState,
     TakeResult,
     TakeStatus,
-    append_step_args,
-    as_part_entry,
-    cancel_args,
     cancelled_done_entry,
-    check_cancel,
-    check_created,
-    check_replay,
-    create_call,
-    create_parts_call,
     decode_log,
     heartbeats_from,
     job_text,
     new_job_fields,
     new_job_id,
-    own_events,
-    parse_take,
-    part_append_args,
-    part_reads,
-    part_take_args,
     record_from_hash,
     record_reads,
-    take_args,
     text_read,
     token_entry,
     with_log_tail,
-    with_parts,
     worker_keys,
 )
 from common.store.sync import SyncJobStore

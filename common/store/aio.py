@@ -9,12 +9,26 @@ import redis.asyncio as aredis
 from redis.asyncio.client import NEVER_DECODE
 
 from common.keys import BATCH_PRIORITY, REQUEUE_PRIORITY, part_id
-from common.schemas import Job, JobList, JobRequest, JobStatus, JobSummary, LogEntry, WorkerHeartbeat
+from common.schemas.events import LogEntry
+from common.schemas.requests import JobRequest
+from common.schemas.views import Job, JobList, JobStatus, JobSummary, WorkerHeartbeat
 from common.settings import Settings
+from common.store.calls import (
+    cancel_args,
+    check_cancel,
+    check_created,
+    check_replay,
+    create_call,
+    create_parts_call,
+)
 from common.store.clients import WRITE_PROBE_TTL_MS, async_client
 from common.store.errors import JobNotFound
-from common.store.lua import CANCEL_LUA, CREATE_LUA, CREATE_PARTS_LUA
 from common.store.outbox import AsyncOutbox
+from common.store.parts import (
+    part_reads,
+    summary_with_parts,
+    with_parts,
+)
 from common.store.records import (
     LIST_SCAN_MAX,
     SUMMARY_FIELDS,
@@ -22,26 +36,18 @@ from common.store.records import (
     MediaMessageFor,
     MessageFor,
     StreamState,
-    cancel_args,
-    check_cancel,
-    check_created,
-    check_replay,
-    create_call,
-    create_parts_call,
     decode_log,
     heartbeats_from,
     job_text,
-    part_reads,
     record_from_hash,
     record_reads,
     summary_from_hash,
-    summary_with_parts,
     text_read,
     with_log_tail,
-    with_parts,
     worker_keys,
 )
 from common.store.responses import ResponseRecords
+from common.store.scripts import source
 from common.store.watchers import WatcherSets
 
 QUEUE_POSITION_SCAN = 1000  # queued jobs read to count a job's place among its model's
@@ -57,9 +63,9 @@ class AsyncJobStore(WatcherSets, ResponseRecords):
         self.redis = client
         self.broker = broker or client
         self.outbox = AsyncOutbox(client, broker, self.keys) if broker is not None else None
-        self._create = client.register_script(CREATE_LUA)
-        self._cancel = client.register_script(CANCEL_LUA)
-        self._create_parts = client.register_script(CREATE_PARTS_LUA)
+        self._create = client.register_script(source("create"))
+        self._cancel = client.register_script(source("cancel"))
+        self._create_parts = client.register_script(source("create_parts"))
 
     @classmethod
     def from_settings(cls, settings: Settings) -> AsyncJobStore:
@@ -121,7 +127,7 @@ class AsyncJobStore(WatcherSets, ResponseRecords):
             h, text, logged = await record_reads(pipe, self.keys, job_id).execute()
         if not h:
             raise JobNotFound(job_id)
-        if "parts" in h:  # its text key is its text parts' (PART_APPEND_LUA), at every append
+        if "parts" in h:  # its text key is its text parts' (part_append.lua), at every append
             record = record_from_hash(h, text or "")
         elif (read := text_read(h, text, logged)) is None:
             record = record_from_hash(h, job_text(await self.read_log(job_id)))

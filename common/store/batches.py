@@ -4,9 +4,9 @@ A file is a hash (its object) and a list with one element per line, so a batch's
 lines by index and a file's content is streamed in pages, never read whole. A batch is a hash
 (status, timestamps, counts, the next line to feed), its window (the lines queued or running
 now, as jobs) and its results (one per line, set once). Every transition is one script
-(common/store/lua.py), safe to run twice: the feeder (api/batch_feeder.py) may be taken over
-mid-tick by another API process; a batch's result files and its end are written under the
-feeder's fence (common/store/batch_lua.py). Each owner (API key) has its own index of files and
+(common/store/lua/batch_*.lua), safe to run twice: the feeder (api/batch_feeder.py) may be taken
+over mid-tick by another API process. A batch's result files and its end are written under the
+feeder's fence (feeder_claim.lua, file_append_attempt.lua, file_commit.lua, batch_finish.lua). Each owner (API key) has its own index of files and
 of batches, so a listing reads only that owner's objects, and its files' bytes for its quota.
 """
 
@@ -21,27 +21,16 @@ from typing import Any
 import redis.asyncio as aredis
 
 from common.keys import Keys
-from common.schemas import JobRequest
+from common.schemas.requests import JobRequest
 from common.settings import Settings
-from common.store.batch_lua import (
-    APPEND_ATTEMPT_LUA,
-    CLAIM_FEEDER_LUA,
-    COMMIT_FILE_LUA,
-    FAIL_BATCH_LUA,
-    FINISH_LUA,
-    USAGE_LUA,
-)
-from common.store.lua import (
-    BATCH_COUNTS_LUA,
-    END_LUA,
-    FEED_LUA,
-    FINALIZING_LUA,
-    RECORD_LUA,
-    RESEND_LUA,
-    VALIDATED_LUA,
-)
 from common.store.outbox import AsyncOutbox
-from common.store.records import OWNER_INDEX_MAX, QueueMessage, new_job_fields, owner_index_age_s
+from common.store.records import (
+    OWNER_INDEX_MAX,
+    QueueMessage,
+    new_job_fields,
+    owner_index_age_s,
+)
+from common.store.scripts import source
 
 ENDED = ("completed", "failed", "expired", "cancelled")  # a batch's final statuses
 UPLOAD_TTL_S = 3600  # an upload's lines left behind by an API process that died mid-upload go
@@ -105,6 +94,23 @@ def _fence_number(fence: str) -> int:
     return int(fence.rpartition(":")[2])
 
 
+_SCRIPTS = (
+    "file_commit",
+    "file_usage",
+    "file_append_attempt",
+    "feeder_claim",
+    "batch_validated",
+    "batch_feed",
+    "batch_record",
+    "batch_end",
+    "batch_finalizing",
+    "batch_finish",
+    "batch_fail",
+    "batch_resend",
+    "batch_counts",
+)
+
+
 class AsyncBatchStore:
     def __init__(self, client: aredis.Redis, settings: Settings, broker: aredis.Redis | None = None) -> None:
         self.settings = settings
@@ -113,24 +119,7 @@ class AsyncBatchStore:
         # As AsyncJobStore's: the broker's Redis when apart, and the outbox its lines' messages wait in.
         self.broker = broker or client
         self.outbox = AsyncOutbox(client, broker, self.keys) if broker is not None else None
-        self._scripts = {
-            name: client.register_script(lua)
-            for name, lua in {
-                "commit": COMMIT_FILE_LUA,
-                "claim": CLAIM_FEEDER_LUA,
-                "validated": VALIDATED_LUA,
-                "feed": FEED_LUA,
-                "record": RECORD_LUA,
-                "end": END_LUA,
-                "finalizing": FINALIZING_LUA,
-                "finish": FINISH_LUA,
-                "fail": FAIL_BATCH_LUA,
-                "append": APPEND_ATTEMPT_LUA,
-                "usage": USAGE_LUA,
-                "resend": RESEND_LUA,
-                "counts": BATCH_COUNTS_LUA,
-            }.items()
-        }
+        self._scripts = {name: client.register_script(source(name)) for name in _SCRIPTS}
 
     # -- files ------------------------------------------------------------------------------------
 
@@ -167,7 +156,7 @@ class AsyncBatchStore:
             fields["created_at"],
             file_id,
         ]
-        reply = int(await self._scripts["commit"](keys, [*args, fields["bytes"], *_flat(fields)]))
+        reply = int(await self._scripts["file_commit"](keys, [*args, fields["bytes"], *_flat(fields)]))
         if reply == -2:
             raise RuntimeError(f"file {file_id}: the upload does not hold {fields['lines']} lines")
         return reply
@@ -183,7 +172,7 @@ class AsyncBatchStore:
         """The owner's stored files and their bytes (for its quota); forgets those that expired."""
         k = self.keys
         keys = [k.owner_file_bytes(owner), k.owner_file_expiry(owner), k.owner_files(owner)]
-        files, size = await self._scripts["usage"](keys, [repr(time.time())])
+        files, size = await self._scripts["file_usage"](keys, [repr(time.time())])
         return Usage(int(files), int(size))
 
     async def read_lines(self, file_id: str, start: int, count: int) -> list[str]:
@@ -208,7 +197,7 @@ class AsyncBatchStore:
         """Append lines ``start`` on of a result file written under ``fence`` (``token:fence``)."""
         key = self.keys.file_attempt(file_id, _fence_number(fence))
         reply = int(
-            await self._scripts["append"](
+            await self._scripts["file_append_attempt"](
                 [self.keys.batch_feeder(), key], [fence, start, UPLOAD_TTL_S, *lines]
             )
         )
@@ -260,13 +249,14 @@ class AsyncBatchStore:
     async def batch_counts(self, live: Collection[str]) -> BatchCounts:
         """For /metrics: the batches by status, and the lines of those whose status is in
         ``live`` by state. Two round trips whatever the number of batches: the index, then one
-        script that counts (BATCH_COUNTS_LUA) and drops the ids of batches that expired."""
+        script that counts (batch_counts.lua) and drops the ids of batches that expired."""
         ids = [str(i) for i in await self.redis.zrange(self.keys.batches(), 0, -1)]
         if not ids:
             return BatchCounts({}, dict.fromkeys(BATCH_LINE_STATES, 0))
         keys = [k for i in ids for k in (self.keys.batch(i), self.keys.batch_window(i))]
         reply = [
-            str(x) for x in await self._scripts["counts"]([self.keys.batches(), *keys], [*live, "", *ids])
+            str(x)
+            for x in await self._scripts["batch_counts"]([self.keys.batches(), *keys], [*live, "", *ids])
         ]
         cut = reply.index("")
         statuses = {reply[i]: int(reply[i + 1]) for i in range(0, cut, 2)}
@@ -274,7 +264,7 @@ class AsyncBatchStore:
 
     async def end_batch(self, batch_id: str, ending: str) -> str:
         """Stop feeding a batch (``ending``: cancelled or expired); returns the status it had."""
-        return str(await self._scripts["end"]([self.keys.batch(batch_id)], [repr(time.time()), ending]))
+        return str(await self._scripts["batch_end"]([self.keys.batch(batch_id)], [repr(time.time()), ending]))
 
     async def active_batches(self) -> list[str]:
         return sorted(str(b) for b in await self.redis.smembers(self.keys.active_batches()))
@@ -286,7 +276,7 @@ class AsyncBatchStore:
         """Take or renew the feeder's lease: the fence it is held with (``token:fence``), or ""
         while another process holds it."""
         keys = [self.keys.batch_feeder(), self.keys.batch_feeder_fence()]
-        fence = int(await self._scripts["claim"](keys, [token, int(lease_s * 1000)]))
+        fence = int(await self._scripts["feeder_claim"](keys, [token, int(lease_s * 1000)]))
         return f"{token}:{fence}" if fence else ""
 
     async def validated(
@@ -295,7 +285,9 @@ class AsyncBatchStore:
         keys = [self.keys.batch(batch_id), self.keys.active_batches()]
         args = [batch_id, "ok" if ok else "failed", repr(time.time()), line_count, total]
         return str(
-            await self._scripts["validated"](keys, [*args, json.dumps({"object": "list", "data": errors})])
+            await self._scripts["batch_validated"](
+                keys, [*args, json.dumps({"object": "list", "data": errors})]
+            )
         )
 
     async def window(self, batch_id: str) -> dict[str, tuple[int, str]]:
@@ -337,7 +329,7 @@ class AsyncBatchStore:
             args += _flat(fields)
         for r in rejected:
             args += [r.line, json.dumps([r.kind, r.result])]
-        fed = int(await self._scripts["feed"](keys, args))
+        fed = int(await self._scripts["batch_feed"](keys, args))
         await self._relay()
         return fed
 
@@ -359,7 +351,7 @@ class AsyncBatchStore:
         """Push a queued line's message again if it has waited ``min_gap_s`` since it was sent."""
         keys = [self.keys.job(job_id), message.list_key]
         sent = bool(
-            await self._scripts["resend"](keys, [repr(time.time()), repr(min_gap_s), message.payload])
+            await self._scripts["batch_resend"](keys, [repr(time.time()), repr(min_gap_s), message.payload])
         )
         await self._relay()
         return sent
@@ -372,7 +364,7 @@ class AsyncBatchStore:
         args: list[Any] = []
         for r in results:
             args += [r.job_id, r.line, r.kind, json.dumps([r.kind, r.result])]
-        await self._scripts["record"](
+        await self._scripts["batch_record"](
             [k.batch(batch_id), k.batch_window(batch_id), k.batch_results(batch_id)], args
         )
 
@@ -384,7 +376,7 @@ class AsyncBatchStore:
         return [LineResult(i, *json.loads(r)) if r else None for i, r in zip(lines, raw, strict=True)]
 
     async def finalizing(self, batch_id: str) -> bool:
-        return bool(await self._scripts["finalizing"]([self.keys.batch(batch_id)], [repr(time.time())]))
+        return bool(await self._scripts["batch_finalizing"]([self.keys.batch(batch_id)], [repr(time.time())]))
 
     async def finish(
         self, batch_id: str, fence: str, output_file_id: str, error_file_id: str, completed: int, failed: int
@@ -402,7 +394,7 @@ class AsyncBatchStore:
             failed,
             fence,
         ]
-        status = str(await self._scripts["finish"]([*keys, k.batch_feeder()], args))
+        status = str(await self._scripts["batch_finish"]([*keys, k.batch_feeder()], args))
         if status == "fenced":
             raise FenceLost(fence)
         return status
@@ -412,4 +404,6 @@ class AsyncBatchStore:
         k = self.keys
         keys = [k.batch(batch_id), k.active_batches(), k.batch_window(batch_id), k.batch_results(batch_id)]
         args: list[str | int] = [batch_id, repr(time.time()), self.settings.file_ttl_s]
-        return str(await self._scripts["fail"](keys, [*args, json.dumps({"object": "list", "data": errors})]))
+        return str(
+            await self._scripts["batch_fail"](keys, [*args, json.dumps({"object": "list", "data": errors})])
+        )

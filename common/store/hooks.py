@@ -3,12 +3,12 @@ hook workers (workers/hooks/), listed and retried by the API.
 
 An object with a webhook (a job, a batch) holds a ``hook`` field (``hook_field``: where its
 deliveries go). The script that writes one of its events (a job's terminal status, its start, a
-part's status, a batch's end: ``HOOK_LIB``'s ``hook_event``) appends the delivery to the
+part's status, a batch's end: lua/lib/hook_event.lua) appends the delivery to the
 object's hooks hash (``Keys.hooks``) and puts that hash in the due set, in the same script: the
 event is never seen without its delivery. A hook worker's sweep claims the due hashes
-(DUE_LUA, the score moved a claim ahead) and sends each a message on ``{p}.hooks``; the task
-takes the hash's lock (BEGIN_LUA), delivers its next delivery and records the attempt
-(ATTEMPT_LUA: the next delivery due at once, or this one at its retry). Deliveries of an object go
+(hook_due.lua, the score moved a claim ahead) and sends each a message on ``{p}.hooks``; the task
+takes the hash's lock (hook_begin.lua), delivers its next delivery and records the attempt
+(hook_attempt.lua: the next delivery due at once, or this one at its retry). Deliveries of an object go
 one at a time, in order. A worker that dies leaves the hash in the due set, scored with the end
 of its claim: the next sweep after it sends it again (at most that delivery twice).
 """
@@ -26,114 +26,8 @@ import redis.asyncio as aredis
 
 from common.keys import Keys
 from common.settings import Settings
+from common.store.scripts import source
 from common.webhooks import BATCH_EVENTS, DEFAULT_EVENTS, MAX_ENDPOINTS, check_secret, new_secret
-
-# Shared by every script that records an event (common/store/lua.py).
-# hook_event(obj, event, type, now, part): obj is the object's hash; event the name its webhook's
-# events filter on; part the part's index for a part's event (or nil).
-# NOTE: it writes keys named in the object's hash, not in KEYS (as PARTS_LIB does with part_keys).
-HOOK_LIB = """
-local RESPONSE_ENDS = {succeeded = 'response.completed', failed = 'response.failed',
-                       cancelled = 'response.cancelled', partial = 'response.incomplete'}
-local function hook_event(obj, event, kind, now, part)
-  local raw = redis.call('HGET', obj, 'hook')
-  if not raw then return end
-  local hook = cjson.decode(raw)
-  if hook.events_of == 'response' and event == 'completed' then
-    -- A response's end, as OpenAI names it (api/openai_compat/responses.py's statuses).
-    local status, reason = unpack(redis.call('HMGET', obj, 'status', 'finish_reason'))
-    kind = RESPONSE_ENDS[status] or kind
-    if kind == 'response.completed' and reason == 'length' then kind = 'response.incomplete' end
-  end
-  local recorded = false
-  for _, target in ipairs(hook.targets) do
-    for _, e in ipairs(target.events) do
-      if e == event then
-        local n = redis.call('HINCRBY', hook.key, 'events', 1)
-        local record = {n = n, id = 'evt_' .. hook.id .. '_' .. n, type = kind, created_at = tonumber(now),
-                        url = target.url, status = 'pending', part = part}
-        redis.call('HSET', hook.key, 'd' .. n, cjson.encode(record))
-        recorded = true
-        break
-      end
-    end
-  end
-  if recorded then
-    redis.call('HSET', hook.key, 'hook', raw)
-    redis.call('EXPIRE', hook.key, hook.ttl)
-    redis.call('ZADD', hook.due, 'NX', now, hook.key)
-  end
-end
-"""
-
-# KEYS: due zset. ARGV: now, claim (s), limit.
-# The hooks hashes due by now, each claimed until now + claim (its message is sent by the caller;
-# if that message or its worker is lost, the hash is due again at the claim's end).
-DUE_LUA = """
-local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1], 'LIMIT', 0, tonumber(ARGV[3]))
-local until_ = tonumber(ARGV[1]) + tonumber(ARGV[2])
-for _, key in ipairs(due) do redis.call('ZADD', KEYS[1], until_, key) end
-return due
-"""
-
-# KEYS: hooks hash, due zset. ARGV: token, now, claim (s).
-# Take the hash's lock (free, or its holder's claim ended) for its next delivery; returns
-# {n, record, body ('' until rendered), hook} or false (locked, or nothing left: out of the due set).
-BEGIN_LUA = """
-if redis.call('EXISTS', KEYS[1]) == 0 then
-  redis.call('ZREM', KEYS[2], KEYS[1])
-  return false
-end
-local lock, until_ = unpack(redis.call('HMGET', KEYS[1], 'lock', 'lock_until'))
-if lock and tonumber(until_) > tonumber(ARGV[2]) then return false end
-local n = tonumber(redis.call('HGET', KEYS[1], 'head') or '0') + 1
-if n > tonumber(redis.call('HGET', KEYS[1], 'events') or '0') then
-  redis.call('ZREM', KEYS[2], KEYS[1])
-  return false
-end
-local claim = tonumber(ARGV[2]) + tonumber(ARGV[3])
-redis.call('HSET', KEYS[1], 'lock', ARGV[1], 'lock_until', claim)
-redis.call('ZADD', KEYS[2], claim, KEYS[1])
-local record, body, hook = unpack(redis.call('HMGET', KEYS[1], 'd' .. n, 'b' .. n, 'hook'))
-return {n, record, body or '', hook}
-"""
-
-# KEYS: hooks hash, due zset. ARGV: token, n, record JSON, 'done' | 'retry', next attempt, now.
-# An attempt's outcome, by the lock's holder only: the record written; done (delivered, given up,
-# disabled) moves the head on and makes the next delivery due now (or none); a retry is due then.
-ATTEMPT_LUA = """
-if redis.call('HGET', KEYS[1], 'lock') ~= ARGV[1] then return 0 end
-redis.call('HSET', KEYS[1], 'd' .. ARGV[2], ARGV[3])
-redis.call('HDEL', KEYS[1], 'lock', 'lock_until')
-if ARGV[4] == 'retry' then
-  redis.call('ZADD', KEYS[2], ARGV[5], KEYS[1])
-  return 1
-end
-redis.call('HSET', KEYS[1], 'head', ARGV[2])
-if tonumber(redis.call('HGET', KEYS[1], 'events')) > tonumber(ARGV[2]) then
-  redis.call('ZADD', KEYS[2], ARGV[6], KEYS[1])
-else
-  redis.call('ZREM', KEYS[2], KEYS[1])
-end
-return 1
-"""
-
-# KEYS: hooks hash, due zset. ARGV: n, now.
-# Deliver delivery n again, as a new delivery at the end of the object's (same event id and body).
-# Returns the new delivery's n, or 0 when there is no delivery n.
-RETRY_LUA = """
-local raw = redis.call('HGET', KEYS[1], 'd' .. ARGV[1])
-if not raw then return 0 end
-local old = cjson.decode(raw)
-local m = redis.call('HINCRBY', KEYS[1], 'events', 1)
-local record = {n = m, id = old.id, type = old.type, created_at = old.created_at, url = old.url,
-                status = 'pending', part = old.part, retry_of = tonumber(ARGV[1])}
-redis.call('HSET', KEYS[1], 'd' .. m, cjson.encode(record))
-local body = redis.call('HGET', KEYS[1], 'b' .. ARGV[1])
-if body then redis.call('HSET', KEYS[1], 'b' .. m, body) end
-redis.call('ZADD', KEYS[2], 'NX', ARGV[2], KEYS[1])
-return m
-"""
 
 STATUSES = ("pending", "delivered", "failed", "disabled")  # a delivery's; failed: given up
 
@@ -149,7 +43,7 @@ def hook_field(
     events_of: str = "job",
     endpoints: Sequence[dict[str, Any]] = (),
 ) -> str:
-    """The ``hook`` field of an object with a webhook: what HOOK_LIB needs to record its deliveries.
+    """The ``hook`` field of an object with a webhook: what hook_event.lua needs to record its deliveries.
     ``url`` and ``events``: its own webhook, if any, and the events sent (default: a job's
     completed, every end of a batch); ``endpoints``: its owner's server-wide ones (each with its
     url and events); ``events_of`` "response": a job's end is sent as a response's
@@ -209,10 +103,10 @@ class AsyncHookStore:
         self.settings = settings
         self.keys = settings.keys
         self.redis = client
-        self._due = client.register_script(DUE_LUA)
-        self._begin = client.register_script(BEGIN_LUA)
-        self._attempt = client.register_script(ATTEMPT_LUA)
-        self._retry = client.register_script(RETRY_LUA)
+        self._due = client.register_script(source("hook_due"))
+        self._begin = client.register_script(source("hook_begin"))
+        self._attempt = client.register_script(source("hook_attempt"))
+        self._retry = client.register_script(source("hook_retry"))
 
     async def server_secrets(self) -> list[str]:
         """SPOOL_WEBHOOK_SECRET's secrets, else the one generated on first use and kept in Redis."""

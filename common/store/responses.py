@@ -3,22 +3,16 @@ one JSON field of its job's hash, so it lives and expires with the job (``SPOOL_
 
 from __future__ import annotations
 
+from functools import cached_property
+
 import redis.asyncio as aredis
+from redis.commands.core import AsyncScript
 
 from common.keys import Keys
+from common.store.scripts import source
 
 RESPONSE_FIELD = "response"
 RESPONSE_PREFIX = "resp_"  # a response's id: this and its job's
-
-# Set the field only on a job that exists: a job already expired must not come back as a hash
-# without an expiry.
-PUT_RESPONSE_LUA = """
--- KEYS[1] = the job's hash
--- ARGV[1] = the field, ARGV[2] = the response's JSON
-if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
-redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
-return 1
-"""
 
 
 class ResponseRecords:
@@ -27,10 +21,14 @@ class ResponseRecords:
     redis: aredis.Redis
     keys: Keys
 
+    @cached_property
+    def _put_response(self) -> AsyncScript:
+        return self.redis.register_script(source("response_put"))
+
     async def put_response(self, job_id: str, record: str) -> bool:
-        """Attach the response's JSON to its job; False when the job is gone."""
-        script = self.redis.register_script(PUT_RESPONSE_LUA)
-        return bool(await script([self.keys.job(job_id)], [RESPONSE_FIELD, record]))
+        """Attach the response's JSON to its job (only to a job that exists: response_put.lua);
+        False when the job is gone."""
+        return bool(await self._put_response([self.keys.job(job_id)], [RESPONSE_FIELD, record]))
 
     async def response_of(self, job_id: str) -> tuple[str | None, str | None]:
         """(owner, the response's JSON) of a job; (None, None) for no such job, and a JSON of

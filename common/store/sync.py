@@ -12,34 +12,26 @@ import redis
 from redis.exceptions import RedisError
 
 from common.keys import part_id, split_part_id
-from common.schemas import WorkerHeartbeat
+from common.schemas.views import WorkerHeartbeat
 from common.settings import Settings
-from common.store.clients import sync_client
-from common.store.lua import (
-    APPEND_STEP_LUA,
-    CANCEL_LUA,
-    DROP_ATTEMPTS_LUA,
-    PART_APPEND_LUA,
-    PART_TAKE_LUA,
-    RELEASE_HELD_LUA,
-    RENEW_LUA,
-    REQUEUE_LUA,
-    TAKE_LUA,
+from common.store.calls import (
+    append_step_args,
+    cancel_args,
+    parse_take,
+    part_append_args,
+    part_take_args,
+    take_args,
 )
+from common.store.clients import sync_client
 from common.store.outbox import SyncOutbox
 from common.store.records import (
     WORKER_FORGET_S,
     Append,
     Appended,
     TakeResult,
-    append_step_args,
-    cancel_args,
     heartbeats_from,
-    parse_take,
-    part_append_args,
-    part_take_args,
-    take_args,
 )
+from common.store.scripts import source
 from common.store.watchers import watching
 
 if TYPE_CHECKING:
@@ -69,15 +61,15 @@ class SyncJobStore:
         # data's (SPOOL_BROKER_URL): the scripts' messages wait in the outbox for a relay.
         self.broker = broker or client
         self.outbox = SyncOutbox(client, broker, self.keys) if broker is not None else None
-        self._take = client.register_script(TAKE_LUA)
-        self._append = client.register_script(APPEND_STEP_LUA)
-        self._part_take = client.register_script(PART_TAKE_LUA)
-        self._part_append = client.register_script(PART_APPEND_LUA)
-        self._renew = client.register_script(RENEW_LUA)
-        self._requeue = client.register_script(REQUEUE_LUA)
-        self._cancel = client.register_script(CANCEL_LUA)
-        self._drop_attempts = client.register_script(DROP_ATTEMPTS_LUA)
-        self._release_held = client.register_script(RELEASE_HELD_LUA)
+        self._take = client.register_script(source("take"))
+        self._append = client.register_script(source("append_step"))
+        self._part_take = client.register_script(source("part_take"))
+        self._part_append = client.register_script(source("part_append"))
+        self._renew = client.register_script(source("renew"))
+        self._requeue = client.register_script(source("requeue"))
+        self._cancel = client.register_script(source("cancel"))
+        self._drop_attempts = client.register_script(source("drop_attempts"))
+        self._release_held = client.register_script(source("release_held"))
 
     @classmethod
     def from_settings(cls, settings: Settings) -> Self:
@@ -129,7 +121,7 @@ class SyncJobStore:
 
     def release_held(self, now: float, limit: int = 100) -> float | None:
         """Send the messages of the held image parts whose bound (SPOOL_IMAGE_HOLD_S after their
-        job's creation) passed by ``now``, as their text parts' first tokens would (RELEASE_HELD_LUA);
+        job's creation) passed by ``now``, as their text parts' first tokens would (release_held.lua);
         returns the next held part's bound, or None when no part is held."""
         held = self.keys.held_media()
         earliest: list[Any] = self.redis.zrange(held, 0, limit - 1, withscores=True)
@@ -318,7 +310,7 @@ class SyncJobStore:
         ]
 
     def cancel_job(self, job_id: str) -> None:
-        """Cancel a job as the API's cancel does (CANCEL_LUA): a job with parts cancels its queued
+        """Cancel a job as the API's cancel does (cancel.lua): a job with parts cancels its queued
         parts at once and asks their workers to end the running ones. A job already ended stays so."""
         keys, args = cancel_args(self.keys, job_id, self.settings.job_ttl_s, time.time())
         self._cancel(keys, args)

@@ -19,58 +19,7 @@ import redis.asyncio as aredis
 from redis.commands.core import AsyncScript
 
 from common.keys import WATCHER_GHOST, Keys
-
-# Redis's clock in seconds, as `now`.
-_NOW = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
-"""
-
-# KEYS: watcher sets. ARGV: seconds from now, the sets' expiry (s), 'XX' (only the tokens still
-# there: a renewal) or '', a token per key. Scores each token with now plus the seconds.
-SCORE_WATCHERS_LUA = (
-    _NOW
-    + """
-local deadline = now + tonumber(ARGV[1])
-for i, key in ipairs(KEYS) do
-  if ARGV[3] == 'XX' then
-    redis.call('ZADD', key, 'XX', deadline, ARGV[3 + i])
-  else
-    redis.call('ZADD', key, deadline, ARGV[3 + i])
-  end
-  redis.call('EXPIRE', key, ARGV[2])
-end
-"""
-)
-
-# KEYS: watcher sets. ARGV: the grace (s), the sets' expiry (s), the ghost prefix, a token per key.
-# Replaces each token by its ghost, scored with now plus the grace; returns that end of the grace.
-GHOST_WATCHERS_LUA = (
-    _NOW
-    + """
-local ends = now + tonumber(ARGV[1])
-for i, key in ipairs(KEYS) do
-  redis.call('ZREM', key, ARGV[3 + i])
-  redis.call('ZADD', key, ends, ARGV[3] .. ARGV[3 + i])
-  redis.call('EXPIRE', key, ARGV[2])
-end
-return string.format('%.6f', ends)
-"""
-)
-
-# KEYS: a watcher set. ARGV: the grace (s), a time on Redis's clock before which it is not counted
-# ('' for none). Drops the members past counting; returns {now, member, score, ...}, now being
-# Redis's clock or that time, whichever is later.
-WATCHERS_AT_LUA = (
-    _NOW
-    + """
-if ARGV[2] ~= '' then now = math.max(now, tonumber(ARGV[2])) end
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', '(' .. string.format('%.6f', now - tonumber(ARGV[1])))
-local out = redis.call('ZRANGE', KEYS[1], 0, -1, 'WITHSCORES')
-table.insert(out, 1, string.format('%.6f', now))
-return out
-"""
-)
+from common.store.scripts import source
 
 
 def watching(members: Iterable[tuple[str, float]], now: float, grace_s: float) -> bool:
@@ -97,15 +46,15 @@ class WatcherSets:
 
     @cached_property
     def _score_watchers(self) -> AsyncScript:
-        return self.redis.register_script(SCORE_WATCHERS_LUA)
+        return self.redis.register_script(source("watchers_score"))
 
     @cached_property
     def _ghost_watchers(self) -> AsyncScript:
-        return self.redis.register_script(GHOST_WATCHERS_LUA)
+        return self.redis.register_script(source("watchers_ghost"))
 
     @cached_property
     def _watchers_at(self) -> AsyncScript:
-        return self.redis.register_script(WATCHERS_AT_LUA)
+        return self.redis.register_script(source("watchers_at"))
 
     async def add_watcher(self, job_id: str, token: str, lease_s: float, ttl_s: int) -> None:
         """Add the watcher, its lease ending ``lease_s`` from now."""

@@ -15,7 +15,7 @@ from procs import free_port, wait_until
 from store_helpers import StoreForTests
 
 from api.main import create_app
-from common.schemas import WorkerHeartbeat
+from common.schemas.views import WorkerHeartbeat
 from common.settings import Settings, load_settings
 
 REDIS_URL = os.environ.get("TEST_REDIS_URL", "redis://127.0.0.1:6379/0")

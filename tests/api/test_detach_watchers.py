@@ -7,7 +7,8 @@ from collections.abc import Callable
 from typing import Any
 
 from api.watchers import Watchers
-from common.schemas import JobRequest, JobStatus
+from common.schemas.requests import JobRequest
+from common.schemas.views import JobStatus
 from common.settings import Settings
 from common.store import AsyncJobStore
 

@@ -14,7 +14,7 @@ import openai
 import pytest
 from procs import REDIS_URL, Prefixes, Service, start_api
 
-from common.schemas import WorkerHeartbeat
+from common.schemas.views import WorkerHeartbeat
 from common.settings import load_settings
 from common.store import SyncJobStore
 

@@ -6,7 +6,7 @@ import asyncio
 import time
 
 from api.served import ServedModels
-from common.schemas import WorkerHeartbeat
+from common.schemas.views import WorkerHeartbeat
 from common.settings import Settings
 from common.store import AsyncJobStore, SyncJobStore
 

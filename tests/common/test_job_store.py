@@ -11,16 +11,9 @@ import redis
 from store_helpers import StoreForTests
 
 from common.keys import JOB_PRIORITY, WATCHER_GHOST
-from common.schemas import (
-    DoneEvent,
-    ErrorEvent,
-    JobError,
-    JobRequest,
-    JobStatus,
-    LogEntry,
-    Usage,
-    WorkerHeartbeat,
-)
+from common.schemas.events import DoneEvent, ErrorEvent, LogEntry
+from common.schemas.requests import JobRequest
+from common.schemas.views import JobError, JobStatus, Usage, WorkerHeartbeat
 from common.settings import Settings
 from common.store import (
     Append,

@@ -18,7 +18,9 @@ from store_helpers import StoreForTests
 
 from api.enqueue import Enqueuer
 from common.keys import JOB_PRIORITY, Keys, part_id
-from common.schemas import DoneEvent, Job, JobRequest, JobStatus, LogEntry, Usage
+from common.schemas.events import DoneEvent, LogEntry
+from common.schemas.requests import JobRequest
+from common.schemas.views import Job, JobStatus, Usage
 from common.settings import Settings, load_settings
 from common.store import Append, AsyncJobStore, Final, token_entry
 from spool_cli import procs as harness
@@ -115,7 +117,7 @@ def test_held_and_dependent_parts_are_relayed_after_the_text_parts_append(
             )
         ]
     )
-    # PART_APPEND_LUA's send_part wrote both onto the outbox; the worker's store relayed them.
+    # part_append.lua's send_part wrote both onto the outbox; the worker's store relayed them.
     assert sorted(sent(broker, keys.queue_media)) == [
         part_id(job.id, 1),
         part_id(job.id, 2),

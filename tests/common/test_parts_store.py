@@ -10,7 +10,9 @@ from typing import Any, TypeVar
 from store_helpers import StoreForTests
 
 from common.keys import part_id
-from common.schemas import DoneEvent, ErrorEvent, Job, JobRequest, JobStatus, LogEntry, Usage
+from common.schemas.events import DoneEvent, ErrorEvent, LogEntry
+from common.schemas.requests import JobRequest
+from common.schemas.views import Job, JobStatus, Usage
 from common.settings import Settings
 from common.store import Append, Appended, AsyncJobStore, Final, QueueMessage, TakeStatus, token_entry
 

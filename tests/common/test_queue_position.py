@@ -7,7 +7,7 @@ import asyncio
 from store_helpers import StoreForTests
 
 from common.keys import BATCH_PRIORITY, REQUEUE_PRIORITY
-from common.schemas import JobRequest
+from common.schemas.requests import JobRequest
 from common.settings import Settings
 from common.store import AsyncJobStore, QueueMessage
 

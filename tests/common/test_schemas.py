@@ -3,7 +3,10 @@ import math
 import pytest
 from pydantic import ValidationError
 
-from common.schemas import LIMIT_EXCEEDED, DoneEvent, JobRequest, JobStatus, LogEntry, TokenEvent, Usage
+from common.schemas.checks import LIMIT_EXCEEDED
+from common.schemas.events import DoneEvent, LogEntry, TokenEvent
+from common.schemas.requests import JobRequest
+from common.schemas.views import JobStatus, Usage
 from common.settings import Settings
 
 SERVER = Settings(max_tokens_cap=4096)

@@ -16,7 +16,7 @@ from procs import Service, free_port, start_worker
 from sse_client import Event, iter_sse
 
 from common.keys import Keys
-from common.schemas import LogEntry
+from common.schemas.events import LogEntry
 from spool_cli import procs as harness
 
 # Short leases, so a test sees take-overs in seconds (the default lease is 20 s).

@@ -25,7 +25,7 @@ from breakers import RedisServer
 from procs import REDIS_URL, Prefixes, Service, start_api
 
 from common.keys import part_id
-from common.schemas import WorkerHeartbeat
+from common.schemas.views import WorkerHeartbeat
 from common.settings import Settings
 from common.store import SyncJobStore
 

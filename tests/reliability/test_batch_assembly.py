@@ -18,7 +18,7 @@ import redis
 from breakers import poll
 from procs import Prefixes, Service, start_api, start_worker, wait_until
 
-from api.batch_feeder import result_file_id
+from api.batch_files import result_file_id
 from common.keys import Keys
 
 GOOD = 40  # lines that run on the worker (the output file)

@@ -16,7 +16,7 @@ from urllib.parse import urlsplit
 
 from procs import Service
 
-from common.schemas import MAX_JSON_DEPTH, TOO_DEEP, nested_too_deep
+from common.schemas.checks import MAX_JSON_DEPTH, TOO_DEEP, nested_too_deep
 
 ENVELOPE = {"message", "type", "param", "code"}
 

@@ -21,7 +21,8 @@ from typing import Any
 import pytest
 from procs import REDIS_URL, Prefixes, Service, start_api
 
-from common.schemas import DoneEvent, JobStatus, LogEntry, Usage, WorkerHeartbeat
+from common.schemas.events import DoneEvent, LogEntry
+from common.schemas.views import JobStatus, Usage, WorkerHeartbeat
 from common.settings import Settings
 from common.store import Append, Final, SyncJobStore
 

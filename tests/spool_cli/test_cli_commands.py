@@ -17,7 +17,7 @@ from greedy import greedy
 from procs import SPOOL, Service, free_port, start_api
 
 from common.keys import Keys
-from spool_cli.client import PAGE_MAX
+from spool_cli.jobs import PAGE_MAX
 
 LONG_PROMPT = "the quick brown fox"  # greedy on the tiny model runs to max_tokens (no EOS)
 COMMANDS = (

@@ -12,7 +12,8 @@ from procs import REDIS_URL, Service, start_worker
 from store_helpers import StoreForTests
 
 from common.keys import GENERATE_TASK
-from common.schemas import Job, JobRequest, JobStatus
+from common.schemas.requests import JobRequest
+from common.schemas.views import Job, JobStatus
 from common.settings import load_settings
 from workers.celery_app import make_app
 

@@ -11,7 +11,8 @@ from collections.abc import Iterator
 import pytest
 from store_helpers import StoreForTests
 
-from common.schemas import JobRequest, JobStatus
+from common.schemas.requests import JobRequest
+from common.schemas.views import JobStatus
 from common.settings import Settings, load_settings
 from common.store import TEXT_CHECKPOINT_EVENTS, Append, Appended, Final, TakeStatus, text_read
 from workers.engine import Delta, FinishReason

@@ -13,7 +13,10 @@ import torch
 from procs import REDIS_URL
 from store_helpers import StoreForTests
 
-from common.schemas import ChatMessage, Job, JobRequest, JobStatus, LogEntry
+from common.schemas.chat import ChatMessage
+from common.schemas.events import LogEntry
+from common.schemas.requests import JobRequest
+from common.schemas.views import Job, JobStatus
 from common.settings import load_settings
 from common.store import Append, Appended, QueueMessage, token_entry
 from workers.engine import Engine, SamplingParams

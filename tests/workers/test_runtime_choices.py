@@ -10,7 +10,9 @@ from collections import defaultdict
 from store_helpers import StoreForTests
 from test_runtime import LONG_PROMPT, check_log, poll, run_in_thread
 
-from common.schemas import JobRequest, JobStatus, LogEntry
+from common.schemas.events import LogEntry
+from common.schemas.requests import JobRequest
+from common.schemas.views import JobStatus
 from common.store import Append, Appended, token_entry
 from workers.engine import Engine, SamplingParams
 from workers.runtime import EngineRuntime, Outcome, choice_seed

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from common.schemas import JobRequest
+from common.schemas.requests import JobRequest
 from common.store import SyncJobStore
 from workers.runtime import EngineRuntime, Outcome
 

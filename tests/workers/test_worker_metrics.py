@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from common.schemas import JobStatus
+from common.schemas.views import JobStatus
 from common.store import Append, Final
 from workers.engine import Delta, FinishReason
 from workers.metrics import WorkerMetrics

@@ -24,12 +24,12 @@ import httpx
 from redis.exceptions import RedisError
 
 from common.process import NamedThread
+from common.schemas.views import batch_object
 from common.settings import Settings
 from common.store import AsyncBatchStore, AsyncJobStore, JobNotFound, SyncJobStore
 from common.store.clients import async_client
 from common.store.hooks import AsyncHookStore, Begun
 from common.store.responses import RESPONSE_PREFIX
-from common.views import batch_object
 from common.webhooks import (
     BadDestination,
     envelope,

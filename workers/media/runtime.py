@@ -28,7 +28,9 @@ from redis.exceptions import RedisError
 
 from common.keys import split_part_id
 from common.process import NamedThread
-from common.schemas import ImagePart, JobError, JobStatus, LogEntry
+from common.schemas.events import LogEntry
+from common.schemas.requests import ImagePart
+from common.schemas.views import JobError, JobStatus
 from common.settings import Settings
 from common.store import Append, Final, SyncJobStore, TakeStatus
 from workers.liveness import HeldJob, Liveness, too_many_attempts

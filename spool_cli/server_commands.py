@@ -1,0 +1,255 @@
+"""``spool worker``, ``api`` and ``up``: the commands that run Spool's processes; ``tiny-model`` and
+``tiny-image-model``: the random models for tests and demos. Each imports what loads torch (a
+worker, a tiny model) in its own function, so that ``spool --help`` and the client commands never
+do."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+from pathlib import Path
+from typing import Any
+
+from common.settings import check_api_settings, get_settings
+from spool_cli.commands import command
+
+
+def add_server_commands(sub: Any) -> None:
+    """worker, api and up."""
+    p = command(
+        sub,
+        "worker",
+        "run a Celery worker that owns the engine",
+        "It loads the model, beats a heartbeat into Redis (the API is ready once one is live) and "
+        "runs the queued jobs in one continuous batch. Run one per accelerator, under a supervisor "
+        "that restarts it (it exits 70 when an engine step stalls, 78 when its model does not load "
+        "or its name is held by a live worker, 2 on a Redis whose maxmemory-policy evicts keys). "
+        "--kind media runs image parts instead, on one diffusers pipeline (SPOOL_IMAGE_MODEL), "
+        "one image at a time, from the {prefix}.media queue (it exits 70 too when a denoising step "
+        "stalls). --kind hooks delivers webhooks from the {prefix}.hooks queue (no model, no torch; "
+        "docs/webhooks.md).",
+        "Settings: SPOOL_REDIS_URL, SPOOL_REDIS_PREFIX, SPOOL_MODEL, SPOOL_DEVICE, SPOOL_DTYPE, the "
+        "engine's (SPOOL_MAX_BATCH_SIZE, SPOOL_MAX_MODEL_LEN, ...) and the liveness ones "
+        "(SPOOL_HEARTBEAT_S, SPOOL_LEASE_S, SPOOL_WORKER_NAME, ...); with --kind media "
+        "SPOOL_IMAGE_MODEL, SPOOL_IMAGE_DEVICE, SPOOL_IMAGE_DTYPE and SPOOL_IMAGE_NICE instead of the "
+        "model and engine's.",
+        "SPOOL_MODEL=Qwen/Qwen2.5-0.5B-Instruct SPOOL_DEVICE=cuda spool worker",
+    )
+    p.add_argument(
+        "--kind",
+        choices=["text", "media", "hooks"],
+        default="text",
+        help="the jobs it runs (default: text); hooks: webhook deliveries",
+    )
+    p.set_defaults(func=cmd_worker)
+
+    p = command(
+        sub,
+        "api",
+        "run the HTTP API (uvicorn api.main:app)",
+        "Jobs, their event streams and the OpenAI-compatible routes; /docs has the reference. It "
+        "needs Redis, and a worker for /readyz to answer 200. It serves with limits before the app: "
+        "request heads up to SPOOL_MAX_HEADER_BYTES (else 431), a head within SPOOL_HEADER_TIMEOUT_S "
+        "and a body within SPOOL_BODY_TIMEOUT_S (else 408), at most SPOOL_MAX_CONNECTIONS "
+        "connections (else 503). Exits with status 2 on a Redis whose maxmemory-policy evicts keys.",
+        "Settings: SPOOL_HOST, SPOOL_PORT, SPOOL_REDIS_URL, SPOOL_REDIS_PREFIX, the request limits "
+        "(SPOOL_MAX_TOKENS_CAP, SPOOL_MAX_QUEUED_JOBS, SPOOL_MAX_BODY_BYTES, ...), SPOOL_API_KEYS "
+        "and SPOOL_SHUTDOWN_TIMEOUT_S.",
+        "spool api --host 0.0.0.0 --port 8000",
+    )
+    p.add_argument("--host", help="interface to bind (default: SPOOL_HOST)")
+    p.add_argument("--port", type=int, help="port to listen on (default: SPOOL_PORT)")
+    p.set_defaults(func=cmd_api)
+
+    p = command(
+        sub,
+        "up",
+        "run the workers (text, media, hooks) and the API together (laptop); finds or starts a Redis",
+        "Uses SPOOL_REDIS_URL if set, else a Redis on localhost:6379, else starts redis-server (no "
+        "persistence) on a free port. Ctrl-C or SIGTERM stops everything (status 0). If a child "
+        "exits (a worker whose model does not load, an API killed), spool up names it with its "
+        "exit status, stops the others and exits 1; it restarts nothing. The workers get "
+        "SPOOL_TORCH_THREADS=<CPUs minus one> unless it is set, leaving a core to the API and Redis; "
+        "the media worker gets SPOOL_IMAGE_NICE=10 unless it is set, and with "
+        "SPOOL_WORKER_METRICS_PORT set, the port after the text worker's (the hook worker, which "
+        "delivers webhooks, the one after that); SPOOL_TASK_EVENTS=true unless it is set (Flower "
+        "sees the workers and their tasks).",
+        "Settings: all of the worker's and the API's (spool worker --help, spool api --help).",
+        "spool up --model Qwen/Qwen2.5-0.5B-Instruct --port 8001",
+    )
+    p.add_argument("--model", help="the text worker's model, a hub id or a directory (SPOOL_MODEL)")
+    p.add_argument("--device", help="the text worker's device: cpu, cuda, cuda:N or mps (SPOOL_DEVICE)")
+    p.add_argument("--host", help="the API's interface (SPOOL_HOST)")
+    p.add_argument("--port", type=int, help="the API's port (SPOOL_PORT)")
+    p.add_argument("--api-keys", help="comma-separated keys the API accepts (SPOOL_API_KEYS)")
+    p.set_defaults(func=cmd_up)
+
+
+def add_model_commands(sub: Any) -> None:
+    """tiny-model and tiny-image-model."""
+    p = command(
+        sub,
+        "tiny-model",
+        "write a tiny random model and its tokenizer to DIR, and print its path",
+        "About 1.5 MB, random weights: for tests and demos (SPOOL_MODEL=DIR), where "
+        "what it says does not matter but every code path (chat template, batching, resume) runs.",
+        "Settings: none.",
+        "spool tiny-model /tmp/tiny && SPOOL_MODEL=/tmp/tiny spool up",
+    )
+    p.add_argument("dir", type=Path, help="where to write it (created if missing)")
+    p.add_argument(
+        "--arch", choices=["llama", "qwen2", "gpt2", "opt"], default="llama", help="default: llama"
+    )
+    p.set_defaults(func=cmd_tiny_model)
+
+    p = command(
+        sub,
+        "tiny-image-model",
+        "write a tiny random Stable Diffusion pipeline to DIR, and print its path",
+        "UNet, VAE, CLIP text encoder and a CLIP tokenizer built locally, random weights, saved "
+        "with save_pretrained: its images are noise. For tests and demos (SPOOL_IMAGE_MODEL=DIR); "
+        "the media worker builds one into its cache when SPOOL_IMAGE_MODEL is unset.",
+        "Settings: none.",
+        "spool tiny-image-model /tmp/tiny-sd && SPOOL_IMAGE_MODEL=/tmp/tiny-sd spool worker --kind media",
+    )
+    p.add_argument("dir", type=Path, help="where to write it (created if missing)")
+    p.set_defaults(func=cmd_tiny_image_model)
+
+
+def check_redis_at_start(url: str) -> None:
+    """Refuse a Redis that evicts keys (UnsafeRedis); one not reachable yet is waited for later."""
+    import redis
+
+    from common.redis_policy import check_redis
+
+    client = redis.Redis.from_url(url, socket_connect_timeout=2, socket_timeout=5)
+    try:
+        check_redis(client)
+    except redis.RedisError as e:
+        print(f"spool: Redis's maxmemory-policy not checked, Redis not reachable yet ({e})", file=sys.stderr)
+    finally:
+        client.close()
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    check_redis_at_start(get_settings().redis_url)  # before torch loads: seconds sooner
+    settings = get_settings()
+    if (settings.image_device if args.kind == "media" else settings.device) == "cpu":
+        # NOTE: triton (xgrammar's dependency, for its CUDA kernels) is imported by torch.compile
+        # even on a CPU, where it runs nothing, and at every exit nanobind reports its module
+        # objects as leaked (54 lines). A None in sys.modules makes `import triton` raise
+        # ImportError, which torch and xgrammar take as "no triton".
+        sys.modules.setdefault("triton", None)  # type: ignore[arg-type]
+    if args.kind == "media":
+        if settings.image_nice:
+            os.nice(settings.image_nice)  # before any thread starts: every one inherits it
+        from workers.media.tasks import app  # loads torch and diffusers: only here
+
+        concurrency, queue = 1, settings.keys.queue_media
+        model = settings.image_model or "spool-tiny-image"
+    elif args.kind == "hooks":
+        from workers.hooks.tasks import HOOK_TASK_THREADS, app  # no torch
+
+        concurrency, queue = HOOK_TASK_THREADS, settings.keys.queue_hooks
+        model = "webhooks"
+    else:
+        from workers.celery_app import app, worker_concurrency  # loads torch: only here
+
+        concurrency, queue = worker_concurrency(settings), settings.keys.model_queue(settings.served_model)
+        model = settings.served_model
+    from workers.celery_app import node_name
+
+    # Liveness is Spool's own heartbeat key; gossip and mingle only slow the start. Celery's
+    # heartbeat events are sent with the task events (SPOOL_TASK_EVENTS), for Flower.
+    events = ["--task-events"] if settings.task_events else ["--without-heartbeat"]
+    app.worker_main(
+        [
+            "worker",
+            "--pool=threads",
+            f"--concurrency={concurrency}",
+            f"--queues={queue}",
+            f"--hostname={node_name(args.kind, model)}",
+            "--loglevel=INFO",
+            "--without-gossip",
+            "--without-mingle",
+            *events,
+        ]
+    )
+    return 0
+
+
+def cmd_api(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from api.http_limits import HttpLimits, protocol_class
+
+    settings = get_settings()
+    check_api_settings(settings)  # the app checks again (a bare uvicorn), too late for status 2
+    check_redis_at_start(settings.redis_url)  # the app's start checks again (a bare uvicorn too)
+    host, port = args.host or settings.host, args.port or settings.port
+    # NOTE: bound before the app starts. uvicorn binds after the app's start-up, and on a port in
+    # use then waited for the app's shutdown forever (the batch feeder running, SIGTERM unheard).
+    try:
+        sock = listening_socket(host, port)
+    except OSError as e:
+        print(f"spool: cannot listen on {host}:{port}: {e}", file=sys.stderr)
+        return 1
+    config = uvicorn.Config(
+        "api.main:app",
+        host=host,
+        port=port,
+        timeout_graceful_shutdown=settings.shutdown_timeout_s,  # an SSE stream never ends by itself
+        # Header size, read timeouts and the connection cap, before the app (`spool up` and the
+        # compose file's api service run this command too).
+        http=protocol_class(HttpLimits.of(settings)),
+    )
+    uvicorn.Server(config).run(sockets=[sock])
+    return 0
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to host:port, as uvicorn binds its own (OSError: e.g. the port in use)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+UP_FLAGS = {
+    "model": "SPOOL_MODEL",
+    "device": "SPOOL_DEVICE",
+    "host": "SPOOL_HOST",
+    "port": "SPOOL_PORT",
+    "api_keys": "SPOOL_API_KEYS",
+}
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from spool_cli.up import up
+
+    # A flag is its variable, for spool up and every child it starts.
+    os.environ.update(
+        {var: str(getattr(args, flag)) for flag, var in UP_FLAGS.items() if getattr(args, flag) is not None}
+    )
+    get_settings.cache_clear()
+    return up()
+
+
+def cmd_tiny_model(args: argparse.Namespace) -> int:
+    from workers.engine.tiny import build_tiny_model
+
+    print(build_tiny_model(args.dir, args.arch))
+    return 0
+
+
+def cmd_tiny_image_model(args: argparse.Namespace) -> int:
+    from workers.media.tiny import build_tiny_image_model
+
+    print(build_tiny_image_model(args.dir))
+    return 0
