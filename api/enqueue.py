@@ -1,7 +1,7 @@
 """The Celery message that hands a job to the workers; the script that creates the job queues it.
 
 The API does not publish with Celery's ``send_task``. The job-creating Lua script pushes the
-message onto the broker's list itself (common/store/lua.py ``CREATE_LUA``), so a job and its
+message onto the broker's list itself (common/store/lua/create.lua), so a job and its
 message exist together or not at all, in one round trip and without a thread: ``send_task`` is
 blocking, cost about half of a POST's CPU (docs/benchmarks.md) and left a window in which a job
 was stored but not sent.
@@ -13,6 +13,10 @@ transport LPUSHes (kombu/transport/virtual/base.py ``prepare_message`` and
 ``_inplace_augment_message``, kombu/transport/redis.py ``_put``). tests/api/test_enqueue.py
 compares it with what ``send_task`` writes, so an upgrade of Celery or kombu that changes the
 format fails there, not in production.
+
+With the broker on a Redis apart (SPOOL_BROKER_URL) a script cannot reach its lists: the message
+is addressed to the job data's outbox instead, which the store relays to the broker right after
+the script (common/store/outbox.py).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from common.keys import BATCH_PRIORITY, GENERATE_TASK, JOB_PRIORITY, MEDIA_TASK,
 from common.schemas.requests import JobRequest
 from common.settings import Settings
 from common.store import QueueMessage
+from common.store.outbox import outboxed
 
 PERSISTENT = 2  # AMQP delivery mode, as Celery sets it
 
@@ -45,6 +50,7 @@ class Enqueuer:
         # A bare app that never connects: it only builds messages.
         self._amqp = Celery("spool-api", set_as_current=False).amqp
         self._keys = settings.keys
+        self._outbox = settings.broker_apart
 
     def generate(self, job_id: str, queue: str, priority: int = JOB_PRIORITY) -> QueueMessage:
         """The message of the ``generate`` task for ``job_id``, as ``send_task`` would send it, to
@@ -83,4 +89,5 @@ class Enqueuer:
             "headers": headers,
             "properties": properties,
         }
-        return QueueMessage(Keys.broker_list(queue, priority), json_dumps(envelope), queue)
+        message = QueueMessage(Keys.broker_list(queue, priority), json_dumps(envelope), queue)
+        return outboxed(self._keys, message) if self._outbox else message

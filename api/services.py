@@ -53,6 +53,8 @@ async def refuse_unsafe_redis(store: AsyncJobStore) -> None:
     reachable yet is not waited for (the API answers 503 until it is)."""
     try:
         await check_redis_async(store.redis)
+        if store.broker is not store.redis:  # SPOOL_BROKER_URL: an evicted queue list loses messages
+            await check_redis_async(store.broker)
     except UNREACHABLE as e:
         log.warning("Redis's maxmemory-policy not checked, Redis not reachable yet (%s)", e)
 
@@ -68,7 +70,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     watchers = Watchers(store, settings.detach_grace_s)
     await watchers.start()
     served, context = ServedModels(store), ContextCheck(store)
-    batches = AsyncBatchStore(store.redis, settings)
+    batches = AsyncBatchStore(store.redis, settings, store.broker if settings.broker_apart else None)
     app.state.services = Services(
         settings, store, hub, enqueuer, Metrics(hub), watchers, served, context, batches
     )

@@ -219,6 +219,12 @@ class Keys:
         """The list kombu keeps a queue's messages of ``priority`` in (a priority step: 0, 3, 6, 9)."""
         return f"{queue}{_KOMBU_PRIORITY_SEP}{priority}" if priority else queue
 
+    def outbox(self) -> str:
+        """List on the job data's Redis of the broker messages its scripts wrote with their jobs,
+        while the broker is a Redis apart (SPOOL_BROKER_URL): JSON ``[broker list, message]``
+        each, until relayed to the broker (common/store/outbox.py)."""
+        return f"{self.prefix}:outbox"
+
     @property
     def control_exchange(self) -> str:
         """Celery's remote control (``celery inspect``, Flower) broadcasts on "{this}.pidbox" and

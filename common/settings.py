@@ -32,7 +32,10 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", frozen=True)
 
     # Redis and naming
-    redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_url: str = "redis://127.0.0.1:6379/0"  # the job data: jobs, logs, channels, heartbeats, batches
+    # The broker's Redis: Celery's queues and kombu's records, one message per job; a standalone
+    # Redis (Celery's transport speaks no Redis Cluster). Empty: SPOOL_REDIS_URL's.
+    broker_url: str = ""
     redis_prefix: str = Field("spool", pattern=r"^[A-Za-z0-9_.-]+$")
 
     # Model and engine (worker)
@@ -228,6 +231,16 @@ class Settings(BaseSettings):
     @property
     def keys(self) -> Keys:
         return Keys(self.redis_prefix)
+
+    @property
+    def broker_redis_url(self) -> str:
+        """The broker's Redis: SPOOL_BROKER_URL, else SPOOL_REDIS_URL."""
+        return self.broker_url or self.redis_url
+
+    @property
+    def broker_apart(self) -> bool:
+        """Whether the broker is another Redis than the job data's (common/store/outbox.py)."""
+        return self.broker_redis_url != self.redis_url
 
     @property
     def served_model(self) -> str:

@@ -37,8 +37,8 @@ from common.store.scripts import source
 class StoreForTests(SyncJobStore):
     """``SyncJobStore`` plus the API's create, read and cancel."""
 
-    def __init__(self, client: redis.Redis, settings: Settings) -> None:
-        super().__init__(client, settings)
+    def __init__(self, client: redis.Redis, settings: Settings, broker: redis.Redis | None = None) -> None:
+        super().__init__(client, settings, broker)
         self._create = client.register_script(source("create"))
         self._cancel = client.register_script(source("cancel"))
 
@@ -55,6 +55,7 @@ class StoreForTests(SyncJobStore):
         earlier = check_created(self._create(keys, args), self.settings.max_queued_jobs)
         if earlier is not None:
             return check_replay(self.get_record(earlier), request)
+        self.relay()
         return record_from_hash(fields, "").job
 
     def get_record(self, job_id: str) -> JobRecord:

@@ -43,7 +43,8 @@ def make_app(
     concurrency (workers/media/tasks.py)."""
     text_queue = settings.keys.model_queue(settings.served_model)
     queue = queue or text_queue
-    app = Celery("spool", broker=settings.redis_url, include=list(include))
+    # The broker's Redis: SPOOL_BROKER_URL, or the job data's (common/store/outbox.py).
+    app = Celery("spool", broker=settings.broker_redis_url, include=list(include))
     app.conf.update(
         task_ignore_result=True,
         # A job's message is acknowledged when its task returns, and given back if the worker

@@ -81,6 +81,8 @@ class Reaper:
         heartbeat TTL: after an outage every worker's heartbeat and leases may have lapsed,
         and the live ones must get the time to beat again before their jobs count as orphans.
         """
+        # With the broker apart, what a relay left in the outbox (a broker that was down) goes now.
+        self.store.relay()
         now = time.time()
         done: list[Requeued] = []
         # NOTE: a job without a queue (its hash gone, or stored by a version before a queue per

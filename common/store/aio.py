@@ -23,6 +23,7 @@ from common.store.calls import (
 )
 from common.store.clients import WRITE_PROBE_TTL_MS, async_client
 from common.store.errors import JobNotFound
+from common.store.outbox import AsyncOutbox
 from common.store.parts import part_reads, summary_with_parts, with_parts
 from common.store.records import (
     LIST_SCAN_MAX,
@@ -50,22 +51,34 @@ QUEUE_POSITION_SCAN = 1000  # queued jobs read to count a job's place among its 
 
 
 class AsyncJobStore(WatcherSets, ResponseRecords):
-    """The API's store, over redis.asyncio."""
+    """The API's store, over redis.asyncio. ``broker``: the broker's Redis when it is another
+    than the job data's (SPOOL_BROKER_URL), whose queue lists it reads and relays messages to."""
 
-    def __init__(self, client: aredis.Redis, settings: Settings) -> None:
+    def __init__(self, client: aredis.Redis, settings: Settings, broker: aredis.Redis | None = None) -> None:
         self.settings = settings
         self.keys = settings.keys
         self.redis = client
+        self.broker = broker or client
+        self.outbox = AsyncOutbox(client, broker, self.keys) if broker is not None else None
         self._create = client.register_script(source("create"))
         self._cancel = client.register_script(source("cancel"))
         self._create_parts = client.register_script(source("create_parts"))
 
     @classmethod
     def from_settings(cls, settings: Settings) -> AsyncJobStore:
-        return cls(async_client(settings.redis_url), settings)
+        broker = async_client(settings.broker_redis_url) if settings.broker_apart else None
+        return cls(async_client(settings.redis_url), settings, broker)
 
     async def close(self) -> None:
         await self.redis.aclose()
+        if self.broker is not self.redis:
+            await self.broker.aclose()
+
+    async def relay(self) -> None:
+        """Send the broker messages the scripts left in the outbox (common/store/outbox.py);
+        nothing to do with one Redis."""
+        if self.outbox is not None:
+            await self.outbox.relay_or_log()
 
     async def ping(self) -> bool:
         return bool(await self.redis.ping())
@@ -101,6 +114,7 @@ class AsyncJobStore(WatcherSets, ResponseRecords):
         earlier = check_created(await script(keys, args), self.settings.max_queued_jobs)
         if earlier is not None:
             return check_replay(await self.get_record(earlier), request)
+        await self.relay()
         if request.parts is not None:
             return (await self.get_record(fields["id"])).job
         return record_from_hash(fields, "").job
@@ -188,12 +202,14 @@ class AsyncJobStore(WatcherSets, ResponseRecords):
         rank, queue = found, str(queue)
         scan = min(QUEUE_POSITION_SCAN if tier else rank, QUEUE_POSITION_SCAN)  # flex: those after it too
         ids = await self.redis.zrange(queued, 0, scan - 1) if scan else []
-        async with self.redis.pipeline(transaction=False) as pipe:
+        async with self.broker.pipeline(transaction=False) as pipe:
             pipe.llen(self.keys.broker_list(queue, REQUEUE_PRIORITY))
             pipe.llen(self.keys.broker_list(queue, BATCH_PRIORITY))
+            requeued, lines = await pipe.execute()
+        async with self.redis.pipeline(transaction=False) as pipe:
             for j in ids:
                 pipe.hmget(self.keys.job(str(j)), ["queue", "tier"])
-            requeued, lines, *replies = await pipe.execute()
+            replies = await pipe.execute()
         ahead = [
             i
             for i, (q, t) in enumerate(replies)
@@ -281,7 +297,7 @@ class AsyncJobStore(WatcherSets, ResponseRecords):
             "media": [self.keys.queue_media],
         }
         lists = {kind: [name for q in qs for name in self.keys.queue_lists(q)] for kind, qs in queues.items()}
-        async with self.redis.pipeline(transaction=False) as pipe:
+        async with self.broker.pipeline(transaction=False) as pipe:
             for names in lists.values():
                 for name in names:
                     pipe.llen(name)

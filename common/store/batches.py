@@ -23,6 +23,7 @@ from common.keys import Keys
 from common.schemas.requests import JobRequest
 from common.settings import Settings
 from common.store.files import FenceLost, FileRecords, flat, hash_or_none
+from common.store.outbox import AsyncOutbox
 from common.store.records import OWNER_INDEX_MAX, QueueMessage, new_job_fields, owner_index_age_s
 from common.store.scripts import source
 
@@ -80,10 +81,13 @@ _SCRIPTS = (
 
 
 class AsyncBatchStore(FileRecords):
-    def __init__(self, client: aredis.Redis, settings: Settings) -> None:
+    def __init__(self, client: aredis.Redis, settings: Settings, broker: aredis.Redis | None = None) -> None:
         self.settings = settings
         self.keys: Keys = settings.keys
         self.redis = client
+        # As AsyncJobStore's: the broker's Redis when apart, and the outbox its lines' messages wait in.
+        self.broker = broker or client
+        self.outbox = AsyncOutbox(client, broker, self.keys) if broker is not None else None
         self._scripts = {name: client.register_script(source(name)) for name in _SCRIPTS}
 
     # -- batches ----------------------------------------------------------------------------------
@@ -187,10 +191,16 @@ class AsyncBatchStore(FileRecords):
             args += flat(fields)
         for r in rejected:
             args += [r.line, json.dumps([r.kind, r.result])]
-        return int(await self._scripts["batch_feed"](keys, args))
+        fed = int(await self._scripts["batch_feed"](keys, args))
+        await self._relay()
+        return fed
+
+    async def _relay(self) -> None:
+        if self.outbox is not None:
+            await self.outbox.relay_or_log()
 
     async def queue_length(self, broker_list: str) -> int:
-        return int(await self.redis.llen(broker_list))
+        return int(await self.broker.llen(broker_list))
 
     async def job_queues(self, job_ids: Sequence[str]) -> list[str]:
         """The Celery queue of each of these jobs (its hash's ``queue``; empty if none)."""
@@ -202,9 +212,11 @@ class AsyncBatchStore(FileRecords):
     async def resend(self, job_id: str, message: QueueMessage, min_gap_s: float) -> bool:
         """Push a queued line's message again if it has waited ``min_gap_s`` since it was sent."""
         keys = [self.keys.job(job_id), message.list_key]
-        return bool(
+        sent = bool(
             await self._scripts["batch_resend"](keys, [repr(time.time()), repr(min_gap_s), message.payload])
         )
+        await self._relay()
+        return sent
 
     async def record(self, batch_id: str, results: Sequence[LineResult]) -> None:
         """Set each line's result once and count it; its job leaves the window."""

@@ -23,6 +23,7 @@ from common.store.calls import (
     take_args,
 )
 from common.store.clients import sync_client
+from common.store.outbox import SyncOutbox
 from common.store.records import WORKER_FORGET_S, Append, Appended, TakeResult, heartbeats_from
 from common.store.scripts import source
 from common.store.service_times import record_service_times
@@ -47,10 +48,14 @@ class SyncJobStore:
     that play the API synchronously have their twins (tests/store_helpers.py).
     """
 
-    def __init__(self, client: redis.Redis, settings: Settings) -> None:
+    def __init__(self, client: redis.Redis, settings: Settings, broker: redis.Redis | None = None) -> None:
         self.settings = settings
         self.keys = settings.keys
         self.redis = client
+        # The broker's Redis (its queue lists and kombu's records), when another than the job
+        # data's (SPOOL_BROKER_URL): the scripts' messages wait in the outbox for a relay.
+        self.broker = broker or client
+        self.outbox = SyncOutbox(client, broker, self.keys) if broker is not None else None
         self._take = client.register_script(source("take"))
         self._append = client.register_script(source("append_step"))
         self._part_take = client.register_script(source("part_take"))
@@ -63,10 +68,19 @@ class SyncJobStore:
 
     @classmethod
     def from_settings(cls, settings: Settings) -> Self:
-        return cls(sync_client(settings.redis_url), settings)
+        broker = sync_client(settings.broker_redis_url) if settings.broker_apart else None
+        return cls(sync_client(settings.redis_url), settings, broker)
 
     def close(self) -> None:
         self.redis.close()
+        if self.broker is not self.redis:
+            self.broker.close()
+
+    def relay(self) -> int:
+        """Send the broker messages the scripts left in the outbox (common/store/outbox.py);
+        returns how many (0 with one Redis, where the scripts send them). A Redis error is
+        logged: what is left waits for the next relay."""
+        return self.outbox.relay_or_log() if self.outbox is not None else 0
 
     def take_job(self, job_id: str, worker: str, model: str) -> TakeResult:
         """Take a job, or a part of one (its id from ``common.keys.part_id``), to run it."""
@@ -94,6 +108,8 @@ class SyncJobStore:
                 results[i] = Appended.of(self._part_append(keys, args))
         ended = [appends[i].job_id for i in jobs if appends[i].final and results[i] is Appended.WRITTEN]
         record_service_times(self.redis, self.keys, ended)
+        if len(jobs) < len(appends):  # a part's append may have sent its held or dependent parts
+            self.relay()
         return [r for r in results if r is not None]
 
     def part_text(self, job_id: str, index: int) -> str:
@@ -113,6 +129,7 @@ class SyncJobStore:
         jobs = sorted({split[0] for split in map(split_part_id, ids) if split is not None})
         keys = [held, self.keys.queued_media(), *(self.keys.job(j) for j in jobs)]
         nxt = self._release_held(keys, [repr(now), *ids])
+        self.relay()
         return None if nxt is None else float(nxt)
 
     def renew_leases(self, held: Mapping[str, int]) -> list[str]:
@@ -177,7 +194,7 @@ class SyncJobStore:
         received it), and only sending it again runs it. ``queue``: a model's (text jobs and text
         parts of that model), or ``keys.queue_media`` (image parts).
         """
-        pipe = self.redis.pipeline(transaction=False)
+        pipe = self.broker.pipeline(transaction=False)
         for name in self.keys.queue_lists(queue):
             pipe.llen(name)
         if any(pipe.execute()):
@@ -225,7 +242,7 @@ class SyncJobStore:
 
     def unacked_deliveries(self) -> dict[str, str]:
         """kombu's records of the messages delivered and not acknowledged: delivery tag -> record."""
-        return dict(self.redis.hscan_iter(self.keys.broker_unacked["unacked_key"], count=500))
+        return dict(self.broker.hscan_iter(self.keys.broker_unacked["unacked_key"], count=500))
 
     def ended_or_gone(self, job_ids: Iterable[str]) -> set[str]:
         """Which of these jobs have ended (succeeded, failed, cancelled) or expired."""
@@ -241,7 +258,7 @@ class SyncJobStore:
         if not tags:
             return
         names = self.keys.broker_unacked
-        pipe = self.redis.pipeline(transaction=False)
+        pipe = self.broker.pipeline(transaction=False)
         pipe.zrem(names["unacked_index_key"], *tags)
         pipe.hdel(names["unacked_key"], *tags)
         pipe.execute()
