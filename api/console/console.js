@@ -138,6 +138,8 @@ async function follow(jobId, submittedAt = null) {
   $("output").textContent = "";
   $("choices").replaceChildren();
   $("choices").hidden = true;
+  $("tool-calls").replaceChildren();
+  $("tool-calls").hidden = true;
   showCursor();
   $("job-id").textContent = jobId;
   $("job-meta").textContent = "";
@@ -224,7 +226,7 @@ function show(type, data) {
       $("job-meta").textContent =
         `finish_reason: ${data.finish_reason} · prompt ${u.prompt_tokens} + completion ${u.completion_tokens} tokens`;
       showSpeed(view.jobId, u.completion_tokens);
-      if (data.status === "succeeded") chatReplied(view.jobId, $("output").textContent);
+      if (data.status === "succeeded") chatReplied(view.jobId);
     }
     return true;
   }
@@ -240,12 +242,52 @@ function show(type, data) {
 
 const chat = { turns: [], pending: null }; // pending: the user message whose reply is awaited
 
-function chatReplied(jobId, reply) {
+// The reply joins the conversation: its text, or, when the request had tools, the text and the
+// calls the server parsed from it (the job's OpenAI-shaped stream: delta.tool_calls), shown apart.
+async function chatReplied(jobId) {
   if (!chat.pending || chat.pending.jobId !== jobId) return;
-  chat.turns.push(chat.pending.user, { role: "assistant", content: reply });
+  const pending = chat.pending;
   chat.pending = null;
+  let reply = { role: "assistant", content: $("output").textContent };
+  if (pending.tools) {
+    try {
+      reply = await parsedReply(jobId);
+    } catch (err) {
+      banner(explain(err));
+    }
+    showToolCalls(reply.tool_calls || []);
+  }
+  chat.turns.push(pending.user, reply);
   $("prompt").value = "";
   showConversation();
+}
+
+async function parsedReply(jobId) {
+  const r = await request(`/v1/jobs/${encodeURIComponent(jobId)}/events?format=openai`);
+  let content = "";
+  const calls = [];
+  for await (const ev of sseEvents(r.body)) {
+    if (ev.data === "[DONE]") break;
+    const delta = parseJson(ev.data).choices?.[0]?.delta || {};
+    content += delta.content || "";
+    for (const c of delta.tool_calls || []) {
+      const call = (calls[c.index] ||= { id: c.id, type: "function", function: { name: "", arguments: "" } });
+      call.function.name += c.function?.name || "";
+      call.function.arguments += c.function?.arguments || "";
+    }
+  }
+  return calls.length ? { role: "assistant", content: content || null, tool_calls: calls } : { role: "assistant", content };
+}
+
+function showToolCalls(calls) {
+  $("tool-calls").replaceChildren(...calls.map((c) => {
+    const li = document.createElement("li");
+    li.dataset.name = c.function.name;
+    li.dataset.arguments = c.function.arguments;
+    li.textContent = `${c.function.name}(${c.function.arguments})`;
+    return li;
+  }));
+  $("tool-calls").hidden = !calls.length;
 }
 
 function newChat() {
@@ -258,7 +300,8 @@ function showConversation() {
   $("conversation").replaceChildren(...chat.turns.map((m) => {
     const li = document.createElement("li");
     li.dataset.role = m.role;
-    li.textContent = m.content;
+    const calls = (m.tool_calls || []).map((c) => `${c.function.name}(${c.function.arguments})`);
+    li.textContent = [m.content, ...calls].filter(Boolean).join("\n");
     return li;
   }));
   $("conversation").hidden = !chat.turns.length;
@@ -521,6 +564,14 @@ function imagePart(prompt) {
   return prompt ? { ...part, prompt } : { ...part, prompt_from: 0 };
 }
 
+function toolsJson(text) {
+  try {
+    return parseJson(text);
+  } catch (err) {
+    throw new Error(`Tools are not JSON: ${err.message}`);
+  }
+}
+
 function jobBody() {
   if (mode() === "image") return JSON.stringify({ parts: [imagePart($("prompt").value)] });
   const body = {
@@ -535,8 +586,10 @@ function jobBody() {
   if (mode() === "chat") {
     const system = $("system").value.trim();
     const user = { role: "user", content: $("prompt").value };
-    chat.pending = { jobId: null, user };
+    const tools = $("tools").value.trim() ? toolsJson($("tools").value) : null;
+    chat.pending = { jobId: null, user, tools };
     body.messages = [...(system ? [{ role: "system", content: system }] : []), ...chat.turns, user];
+    if (tools) Object.assign(body, { tools, tool_choice: $("tool-choice").value });
   } else {
     body.prompt = $("prompt").value;
   }

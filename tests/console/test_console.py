@@ -781,10 +781,15 @@ def test_a_finished_job_shows_its_rate_and_time_to_first_token(
     assert "TTFT" not in str(page.text_content("#job-meta"))
 
 
-def request_messages(stack: Stack, job_id: str) -> list[dict[str, str]]:
-    """The messages the job was submitted with (its stored request)."""
+def stored_request(stack: Stack, job_id: str) -> dict[str, Any]:
+    """The request the job was submitted with, as the store keeps it."""
     r = redis.Redis.from_url(REDIS_URL)
-    return list(json.loads(r.hget(Keys(stack.prefix).job(job_id), "request"))["messages"])
+    return dict(json.loads(r.hget(Keys(stack.prefix).job(job_id), "request")))
+
+
+def request_messages(stack: Stack, job_id: str) -> list[dict[str, Any]]:
+    """The messages the job was submitted with (its stored request)."""
+    return list(stored_request(stack, job_id)["messages"])
 
 
 def test_chat_keeps_the_conversation_until_a_new_chat(stack: Stack, page: Any, client: httpx.Client) -> None:
@@ -813,6 +818,48 @@ def test_chat_keeps_the_conversation_until_a_new_chat(stack: Stack, page: Any, c
     third = submit(page, "anew", 4)
     assert wait_terminal(page) == "succeeded"
     assert request_messages(stack, third) == [{"role": "user", "content": "anew"}]
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 12}},
+            "required": ["city"],
+        },
+    },
+}
+
+
+def test_chat_with_tools_shows_the_calls_and_keeps_them_in_the_conversation(
+    stack: Stack, page: Any, client: httpx.Client
+) -> None:
+    open_console(page, stack.api.url)
+    page.check("input[name=mode][value=chat]")
+    page.fill("#tools", json.dumps([WEATHER]))
+    page.select_option("#tool-choice", "required")  # a random model calls only when made to
+    first = submit(page, "the weather in Paris?", 120)
+    assert wait_terminal(page) == "succeeded"
+    page.wait_for_selector("#tool-calls li")
+    calls = page.eval_on_selector_all(
+        "#tool-calls li", "lis => lis.map(li => [li.dataset.name, li.dataset.arguments])"
+    )
+    assert [name for name, _ in calls] == ["get_weather"] * len(calls)
+    assert all(isinstance(json.loads(args)["city"], str) for _, args in calls)
+    stored = stored_request(stack, first)
+    assert [t["function"]["name"] for t in stored["tools"]] == ["get_weather"]
+    assert stored["tool_choice"] == "required"
+    page.wait_for_selector("#conversation li[data-role='assistant']")
+    assert "get_weather(" in str(page.text_content("#conversation li[data-role='assistant']"))
+    page.select_option("#tool-choice", "none")
+    second = submit(page, "thanks", 4)
+    assert wait_terminal(page) == "succeeded"
+    assistant = request_messages(stack, second)[1]
+    assert [c["function"]["name"] for c in assistant["tool_calls"]] == ["get_weather"] * len(calls)
+    assert [c["function"]["arguments"] for c in assistant["tool_calls"]] == [a for _, a in calls]
+    assert page.is_hidden("#tool-calls")  # a reply without calls shows none
 
 
 # ---- webhooks ----------------------------------------------------------------------------------
