@@ -24,7 +24,7 @@ in a row, with the reason. Each batch's task does one step:
 
 Every write is a script that is safe to run twice, so a feeder taken over mid-tick (its lease
 lapsed) repeats work at worst, and a line gets exactly one result. The result files and the
-batch's end are written under the lease's fence (common/store/batch_lua.py): a feeder frozen
+batch's end are written under the lease's fence (common/store/lua/batch_*.lua): a feeder frozen
 mid-file and taken over writes nothing once it wakes, and a file is committed only whole.
 """
 

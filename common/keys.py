@@ -122,7 +122,7 @@ class Keys:
         return f"{self.prefix}:running"
 
     def attempts(self) -> str:
-        """Hash: running text job id -> the attempt that holds it (TAKE_LUA writes it, the job's
+        """Hash: running text job id -> the attempt that holds it (take.lua writes it, the job's
         last append drops it), so one step's writes are fenced with one HMGET for all its jobs."""
         return f"{self.prefix}:attempts"
 

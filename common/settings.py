@@ -72,7 +72,7 @@ class Settings(BaseSettings):
     image_nice: int = Field(0, ge=0, le=19)
     # The API's: how long an image part's message waits at most, from its job's creation, for the
     # job's text parts to have their first token (or end), so that on shared CPUs the image does
-    # not slow their prefill (common/store/lua.py release_held, docs/internals.md "Parts"). 0: no
+    # not slow their prefill (common/store/lua/release_held.lua, docs/internals.md "Parts"). 0: no
     # wait. Media workers send the held parts due; this also bounds how long their check sleeps.
     image_hold_s: float = Field(2.0, ge=0)
 
