@@ -17,7 +17,9 @@ from common.schemas import ChatMessage, Job, JobRequest, JobStatus, LogEntry
 from common.settings import load_settings
 from common.store import Append, Appended, QueueMessage, token_entry
 from workers.engine import Engine, SamplingParams
-from workers.runtime import EngineRuntime, Outcome, prompt_of
+from workers.job import prompt_of
+from workers.runtime import EngineRuntime
+from workers.task_common import Outcome
 
 LONG_PROMPT = "the quick brown fox"  # greedy on the tiny model runs to max_tokens (no EOS)
 

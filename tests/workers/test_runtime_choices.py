@@ -13,7 +13,9 @@ from test_runtime import LONG_PROMPT, check_log, poll, run_in_thread
 from common.schemas import JobRequest, JobStatus, LogEntry
 from common.store import Append, Appended, token_entry
 from workers.engine import Engine, SamplingParams
-from workers.runtime import EngineRuntime, Outcome, choice_seed
+from workers.job import choice_seed
+from workers.runtime import EngineRuntime
+from workers.task_common import Outcome
 
 
 def by_choice(log: list[LogEntry]) -> dict[int, list[LogEntry]]:

@@ -37,7 +37,7 @@ from workers.media.pipeline import Image, ImagePipeline, ImageSpec, preview_step
 from workers.media.tiny import default_image_model_path
 from workers.publisher import Publisher
 from workers.reaper import Requeue
-from workers.runtime import Outcome
+from workers.task_common import Outcome
 from workers.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
