@@ -253,7 +253,8 @@ class EngineRuntime:
             try:
                 self._expire()
                 started = time.time()
-                deltas = self._core.take_pending() + (self._step() if self.engine.has_unfinished() else [])
+                stepped = self._step() if self.engine.has_unfinished() else []
+                deltas = self._core.take_pending() + stepped  # after the step: kept if it raised
                 self._stats = self.engine.stats()
                 with self._lock:
                     cursors = {eid: j.cursor for j in self._jobs.values() for eid in j.engine_ids}
