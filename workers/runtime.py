@@ -307,7 +307,7 @@ class EngineRuntime:
         with self._lock:
             late = [j for j in self._jobs.values() if j.in_engine and j.deadline and j.deadline <= now]
         for job in late:
-            self._core.abort(job, timeout_error(job))
+            self._core.abort(self._job(job.cursor.job_id), timeout_error(job))  # None: released meanwhile
 
     # -- the writer thread -----------------------------------------------------------------------
 
