@@ -38,7 +38,7 @@ from common.schemas.requests import JobRequest
 from spool_cli.procs import spool_argv, spool_env, start, start_api, start_redis, stop_all, wait_until
 from workers.engine import Engine, EngineConfig
 from workers.engine.tiny import make_eos_unreachable
-from workers.runtime import sampling_params
+from workers.job import sampling_params
 
 TARGET_RATIO = 0.9
 TARGET_TTFT = 1.5

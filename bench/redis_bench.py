@@ -2,7 +2,7 @@
 
 On a private redis-server, the script takes ``--jobs`` jobs (the API's create script, then the
 worker's take) and writes ``--tokens`` steps for all of them as the worker's writer thread does
-(``Publisher.prepare`` then ``SyncJobStore.append_batch``, one call per step: one token event
+(``prepare_appends`` then ``SyncJobStore.append_batch``, one call per step: one token event
 per job, the last step with its ``done``), while one pub/sub connection subscribes to every job's channel, as an API's hub
 streaming them would, and reads what is published. ``CONFIG RESETSTAT`` comes after the takes,
 so the figures are the writes' alone: ``INFO commandstats`` (every command, those a script runs
@@ -38,8 +38,8 @@ from common.schemas.requests import JobRequest
 from common.settings import Settings
 from common.store import Append, Appended, AsyncJobStore, SyncJobStore
 from spool_cli import procs as harness
+from workers.appends import JobCursor, prepare_appends
 from workers.engine import Delta, FinishReason
-from workers.publisher import JobCursor, Publisher
 
 PREFIX = "redisbench"
 
@@ -69,7 +69,7 @@ def step_appends(cursors: dict[str, JobCursor], step: int, last: bool) -> list[A
     at a checkpoint only, every ``TEXT_CHECKPOINT_EVENTS`` events and at a job's first and last)."""
     reason = FinishReason.LENGTH if last else None
     deltas = [Delta(j, (1000 + step,), " word", reason, 16, step) for j in cursors]
-    return Publisher.prepare(deltas, cursors)
+    return prepare_appends(deltas, cursors)
 
 
 def run(jobs_n: int, tokens: int, log_dir: Path) -> dict[str, Any]:

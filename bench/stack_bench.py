@@ -85,7 +85,7 @@ from common.schemas.requests import JobRequest
 from spool_cli import procs as harness
 from workers.engine import Engine, FinishReason
 from workers.engine.tiny import make_eos_unreachable
-from workers.runtime import sampling_params
+from workers.job import sampling_params
 
 BENCH_EOS = "<|bench_eos|>"
 LONE_REPEATS = 11  # requests sent alone, one after the other, to each side

@@ -14,7 +14,7 @@ from transformers import AutoTokenizer
 
 from common.keys import Keys
 from common.prompt_tokens import PromptCounter, TokenizerSpec, agrees
-from workers.runtime import prompt_of
+from workers.job import prompt_of
 from workers.tokenizer_spec import checked_spec
 
 LIMIT = 512  # the tiny model's context (max_position_embeddings)

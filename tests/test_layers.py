@@ -30,13 +30,30 @@ def test_routes_never_import_routes() -> None:
         assert not [m for m in imported if m.startswith("api.routes")], path.name
 
 
-def test_the_hook_worker_loads_no_torch() -> None:
+def loaded(module: str, banned: tuple[str, ...]) -> list[str]:
+    """The modules of ``banned`` (top-level names or whole dotted ones) that importing ``module``
+    loads, in a fresh interpreter."""
     code = (
-        "import sys, workers.hooks.tasks\n"
-        "banned = ('torch', 'transformers', 'diffusers', 'workers.engine')\n"
-        "print(' '.join(sorted(m for m in sys.modules if m.split('.')[0] in banned or m in banned)))\n"
+        f"import sys, {module}\n"
+        f"banned = {banned!r}\n"
+        "print(' '.join(sorted(m for m in sys.modules if m.split('.')[0] in banned or m in banned\n"
+        "    or any(m.startswith(b + '.') for b in banned))))\n"
     )
     result = subprocess.run(
         [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
     )
-    assert result.stdout.strip() == ""
+    return result.stdout.split()
+
+
+def test_the_hook_worker_loads_no_torch() -> None:
+    assert loaded("workers.hooks.tasks", ("torch", "transformers", "diffusers", "workers.engine")) == []
+
+
+def test_the_media_worker_loads_no_text_engine() -> None:
+    """Its runtime shares the task outcome, the publisher and liveness with the text worker's, not
+    the text engine (nor xgrammar and transformers behind it)."""
+    assert loaded("workers.media.tasks", ("workers.engine", "workers.runtime", "xgrammar")) == []
+
+
+def test_the_api_loads_no_torch() -> None:
+    assert loaded("api.main", ("torch", "transformers", "diffusers", "xgrammar", "workers")) == []

@@ -19,13 +19,16 @@ import collections
 import logging
 import time
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from common.store import Append
-from workers.engine import Delta
+
+if TYPE_CHECKING:  # NOTE: types only: the media worker's metrics import this module, and no engine
+    from workers.appends import JobCursor
+    from workers.engine import Delta
 
 log = logging.getLogger(__name__)
 
@@ -253,3 +256,30 @@ class WorkerMetrics:
     def dropped(self, job_id: str) -> None:
         """Another worker took the job over: forget it without a finish."""
         self._jobs.pop(job_id, None)
+
+
+def per_job(deltas: list[Delta], cursors: dict[str, JobCursor]) -> list[Delta]:
+    """The deltas as the metrics count them: per job (a job with n > 1 has one per choice)."""
+    if not any(cursors[d.request_id].choice_of for d in deltas if d.request_id in cursors):
+        return deltas
+    by_job: dict[str, Delta] = {}
+    for d in deltas:
+        cursor = cursors.get(d.request_id)
+        job_id = cursor.job_id if cursor is not None else d.request_id
+        had = by_job.get(job_id)
+        ids = (*had.token_ids, *d.token_ids) if had is not None else d.token_ids
+        by_job[job_id] = replace(d, request_id=job_id, token_ids=ids)
+    return list(by_job.values())
+
+
+def job_sets(
+    running: list[str], waiting: list[str], cursors: dict[str, JobCursor]
+) -> tuple[set[str], set[str]]:
+    """The jobs of the engine's running and waiting requests, as the metrics count them: a job runs
+    while any of its choices holds a slot, and waits while none does yet."""
+
+    def job_of(engine_id: str) -> str:
+        return cursors[engine_id].job_id if engine_id in cursors else engine_id
+
+    jobs_running = set(map(job_of, running))
+    return jobs_running, set(map(job_of, waiting)) - jobs_running

@@ -1,12 +1,15 @@
-"""What the task modules of every kind of worker share (workers/tasks.py, workers/media/tasks.py):
-starting the runtime in ``worker_init`` or exiting before any job, and the task's retries."""
+"""What the task modules of every kind of worker share (workers/tasks.py, workers/media/tasks.py,
+workers/hooks/tasks.py): starting the runtime in ``worker_init`` or exiting before any job, a
+task's outcome and its retries. It imports no engine: a media or hook worker loads none."""
 
 from __future__ import annotations
 
+import enum
 import logging
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
+from celery import Celery, signals
 from redis.exceptions import RedisError
 
 from common.process import freeze_startup_objects
@@ -29,7 +32,23 @@ TASK_OPTIONS: dict[str, Any] = {
     "retry_backoff_max": 30,
 }
 
+
+class _Closes(Protocol):
+    def close(self) -> None: ...
+
+
 Runtime = TypeVar("Runtime")
+Closes = TypeVar("Closes", bound=_Closes)
+
+
+class Outcome(str, enum.Enum):
+    """What became of a job (or image part) a task handed to its worker's runtime."""
+
+    FINISHED = "finished"  # this worker wrote the job's terminal event
+    LOST = "lost"  # another worker took the job over; this one stopped writing
+    SKIPPED = "skipped"  # nothing to do: already finished, cancelled while queued, or unknown
+    BUSY = "busy"  # another worker runs it under a live lease (a duplicate message)
+    SHUTDOWN = "shutdown"  # the worker stopped first; the job's lease lapses and another takes it
 
 
 class ModelLoadError(RuntimeError):
@@ -67,3 +86,32 @@ def start_or_exit(settings: Settings, start: Callable[[str], Runtime]) -> Runtim
         raise SystemExit(EXIT_CANNOT_SERVE) from e
     freeze_startup_objects()  # the model and the libraries: never scanned by a collection again
     return runtime
+
+
+class WorkerRuntime(Generic[Closes]):
+    """The one runtime of a worker process: started by ``worker_init`` (``start_or_exit``) when
+    the worker is ``app``'s, closed at ``worker_shutdown``; a task reaches it with ``get``."""
+
+    def __init__(self, app: Celery, settings: Settings, start: Callable[[str], Closes], kind: str) -> None:
+        self.app = app
+        self.kind = kind  # "engine", "media", "hook": named in the error of a task that finds none
+        self._settings = settings
+        self._start = start
+        self._runtime: Closes | None = None
+        signals.worker_init.connect(self._on_init, weak=False)
+        signals.worker_shutdown.connect(self._on_shutdown, weak=False)
+
+    def _on_init(self, sender: Any, **_: Any) -> None:
+        if sender.app is self.app:  # a process that imported another kind's tasks starts only its own
+            self._runtime = start_or_exit(self._settings, self._start)
+
+    def _on_shutdown(self, **_: Any) -> None:
+        if self._runtime is not None:
+            self._runtime.close()
+
+    def get(self) -> Closes:
+        if self._runtime is None:
+            raise RuntimeError(
+                f"the {self.kind} runtime starts with the worker (worker_init); none is running"
+            )
+        return self._runtime

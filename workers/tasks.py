@@ -6,17 +6,13 @@ message is consumed) and stops after the pool has finished its tasks (``worker_s
 
 from __future__ import annotations
 
-from typing import Any
-
-from celery import Task, signals
+from celery import Task
 
 from common.keys import GENERATE_TASK, REQUEUE_PRIORITY
 from common.settings import get_settings
 from workers.celery_app import app
-from workers.runtime import EngineRuntime, Outcome
-from workers.task_common import RETRY_MARGIN_S, TASK_OPTIONS, start_or_exit
-
-_runtime: EngineRuntime | None = None
+from workers.runtime import EngineRuntime
+from workers.task_common import RETRY_MARGIN_S, TASK_OPTIONS, Outcome, WorkerRuntime
 
 
 def requeue(job_id: str) -> None:
@@ -27,24 +23,15 @@ def requeue(job_id: str) -> None:
     app.send_task(GENERATE_TASK, args=[job_id], queue=queue, priority=REQUEUE_PRIORITY)
 
 
-@signals.worker_init.connect
-def start_runtime(sender: Any, **_: Any) -> None:
-    global _runtime
-    settings = get_settings()
-    _runtime = start_or_exit(settings, lambda name: EngineRuntime.from_settings(settings, name, requeue))
-
-
-@signals.worker_shutdown.connect
-def stop_runtime(**_: Any) -> None:
-    if _runtime is not None:
-        _runtime.close()
+_settings = get_settings()
+_runtime = WorkerRuntime(
+    app, _settings, lambda name: EngineRuntime.from_settings(_settings, name, requeue), "engine"
+)
 
 
 @app.task(name=GENERATE_TASK, **TASK_OPTIONS)  # Redis errors retried, never dropped
 def generate(self: Task, job_id: str) -> None:
-    if _runtime is None:
-        raise RuntimeError("the engine runtime starts with the worker (worker_init); none is running")
-    outcome = _runtime.run_job(job_id)
+    outcome = _runtime.get().run_job(job_id)
     # BUSY: a duplicate message (a requeue that raced the old worker's return, or the broker's
     # redelivery after its visibility timeout) while a live worker runs the job. Dropping it is
     # safe: should that worker die, the sweep (workers/reaper.py) sends the job again.

@@ -6,7 +6,7 @@ import json
 
 from common.tool_calls import PARSERS, Call, CallStream, parse
 from workers.engine.tiny import tiny_tokenizer
-from workers.runtime import tool_parser_of
+from workers.loader import tool_parser_of
 
 TEXT = (
     'Let me look. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'

@@ -15,9 +15,9 @@ from common.schemas.requests import JobRequest
 from common.schemas.views import JobStatus
 from common.settings import Settings, load_settings
 from common.store import TEXT_CHECKPOINT_EVENTS, Append, Appended, Final, TakeStatus, text_read
+from workers.appends import JobCursor, prepare_appends
 from workers.engine import Delta, FinishReason
-from workers.publisher import JobCursor, Publisher
-from workers.runtime import new_job
+from workers.job import new_job
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
 WORDS = ["a", "ü", "", "€x", " b"]  # multi-byte, and an event with ids and no text yet
@@ -38,7 +38,7 @@ def word(step: int) -> str:
 def write_steps(store: StoreForTests, cursor: JobCursor, steps: range, last: int = 0) -> None:
     for step in steps:
         reason = FinishReason.LENGTH if step == last else None
-        appends = Publisher.prepare(
+        appends = prepare_appends(
             [Delta(cursor.job_id, (step,), word(step), reason, 7, step)], {cursor.job_id: cursor}
         )
         assert store.append_batch(appends) == [Appended.WRITTEN]
@@ -82,7 +82,7 @@ def test_a_take_over_resumes_from_the_checkpoint(store: StoreForTests) -> None:
     assert resumed.unsaved == first - taken.text_seq
     assert resumed.unsaved_text == "".join(word(s) for s in range(taken.text_seq + 1, first + 1))
     # w1 comes back: fenced (one HMGET of the attempts hash says so), w2 goes on to the end.
-    write_stale = Publisher.prepare([Delta(job.id, (0,), "z", None, 7, first + 1)], {job.id: cursor})
+    write_stale = prepare_appends([Delta(job.id, (0,), "z", None, 7, first + 1)], {job.id: cursor})
     assert store.append_batch(write_stale) == [Appended.FENCED]
     total = first + 2 * TEXT_CHECKPOINT_EVENTS
     write_steps(store, resumed, range(first + 1, total + 1), last=total)

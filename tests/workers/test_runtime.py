@@ -20,7 +20,9 @@ from common.schemas.views import Job, JobStatus
 from common.settings import load_settings
 from common.store import Append, Appended, QueueMessage, token_entry
 from workers.engine import Engine, SamplingParams
-from workers.runtime import EngineRuntime, Outcome, prompt_of
+from workers.job import prompt_of
+from workers.runtime import EngineRuntime
+from workers.task_common import Outcome
 
 LONG_PROMPT = "the quick brown fox"  # greedy on the tiny model runs to max_tokens (no EOS)
 
@@ -259,7 +261,7 @@ def test_the_worker_sets_its_torch_threads(prefixes, tiny_model) -> None:  # typ
 def test_a_worker_holding_batch_lines_takes_a_queued_interactive_job_itself(
     runtime: EngineRuntime, store: StoreForTests, reference: Engine
 ) -> None:
-    # A batch's line (FEED_LUA marks its hash with the batch), run as its Celery task would.
+    # A batch's line (batch_feed.lua marks its hash with the batch), run as its Celery task would.
     line = store.create_job(JobRequest(prompt=LONG_PROMPT, max_tokens=400, temperature=0))
     store.redis.zrem(store.keys.queued_jobs(), line.id)  # lines are never in the queued set
     store.redis.hset(store.keys.job(line.id), "batch", "batch_test")

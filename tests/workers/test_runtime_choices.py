@@ -15,7 +15,9 @@ from common.schemas.requests import JobRequest
 from common.schemas.views import JobStatus
 from common.store import Append, Appended, token_entry
 from workers.engine import Engine, SamplingParams
-from workers.runtime import EngineRuntime, Outcome, choice_seed
+from workers.job import choice_seed
+from workers.runtime import EngineRuntime
+from workers.task_common import Outcome
 
 
 def by_choice(log: list[LogEntry]) -> dict[int, list[LogEntry]]:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from common.schemas.requests import JobRequest
 from common.store import SyncJobStore
-from workers.runtime import EngineRuntime, Outcome
+from workers.runtime import EngineRuntime
+from workers.task_common import Outcome
 
 # Long enough for a few whole 16-token blocks of the tiny model's tokenizer.
 PROMPT = "the quick brown fox jumps over the lazy dog while rivers run to the sea " * 3

@@ -3,7 +3,8 @@
 A library on its own: it imports torch, transformers and tokenizers, never Redis, Celery or HTTP.
 """
 
-from workers.engine.engine import Engine, RequestTooLongError
+from workers.engine.engine import Engine
+from workers.engine.request import RequestTooLongError
 from workers.engine.types import (
     CompletionOutput,
     Delta,

@@ -23,9 +23,10 @@ from workers.engine import grammar
 from workers.engine.detokenizer import IncrementalDetokenizer
 from workers.engine.grammar import GUIDE_TOO_EXPENSIVE, Grammars, Masks
 from workers.engine.kv_cache import StepInterrupted
+from workers.engine.logprobs import LogprobReader
 from workers.engine.model_runner import ModelRunner
 from workers.engine.processors import LogitsProcessors
-from workers.engine.request import Request
+from workers.engine.request import Request, check_request
 from workers.engine.sampler import Sampler
 from workers.engine.scheduler import Scheduler, SchedulerOutput
 from workers.engine.types import (
@@ -33,16 +34,11 @@ from workers.engine.types import (
     Delta,
     EngineConfig,
     FinishReason,
-    Logprob,
     SamplingParams,
     TokenLogprobs,
 )
 
 log = logging.getLogger(__name__)
-
-
-class RequestTooLongError(ValueError):
-    """The prompt plus max_tokens cannot fit the model's context."""
 
 
 @dataclass
@@ -74,7 +70,7 @@ class Engine:
         self.processors = LogitsProcessors(
             self.num_slots, self.runner.vocab_size, self.runner.device, self.eos_token_ids
         )
-        self._token_texts: dict[int, str] = {}  # logprobs' token strings, decoded once each
+        self.logprobs = LogprobReader(self.tokenizer)
         self.grammars = Grammars(self.tokenizer, self.runner.vocab_size)  # any thread may compile
         self.masks = Masks(
             self.num_slots, self.runner.vocab_size, self.runner.device, config.max_guide_mask_ms
@@ -111,20 +107,7 @@ class Engine:
         if request_id in self._requests:
             raise ValueError(f"request {request_id!r} already exists")
         prompt_ids = self._encode(prompt)
-        if not prompt_ids:
-            raise ValueError("the prompt is empty")
-        total = len(prompt_ids) + params.max_tokens
-        if total > self.max_model_len:
-            raise RequestTooLongError(
-                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} tokens "
-                f"exceeds max_model_len ({self.max_model_len})"
-            )
-        if any(not 0 <= t < self.runner.vocab_size for t, _ in params.logit_bias):
-            raise ValueError(f"logit_bias token ids must be in [0, {self.runner.vocab_size})")
-        if len(resume_token_ids) >= params.max_tokens:
-            raise ValueError(
-                f"{len(resume_token_ids)} resumed tokens leave nothing of max_tokens {params.max_tokens}"
-            )
+        check_request(prompt_ids, params, len(resume_token_ids), self.max_model_len, self.runner.vocab_size)
         detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop)
         detokenizer.warm(resume_token_ids, resume_text)
         request = Request(
@@ -299,27 +282,7 @@ class Engine:
             return sampled.tolist(), [None] * len(due)
         k = max(params[i].logprobs or 0 for i in asking)
         rows = self.sampler.logprobs(logits, params, sampled, asking, k)
-        # One transfer for both: the ids (exact in float64) and the asking rows' logprobs.
-        host = torch.cat([sampled.double(), rows.flatten()]).tolist()
-        token_ids = [int(t) for t in host[: len(due)]]
-        logprobs: list[TokenLogprobs | None] = [None] * len(due)
-        width = 2 + 2 * k
-        for j, i in enumerate(asking):
-            row = host[len(due) + j * width : len(due) + (j + 1) * width]
-            top = zip(row[2 : 2 + k], row[2 + k :], strict=True)
-            logprobs[i] = TokenLogprobs(
-                self._logprob(row[0], row[1]),
-                tuple(self._logprob(t, v) for t, v in list(top)[: params[i].logprobs]),
-            )
-        return token_ids, logprobs
-
-    def _logprob(self, token_id: float, logprob: float) -> Logprob:
-        tid = int(token_id)
-        text = self._token_texts.get(tid)
-        if text is None:
-            text = self._token_texts[tid] = str(self.tokenizer.decode([tid]))
-        # A token a mask or min_tokens ruled out has -inf: JSON has no such number (vLLM's floor).
-        return Logprob(tid, text, max(logprob, -9999.0))
+        return self.logprobs.read(sampled, rows, params, asking, k)
 
     def _postprocess(
         self, due: list[Request], token_ids: list[int], logprobs: list[TokenLogprobs | None]

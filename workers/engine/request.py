@@ -14,6 +14,29 @@ if TYPE_CHECKING:
     from workers.engine.detokenizer import IncrementalDetokenizer
 
 
+class RequestTooLongError(ValueError):
+    """The prompt plus max_tokens cannot fit the model's context."""
+
+
+def check_request(
+    prompt_ids: list[int], params: SamplingParams, resumed: int, max_model_len: int, vocab_size: int
+) -> None:
+    """Raise ValueError (RequestTooLongError for the length) for a request the engine cannot run;
+    ``resumed``: how many tokens an earlier run generated."""
+    if not prompt_ids:
+        raise ValueError("the prompt is empty")
+    total = len(prompt_ids) + params.max_tokens
+    if total > max_model_len:
+        raise RequestTooLongError(
+            f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} tokens "
+            f"exceeds max_model_len ({max_model_len})"
+        )
+    if any(not 0 <= t < vocab_size for t, _ in params.logit_bias):
+        raise ValueError(f"logit_bias token ids must be in [0, {vocab_size})")
+    if resumed >= params.max_tokens:
+        raise ValueError(f"{resumed} resumed tokens leave nothing of max_tokens {params.max_tokens}")
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"  # queued (or preempted), holds no slot
     RUNNING = "running"  # holds a KV slot (prefilling or decoding)

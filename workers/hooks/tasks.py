@@ -7,44 +7,27 @@ sends it again once its claim ends (common/store/hooks.py).
 
 from __future__ import annotations
 
-from typing import Any
-
-from celery import Task, signals
+from celery import Task
 
 from common.keys import HOOK_TASK
 from common.settings import get_settings
 from workers.celery_app import make_app
 from workers.hooks.runtime import HookRuntime
-from workers.task_common import TASK_OPTIONS, start_or_exit
+from workers.task_common import TASK_OPTIONS, WorkerRuntime
 
 HOOK_TASK_THREADS = 16  # task threads; each waits on the runtime's loop while it delivers
 
 _settings = get_settings()
 app = make_app(_settings, include=(), queue=_settings.keys.queue_hooks, concurrency=HOOK_TASK_THREADS)
 
-_runtime: HookRuntime | None = None
-
 
 def send(key: str) -> None:
     app.send_task(HOOK_TASK, args=[key], queue=_settings.keys.queue_hooks)
 
 
-@signals.worker_init.connect
-def start_runtime(sender: Any, **_: Any) -> None:
-    global _runtime
-    if sender.app is not app:
-        return
-    _runtime = start_or_exit(_settings, lambda name: HookRuntime.start(_settings, name, send))
-
-
-@signals.worker_shutdown.connect
-def stop_runtime(**_: Any) -> None:
-    if _runtime is not None:
-        _runtime.close()
+_runtime = WorkerRuntime(app, _settings, lambda name: HookRuntime.start(_settings, name, send), "hook")
 
 
 @app.task(name=HOOK_TASK, **TASK_OPTIONS)
 def deliver(self: Task, key: str) -> None:
-    if _runtime is None:
-        raise RuntimeError("the hook runtime starts with the worker (worker_init); none is running")
-    _runtime.deliver(key)
+    _runtime.get().deliver(key)

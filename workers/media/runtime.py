@@ -39,7 +39,7 @@ from workers.media.pipeline import Image, ImagePipeline, ImageSpec, preview_step
 from workers.media.tiny import default_image_model_path
 from workers.publisher import Publisher
 from workers.reaper import Requeue
-from workers.runtime import Outcome
+from workers.task_common import Outcome
 from workers.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
@@ -270,7 +270,7 @@ class MediaRuntime:
 
     def _prompt_from(self, job_id: str, request: ImagePart) -> str:
         assert request.prompt_from is not None
-        # Its message was sent once the text part succeeded (PART_APPEND_LUA): the text is final.
+        # Its message was sent once the text part succeeded (part_append.lua): the text is final.
         return self.store.part_text(job_id, request.prompt_from)
 
     def _in_time(self, part: _Part) -> bool:

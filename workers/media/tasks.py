@@ -7,21 +7,16 @@ before the first message is consumed) and stops with it.
 
 from __future__ import annotations
 
-from typing import Any
-
-from celery import Task, signals
+from celery import Task
 
 from common.keys import MEDIA_TASK, REQUEUE_PRIORITY
 from common.settings import get_settings
 from workers.celery_app import make_app
 from workers.media.runtime import MediaRuntime
-from workers.runtime import Outcome
-from workers.task_common import RETRY_MARGIN_S, TASK_OPTIONS, start_or_exit
+from workers.task_common import RETRY_MARGIN_S, TASK_OPTIONS, Outcome, WorkerRuntime
 
 _settings = get_settings()
 app = make_app(_settings, include=(), queue=_settings.keys.queue_media, concurrency=1)
-
-_runtime: MediaRuntime | None = None
 
 
 def requeue(part_id: str) -> None:
@@ -29,23 +24,12 @@ def requeue(part_id: str) -> None:
     app.send_task(MEDIA_TASK, args=[part_id], queue=_settings.keys.queue_media, priority=REQUEUE_PRIORITY)
 
 
-@signals.worker_init.connect
-def start_runtime(sender: Any, **_: Any) -> None:
-    global _runtime
-    if sender.app is not app:
-        return
-    _runtime = start_or_exit(_settings, lambda name: MediaRuntime.from_settings(_settings, name, requeue))
-
-
-@signals.worker_shutdown.connect
-def stop_runtime(**_: Any) -> None:
-    if _runtime is not None:
-        _runtime.close()
+_runtime = WorkerRuntime(
+    app, _settings, lambda name: MediaRuntime.from_settings(_settings, name, requeue), "media"
+)
 
 
 @app.task(name=MEDIA_TASK, **TASK_OPTIONS)
 def generate_image(self: Task, part_id: str, held: bool = False) -> None:
-    if _runtime is None:
-        raise RuntimeError("the media runtime starts with the worker (worker_init); none is running")
-    if _runtime.run_part(part_id, held) is Outcome.SHUTDOWN:
+    if _runtime.get().run_part(part_id, held) is Outcome.SHUTDOWN:
         raise self.retry(countdown=_settings.lease_s + RETRY_MARGIN_S)

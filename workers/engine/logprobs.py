@@ -1,0 +1,52 @@
+"""The host side of logprobs: a step's sampled ids and the logprob rows ``Sampler.logprobs``
+computed come over in one transfer and are read into ``TokenLogprobs``, each token's string
+decoded once."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from workers.engine.types import Logprob, SamplingParams, TokenLogprobs
+
+# A token a mask or min_tokens ruled out has -inf: JSON has no such number (vLLM's floor).
+LOGPROB_FLOOR = -9999.0
+
+
+class LogprobReader:
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self._token_texts: dict[int, str] = {}  # logprobs' token strings, decoded once each
+
+    def read(
+        self,
+        sampled: torch.Tensor,  # [n]: the step's token ids, on the device
+        rows: torch.Tensor,  # [len(asking), 2 + 2k]: Sampler.logprobs of the rows asking
+        params: Sequence[SamplingParams],  # one per row of sampled
+        asking: Sequence[int],  # the rows that asked for logprobs
+        k: int,  # top logprobs per row in ``rows``
+    ) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """The token ids, and each asking row's logprobs (as many top ones as it asked for)."""
+        n = sampled.shape[0]
+        # One transfer for both: the ids (exact in float64) and the asking rows' logprobs.
+        host = torch.cat([sampled.double(), rows.flatten()]).tolist()
+        token_ids = [int(t) for t in host[:n]]
+        logprobs: list[TokenLogprobs | None] = [None] * n
+        width = 2 + 2 * k
+        for j, i in enumerate(asking):
+            row = host[n + j * width : n + (j + 1) * width]
+            top = zip(row[2 : 2 + k], row[2 + k :], strict=True)
+            logprobs[i] = TokenLogprobs(
+                self._logprob(row[0], row[1]),
+                tuple(self._logprob(t, v) for t, v in list(top)[: params[i].logprobs]),
+            )
+        return token_ids, logprobs
+
+    def _logprob(self, token_id: float, logprob: float) -> Logprob:
+        tid = int(token_id)
+        text = self._token_texts.get(tid)
+        if text is None:
+            text = self._token_texts[tid] = str(self.tokenizer.decode([tid]))
+        return Logprob(tid, text, max(logprob, LOGPROB_FLOOR))
