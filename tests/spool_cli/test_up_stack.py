@@ -56,8 +56,8 @@ class Stack:
 
 @pytest.fixture(scope="module")
 def stack(prefixes, tiny_model: Path, tiny_image_model: Path, log_dir: Path, redis_client) -> Iterator[Stack]:  # type: ignore[no-untyped-def]
-    """`spool up --model M --port P --api-keys K` on the tiny models (a text and a media worker,
-    the API), once both beat; the flags, not SPOOL_* variables, name the model, port and keys."""
+    """`spool up --model M --port P --api-keys K` on the tiny models (a text, a media and a hook
+    worker, the API), once all three beat; the flags, not SPOOL_* variables, name the model, port and keys."""
     port = free_port()
     prefix = prefixes.new()
     env = spool_env(prefix, image_model=tiny_image_model, heartbeat_s=0.5)
@@ -67,7 +67,10 @@ def stack(prefixes, tiny_model: Path, tiny_image_model: Path, log_dir: Path, red
     try:
         wait_until(lambda: http_status(stack.url + "/readyz") == 200, "spool up: /readyz", 180, (up,))
         wait_until(
-            lambda: len(heartbeats(redis_client, stack.keys)) == 2, "both workers' heartbeats", 180, (up,)
+            lambda: {b["kind"] for b in heartbeats(redis_client, stack.keys)} == KINDS,
+            "the three workers' heartbeats",
+            180,
+            (up,),
         )
         yield stack
     finally:
