@@ -159,6 +159,8 @@ def main() -> None:
 
 def run_backlogged(model: Path, args: argparse.Namespace) -> None:
     print(f"backlogged: 2 tenants x {args.requests} requests, {SLOTS} slots, windows of {args.window} steps")
+    for fair in (False, True):  # untimed: a process's first engine run pays torch's first calls
+        backlogged(model, fair, 8, args.window)
     repeats: dict[bool, list[dict[str, float]]] = {False: [], True: []}
     for _ in range(args.repeats):
         for fair in (False, True):
