@@ -8,6 +8,7 @@ log is attached to its report.
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Generator, Iterator
 from pathlib import Path
 from typing import Any
@@ -107,10 +108,17 @@ def client() -> Iterator[httpx.Client]:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The browser's tests (tests/console) are slow as a whole: marked here, not in each file."""
+    """The browser's tests (tests/console) are slow as a whole: marked here, not in each file; and
+    without Debian's chromium (tests/console/conftest.py drives it) they skip before a module of
+    them starts its stack."""
+    no_browser = pytest.mark.skip(
+        reason="the browser tests need Debian's package `chromium` (apt-get install chromium)"
+    )
     for item in items:
         if item.path.parent.name == "console":
             item.add_marker(pytest.mark.slow)
+            if shutil.which("chromium") is None:
+                item.add_marker(no_browser)
 
 
 @pytest.hookimpl(wrapper=True)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import signal
 import threading
 from collections.abc import Iterator
@@ -39,24 +38,9 @@ from sse_client import read_events
 
 from common.keys import Keys
 
-sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is in the test extras")
-
-CHROMIUM = shutil.which("chromium")
-pytestmark = pytest.mark.skipif(
-    CHROMIUM is None, reason="the browser tests need Debian's package `chromium` (apt-get install chromium)"
-)
-CHROMIUM_ARGS = [
-    "--no-sandbox",  # as root, in a container
-    "--disable-gpu",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--no-first-run",
-]
 KEY = "console-test-key"
 LONG_PROMPT = "once upon a time"  # the tiny model's greedy run of it never stops early (EOS)
 TERMINAL = ("succeeded", "failed", "cancelled", "partial", "error")
-PAGE_TIMEOUT_MS = 60_000
 # The feeder looks at the batches every 0.1 s, so a batch started in the page moves on quickly.
 API_SETTINGS = {"sse_ping_s": 1, "batch_feed_s": 0.1}
 BATCH_ENDED = ("completed", "failed", "expired", "cancelled")
@@ -102,23 +86,6 @@ def keyed_api(stack: Stack) -> Iterator[Service]:
     api = start_api(stack.prefix, stack.log_dir, api_keys=KEY, sse_ping_s=1)
     yield api
     api.stop()
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Any]:
-    with sync_api.sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        yield b
-        b.close()
-
-
-@pytest.fixture
-def page(browser: Any) -> Iterator[Any]:
-    context = browser.new_context(viewport={"width": 1100, "height": 800})
-    page = context.new_page()
-    page.set_default_timeout(PAGE_TIMEOUT_MS)
-    yield page
-    context.close()
 
 
 def open_console(page: Any, url: str, query: str = "") -> None:
@@ -298,18 +265,14 @@ def test_redis_down_is_said_plainly(prefixes: Prefixes, log_dir: Path, page: Any
         api.stop()
 
 
-def test_readable_on_a_phone(stack: Stack, browser: Any, tmp_path: Path) -> None:
-    context = browser.new_context(viewport={"width": 390, "height": 844}, is_mobile=True, has_touch=True)
-    page = context.new_page()
-    try:
-        open_console(page, stack.api.url)
-        # One column, nothing wider than the screen (no sideways scrolling).
-        assert page.evaluate("document.documentElement.scrollWidth") <= 390
-        box = page.locator("#prompt").bounding_box()
-        assert box is not None and box["width"] > 300
-        page.screenshot(path=tmp_path / "phone.png", full_page=True)
-    finally:
-        context.close()
+def test_readable_on_a_phone(stack: Stack, new_context: Any, tmp_path: Path) -> None:
+    page = new_context(viewport={"width": 390, "height": 844}, is_mobile=True, has_touch=True).new_page()
+    open_console(page, stack.api.url)
+    # One column, nothing wider than the screen (no sideways scrolling).
+    assert page.evaluate("document.documentElement.scrollWidth") <= 390
+    box = page.locator("#prompt").bounding_box()
+    assert box is not None and box["width"] > 300
+    page.screenshot(path=tmp_path / "phone.png", full_page=True)
 
 
 def test_the_root_links_to_the_console(stack: Stack, client: httpx.Client) -> None:
@@ -727,40 +690,33 @@ def test_a_seed_past_2_to_the_53_is_shown_exactly_and_one_part_is_one_part(
     assert str(row.text_content()).startswith("1 part · ")
 
 
-def test_a_favicon_and_a_dark_theme_under_a_dark_system_theme(stack: Stack, browser: Any) -> None:
+def test_a_favicon_and_a_dark_theme_under_a_dark_system_theme(stack: Stack, new_context: Any) -> None:
     backgrounds = {}
     for scheme in ("light", "dark"):
-        context = browser.new_context(color_scheme=scheme)
-        try:
-            page = context.new_page()
-            page.set_default_timeout(PAGE_TIMEOUT_MS)
-            open_console(page, stack.api.url)
-            assert str(page.get_attribute("link[rel=icon]", "href")).startswith("data:image/svg+xml")
-            backgrounds[scheme] = (
-                page.evaluate("getComputedStyle(document.body.parentElement).backgroundColor"),
-                page.evaluate("getComputedStyle(document.querySelector('section')).backgroundColor"),
-            )
-        finally:
-            context.close()
+        page = new_context(color_scheme=scheme).new_page()
+        open_console(page, stack.api.url)
+        assert str(page.get_attribute("link[rel=icon]", "href")).startswith("data:image/svg+xml")
+        backgrounds[scheme] = (
+            page.evaluate("getComputedStyle(document.body.parentElement).backgroundColor"),
+            page.evaluate("getComputedStyle(document.querySelector('section')).backgroundColor"),
+        )
     assert backgrounds["light"] == ("rgb(246, 247, 249)", "rgb(255, 255, 255)")
     assert backgrounds["dark"] == ("rgb(20, 23, 29)", "rgb(29, 33, 41)")
 
 
-def test_copy_puts_the_jobs_text_on_the_clipboard(stack: Stack, browser: Any, client: httpx.Client) -> None:
-    context = browser.new_context()
+def test_copy_puts_the_jobs_text_on_the_clipboard(
+    stack: Stack, new_context: Any, client: httpx.Client
+) -> None:
+    context = new_context()
     context.grant_permissions(["clipboard-read", "clipboard-write"], origin=stack.api.url)
-    try:
-        page = context.new_page()
-        page.set_default_timeout(PAGE_TIMEOUT_MS)
-        open_console(page, stack.api.url)
-        job_id = submit(page, "to copy", 8)
-        assert wait_terminal(page) == "succeeded"
-        page.click("#copy")
-        page.wait_for_function("document.querySelector('#copy').textContent === 'Copied'")
-        copied = page.evaluate("navigator.clipboard.readText()")
-        assert copied == finished_job(client, stack.api.url, job_id)["text"] != ""
-    finally:
-        context.close()
+    page = context.new_page()
+    open_console(page, stack.api.url)
+    job_id = submit(page, "to copy", 8)
+    assert wait_terminal(page) == "succeeded"
+    page.click("#copy")
+    page.wait_for_function("document.querySelector('#copy').textContent === 'Copied'")
+    copied = page.evaluate("navigator.clipboard.readText()")
+    assert copied == finished_job(client, stack.api.url, job_id)["text"] != ""
 
 
 def test_a_finished_job_shows_its_rate_and_time_to_first_token(

@@ -4,7 +4,6 @@ estimate, and the recent jobs without the batch lines."""
 from __future__ import annotations
 
 import json
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -13,14 +12,6 @@ import httpx
 import pytest
 from procs import Prefixes, Service, finished_job, start_api, start_worker, wait_until
 
-sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is in the test extras")
-
-CHROMIUM = shutil.which("chromium")
-pytestmark = pytest.mark.skipif(
-    CHROMIUM is None, reason="the browser tests need Debian's package `chromium` (apt-get install chromium)"
-)
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking"]
-PAGE_TIMEOUT_MS = 60_000
 LONG = {"prompt": "once upon a time", "max_tokens": 480, "min_tokens": 480, "temperature": 0}  # ~the context
 
 
@@ -33,23 +24,6 @@ def one_slot(prefixes: Prefixes, tiny_model: Path, log_dir: Path) -> Iterator[tu
     yield worker, api
     api.stop()
     worker.stop()
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Any]:
-    with sync_api.sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        yield b
-        b.close()
-
-
-@pytest.fixture
-def page(browser: Any) -> Iterator[Any]:
-    context = browser.new_context(viewport={"width": 1100, "height": 800})
-    page = context.new_page()
-    page.set_default_timeout(PAGE_TIMEOUT_MS)
-    yield page
-    context.close()
 
 
 def open_console(page: Any, url: str, query: str = "") -> None:
