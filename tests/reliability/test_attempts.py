@@ -72,9 +72,17 @@ def pool(request: pytest.FixtureRequest, prefixes: Prefixes, log_dir: Path) -> I
     p.stop()
 
 
+# Long enough that no stalling worker finishes the job in the moments its watchdog takes to exit
+# (8 tokens could: the job then succeeded before its third take, a flake under load).
 JOBS: dict[str, dict[str, Any]] = {
-    "text": {"prompt": "once upon a time", "max_tokens": 8, "temperature": 0, "background": True},
-    "media": {"parts": [{"type": "image", "prompt": "a", "size": "32x32", "steps": 2}], "background": True},
+    "text": {
+        "prompt": "once upon a time",
+        "max_tokens": 400,
+        "min_tokens": 400,
+        "temperature": 0,
+        "background": True,
+    },
+    "media": {"parts": [{"type": "image", "prompt": "a", "size": "32x32", "steps": 12}], "background": True},
 }
 
 
