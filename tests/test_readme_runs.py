@@ -363,13 +363,14 @@ def follow(stack: Stack, cmd: Command) -> None:
 
 
 def cancel(stack: Stack, cmd: Command) -> None:
-    job_id = stack.job({"prompt": "ROMEO:", "max_tokens": 1000, "temperature": 0.8})
+    # min_tokens: a sampled job may otherwise meet its end-of-text token before a poll sees it run
+    job_id = stack.job({"prompt": "ROMEO:", "max_tokens": 1000, "min_tokens": 1000, "temperature": 0.8})
     stack.running(job_id)
     ran = run(stack, cmd.text, env={"JOB_ID": job_id})
     assert ran.rc == 0, ran.err
     assert stack.finished(job_id)["status"] == "cancelled"
     # "or a batch: scripts/spool cancel batch_...", on a batch whose lines are still running
-    body = {"prompt": "ROMEO:", "max_tokens": 1000}
+    body = {"prompt": "ROMEO:", "max_tokens": 1000, "min_tokens": 1000}
     lines = "".join(
         json.dumps({"custom_id": f"c{i}", "method": "POST", "url": "/v1/jobs", "body": body}) + "\n"
         for i in range(4)
@@ -462,7 +463,8 @@ def submit_and_stream(stack: Stack, cmd: Command) -> None:
 
 
 def cancel_curl(stack: Stack, cmd: Command) -> None:
-    job_id = stack.job({"prompt": "ROMEO:", "max_tokens": 1000, "temperature": 0.8})
+    # min_tokens: a sampled job may otherwise meet its end-of-text token before a poll sees it run
+    job_id = stack.job({"prompt": "ROMEO:", "max_tokens": 1000, "min_tokens": 1000, "temperature": 0.8})
     stack.running(job_id)
     answer = run(stack, cmd.text, env={"JOB_ID": job_id}).json()
     assert answer["id"] == job_id
