@@ -61,7 +61,7 @@ class QoS(kombu_redis.QoS):
     def ack(self, delivery_tag: str) -> None:
         if not self._torn_down():
             try:
-                super().ack(delivery_tag)
+                super().ack(delivery_tag)  # type: ignore[no-untyped-call]  # kombu leaves it unannotated
             except WRITE_REFUSED as e:
                 self._refused("acknowledging a message", e)
                 virtual.QoS.ack(self, delivery_tag)  # the in-memory part, which counts the prefetch
@@ -69,21 +69,21 @@ class QoS(kombu_redis.QoS):
     def reject(self, delivery_tag: str, requeue: bool = False) -> None:
         if not self._torn_down():
             try:
-                super().reject(delivery_tag, requeue=requeue)
+                super().reject(delivery_tag, requeue=requeue)  # type: ignore[no-untyped-call]  # kombu leaves it unannotated
             except WRITE_REFUSED as e:
                 self._refused("rejecting a message", e)
                 virtual.QoS.ack(self, delivery_tag)
 
     def append(self, message: Any, delivery_tag: str) -> None:
         try:
-            super().append(message, delivery_tag)
+            super().append(message, delivery_tag)  # type: ignore[no-untyped-call]  # kombu leaves it unannotated
         except WRITE_REFUSED as e:
             self._refused("recording a delivery", e)
             virtual.QoS.append(self, message, delivery_tag)
 
     def restore_visible(self, *args: Any, **kwargs: Any) -> None:
         try:
-            super().restore_visible(*args, **kwargs)
+            super().restore_visible(*args, **kwargs)  # type: ignore[no-untyped-call]  # kombu leaves it unannotated
         except WRITE_REFUSED as e:
             self._refused("restoring unacknowledged messages", e)  # the next tick tries again
 
@@ -106,13 +106,13 @@ class Channel(kombu_redis.Channel):
     def conn_or_acquire(self, client: redis.Redis | None = None) -> Iterator[redis.Redis]:
         if client is None:
             if self._commands is None:
-                self._commands = self._create_client()
+                self._commands = self._create_client()  # type: ignore[no-untyped-call]  # kombu leaves it unannotated
             client = self._commands
         yield client
 
     def _brpop_read(self, **options: Any) -> bool:
         try:
-            return bool(super()._brpop_read(**options))
+            return bool(super()._brpop_read(**options))  # type: ignore[no-untyped-call]  # kombu leaves it unannotated
         except redis.exceptions.ResponseError as e:
             if not str(e).startswith(UNBLOCKED):
                 raise

@@ -29,7 +29,7 @@ _runtime = WorkerRuntime(
 )
 
 
-@app.task(name=GENERATE_TASK, **TASK_OPTIONS)  # Redis errors retried, never dropped
+@app.task(name=GENERATE_TASK, **TASK_OPTIONS)  # type: ignore[untyped-decorator]  # celery has no types; Redis errors retried, never dropped
 def generate(self: Task, job_id: str) -> None:
     outcome = _runtime.get().run_job(job_id)
     # BUSY: a duplicate message (a requeue that raced the old worker's return, or the broker's

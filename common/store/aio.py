@@ -6,7 +6,7 @@ import time
 from collections.abc import Iterable
 
 import redis.asyncio as aredis
-from redis.asyncio.client import NEVER_DECODE
+from redis.client import NEVER_DECODE
 
 from common.keys import BATCH_PRIORITY, REQUEUE_PRIORITY, part_id
 from common.schemas.events import LogEntry

@@ -56,14 +56,14 @@ class SyncOutbox:
         moved = 0
         while entries := self.data.rpop(self.key, RELAY_PAGE):
             pipe = self.broker.pipeline(transaction=False)
-            for lst, payload in _pairs(entries):  # type: ignore[arg-type]
+            for lst, payload in _pairs(entries):  # type: ignore[arg-type]  # redis-py: RPOP with a count replies a list
                 pipe.lpush(lst, payload)
             try:
                 pipe.execute()
             except RedisError:
-                self.data.rpush(self.key, *reversed(entries))  # type: ignore[arg-type]
+                self.data.rpush(self.key, *reversed(entries))
                 raise
-            moved += len(entries)  # type: ignore[arg-type]
+            moved += len(entries)
         return moved
 
     def relay_or_log(self) -> int:
@@ -85,15 +85,15 @@ class AsyncOutbox:
         moved = 0
         while entries := await self.data.rpop(self.key, RELAY_PAGE):
             async with self.broker.pipeline(transaction=False) as pipe:
-                for lst, payload in _pairs(entries):  # type: ignore[arg-type]
+                for lst, payload in _pairs(entries):  # type: ignore[arg-type]  # redis-py: RPOP with a count replies a list
                     pipe.lpush(lst, payload)
                 try:
                     await pipe.execute()
                 except RedisError:
                     # Back at the tail, oldest last: the next relay pops them first.
-                    await self.data.rpush(self.key, *reversed(entries))  # type: ignore[arg-type]
+                    await self.data.rpush(self.key, *reversed(entries))
                     raise
-            moved += len(entries)  # type: ignore[arg-type]
+            moved += len(entries)
         return moved
 
     async def relay_or_log(self) -> None:

@@ -150,7 +150,8 @@ class ModelRunner:
                 use_cache=True,
                 logits_to_keep=batch.logits_rows,
             )
-        return out.logits[0]  # [rows, V]
+        logits: torch.Tensor = out.logits[0]  # [rows, V]
+        return logits
 
     def _logits(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor, rows: torch.Tensor
@@ -163,7 +164,8 @@ class ModelRunner:
             use_cache=False,
             logits_to_keep=rows,
         )
-        return out.logits[0]
+        logits: torch.Tensor = out.logits[0]
+        return logits
 
 
 def _at_least_two(n: int) -> int:

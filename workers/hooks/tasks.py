@@ -28,6 +28,6 @@ def send(key: str) -> None:
 _runtime = WorkerRuntime(app, _settings, lambda name: HookRuntime.start(_settings, name, send), "hook")
 
 
-@app.task(name=HOOK_TASK, **TASK_OPTIONS)
+@app.task(name=HOOK_TASK, **TASK_OPTIONS)  # type: ignore[untyped-decorator]  # celery has no types
 def deliver(self: Task, key: str) -> None:
     _runtime.get().deliver(key)

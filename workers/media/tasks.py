@@ -29,7 +29,7 @@ _runtime = WorkerRuntime(
 )
 
 
-@app.task(name=MEDIA_TASK, **TASK_OPTIONS)
+@app.task(name=MEDIA_TASK, **TASK_OPTIONS)  # type: ignore[untyped-decorator]  # celery has no types
 def generate_image(self: Task, part_id: str, held: bool = False) -> None:
     if _runtime.get().run_part(part_id, held) is Outcome.SHUTDOWN:
         raise self.retry(countdown=_settings.lease_s + RETRY_MARGIN_S)
