@@ -30,10 +30,10 @@ records of jobs that have ended or expired itself (``drop_ended_deliveries``); a
 still running or queued stays, for the restore as a last resort.
 
 ``{p}:attempts`` (the fencing of text jobs' appends) loses a job's field with its last append. A
-job whose hash went while it ran (lost, deleted, expired) or that ended without that append (a
-worker of an older version) would keep its field for good, so the text workers' sweep goes
-through the hash in pages, one page of ``ATTEMPTS_PAGE`` fields per sweep and a pass at most once
-a lease, dropping the fields of jobs that no longer run (``drop_stale_attempts``).
+job whose hash went while it ran (lost, deleted, expired) never makes that append and would keep
+its field for good. So the text workers' sweep goes through the hash in pages, one page of
+``ATTEMPTS_PAGE`` fields per sweep and a pass at most once a lease, and drops the fields of jobs
+that no longer run (``drop_stale_attempts``).
 """
 
 from __future__ import annotations
@@ -85,8 +85,8 @@ class Reaper:
         self.store.relay()
         now = time.time()
         done: list[Requeued] = []
-        # NOTE: a job without a queue (its hash gone, or stored by a version before a queue per
-        # model) is any text worker's to requeue: its claim drops a gone job's entry.
+        # NOTE: a job whose hash is gone has no queue. Any text worker may requeue it, and its
+        # claim drops the gone job's entry.
         lapsed = [
             (j, w)
             for j, w, q in self.store.lapsed_leases(now)

@@ -201,13 +201,10 @@ def text_read(h: Mapping[str, str], text: str | None, logged: int) -> tuple[str,
     read for the rest (0: nothing to read); None when it has no text key to start from (cancelled
     while queued: its log is the one done event; or its key was lost) and the whole log is read.
 
-    The text key covers the log's first ``text_seq`` entries with its first ``text_len`` bytes;
-    a job written before checkpoints (no ``text_seq``) appended its text at every event.
+    The text key covers the log's first ``text_seq`` entries with its first ``text_len`` bytes.
     """
     if text is None:
         return None if logged else ("", 0)
-    if "text_seq" not in h:
-        return text, 0
     covered, size = int(h["text_seq"]), int(h["text_len"])
     raw = text.encode()
     if len(raw) > size:
