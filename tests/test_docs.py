@@ -87,12 +87,16 @@ def test_docs_links_reach_their_files_and_headings() -> None:
                 assert fragment in anchors(file), (doc.name, target)
 
 
-def test_quoted_sections_are_in_the_doc_they_name() -> None:
-    # Docs, code comments and --help texts name a section as docs/<file>.md "Its title".
+def test_sections_named_in_docs_and_code_are_in_the_doc_they_name() -> None:
+    # Docs, code comments and --help texts name a section as docs/<file>.md "Its title", or
+    # link to its heading's anchor.
     sources = [ROOT / "README.md", ROOT / "docker-compose.yml", *(ROOT / "docs").glob("*.md")]
     for package in ("api", "common", "workers", "spool_cli", "bench", "scripts", "tests"):
         sources += (ROOT / package).rglob("*.py")
     for source in sorted(sources):
-        for name, title in re.findall(r'docs/([\w.-]+\.md)[,:]? \(?"([^"]+)"', source.read_text()):
+        text = source.read_text()
+        for name, title in re.findall(r'docs/([\w.-]+\.md)[,:]? \(?"([^"]+)"', text):
             doc = " ".join((ROOT / "docs" / name).read_text().split())
             assert " ".join(title.split()) in doc, (source.name, name, title)
+        for name, fragment in re.findall(r"docs/([\w.-]+\.md)#([\w-]+)", text):
+            assert fragment in anchors(ROOT / "docs" / name), (source.name, name, fragment)

@@ -1,20 +1,15 @@
-"""A worker's liveness, whatever runs its jobs: heartbeats, leases, cancels, abandoned jobs, the sweep.
+"""A worker's liveness, whatever runs its jobs: heartbeats, leases, cancels, abandoned jobs and the
+sweep.
 
 Two threads. The cancel listener aborts the jobs whose cancel is published on ``{p}:cancel``.
-The heartbeat, every ``SPOOL_HEARTBEAT_S``:
+The heartbeat thread, every ``SPOOL_HEARTBEAT_S``, writes the worker's heartbeat and keeps its
+tokenizer spec alive. It renews the leases of the jobs the executor holds and aborts those
+another worker took over. It re-reads their cancel flags, cancels the foreground jobs nobody has
+watched for ``SPOOL_DETACH_GRACE_S``, and sweeps for the jobs of dead workers (workers/reaper.py).
 
-- writes the worker's heartbeat (what the executor says of itself, e.g. its engine's stats),
-  and keeps the tokenizer spec it names from expiring (stores it again once lost);
-- renews the leases of the jobs the executor holds, fenced by their attempts, and aborts those
-  another worker took over meanwhile (their writes are refused anyway);
-- re-reads their cancel flags, for the cancels published while the listener was not subscribed;
-- aborts the foreground jobs nobody has watched for ``SPOOL_DETACH_GRACE_S`` (their API process
-  stopped or died, so nobody else checks: api/watchers.py);
-- sweeps for the jobs whose worker died (workers/reaper.py).
-
-It knows nothing of the engine: an executor gives the jobs it holds, a way to abort one, and its
-heartbeat's fields (``Executor``), so a worker of another kind of job gets the same leases,
-fencing and takeover.
+It knows nothing of the engine. An ``Executor`` gives the jobs it holds, a way to abort one and
+its heartbeat's fields, so every kind of worker gets the same leases, fencing and take-over
+(docs/internals.md#job-lifecycle).
 """
 
 from __future__ import annotations

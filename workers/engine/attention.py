@@ -15,6 +15,8 @@ forward (no ``PackedBatch`` active) it is plain SDPA.
 A compiled forward (``EngineConfig.compile``) passes the model no cache: each layer's key/value
 write and its packed attention are then the custom op ``spool::attend``, opaque to
 ``torch.compile``, so what changes shape every step stays out of the graph.
+
+The contract: docs/internals.md#engine-api-workersengine ("Inside a step").
 """
 
 from __future__ import annotations
