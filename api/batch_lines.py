@@ -171,9 +171,10 @@ def job_result(
     log: Sequence[LogEntry] = (),
     tool_parser: str | None = None,
 ) -> LineResult:
-    """The result line of a line's job that ended: its answer as the endpoint would give it
-    (``log``: the job's log, when its view needs it: ``needs_view_log``; ``tool_parser``: how
-    its model's tool calls are read, common/tool_calls.py)."""
+    """The result line of a line's job that ended, its answer as the endpoint would give it.
+
+    ``log`` is the job's log, passed when its view needs it (``needs_view_log``). ``tool_parser``
+    says how its model's tool calls are read (common/tool_calls.py)."""
     job = record.job
     if job.status is JobStatus.CANCELLED:
         code = "batch_expired" if ending == "expired" else "batch_cancelled"

@@ -25,8 +25,8 @@ from api.hub import PING, Inbox, Item
 from common.schemas.events import LogEntry
 from common.store import AsyncJobStore
 
-# An event to send: built by the relay (pings, errors) or a view (OpenAI chunks), or already in
-# the wire format (a job's own events: ``job_event``).
+# An event to send. The relay (pings, errors) or a view (OpenAI chunks) builds it, or it is
+# already in the wire format (a job's own events, from ``job_event``).
 Chunk = ServerSentEvent | bytes
 Render = Callable[[LogEntry], Sequence[Chunk]]  # a log entry as the events a client gets
 T = TypeVar("T")

@@ -93,8 +93,8 @@ class Liveness:
         self.name = name  # the heartbeat's key and the job hashes' `worker`
         self.executor = executor
         self.stop = stop  # set when the worker stops
-        # requeue sends a job's message again (the Celery app's send_task); None: no sweep. queue:
-        # the Celery queue of the jobs it sweeps for (its model's, or the media queue; workers/reaper.py).
+        # requeue sends a job's message again (the Celery app's send_task), and None means no sweep.
+        # queue is the Celery queue of the jobs it sweeps for (its model's, or the media queue).
         self._reaper = Reaper(store, name, requeue, queue) if requeue is not None else None
         self._connected_since: float | None = None  # start of the current run of successful beats
         self._tokenizer: TokenizerSpec | None = None  # named by the heartbeats (start)
@@ -107,9 +107,9 @@ class Liveness:
     def start(self, tokenizer: TokenizerSpec | None = None) -> None:
         """Beat once, then start the threads.
 
-        The first beat runs before the worker takes a job: it is ready at once, and the jobs it
-        ran before a restart (their leases released first: this process holds none) are requeued
-        ahead of the messages already queued, which its consumer would take first.
+        The first beat runs before the worker takes a job, so it is ready at once. The jobs it ran
+        before a restart are requeued ahead of the messages already queued, which its consumer
+        would take first. Their leases are released first, since this process holds none.
 
         ``tokenizer``: the spec the API counts prompt tokens with (workers/tokenizer_spec.py),
         stored before the first heartbeat names it; every beat keeps it from expiring, so it goes
@@ -182,9 +182,9 @@ class Liveness:
             log.info("cancelling foreground job %s: nobody has watched it for the grace", job_id)
             self.executor.abort(job_id)
             return
-        # A part: the whole job is cancelled, as the API's check would (its queued parts at once,
-        # its running ones by their workers, this one too: the cancel reaches the listener, and
-        # the next beat's re-read of the flags), and it ends `cancelled`.
+        # A part cancels its whole job, as the API's check would, and the job ends `cancelled`.
+        # Its queued parts end at once and its running ones by their workers. This part ends too,
+        # when the cancel reaches the listener or the next beat re-reads the flags.
         log.info(
             "cancelling foreground job %s of part %s: nobody has watched it for the grace", split[0], job_id
         )

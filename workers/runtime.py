@@ -150,7 +150,8 @@ class EngineRuntime:
         job = new_job(taken)
         with self._lock:
             self._jobs[job_id] = job  # held from now on: its lease is renewed while it compiles
-        # On this task thread (or from the cache): a new schema never stalls the engine's batch.
+        # Compiled on this task thread (or read from the cache), so a new schema never stalls the
+        # engine's batch.
         compile_guide(job, self.engine.grammars, self._tool_parser)
         if taken.record is not None and taken.record.cancel_requested:
             self._inbox.put(_Abort(job_id, None))  # cancelled while an earlier attempt ran it
@@ -320,8 +321,8 @@ class EngineRuntime:
         try:
             sent = self._publisher.send(appends)  # retries while Redis is unreachable or refuses writes
         except RedisError:
-            if not self._stop.is_set():  # Redis unreachable at shutdown: the leases lapse instead
-                # Not a refusal that passes: a gap follows, and _hand_back resumes the jobs.
+            if not self._stop.is_set():  # at shutdown the leases lapse instead
+                # This is no refusal that passes. A gap follows, and _hand_back resumes the jobs.
                 log.exception("could not write the step's events")
             return
         for job_id in sent.lost:

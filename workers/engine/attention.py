@@ -75,8 +75,8 @@ calls = 0  # attention calls seen; the model runner checks that a model dispatch
 
 @contextmanager
 def active(batch: PackedBatch, writer: KVWriter | None = None) -> Iterator[None]:
-    """Run a forward packed as ``batch``. ``writer``: only for a compiled forward, which passes the
-    model no cache: the attention op writes each layer's keys and values itself (``attend``)."""
+    """Run a forward packed as ``batch``. ``writer`` is only for a compiled forward, which passes
+    the model no cache, so the attention op writes each layer's keys and values itself (``attend``)."""
     token, writer_token = _current.set(batch), _writer.set(writer)
     try:
         yield
