@@ -5,6 +5,8 @@ A line is ``{"custom_id", "method": "POST", "url", "body"}``. Its body is valida
 endpoint validates a request (the same request models and the app's settings), so a line with an
 unknown parameter fails with the endpoint's own 400 or 422 envelope; its answer is rendered as
 the endpoint answers (``View.completion``, or the job object for ``/v1/jobs``).
+
+The feeder's steps: docs/internals.md#batches-apibatch_feederpy.
 """
 
 from __future__ import annotations

@@ -4,6 +4,8 @@ Correctness does not depend on timing: the stream subscribes (via the hub) befor
 the log, so every event is either in what it read or still to come live; it drops live events
 it has already sent, and when a live event skips ahead of its cursor (or the hub says it may
 have missed some) it re-reads the log from the cursor. No gap, no duplicate.
+
+The relay's steps: docs/internals.md#api-process-api, and docs/internals.md#the-path-of-one-token.
 """
 
 from __future__ import annotations

@@ -2,6 +2,8 @@
 
 A prefix (``SPOOL_REDIS_PREFIX``, default ``spool``) namespaces all of them, so tests and
 several deployments can share one Redis without seeing each other's data.
+
+What each key holds: docs/internals.md#redis-names-from-commonkeyspy-only-prefix-spool_redis_prefix.
 """
 
 from __future__ import annotations

@@ -14,7 +14,8 @@ The only code of Spool that writes Redis (Celery's broker and kombu write their 
 - ``sync`` and ``aio``: the two stores;
 - ``files`` and ``batches``: the API's files and batches.
 
-Every key the stores write: docs/internals.md#redis-names-from-commonkeyspy-only-prefix-spool_redis_prefix.
+Every key the stores write:
+docs/internals.md#redis-names-from-commonkeyspy-only-prefix-spool_redis_prefix.
 """
 
 from common.store.aio import AsyncJobStore

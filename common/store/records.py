@@ -1,6 +1,10 @@
 """What the store reads and writes, as dataclasses, and how a job's hash, text and log read as
 its record (both stores share these pure parts). A job's parts are read in common/store/parts.py;
-the arguments of each script call and the parsers of their replies are in common/store/calls.py."""
+the arguments of each script call and the parsers of their replies are in common/store/calls.py.
+
+The hash, the log and the text key:
+docs/internals.md#redis-names-from-commonkeyspy-only-prefix-spool_redis_prefix.
+"""
 
 from __future__ import annotations
 
