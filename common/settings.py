@@ -2,6 +2,8 @@
 
 A worker and an API started with the same variables find each other. Unknown ``SPOOL_*``
 variables and invalid values fail at start with a message that names the variable.
+
+Every setting is in the README's settings table. Running the processes: docs/operations.md.
 """
 
 from __future__ import annotations

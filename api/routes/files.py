@@ -3,6 +3,9 @@
 A file lives in Redis (common/store/batches.py), so every API replica serves it and it survives
 an API restart; it expires after ``SPOOL_FILE_TTL_S``. Only ``purpose=batch`` files are taken
 (a batch's input); a batch's results are files of purpose ``batch_output``.
+
+The keys of a file and its upload:
+docs/internals.md#redis-names-from-commonkeyspy-only-prefix-spool_redis_prefix.
 """
 
 from __future__ import annotations
