@@ -5,6 +5,8 @@ Without keys configured nothing is checked and every job's owner is empty. With 
 that created it, and a request for a job under ``/v1/jobs/{id}`` made with another key gets the
 same 404 as an unknown id, so ids cannot be probed across keys. Probes, metrics and the schema
 (``/healthz``, ``/readyz``, ``/metrics``, ``/docs``, ``/openapi.json``) stay open.
+
+The contract: docs/internals.md#api-process-api.
 """
 
 from __future__ import annotations

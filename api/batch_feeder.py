@@ -1,31 +1,10 @@
-"""The feeder: turns the running batches' lines into jobs, a bounded window at a time, and their
-ended jobs into results; validates new batches and assembles the files of those whose lines all
-ended.
+"""The batch feeder: it validates new batches, turns their lines into jobs a bounded window at a
+time, records each ended job's result line, and assembles the output and error files.
 
-Every API process runs one (a task of its lifespan); one at a time works, the holder of a lease
-in Redis (``Keys.batch_feeder``), so a batch goes on when the process that created it dies: the
-next holder finds everything it needs in Redis. Each tick (``SPOOL_BATCH_FEED_S``) renews the
-lease and starts a task for every active batch that has none running (at most ``CONCURRENT``
-at once), so a batch that is slow (a long file validated or assembled) or fails holds up no
-other; an unexpected error fails the line it came from, or the batch after ``MAX_STRIKES`` ticks
-in a row, with the reason. Each batch's task does one step:
-
-- validating: read the input file in pages and check each line's form; a line that is no request
-  line (not JSON, no custom_id, a custom_id seen before, another url) fails the batch, naming it;
-- record the window's jobs that ended (their result lines: ``api/batch_lines.py``), then feed
-  lines until ``SPOOL_BATCH_WINDOW`` are queued or running, at ``BATCH_PRIORITY`` (behind every
-  interactive job in the queue). Each batch has its own window, so the queue holds about as
-  many lines of each running batch: the workers are shared between them;
-- every line ended: assemble the output and error files (finalizing -> completed;
-  api/batch_files.py);
-- cancelled or expired: feed nothing more, cancel the window's jobs (queued ones at once, running
-  ones at the worker's next step), and once they ended write the files, the lines never fed
-  failing with ``batch_cancelled`` or ``batch_expired``.
-
-Every write is a script that is safe to run twice, so a feeder taken over mid-tick (its lease
-lapsed) repeats work at worst, and a line gets exactly one result. The result files and the
-batch's end are written under the lease's fence (common/store/lua/batch_*.lua): a feeder frozen
-mid-file and taken over writes nothing once it wakes, and a file is committed only whole.
+Every API process runs one as a task of its lifespan, and only the holder of a lease in Redis
+works. So a batch goes on when the process that created it dies. Every write is a script that
+is safe to run twice, and the files and the batch's end are fenced by the lease. The steps and
+their scripts are in docs/internals.md#batches-apibatch_feederpy.
 """
 
 from __future__ import annotations

@@ -1,6 +1,9 @@
 """A batch's output and error files, assembled once every line ended (or the batch was cancelled
 or expired): one line per custom_id, in input order, written under the feeder's lease fence
-(common/store/lua/file_append_attempt.lua) so a feeder taken over mid-file writes nothing more."""
+(common/store/lua/file_append_attempt.lua) so a feeder taken over mid-file writes nothing more.
+
+The feeder's steps: docs/internals.md#batches-apibatch_feederpy.
+"""
 
 from __future__ import annotations
 

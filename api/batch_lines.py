@@ -5,6 +5,8 @@ A line is ``{"custom_id", "method": "POST", "url", "body"}``. Its body is valida
 endpoint validates a request (the same request models and the app's settings), so a line with an
 unknown parameter fails with the endpoint's own 400 or 422 envelope; its answer is rendered as
 the endpoint answers (``View.completion``, or the job object for ``/v1/jobs``).
+
+The feeder's steps: docs/internals.md#batches-apibatch_feederpy.
 """
 
 from __future__ import annotations
@@ -171,9 +173,10 @@ def job_result(
     log: Sequence[LogEntry] = (),
     tool_parser: str | None = None,
 ) -> LineResult:
-    """The result line of a line's job that ended: its answer as the endpoint would give it
-    (``log``: the job's log, when its view needs it: ``needs_view_log``; ``tool_parser``: how
-    its model's tool calls are read, common/tool_calls.py)."""
+    """The result line of a line's job that ended, its answer as the endpoint would give it.
+
+    ``log`` is the job's log, passed when its view needs it (``needs_view_log``). ``tool_parser``
+    says how its model's tool calls are read (common/tool_calls.py)."""
     job = record.job
     if job.status is JobStatus.CANCELLED:
         code = "batch_expired" if ending == "expired" else "batch_cancelled"

@@ -3,8 +3,9 @@
 
 The API counts prompt tokens as the worker will (common/prompt_tokens.py), with the tokenizer
 spec the worker stored and its heartbeat names, loaded once per API process and digest. Without
-a spec (a worker of an older version, a tokenizer the count cannot mirror) only max_tokens is
-checked against the limit, and the worker refuses the rest as a failed job (request_too_long).
+a spec (no live worker, or a tokenizer the count cannot mirror) only max_tokens is checked
+against the limit, and the worker refuses the rest as a failed job (request_too_long).
+docs/internals.md#api-process-api has the design.
 """
 
 from __future__ import annotations

@@ -1,22 +1,15 @@
-"""The Celery message that hands a job to the workers; the script that creates the job queues it.
+"""The Celery message that hands a job to the workers. The script that creates the job queues it.
 
-The API does not publish with Celery's ``send_task``. The job-creating Lua script pushes the
-message onto the broker's list itself (common/store/lua/create.lua), so a job and its
-message exist together or not at all, in one round trip and without a thread: ``send_task`` is
-blocking, cost about half of a POST's CPU (docs/benchmarks.md) and left a window in which a job
-was stored but not sent.
+The job-creating Lua script pushes the message onto the broker's list itself, so a job and its
+message exist together or not at all, in one round trip. ``send_task`` cost about half of a POST's
+CPU and left a window in which a job was stored but not sent (docs/benchmarks.md).
 
-Celery still builds the message (``app.amqp.as_task_v2``: task protocol 2's headers and body,
-by task name, so the API never imports workers/) and kombu serializes its body. Only the
-envelope is written here: the one kombu's virtual transports put around a message and its Redis
-transport LPUSHes (kombu/transport/virtual/base.py ``prepare_message`` and
-``_inplace_augment_message``, kombu/transport/redis.py ``_put``). tests/api/test_enqueue.py
-compares it with what ``send_task`` writes, so an upgrade of Celery or kombu that changes the
-format fails there, not in production.
-
-With the broker on a Redis apart (SPOOL_BROKER_URL) a script cannot reach its lists: the message
-is addressed to the job data's outbox instead, which the store relays to the broker right after
-the script (common/store/outbox.py).
+Celery still builds the message by task name (``app.amqp.as_task_v2``), so the API never imports
+workers/. Only kombu's Redis envelope is written here, as kombu/transport/virtual/base.py
+``prepare_message`` and kombu/transport/redis.py ``_put`` write it. NOTE: tests/api/test_enqueue.py
+compares it with what ``send_task`` writes, so a Celery or kombu upgrade that changes the format
+fails there, not in production. With the broker apart the message goes to the outbox instead
+(common/store/outbox.py). The contract: docs/internals.md#api-process-api.
 """
 
 from __future__ import annotations

@@ -3,6 +3,8 @@
 Handlers map FastAPI's own errors (HTTPException, request validation, the body-size limit) and
 infrastructure failures (Redis or the Celery broker unreachable, Redis refusing writes) into it,
 so a client parses one shape whatever went wrong.
+
+Each status and its type: docs/internals.md#api-process-api.
 """
 
 from __future__ import annotations

@@ -14,6 +14,8 @@ connections. ``spool api`` therefore runs uvicorn's httptools protocol with thes
 
 Nothing limits how long a response takes: an SSE stream, or a request waiting for its job,
 has sent its whole request and is only being written to.
+
+What each refusal looks like, with its test: docs/reliability.md, section 12.
 """
 
 from __future__ import annotations

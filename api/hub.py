@@ -9,6 +9,8 @@ CPU per event of the whole cluster, docs/benchmarks.md).
 A stream only needs the hub to be *fast*: the job log in Redis is the truth, so whenever the
 hub may have missed messages (its connection dropped, or a slow stream's queue overflowed) it
 puts ``RESYNC`` in the affected queues and those streams re-read the log from their cursor.
+
+The contract: docs/internals.md#api-process-api.
 """
 
 from __future__ import annotations

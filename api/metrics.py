@@ -3,6 +3,8 @@
 Latency figures live on the workers (workers/metrics.py), where the tokens are made; the API
 counts its own traffic, and at scrape time reads the cluster's queue depths and the engine
 figures of every live worker's heartbeat.
+
+Every metric: docs/metrics.md.
 """
 
 from __future__ import annotations

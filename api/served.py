@@ -46,9 +46,9 @@ async def check_media_workers(served: ServedModels, request: JobRequest) -> None
 
 class ServedModels:
     """What the live workers serve, for the submit paths: the text models (``served_models``) and
-    the image pipelines, read from Redis at most once per ``ttl_s`` per API process while a worker
-    of the kind asked about is live: a burst of submissions reads the heartbeats once, not once
-    per request (two Redis round trips and a parse of every heartbeat).
+    the image pipelines. They are read from Redis at most once per ``ttl_s`` per API process while
+    a worker of the kind asked about is live. So a burst of submissions reads the heartbeats once,
+    not once per request (two Redis round trips and a parse of every heartbeat).
 
     An empty answer is never kept, so the first worker of a kind to start is seen at once; any
     other change among the live workers (one more, one fewer) within ``ttl_s``. A request checked
@@ -107,9 +107,10 @@ def resolve_model(models: Mapping[str, WorkerHeartbeat], requested: str | None) 
 
 
 def queue_model(models: Mapping[str, WorkerHeartbeat], requested: str | None, settings: Settings) -> str:
-    """The model a job is queued for (its messages go to that model's queue, Keys.model_queue):
-    the one it names, or the default: the one ``resolve_model`` picks among the live workers',
-    or with none live this server's (SPOOL_SERVED_MODEL_NAME, else SPOOL_MODEL)."""
+    """The model a job is queued for; its messages go to that model's queue (Keys.model_queue).
+
+    It is the model the request names. Otherwise it is the one ``resolve_model`` picks among the
+    live workers', or with none live this server's (SPOOL_SERVED_MODEL_NAME, else SPOOL_MODEL)."""
     if requested is not None:
         return requested
     return min(models) if models else settings.served_model

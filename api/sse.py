@@ -4,6 +4,8 @@ Correctness does not depend on timing: the stream subscribes (via the hub) befor
 the log, so every event is either in what it read or still to come live; it drops live events
 it has already sent, and when a live event skips ahead of its cursor (or the hub says it may
 have missed some) it re-reads the log from the cursor. No gap, no duplicate.
+
+The relay's steps: docs/internals.md#api-process-api, and docs/internals.md#the-path-of-one-token.
 """
 
 from __future__ import annotations
@@ -25,8 +27,8 @@ from api.hub import PING, Inbox, Item
 from common.schemas.events import LogEntry
 from common.store import AsyncJobStore
 
-# An event to send: built by the relay (pings, errors) or a view (OpenAI chunks), or already in
-# the wire format (a job's own events: ``job_event``).
+# An event to send. The relay (pings, errors) or a view (OpenAI chunks) builds it, or it is
+# already in the wire format (a job's own events, from ``job_event``).
 Chunk = ServerSentEvent | bytes
 Render = Callable[[LogEntry], Sequence[Chunk]]  # a log entry as the events a client gets
 T = TypeVar("T")

@@ -4,6 +4,8 @@ end, or stream its events from the first.
 A foreground job (``background: false``, and every OpenAI request unless it says otherwise) is
 watched by the request that submitted it; a client that hangs up stops watching at once, so a
 foreground job nobody else watches is cancelled after ``SPOOL_DETACH_GRACE_S`` (api/watchers.py).
+
+The path of a submitted job: docs/internals.md#the-path-of-one-token.
 """
 
 from __future__ import annotations

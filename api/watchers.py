@@ -12,6 +12,10 @@ dies leaves tokens that lapse on their own, and count for the grace after that (
 get the grace to resume elsewhere). For both, the worker that runs the job is the one left to
 check: it cancels a foreground job nobody has watched for the grace (workers/liveness.py). Both
 sides count with ``common.store.watching``; the store writes the sets (common/store/watchers.py).
+
+The key and its clock:
+docs/internals.md#redis-names-from-commonkeyspy-only-prefix-spool_redis_prefix
+(``{p}:job:{id}:watchers``) and docs/internals.md#job-lifecycle.
 """
 
 from __future__ import annotations

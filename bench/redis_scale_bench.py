@@ -2,7 +2,7 @@
 
 On a private redis-server, ``--workers`` worker processes each take a batch of ``--batch`` jobs
 (the API's create script, then the worker's take) and write ``--steps`` engine steps at ``--rate``
-steps a second, as the worker's writer thread does (``Publisher.prepare`` then
+steps a second, as the worker's writer thread does (``prepare_appends`` then
 ``SyncJobStore.append_batch``, one token per job and step, the last with its ``done``), without a
 model: each token's text is the time it was written. ``--apis`` real ``spool api`` processes
 relay the jobs' events to SSE clients (one reader process per API, a stream per job, spread
@@ -41,8 +41,8 @@ from common.schemas.requests import JobRequest
 from common.settings import Settings
 from common.store import Appended, AsyncJobStore, SyncJobStore
 from spool_cli import procs as harness
+from workers.appends import JobCursor, prepare_appends
 from workers.engine import Delta, FinishReason
-from workers.publisher import JobCursor, Publisher
 
 PREFIX = "scalebench"
 SETUP_TIMEOUT_S = 120.0
@@ -79,7 +79,7 @@ def worker(
         reason = FinishReason.LENGTH if step == steps else None
         text = f" {time.time():.6f}"
         deltas = [Delta(j, (1000 + step,), text, reason, 16, step) for j in ids]
-        replies = store.append_batch(Publisher.prepare(deltas, cursors))
+        replies = store.append_batch(prepare_appends(deltas, cursors))
         assert replies == [Appended.WRITTEN] * len(ids), replies
     out.put({"cpu_s": time.process_time() - cpu0, "max_late_s": late})
     store.close()

@@ -2,6 +2,8 @@
 
 A prefix (``SPOOL_REDIS_PREFIX``, default ``spool``) namespaces all of them, so tests and
 several deployments can share one Redis without seeing each other's data.
+
+What each key holds: docs/internals.md#redis-names-from-commonkeyspy-only-prefix-spool_redis_prefix.
 """
 
 from __future__ import annotations
@@ -68,8 +70,8 @@ class Keys:
         return f"{self.prefix}:hub:{hub_name}"
 
     def idempotency(self, owner: str, key: str) -> str:
-        """String with a TTL: the id of the job that a client's ``Idempotency-Key`` created, per
-        owner (hashed: the key is the client's text)."""
+        """String with a TTL, the id of the job that a client's ``Idempotency-Key`` created, per
+        owner. The key is hashed, since it is the client's text."""
         digest = hashlib.sha256(f"{owner}\0{key}".encode()).hexdigest()
         return f"{self.prefix}:idem:{digest}"
 
@@ -257,9 +259,10 @@ class Keys:
         return f"{self.prefix}.hooks"
 
     def hooks(self, kind: str, object_id: str) -> str:
-        """Hash: an object's webhook deliveries (``kind`` job or batch): its events in order
-        (``d{n}``: the delivery's record as JSON, ``b{n}``: its body once rendered), ``events``
-        (how many), ``head`` (the last one finished) and the delivering worker's ``lock``."""
+        """Hash of an object's webhook deliveries (``kind`` is job or batch), its events in order.
+
+        ``d{n}`` is a delivery's record as JSON and ``b{n}`` its body once rendered. ``events``
+        counts them, ``head`` is the last one finished, and ``lock`` the delivering worker's."""
         return f"{self.prefix}:hooks:{kind}:{object_id}"
 
     def hooks_due(self) -> str:

@@ -9,6 +9,8 @@ with the ``tokenizers`` library and Jinja, set up as transformers sets up its ow
 (``transformers.utils.chat_template_utils``). The worker publishes a spec only after checking
 that this count equals its own on a set of probes (``agrees``), so a tokenizer or a template
 this cannot mirror is never counted wrong: the API then leaves the check to the worker.
+
+The design: docs/internals.md#api-process-api ("Context length").
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
 """Redis settings Spool cannot run on, refused when a worker or an API process starts.
 
-An eviction policy (``maxmemory-policy`` other than ``noeviction``: ``allkeys-lru``,
-``volatile-lru``, ...) lets Redis delete keys when it fills: a running job's log, its hash, a
-worker's heartbeat (which has a TTL, so even the ``volatile-*`` policies take it), a queued
-Celery message. A stream would then go silent or resume from nothing, a job be lost without an
-error. With ``noeviction`` a full Redis refuses writes instead, which Spool survives: workers
-retry, the API answers 503 (common/redis_errors.py).
+An eviction policy (any ``maxmemory-policy`` but ``noeviction``, such as ``allkeys-lru``) lets
+Redis delete keys when it fills. It may take a running job's log, its hash, a worker's heartbeat
+(which has a TTL, so even the ``volatile-*`` policies take it) or a queued Celery message. A
+stream would then go silent or resume from nothing, and a job be lost without an error. With
+``noeviction`` a full Redis refuses writes instead, which Spool survives. Workers retry, and the
+API answers 503 (common/redis_errors.py). docs/operations.md#redis says what to set.
 """
 
 from __future__ import annotations

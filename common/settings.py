@@ -2,6 +2,8 @@
 
 A worker and an API started with the same variables find each other. Unknown ``SPOOL_*``
 variables and invalid values fail at start with a message that names the variable.
+
+Every setting is in the README's settings table. Running the processes: docs/operations.md.
 """
 
 from __future__ import annotations
@@ -33,8 +35,9 @@ class Settings(BaseSettings):
 
     # Redis and naming
     redis_url: str = "redis://127.0.0.1:6379/0"  # the job data: jobs, logs, channels, heartbeats, batches
-    # The broker's Redis: Celery's queues and kombu's records, one message per job; a standalone
-    # Redis (Celery's transport speaks no Redis Cluster). Empty: SPOOL_REDIS_URL's.
+    # The broker's Redis, for Celery's queues and kombu's records (one message per job). It must
+    # be a standalone Redis, since Celery's transport speaks no Redis Cluster. Empty means
+    # SPOOL_REDIS_URL's (docs/operations.md "The broker apart").
     broker_url: str = ""
     redis_prefix: str = Field("spool", pattern=r"^[A-Za-z0-9_.-]+$")
 
@@ -70,10 +73,11 @@ class Settings(BaseSettings):
     # The media worker's CPU niceness (os.nice at its start, so every thread has it): above 0 its
     # pipeline gives way to a text worker on the same CPUs. `spool up` sets it to 10.
     image_nice: int = Field(0, ge=0, le=19)
-    # The API's: how long an image part's message waits at most, from its job's creation, for the
-    # job's text parts to have their first token (or end), so that on shared CPUs the image does
-    # not slow their prefill (common/store/lua/release_held.lua, docs/internals.md "Parts"). 0: no
-    # wait. Media workers send the held parts due; this also bounds how long their check sleeps.
+    # The API's setting. It is how long an image part's message waits at most, from its job's
+    # creation, for the job's text parts to have their first token (or end), so that on shared
+    # CPUs the image does not slow their prefill (common/store/lua/release_held.lua,
+    # docs/operations.md "The image hold"). 0 means no wait. Media workers send the held parts
+    # that are due, and this also bounds how long their check sleeps.
     image_hold_s: float = Field(2.0, ge=0)
 
     # Jobs (API)
@@ -133,11 +137,11 @@ class Settings(BaseSettings):
     fair_share: bool = True  # off: first come, first served within a priority
     fair_prompt_weight: float = Field(1.0, ge=0)
     fair_output_weight: float = Field(2.0, gt=0)
-    # A tenant's share: comma-separated TENANT=WEIGHT, TENANT the short hash of its key (``spool
-    # job`` and the metrics' `tenant` label show it); unlisted tenants weigh 1.
+    # Tenants' shares, as comma-separated TENANT=WEIGHT. TENANT is the short hash of the key
+    # (``spool job`` and the metrics' `tenant` label show it). Unlisted tenants weigh 1.
     tenant_weights: str = ""
-    # The lowest (most urgent) `priority` a request may give: 0, the default's, unless its key's
-    # tenant is listed in SPOOL_TENANT_PRIORITY_FLOORS (TENANT=FLOOR,...); below it: a 403.
+    # The lowest (most urgent) `priority` a request may give, unless its key's tenant is listed in
+    # SPOOL_TENANT_PRIORITY_FLOORS (TENANT=FLOOR,...). A request below it gets a 403.
     priority_floor: int = 0
     tenant_priority_floors: str = ""
     # Each worker process serves its Prometheus metrics on this port (workers/metrics.py); unset: none.
@@ -145,9 +149,10 @@ class Settings(BaseSettings):
     # Celery's task events and worker heartbeats (what Flower shows); `spool up` and compose turn them on.
     task_events: bool = False
 
-    # Webhooks (docs/webhooks.md): signing, destinations, delivery by `spool worker --kind hooks`
-    # Comma-separated whsec_ secrets, the first current (every one signs, for a rotation); unset:
-    # one generated and kept in Redis. With API keys, each key signs with its own derived from them.
+    # Webhooks (docs/webhooks.md): signing, destinations, delivery by `spool worker --kind hooks`.
+    # Comma-separated whsec_ secrets, the first one current; every one signs, for a rotation.
+    # Unset, one is generated and kept in Redis. With API keys, each key signs with its own,
+    # derived from them.
     webhook_secret: str = ""
     # Destinations that resolve to loopback, private, link-local or multicast addresses are
     # refused unless this is on, or their host is in webhook_allow_hosts (comma-separated).

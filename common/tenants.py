@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-TENANT_CHARS = 12  # of the owner (the key's SHA-256 in hex: api/auth.py): 48 bits
+TENANT_CHARS = 12  # hex digits of the owner (the key's SHA-256, api/auth.py), so 48 bits
 
 
 def tenant_of(owner: str) -> str:

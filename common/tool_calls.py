@@ -64,8 +64,8 @@ def hermes(body: str) -> Call | None:
 
 
 def parser_for(chat_template: str | None, setting: str | None) -> str | None:
-    """The parser for a model: Hermes when its template writes ``<tool_call>``, else the
-    SPOOL_TOOL_PARSER setting (None: none, tools are refused)."""
+    """The parser for a model. It is Hermes when its template writes ``<tool_call>``, else the
+    SPOOL_TOOL_PARSER setting. None means no parser, and tools are refused."""
     if chat_template and "<tool_call>" in chat_template:
         return "hermes"
     return setting
@@ -124,9 +124,11 @@ def call_schema(tools: Sequence[dict[str, Any]], name: str | None) -> dict[str, 
 
 def call_guide(tools: Sequence[dict[str, Any]], choice: str, parallel: bool) -> dict[str, Any]:
     """What the grammar engine constrains a request with tools to (workers/engine/grammar.py's
-    ``Grammars.tool_call``): the schema of one call (to the named tool, or to any), and whether
-    calls are ``triggered`` (tool_choice auto: free text, a call constrained from its opening
-    tag on) or one is forced; ``single``: parallel_tool_calls false, nothing after a first call."""
+    ``Grammars.tool_call``).
+
+    It holds the schema of one call, to the named tool or to any. ``triggered`` (tool_choice
+    auto) allows free text and constrains a call from its opening tag on; otherwise one call is
+    forced. ``single`` (parallel_tool_calls false) allows nothing after a first call."""
     named = None if choice in ("auto", "required") else choice
     return {"schema": call_schema(tools, named), "triggered": choice == "auto", "single": not parallel}
 

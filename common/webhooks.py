@@ -1,6 +1,8 @@
 """Webhooks' pure parts, shared by the API (checks at submit) and the hook workers (delivery):
 the events a request may ask for, the destination check, Standard Webhooks signing, the envelope
 and the retries' schedule. No Redis here (common/store/hooks.py), no HTTP client.
+
+What a receiver sees: docs/webhooks.md.
 """
 
 from __future__ import annotations

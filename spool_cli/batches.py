@@ -1,13 +1,13 @@
 """``spool batch`` and ``spool batches``: a JSONL file run as one batch of the Batches API (httpx).
 
 The file is uploaded (``POST /v1/files``), the batch created (``POST /v1/batches``) and polled with
-a progress line on stderr; once it ended its output and error files are downloaded. The batch
-runs on the server: an interrupted command (Ctrl-C, a lost connection) is picked up again with
+a progress line on stderr. Once it ended, its output and error files are downloaded. The batch
+runs on the server, so an interrupted command (Ctrl-C, a lost connection) is picked up again with
 ``spool batch --resume BATCH_ID``.
 
 A line is an OpenAI batch line (``{"custom_id", "method", "url", "body"}``), or a bare job request
-(``{"prompt" | "messages", ...}``, an optional ``custom_id``), which is sent as a line for
-``/v1/jobs`` (its custom_id: the one given, else ``line-N``).
+(``{"prompt" | "messages", ...}`` with an optional ``custom_id``). A bare request is sent as a
+line for ``/v1/jobs``, with the custom_id given or else ``line-N``.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """``spool chat``: a multi-turn chat in the terminal against a running API.
 
-Each line read is a user message; the request carries the system message, every earlier turn
-that succeeded (the user's message and the reply) and the new message, as a streamed job on
-``/v1/jobs`` (stream.stream_job: a dropped connection resumes the job's stream by its id with
-Last-Event-ID). ``/reset`` clears the history, ``/exit`` or end of input quits.
+Each line read is a user message. The request is a streamed job on ``/v1/jobs`` that carries the
+system message, every earlier turn that succeeded (the user's message and the reply) and the new
+message. stream.stream_job resumes a dropped connection's stream by the job's id with
+Last-Event-ID. ``/reset`` clears the history, and ``/exit`` or the end of input quits.
 """
 
 from __future__ import annotations

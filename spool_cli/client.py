@@ -1,11 +1,11 @@
 """The HTTP client of the client commands (httpx, no torch): ``Api``, the error lines, the
 back-off, and the event stream's parser.
 
-Connections: an API that was never reached (connection refused, no such host) fails the command
-at once with one line naming the URL; one that answered before and then went away (a replica
-restarting, a dropped connection) is retried with back-off. Ctrl-C never loses a job: the
-commands print the ids of the jobs they submitted and how to resume or cancel them (and ``spool
-jobs`` lists them, from the API's ``GET /v1/jobs``).
+An API that was never reached (connection refused, no such host) fails the command at once with
+one line naming the URL. One that answered before and then went away (a replica restarting, a
+dropped connection) is retried with back-off. Ctrl-C never loses a job. The commands print the
+ids of the jobs they submitted and how to resume or cancel them, and ``spool jobs`` lists them
+(the API's ``GET /v1/jobs``).
 """
 
 from __future__ import annotations

@@ -2,9 +2,9 @@
 text worker loads and compiles its model, and ``ready at URL`` once a text worker serves the model.
 
 Ready means a text worker beats (its first heartbeat comes after its model loaded and its forward
-compiled) and ``/readyz`` answers 200: a media worker alone is not ready, since a job's text runs
-on a text worker. It reads the public ``/console-status`` (the live workers, their kind and model)
-and never says ready once one of ``spool up``'s children exited: ``spool up`` says which one.
+compiled) and ``/readyz`` answers 200. A media worker alone is not ready, since a job's text runs
+on a text worker. It reads the public ``/console-status`` (the live workers, their kind and model).
+It never says ready once one of ``spool up``'s children exited, and ``spool up`` says which one.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
-"""``spool worker``, ``api`` and ``up``: the commands that run Spool's processes; ``tiny-model`` and
-``tiny-image-model``: the random models for tests and demos. Each imports what loads torch (a
+"""``spool worker``, ``api`` and ``up`` run Spool's processes, and ``tiny-model`` and
+``tiny-image-model`` make the random models for tests and demos. Each imports what loads torch (a
 worker, a tiny model) in its own function, so that ``spool --help`` and the client commands never
-do."""
+do.
+"""
 
 from __future__ import annotations
 

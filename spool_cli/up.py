@@ -1,16 +1,17 @@
 """``spool up``: a text worker, a media worker, a hook worker (webhooks) and the API as child
 processes, on a Redis found or started here.
 
-It runs until Ctrl-C or SIGTERM (the children are stopped; status 0) or until a child exits:
-that one is named with its exit status, the others are stopped, and ``spool up`` exits 1. It
-restarts nothing: a supervisor (systemd, Docker's restart policy) restarts ``spool up`` whole.
-The workers run torch on the CPUs minus one (``SPOOL_TORCH_THREADS``, unless set): the API and
-Redis share the machine. The media worker runs at niceness 10 (``SPOOL_IMAGE_NICE``, unless set),
-so that an image part's denoising delays no text part's first token (docs/benchmarks.md), and
-with ``SPOOL_WORKER_METRICS_PORT`` set it serves its metrics on the port after the text worker's
-(the hook worker on the one after that). Celery's task events are on (``SPOOL_TASK_EVENTS``,
-unless set), for Flower. It says ``ready at URL`` once a text worker serves the model
-(spool_cli/ready.py), never after a child exited.
+It runs until Ctrl-C or SIGTERM, which stop the children and exit 0, or until a child exits. That
+child is named with its exit status, the others are stopped, and ``spool up`` exits 1. It
+restarts nothing, so a supervisor (systemd, Docker's restart policy) restarts ``spool up`` whole.
+Unless they are set, the workers run torch on the CPUs minus one (``SPOOL_TORCH_THREADS``), since
+the API and Redis share the machine. The media worker runs at niceness 10 (``SPOOL_IMAGE_NICE``),
+so that an image part's denoising delays no text part's first token (docs/benchmarks.md). With
+``SPOOL_WORKER_METRICS_PORT`` set, the media worker serves its metrics on the port after the text
+worker's, and the hook worker on the one after that. Celery's task events are on for Flower
+(``SPOOL_TASK_EVENTS``, unless set).
+It says ``ready at URL`` once a text worker serves the model (spool_cli/ready.py), and never after
+a child exited. Running Spool beyond one machine: docs/operations.md#the-processes.
 """
 
 from __future__ import annotations

@@ -58,3 +58,45 @@ def test_readme_parts_example_shows_only_events_its_request_can_produce() -> Non
             assert part is not None and e["step"] <= part["steps"], e
         if e["event"] == "part" and "width" in e:
             assert part is not None and part["size"] == f"{e['width']}x{e['height']}", e
+
+
+def anchors(path: Path) -> set[str]:
+    """The #fragments of a Markdown file's headings, as GitHub makes them (a repeat gets -1, -2)."""
+    found: set[str] = set()
+    text = re.sub(r"^```.*?^```", "", path.read_text(), flags=re.M | re.S)
+    for heading in re.findall(r"^#{1,6} (.*)$", text, re.M):
+        slug = re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+        n = 0
+        while (f"{slug}-{n}" if n else slug) in found:
+            n += 1
+        found.add(f"{slug}-{n}" if n else slug)
+    return found
+
+
+def test_docs_links_reach_their_files_and_headings() -> None:
+    # A section moved to another file (docs/operations.md took the running of Spool from
+    # docs/internals.md) must take its links along.
+    for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for target in re.findall(r"\]\(([^)\s]+)\)", doc.read_text()):
+            if target.startswith(("http://", "https://")):
+                continue
+            path, _, fragment = target.partition("#")
+            file = (doc.parent / path).resolve() if path else doc
+            assert file.exists(), (doc.name, target)
+            if fragment and file.suffix == ".md":
+                assert fragment in anchors(file), (doc.name, target)
+
+
+def test_sections_named_in_docs_and_code_are_in_the_doc_they_name() -> None:
+    # Docs, code comments and --help texts name a section as docs/<file>.md "Its title", or
+    # link to its heading's anchor.
+    sources = [ROOT / "README.md", ROOT / "docker-compose.yml", *(ROOT / "docs").glob("*.md")]
+    for package in ("api", "common", "workers", "spool_cli", "bench", "scripts", "tests"):
+        sources += (ROOT / package).rglob("*.py")
+    for source in sorted(sources):
+        text = source.read_text()
+        for name, title in re.findall(r'docs/([\w.-]+\.md)[,:]? \(?"([^"]+)"', text):
+            doc = " ".join((ROOT / "docs" / name).read_text().split())
+            assert " ".join(title.split()) in doc, (source.name, name, title)
+        for name, fragment in re.findall(r"docs/([\w.-]+\.md)#([\w-]+)", text):
+            assert fragment in anchors(ROOT / "docs" / name), (source.name, name, fragment)

@@ -1,5 +1,10 @@
 """Turns engine steps' deltas into job log entries: the writes (``Append``) of a text job's
-tokens and terminal event, one per job and step; workers/publisher.py sends them."""
+tokens and terminal event, one per job and step; workers/publisher.py sends them.
+
+The log entries and the choices:
+docs/internals.md#redis-names-from-commonkeyspy-only-prefix-spool_redis_prefix and
+docs/internals.md#choices-n--1-workersjobpy-workerscorepy-workersappendspy.
+"""
 
 from __future__ import annotations
 

@@ -4,6 +4,8 @@ made outside ``engine.step()``.
 
 No threads of its own and no Redis: workers/runtime.py calls it from its engine thread only, and
 its writer thread writes the deltas.
+
+Choices (n > 1): docs/internals.md#choices-n--1-workersjobpy-workerscorepy-workersappendspy.
 """
 
 from __future__ import annotations

@@ -41,9 +41,9 @@ class Job:
     cursor: JobCursor
     request: JobRequest
     choices: list[Choice]
-    owner: str  # the API key's hash: the engine's prefix-cache salt, so owners never share
-    # The batch tier (a batch's line, or service_tier "flex"): admitted to the engine after the
-    # interactive jobs waiting, preempted for them.
+    owner: str  # the API key's hash, the engine's prefix-cache salt, so owners never share
+    # The batch tier (a batch's line, or service_tier "flex"). The engine admits it after the
+    # interactive jobs waiting and preempts it for them.
     batch_line: bool
     deadline: float | None  # unix seconds: created_at + timeout_s
     created_at: float

@@ -1,20 +1,15 @@
-"""A worker's liveness, whatever runs its jobs: heartbeats, leases, cancels, abandoned jobs, the sweep.
+"""A worker's liveness, whatever runs its jobs: heartbeats, leases, cancels, abandoned jobs and the
+sweep.
 
 Two threads. The cancel listener aborts the jobs whose cancel is published on ``{p}:cancel``.
-The heartbeat, every ``SPOOL_HEARTBEAT_S``:
+The heartbeat thread, every ``SPOOL_HEARTBEAT_S``, writes the worker's heartbeat and keeps its
+tokenizer spec alive. It renews the leases of the jobs the executor holds and aborts those
+another worker took over. It re-reads their cancel flags, cancels the foreground jobs nobody has
+watched for ``SPOOL_DETACH_GRACE_S``, and sweeps for the jobs of dead workers (workers/reaper.py).
 
-- writes the worker's heartbeat (what the executor says of itself, e.g. its engine's stats),
-  and keeps the tokenizer spec it names from expiring (stores it again once lost);
-- renews the leases of the jobs the executor holds, fenced by their attempts, and aborts those
-  another worker took over meanwhile (their writes are refused anyway);
-- re-reads their cancel flags, for the cancels published while the listener was not subscribed;
-- aborts the foreground jobs nobody has watched for ``SPOOL_DETACH_GRACE_S`` (their API process
-  stopped or died, so nobody else checks: api/watchers.py);
-- sweeps for the jobs whose worker died (workers/reaper.py).
-
-It knows nothing of the engine: an executor gives the jobs it holds, a way to abort one, and its
-heartbeat's fields (``Executor``), so a worker of another kind of job gets the same leases,
-fencing and takeover.
+It knows nothing of the engine. An ``Executor`` gives the jobs it holds, a way to abort one and
+its heartbeat's fields, so every kind of worker gets the same leases, fencing and take-over
+(docs/internals.md#job-lifecycle).
 """
 
 from __future__ import annotations
@@ -98,8 +93,8 @@ class Liveness:
         self.name = name  # the heartbeat's key and the job hashes' `worker`
         self.executor = executor
         self.stop = stop  # set when the worker stops
-        # requeue sends a job's message again (the Celery app's send_task); None: no sweep. queue:
-        # the Celery queue of the jobs it sweeps for (its model's, or the media queue; workers/reaper.py).
+        # requeue sends a job's message again (the Celery app's send_task), and None means no sweep.
+        # queue is the Celery queue of the jobs it sweeps for (its model's, or the media queue).
         self._reaper = Reaper(store, name, requeue, queue) if requeue is not None else None
         self._connected_since: float | None = None  # start of the current run of successful beats
         self._tokenizer: TokenizerSpec | None = None  # named by the heartbeats (start)
@@ -112,9 +107,9 @@ class Liveness:
     def start(self, tokenizer: TokenizerSpec | None = None) -> None:
         """Beat once, then start the threads.
 
-        The first beat runs before the worker takes a job: it is ready at once, and the jobs it
-        ran before a restart (their leases released first: this process holds none) are requeued
-        ahead of the messages already queued, which its consumer would take first.
+        The first beat runs before the worker takes a job, so it is ready at once. The jobs it ran
+        before a restart are requeued ahead of the messages already queued, which its consumer
+        would take first. Their leases are released first, since this process holds none.
 
         ``tokenizer``: the spec the API counts prompt tokens with (workers/tokenizer_spec.py),
         stored before the first heartbeat names it; every beat keeps it from expiring, so it goes
@@ -187,9 +182,9 @@ class Liveness:
             log.info("cancelling foreground job %s: nobody has watched it for the grace", job_id)
             self.executor.abort(job_id)
             return
-        # A part: the whole job is cancelled, as the API's check would (its queued parts at once,
-        # its running ones by their workers, this one too: the cancel reaches the listener, and
-        # the next beat's re-read of the flags), and it ends `cancelled`.
+        # A part cancels its whole job, as the API's check would, and the job ends `cancelled`.
+        # Its queued parts end at once and its running ones by their workers. This part ends too,
+        # when the cancel reaches the listener or the next beat re-reads the flags.
         log.info(
             "cancelling foreground job %s of part %s: nobody has watched it for the grace", split[0], job_id
         )

@@ -1,6 +1,9 @@
 """Loading a text worker's model: the engine from the worker's settings, and how the model's
 tool calls are read. A model that does not load raises ModelLoadError: the worker exits before
-it takes any job (workers/task_common.py)."""
+it takes any job (workers/task_common.py).
+
+Tool parsers: docs/internals.md#tool-calls-commontool_callspy.
+"""
 
 from __future__ import annotations
 

@@ -1,16 +1,16 @@
 """Prometheus metrics of one worker process: request latencies, token counts, engine gauges.
 
 Names follow vLLM's (``docs/design/metrics.md``) with Spool's prefix, each with a ``model_name``
-label; the ``spool_tenant_*`` ones also have a ``tenant`` label (common/tenants.py: a short hash
-of the API key, never the key; "anonymous" without keys). Every figure is taken on the engine thread from what it already has: the job's
-``created_at`` (read when the job was taken), the engine's deltas and ``engine.stats()``. No
-Redis round trip of its own. ``SPOOL_WORKER_METRICS_PORT`` serves them with prometheus_client's
-HTTP server (``serve``).
+label. The ``spool_tenant_*`` ones also have a ``tenant`` label, a short hash of the API key and
+never the key (common/tenants.py), or "anonymous" without keys. Every figure is taken on the
+engine thread from what it already has: the job's ``created_at`` (read when the job was taken),
+the engine's deltas and ``engine.stats()``. There is no Redis round trip of its own.
+``SPOOL_WORKER_METRICS_PORT`` serves them with prometheus_client's HTTP server (``serve``).
 
-Timestamps: a job's created_at is the API's clock (unix seconds), so queue time, TTFT and end to
-end latency are measured against the worker's ``time.time()``; clocks apart by more than a few
-milliseconds skew them by as much. Prefill, decode and inter-token figures use the worker's
-clock only.
+A job's created_at is the API's clock (unix seconds), so queue time, TTFT and end to end latency
+are measured against the worker's ``time.time()``. Clocks apart by more than a few milliseconds
+skew them by as much. Prefill, decode and inter-token figures use the worker's clock only.
+Every metric: docs/metrics.md.
 """
 
 from __future__ import annotations

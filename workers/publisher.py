@@ -1,6 +1,10 @@
 """Writes job log entries (``Append``) in one Redis round trip, retrying while Redis is
 unreachable, and sorts the replies by job. Shared by the text and media workers; a text job's
-appends are built in workers/appends.py."""
+appends are built in workers/appends.py.
+
+The write and its answers (written, fenced, a gap):
+docs/internals.md#redis-names-from-commonkeyspy-only-prefix-spool_redis_prefix.
+"""
 
 from __future__ import annotations
 

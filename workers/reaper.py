@@ -1,39 +1,15 @@
 """Finds the jobs nobody runs any more and sends their messages again, so another worker takes them.
 
-Every live worker runs a sweep from its heartbeat thread, so recovery needs no extra process:
+Every live worker runs this sweep from its heartbeat thread, so recovery needs no extra process.
+It requeues a running job whose lease lapsed and whose worker has no live heartbeat, and a
+queued job whose message was lost, within its own Celery queue only. It also drops kombu's
+records of ended deliveries and the ``{p}:attempts`` fields of jobs that no longer run. The
+rules are in docs/internals.md#job-lifecycle and, for the keys,
+docs/internals.md#redis-names-from-commonkeyspy-only-prefix-spool_redis_prefix.
 
-- A running job whose lease lapsed (its worker stopped renewing it: killed, frozen, cut off) and
-  whose worker has no live heartbeat is requeued. The take-over then happens in ``take_job``
-  (attempt + 1 fences the old worker out) and the runtime resumes from the stored tokens. A job
-  whose worker is this very one, restarted (same name), is requeued without waiting for the
-  heartbeat, since this process knows it does not run it.
-- A queued job that has waited longer than a lease while the Celery queue is empty lost its
-  message (Redis went down as a worker received it, or restarted without it): it is sent again.
-  Text jobs and text parts are found in ``{p}:queued``, image parts (once their message was
-  sent) in ``{p}:queued_media``; each kind of worker sweeps its own. (The API cannot lose it:
-  the script that stores a job pushes its message.)
-
-A job's hash names its Celery queue (``queue``: its model's, ``Keys.model_queue``), and a sweep
-requeues only the jobs of the queue it was given, to that queue: a text worker's, its model's, so
-a job is taken over by a worker of the model it was queued for, never by another model's.
-
-Celery's visibility timeout would also redeliver a dead worker's message, but only after it
-expires (minutes, and it must exceed the longest job); the sweep acts within a lease.
-``claim_requeue`` (one Lua call) makes exactly one worker send each requeue, and duplicates are
-harmless anyway: a second message finds the job running or finished and is dropped.
-
-The messages a dead worker held stay in kombu's unacknowledged records (``{p}.unacked`` and its
-index) until the visibility timeout (an hour) restores them: each restored message finds its job
-ended (or expired), does nothing, and is acknowledged, which removes its record. Workers killed
-often would pile records up for that hour (117 after 7 kills), so once a lease the sweep drops the
-records of jobs that have ended or expired itself (``drop_ended_deliveries``); a record of a job
-still running or queued stays, for the restore as a last resort.
-
-``{p}:attempts`` (the fencing of text jobs' appends) loses a job's field with its last append. A
-job whose hash went while it ran (lost, deleted, expired) or that ended without that append (a
-worker of an older version) would keep its field for good, so the text workers' sweep goes
-through the hash in pages, one page of ``ATTEMPTS_PAGE`` fields per sweep and a pass at most once
-a lease, dropping the fields of jobs that no longer run (``drop_stale_attempts``).
+Celery's visibility timeout would also redeliver a dead worker's message, but only after an hour.
+The sweep acts within a lease. ``claim_requeue`` makes exactly one worker send each requeue, and
+a duplicate message finds its job running or finished and is dropped.
 """
 
 from __future__ import annotations
@@ -85,8 +61,8 @@ class Reaper:
         self.store.relay()
         now = time.time()
         done: list[Requeued] = []
-        # NOTE: a job without a queue (its hash gone, or stored by a version before a queue per
-        # model) is any text worker's to requeue: its claim drops a gone job's entry.
+        # NOTE: a job whose hash is gone has no queue. Any text worker may requeue it, and its
+        # claim drops the gone job's entry.
         lapsed = [
             (j, w)
             for j, w, q in self.store.lapsed_leases(now)

@@ -1,23 +1,15 @@
-"""The engine runtime: one Engine per worker process, driven by one thread: the token path.
+"""The engine runtime: one Engine per worker process, driven by one thread. This is the token path.
 
 Celery task threads call ``run_job`` and block until their job's terminal event is written.
-Everything that touches the engine happens on the engine thread, which loops: apply the
-inbox's commands (add, abort), ``engine.step()``, hand the step's log entries to the writer
-thread. With nothing to run it blocks on the inbox. The writer thread writes them in one round
-trip (several steps' in one when it fell behind) and wakes the task threads whose jobs ended,
-while the engine thread runs the next step: the engine never waits for Redis, unless the
-writer is ``OUTBOX_STEPS`` steps behind (Redis slow or unreachable), and then it waits rather
-than run ahead of what is stored.
+Only the engine thread touches the engine. It applies the inbox's commands (add, abort), runs
+``engine.step()`` and hands the step's log entries to the writer thread. The writer writes them
+in one round trip while the engine runs the next step, so the engine waits for Redis only when
+the writer is ``OUTBOX_STEPS`` steps behind. While the worker holds batch lines, an intake thread
+takes queued interactive jobs itself, since Celery hands it no message until a line ends.
 
-What the engine thread does to a job (add it, abort it, drop it) is workers/core.py; the job's
-record is workers/job.py; loading the model is workers/loader.py.
-
-The runtime is the executor of the worker's liveness (workers/liveness.py: heartbeats, leases,
-cancels, the sweep), and a watchdog (workers/watchdog.py) ends the process when a step stalls.
-
-While it holds a batch's lines, an intake thread takes queued interactive jobs itself (see
-``_intake_loop``): Celery hands a worker whose task threads all hold lines no message until one
-of those lines ends, and the engine would preempt a line for the request at once.
+What the engine thread does to a job is in workers/core.py, a job's record in workers/job.py.
+The runtime is the executor of workers/liveness.py. The path of a token through it:
+docs/internals.md#the-path-of-one-token.
 """
 
 from __future__ import annotations
@@ -158,7 +150,8 @@ class EngineRuntime:
         job = new_job(taken)
         with self._lock:
             self._jobs[job_id] = job  # held from now on: its lease is renewed while it compiles
-        # On this task thread (or from the cache): a new schema never stalls the engine's batch.
+        # Compiled on this task thread (or read from the cache), so a new schema never stalls the
+        # engine's batch.
         compile_guide(job, self.engine.grammars, self._tool_parser)
         if taken.record is not None and taken.record.cancel_requested:
             self._inbox.put(_Abort(job_id, None))  # cancelled while an earlier attempt ran it
@@ -328,8 +321,8 @@ class EngineRuntime:
         try:
             sent = self._publisher.send(appends)  # retries while Redis is unreachable or refuses writes
         except RedisError:
-            if not self._stop.is_set():  # Redis unreachable at shutdown: the leases lapse instead
-                # Not a refusal that passes: a gap follows, and _hand_back resumes the jobs.
+            if not self._stop.is_set():  # at shutdown the leases lapse instead
+                # This is no refusal that passes. A gap follows, and _hand_back resumes the jobs.
                 log.exception("could not write the step's events")
             return
         for job_id in sent.lost:

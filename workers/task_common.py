@@ -1,6 +1,9 @@
 """What the task modules of every kind of worker share (workers/tasks.py, workers/media/tasks.py,
 workers/hooks/tasks.py): starting the runtime in ``worker_init`` or exiting before any job, a
-task's outcome and its retries. It imports no engine: a media or hook worker loads none."""
+task's outcome and its retries. It imports no engine: a media or hook worker loads none.
+
+Start-up, exits and take-overs: docs/internals.md#job-lifecycle.
+"""
 
 from __future__ import annotations
 

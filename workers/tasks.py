@@ -2,6 +2,8 @@
 
 The runtime starts with the worker (``worker_init``: the model is loaded before the first
 message is consumed) and stops after the pool has finished its tasks (``worker_shutdown``).
+
+A job's way through the worker: docs/internals.md#the-path-of-one-token.
 """
 
 from __future__ import annotations

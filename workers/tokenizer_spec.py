@@ -3,6 +3,8 @@
 A spec is published only when the API's way of counting (the ``tokenizers`` library and Jinja)
 gives this worker's own token ids on every probe; otherwise none is, and a request too long
 for the model is refused by this worker, as a failed job, instead of by the API.
+
+The design and why it is keyed by digest: docs/internals.md#api-process-api ("Context length").
 """
 
 from __future__ import annotations

@@ -3,6 +3,8 @@
 A hung kernel cannot be stopped from inside the process, and a worker that beats while its
 engine is stuck would hold its jobs' leases forever; once the process is gone, its jobs pass on
 as a crashed worker's do (workers/reaper.py).
+
+Stalls and take-overs: docs/internals.md#job-lifecycle.
 """
 
 from __future__ import annotations

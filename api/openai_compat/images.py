@@ -8,6 +8,8 @@ OpenAI client sends them with ``extra_body``).
 ``stream: true`` (as gpt-image-1's) answers the job's ``preview`` events as
 ``image_generation.partial_image`` events and its end as ``image_generation.completed`` with the
 image, each with the job event's id, so ``/v1/jobs/{id}/events?format=openai`` resumes it.
+
+Image parts: docs/internals.md#parts-jobs-of-text-and-image-parts.
 """
 
 from __future__ import annotations

@@ -1,16 +1,12 @@
 """OpenAI's Responses API on the job queue: a response's object and its stream's events.
 
-The request is response_request.py's, what a response keeps besides its job response_record.py's.
-
-A stream's ``sequence_number`` comes from the job's log, so every replica numbers the events of
-a response alike and ``starting_after=N`` resumes anywhere. Without tools: the response's opening
-events take 0 .. H-1 (H is 4, or 5 with ``response.queued`` in background mode), the log entry
-with seq k starts at H + k - 1 (a token entry is one ``response.output_text.delta``), and the
-terminal entry closes the message and ends with the response's terminal event. With tools the
-text is read for calls as it comes (response_output.py), so an entry gives no, one or several
-events: the opening takes 0 .. H-1 (H is 2, or 3), and the events after it are numbered in
-order from the log's first entry, which every stream reads from (a resumed one skips those up to
-``starting_after``).
+The request is response_request.py's, and what a response keeps besides its job is
+response_record.py's. A stream's ``sequence_number`` comes from the job's log, so every replica
+numbers the events of a response alike and ``starting_after=N`` resumes anywhere. Without tools
+the numbers are a formula of the log's seq. With tools the text is read for calls as it comes
+(response_output.py), so an entry gives no, one or several events, and every stream counts them
+from the log's first entry. The numbering:
+docs/internals.md#responses-apiroutesresponsespy-apiopenai_compatresponsespy.
 """
 
 from __future__ import annotations

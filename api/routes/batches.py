@@ -3,6 +3,8 @@
 Creating a batch only stores it (``validating``); the feeder (api/batch_feeder.py), which every
 API process runs and one at a time works, validates its input file, feeds its lines to the queue
 as jobs below interactive traffic, counts them as they end and writes its output and error files.
+
+The feeder's steps: docs/internals.md#batches-apibatch_feederpy.
 """
 
 from __future__ import annotations

@@ -1,4 +1,7 @@
-"""The web console: static files from api/console/, and the cluster figures its page polls."""
+"""The web console: static files from api/console/, and the cluster figures its page polls.
+
+What the page shows: docs/console.md.
+"""
 
 from __future__ import annotations
 

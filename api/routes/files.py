@@ -3,6 +3,9 @@
 A file lives in Redis (common/store/batches.py), so every API replica serves it and it survives
 an API restart; it expires after ``SPOOL_FILE_TTL_S``. Only ``purpose=batch`` files are taken
 (a batch's input); a batch's results are files of purpose ``batch_output``.
+
+The keys of a file and its upload:
+docs/internals.md#redis-names-from-commonkeyspy-only-prefix-spool_redis_prefix.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from api.auth import current_owner
 from api.deps import ServicesDep, owned_file
 from api.errors import ApiError
 from api.openai_compat.batches import file_object, page
-from api.uploads import clean_filename, quota_error, receive_upload
+from api.uploads import quota_error, receive_upload
 
 router = APIRouter(prefix="/v1/files", tags=["files"])
 
@@ -119,10 +122,9 @@ async def file_content(file_id: FileId, services: ServicesDep) -> StreamingRespo
 
 def content_disposition(filename: str) -> str:
     """RFC 6266: an ASCII ``filename`` for old clients, the name itself as ``filename*`` (UTF-8)."""
-    name = clean_filename(filename)  # a name stored before names were cleaned at upload
-    ascii_name = unicodedata.normalize("NFKD", name).encode("ascii", "ignore").decode()
+    ascii_name = unicodedata.normalize("NFKD", filename).encode("ascii", "ignore").decode()
     fallback = "".join(c if c.isprintable() and c not in '\\"' else "_" for c in ascii_name) or "file"
-    return f"attachment; filename=\"{fallback}\"; filename*=UTF-8''{quote(name, safe='')}"
+    return f"attachment; filename=\"{fallback}\"; filename*=UTF-8''{quote(filename, safe='')}"
 
 
 @router.delete("/{file_id}")

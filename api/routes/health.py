@@ -1,4 +1,7 @@
-"""Liveness, readiness and Prometheus metrics."""
+"""Liveness, readiness and Prometheus metrics.
+
+What each probe says and when: docs/operations.md#monitoring.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,7 @@
-"""Jobs: submit, look up, cancel, and stream a job's events over SSE."""
+"""Jobs: submit, look up, cancel, and stream a job's events over SSE.
+
+The path of a job, from its submit to its stream: docs/internals.md#the-path-of-one-token.
+"""
 
 from __future__ import annotations
 

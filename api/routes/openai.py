@@ -42,9 +42,9 @@ async def chat_completions(body: ChatCompletionRequest, services: ServicesDep, h
 
 @router.post("/images/generations")
 async def images_generations(body: ImageGenerationRequest, services: ServicesDep, http: Request) -> Response:
-    """Images from a prompt, as OpenAI's Images API: one job with ``n`` image parts, answered once
-    they are done (``b64_json``, or ``url``: the parts' content on this API, until the job expires),
-    or with ``stream`` as its events (partial images, then the image)."""
+    """Images from a prompt, as OpenAI's Images API. It is one job with ``n`` image parts, answered
+    once they are done (``b64_json``, or a ``url`` of the part's content on this API until the job
+    expires), or with ``stream`` as its events (partial images, then the image)."""
     request = body.to_job_request(services.settings)
     async with _write_refused_first(services):
         await check_media_workers(services.served, request)  # it waits for the images

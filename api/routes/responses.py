@@ -3,6 +3,9 @@
 A response belongs to the API key that created it: any other key gets the 404 of an unknown id.
 Background responses run whether or not anyone is connected; any replica polls, streams (from
 any ``starting_after``), cancels or deletes them until the job expires (``SPOOL_JOB_TTL_S``).
+
+The record and the stream's numbering:
+docs/internals.md#responses-apiroutesresponsespy-apiopenai_compatresponsespy.
 """
 
 from __future__ import annotations

@@ -141,8 +141,8 @@ class JobRequest(TextParams):
     # Where to POST the job's events (docs/webhooks.md), and which: start, part, completed.
     webhook: str | None = None
     webhook_events: list[str] | None = None
-    # Whose events its webhook sends: a job's, or a response's (response.completed, ...): set by
-    # POST /v1/responses only (``as_response``), never by a body.
+    # Whose events its webhook sends, a job's or a response's (response.completed, ...). Only
+    # POST /v1/responses sets it (``as_response``), never a body.
     _events_of: str = PrivateAttr("job")
     # Its owner's server-wide webhook endpoints (POST /v1/webhook_endpoints), set at submit.
     _endpoints: list[dict[str, Any]] = PrivateAttr(default_factory=list)
@@ -187,9 +187,9 @@ class JobRequest(TextParams):
             raise PydanticCustomError(INVALID_WEBHOOK, "webhook_events needs a webhook", {})
         return self
 
-    # Priority tiers (docs/internals.md, "Models and tenants"): OpenAI's service_tier ("flex": the
-    # batch tier, below interactive work) and a number as vLLM's (lower runs first; below
-    # SPOOL_PRIORITY_FLOOR only for the keys SPOOL_TENANT_PRIORITY_FLOORS allows).
+    # Priority tiers (docs/internals.md, "Models and tenants"). OpenAI's service_tier ("flex" is
+    # the batch tier, below interactive work) and a number as vLLM's, where lower runs first. A
+    # number below SPOOL_PRIORITY_FLOOR is only for the keys SPOOL_TENANT_PRIORITY_FLOORS allows.
     service_tier: ServiceTier = "auto"
     priority: StrictInt = Field(0, ge=-MAX_PRIORITY, le=MAX_PRIORITY)
 
@@ -279,9 +279,9 @@ class JobRequest(TextParams):
         return self
 
     def part_request(self, index: int) -> JobRequest | ImagePart:
-        """The request a part runs with: a text part as a text job, foreground if the job is (the
-        job's own watchers count for it: common/store/sync.py ``unwatched``), with the job's
-        timeout_s unless it has its own."""
+        """The request a part runs with. A text part runs as a text job with the job's timeout_s
+        unless it has its own, and is foreground if the job is. The job's own watchers then count
+        for it (common/store/sync.py ``unwatched``)."""
         assert self.parts is not None
         part = self.parts[index]
         timeout = part.timeout_s if part.timeout_s is not None else self.timeout_s

@@ -130,9 +130,11 @@ class TextParams(BaseModel):
 
     @property
     def guide(self) -> tuple[str, Any] | None:
-        """What the output is constrained to: ("json", schema or None for any object), ("regex",
-        pattern), ("choice", strings) or ("tool_call", common/tool_calls.py's call_guide: tools
-        with no other guide); None: nothing."""
+        """What the output is constrained to, or None for nothing.
+
+        It is ("json", a schema or None for any object), ("regex", pattern), ("choice", strings)
+        or ("tool_call", common/tool_calls.py's call_guide), the last for tools with no other
+        guide."""
         tools = [t.model_dump(exclude_none=True) for t in self.tools or ()]
         if tools and self.tool_choice not in ("auto", "none"):
             return "tool_call", call_guide(tools, self.tool_choice, self.parallel_tool_calls)

@@ -1,6 +1,6 @@
-"""Objects as the API's GET shows them: the job (from its hash and log), the batch (from its hash),
-and a worker's heartbeat; for the API, and for the hook workers (a webhook's ``data``:
-common/webhooks.py)."""
+"""Objects as the API's GET shows them: the job (from its hash and log), the batch (from its hash)
+and a worker's heartbeat. The API uses them, and so do the hook workers for a webhook's ``data``
+(common/webhooks.py)."""
 
 from __future__ import annotations
 

@@ -13,6 +13,9 @@ The only code of Spool that writes Redis (Celery's broker and kombu write their 
 - ``clients``: the Redis clients' retries, timeouts and pool;
 - ``sync`` and ``aio``: the two stores;
 - ``files`` and ``batches``: the API's files and batches.
+
+Every key the stores write:
+docs/internals.md#redis-names-from-commonkeyspy-only-prefix-spool_redis_prefix.
 """
 
 from common.store.aio import AsyncJobStore

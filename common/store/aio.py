@@ -1,4 +1,7 @@
-"""The API's store, over ``redis.asyncio``: create, read, cancel and stream jobs; watcher sets."""
+"""The API's store, over ``redis.asyncio``: create, read, cancel and stream jobs; watcher sets.
+
+Every key it writes: docs/internals.md#redis-names-from-commonkeyspy-only-prefix-spool_redis_prefix.
+"""
 
 from __future__ import annotations
 

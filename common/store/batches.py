@@ -43,7 +43,7 @@ class LineJob:
 
 @dataclass(frozen=True)
 class LineResult:
-    """A line's result: its output or error line (``kind``: completed or failed)."""
+    """A line's result, its output or error line. ``kind`` is completed or failed."""
 
     line: int
     kind: str

@@ -1,5 +1,9 @@
-"""The arguments of each Lua script call of the job store (common/store/lua/*.lua: each file's
-``KEYS``/``ARGV`` lines declare what its call passes) and the parsers of the replies."""
+"""The arguments of each Lua script call of the job store, and the parsers of the replies.
+
+Each file of common/store/lua/ declares what its call passes in its ``KEYS`` and ``ARGV`` lines,
+and its header is the script's contract. How the files are read:
+docs/internals.md#redis-names-from-commonkeyspy-only-prefix-spool_redis_prefix.
+"""
 
 from __future__ import annotations
 

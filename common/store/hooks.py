@@ -1,16 +1,15 @@
-"""Webhook deliveries in Redis: recorded by the script that records their event, delivered by the
-hook workers (workers/hooks/), listed and retried by the API.
+"""Webhook deliveries in Redis. The script that records an event records its delivery, the hook
+workers (workers/hooks/) deliver it, and the API lists and retries them.
 
-An object with a webhook (a job, a batch) holds a ``hook`` field (``hook_field``: where its
-deliveries go). The script that writes one of its events (a job's terminal status, its start, a
-part's status, a batch's end: lua/lib/hook_event.lua) appends the delivery to the
-object's hooks hash (``Keys.hooks``) and puts that hash in the due set, in the same script: the
-event is never seen without its delivery. A hook worker's sweep claims the due hashes
-(hook_due.lua, the score moved a claim ahead) and sends each a message on ``{p}.hooks``; the task
-takes the hash's lock (hook_begin.lua), delivers its next delivery and records the attempt
-(hook_attempt.lua: the next delivery due at once, or this one at its retry). Deliveries of an object go
-one at a time, in order. A worker that dies leaves the hash in the due set, scored with the end
-of its claim: the next sweep after it sends it again (at most that delivery twice).
+An object with a webhook (a job, a batch) holds a ``hook`` field that says where its deliveries go.
+The script that writes one of its events appends the delivery to the object's hooks hash and puts
+that hash in the due set, so an event is never seen without its delivery. A hook worker's sweep
+claims the due hashes and sends each a Celery message, and the task delivers the hash's next
+delivery under its lock. Deliveries of an object go one at a time, in order. A worker that dies
+leaves the hash due at the end of its claim, so at most that one delivery goes twice.
+
+The keys and scripts: docs/internals.md#redis-names-from-commonkeyspy-only-prefix-spool_redis_prefix
+("Webhooks"). What a receiver sees: docs/webhooks.md.
 """
 
 from __future__ import annotations

@@ -1,21 +1,9 @@
 """The broker messages of a job store whose broker is a Redis apart (SPOOL_BROKER_URL).
 
-With one Redis, the scripts that create a job (or feed a batch line, resend a lost line, send a
-held or dependent image part) push its message onto the broker's list themselves, so a job and
-its message exist together or not at all. A script cannot write to another Redis, so with the
-broker apart the message goes, in the same script, onto the data Redis's outbox
-(``Keys.outbox``, as JSON ``[broker list, message]``) and is relayed from there: popped (RPOP,
-oldest first, so each is claimed by one relayer) and pushed onto its broker list.
-
-Who relays: the process that just ran such a script (the API after a create, the batch feeder
-after a feed or resend, a worker after a part's append or a held part's release), and every
-worker's sweep once a heartbeat (workers/reaper.py), which also delivers what waited out a broker
-that was down. A message popped and not pushed (its relayer died in between, or the broker
-refused it and the data Redis the giving back) is lost like a message Redis lost: the sweeps
-that send lost messages again cover it (the reaper's for queued jobs and parts, the batch
-feeder's for batch lines), once a lease.
-
-With one Redis none of this runs: the messages go straight onto the broker's lists.
+A script cannot write to another Redis. So with the broker apart, the scripts that store a job
+with its message put the message on the data Redis's outbox (``Keys.outbox``), and this module
+relays it to its broker list. With one Redis none of this runs. Who relays and what a crash
+loses: docs/operations.md#the-broker-apart-spool_broker_url.
 """
 
 from __future__ import annotations

@@ -1,6 +1,10 @@
 """What the store reads and writes, as dataclasses, and how a job's hash, text and log read as
 its record (both stores share these pure parts). A job's parts are read in common/store/parts.py;
-the arguments of each script call and the parsers of their replies are in common/store/calls.py."""
+the arguments of each script call and the parsers of their replies are in common/store/calls.py.
+
+The hash, the log and the text key:
+docs/internals.md#redis-names-from-commonkeyspy-only-prefix-spool_redis_prefix.
+"""
 
 from __future__ import annotations
 
@@ -201,13 +205,10 @@ def text_read(h: Mapping[str, str], text: str | None, logged: int) -> tuple[str,
     read for the rest (0: nothing to read); None when it has no text key to start from (cancelled
     while queued: its log is the one done event; or its key was lost) and the whole log is read.
 
-    The text key covers the log's first ``text_seq`` entries with its first ``text_len`` bytes;
-    a job written before checkpoints (no ``text_seq``) appended its text at every event.
+    The text key covers the log's first ``text_seq`` entries with its first ``text_len`` bytes.
     """
     if text is None:
         return None if logged else ("", 0)
-    if "text_seq" not in h:
-        return text, 0
     covered, size = int(h["text_seq"]), int(h["text_len"])
     raw = text.encode()
     if len(raw) > size:

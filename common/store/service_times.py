@@ -69,11 +69,12 @@ def model_load(workers: Iterable[WorkerHeartbeat], keys: Keys, queue: str) -> tu
 
 
 def estimate_start_s(position: int, slots: int, held: int, service_s: float | None) -> float | None:
-    """Seconds until a queued job gets a slot: the jobs before it (``held`` in the engines, then
-    ``position`` in the queue) fill the ``slots``, and each slot frees once per ``service_s`` on
-    average, so the job starts after ``held + position - slots + 1`` of them end, at ``slots /
-    service_s`` a second. 0: a slot is free for it now. None: no basis (no slot, or no job of
-    the model ended yet)."""
+    """Seconds until a queued job gets a slot.
+
+    The jobs before it (``held`` in the engines, then ``position`` in the queue) fill the
+    ``slots``, and each slot frees once per ``service_s`` on average. So the job starts after
+    ``held + position - slots + 1`` of them end, at ``slots / service_s`` a second. 0 means a slot
+    is free for it now. None means there is no basis (no slot, or no job of the model ended yet)."""
     if service_s is None or slots <= 0:
         return None
     ends_needed = held + position - slots + 1

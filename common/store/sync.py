@@ -1,4 +1,7 @@
-"""The worker's store, over ``redis.Redis``: take jobs, append their events, heartbeats and leases."""
+"""The worker's store, over ``redis.Redis``: take jobs, append their events, heartbeats and leases.
+
+Every key it writes: docs/internals.md#redis-names-from-commonkeyspy-only-prefix-spool_redis_prefix.
+"""
 
 from __future__ import annotations
 

@@ -8,6 +8,8 @@ nobody wrote to it for that long. The API writes the sets (``WatcherSets``, a pa
 
 Every score is a time on Redis's clock (``TIME``), and every count reads that clock too: an API
 process or a worker whose own clock is off (a worker 90 s ahead) counts the same as the others.
+
+The key: docs/internals.md#redis-names-from-commonkeyspy-only-prefix-spool_redis_prefix.
 """
 
 from __future__ import annotations

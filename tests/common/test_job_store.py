@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import replace
 
 import pytest
 import redis
@@ -235,9 +234,9 @@ def test_lapsed_lease_is_taken_over_with_the_log(store: StoreForTests) -> None:
     assert store.get_job(job.id).text == "abc"
 
 
-def test_text_of_a_job_an_older_worker_wrote(store: StoreForTests) -> None:
-    """Workers from before the text key wrote only the log: its text is read from there, and a
-    worker that takes such a job over starts the text key with the text so far."""
+def test_text_of_a_job_whose_text_key_was_lost(store: StoreForTests) -> None:
+    """A job with a log and no text key has its text read from the log. A worker that takes such a
+    job over starts the text key again with the text so far."""
     job = store.create_job(JobRequest(prompt="hello"))
     store.take_job(job.id, "w1", "tiny")
     store.append_batch([run_job(store, ["a", "", "ü"], 1, job.id)])
@@ -248,26 +247,6 @@ def test_text_of_a_job_an_older_worker_wrote(store: StoreForTests) -> None:
     assert store.redis.get(store.keys.job_text(job.id)) == "aü"
     assert store.append_batch([run_job(store, ["c"], 2, job.id, first_seq=4)]) == [Appended.WRITTEN]
     assert store.get_job(job.id).text == "aüc"
-
-
-def test_text_of_a_job_written_before_checkpoints(store: StoreForTests) -> None:
-    """Workers from before the checkpoints appended the text at every event and kept no text_seq:
-    the text key is the whole text, and a take-over marks how much of the log it covers."""
-    job = store.create_job(JobRequest(prompt="hello"))
-    store.take_job(job.id, "w1", "tiny")
-    store.append_batch([run_job(store, ["a", "ü"], 1, job.id)])
-    store.redis.hdel(store.keys.job(job.id), "text_seq", "text_len")
-    store.redis.rpush(store.keys.job_log(job.id), token_entry(3, 2, "b", [2]).encode())
-    store.redis.append(store.keys.job_text(job.id), "b")
-    assert store.get_job(job.id).text == "aüb"
-    store.redis.zadd(store.keys.running_jobs(), {job.id: time.time() - 1})
-    taken = store.take_job(job.id, "w2", "tiny")
-    assert taken.text_seq == 3 and store.redis.hget(store.keys.job(job.id), "text_len") == str(
-        len("aüb".encode())
-    )
-    later = run_job(store, ["c"], 2, job.id, first_seq=4)
-    assert store.append_batch([replace(later, checkpoint=False)]) == [Appended.WRITTEN]
-    assert store.get_job(job.id).text == "aübc"
 
 
 def test_renew_leases_keeps_the_job(store: StoreForTests) -> None:

@@ -15,6 +15,8 @@ forward (no ``PackedBatch`` active) it is plain SDPA.
 A compiled forward (``EngineConfig.compile``) passes the model no cache: each layer's key/value
 write and its packed attention are then the custom op ``spool::attend``, opaque to
 ``torch.compile``, so what changes shape every step stays out of the graph.
+
+The contract: docs/internals.md#engine-api-workersengine ("Inside a step").
 """
 
 from __future__ import annotations
@@ -73,8 +75,8 @@ calls = 0  # attention calls seen; the model runner checks that a model dispatch
 
 @contextmanager
 def active(batch: PackedBatch, writer: KVWriter | None = None) -> Iterator[None]:
-    """Run a forward packed as ``batch``. ``writer``: only for a compiled forward, which passes the
-    model no cache: the attention op writes each layer's keys and values itself (``attend``)."""
+    """Run a forward packed as ``batch``. ``writer`` is only for a compiled forward, which passes
+    the model no cache, so the attention op writes each layer's keys and values itself (``attend``)."""
     token, writer_token = _current.set(batch), _writer.set(writer)
     try:
         yield

@@ -1,12 +1,12 @@
 """The engine: continuous batching over a KV-cached Hugging Face model.
 
-One ``step()`` applies aborts, admits waiting requests (preempting lower-priority running ones
-when a higher-priority request finds every slot held: scheduler.py), runs one packed forward
-over the decode rows and the planned prefill chunks (without the lower priorities' rows while a
-higher-priority request is due its first token: scheduler.py, "Priority steps"), samples every row that is due a token (one host transfer
-per step), detokenizes, and retires finished requests at once so their slots serve the next step.
-A step of lower priorities only is dropped between two layers when ``interrupt()`` (from any
-thread) says a request of a higher priority is on its way.
+One ``step()`` applies aborts and admits waiting requests, preempting a lower priority when a
+higher one finds every slot held. It runs one packed forward over the decode rows and the planned
+prefill chunks, leaving out the lower priorities while a higher one is due its first token. It
+samples every row due a token in one host transfer, detokenizes, and retires finished requests
+at once so their slots serve the next step. When ``interrupt()`` (from any thread) says a request
+of a higher priority is on its way, a step with only lower priorities in it is dropped between two
+layers. The API and its contract: docs/internals.md#engine-api-workersengine.
 """
 
 from __future__ import annotations

@@ -8,6 +8,9 @@ waiting request of the tenant with the lowest counter. It is work-conserving (wh
 admitted while a slot is free), and a tenant that arrives with nothing waiting or running is lifted
 to the lowest counter among the active tenants: idling earns no credit to spend later. With no
 tenant active at all the counters start again from zero.
+
+The settings and the tests:
+docs/internals.md#models-and-tenants-one-redis-several-models-many-api-keys.
 """
 
 from __future__ import annotations

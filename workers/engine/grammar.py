@@ -1,28 +1,14 @@
-"""Structured outputs: JSON grammars (xgrammar) and the token masks they give each step.
+"""Structured outputs: the grammars of a request's guide (xgrammar) and the token masks they give
+each step.
 
-``Grammars.json`` compiles a JSON schema for the engine's tokenizer once (then serves it from
-its cache) and may run on any thread: the worker compiles in the job's task thread, before the
-request reaches the engine, so a new schema never stalls the running batch. Each constrained
-request holds a ``GrammarMatcher`` of its own, fed the tokens it generates (and, on a takeover,
-the ones it resumes with). Each step ``Masks.apply`` fills the constrained rows' allowed-token
-bitmasks on the CPU, sends them to the device in one copy and applies them to those rows'
-logits before sampling; a batch with no constrained row skips it all.
+``Grammars`` compiles a guide once, on any thread, so the worker compiles it on the job's task
+thread and a new schema never stalls the running batch. ``Masks.apply`` sets the disallowed
+logits of the constrained rows to -inf before sampling. With a budget per step, each row's mask
+is filled on a thread pool and a fill past the budget ends its request, because some short
+regexes cost hundreds of milliseconds a step and would stall the whole batch.
 
-A mask's cost per step depends on the grammar and on where its matcher stands, and some short
-regexes (``(.{1,5}){100}``) pass every limit on a guide's size and compile in milliseconds, yet
-take hundreds of milliseconds (on a large vocabulary, seconds) per step to mask as their output
-grows: on the engine thread, that would stall every request in the batch. So with a budget per
-step (``EngineConfig.max_guide_mask_ms``) ``Masks`` fills each constrained row alone, all at once
-on a pool of threads (xgrammar lets go of the GIL while it fills), each into a buffer of its own,
-and waits for them. A fill is measured in its own thread's CPU time (a busy machine does not count
-against it), and one that has taken more than the budget is not waited for: the step goes on
-without it and the engine ends its request with ``GUIDE_TOO_EXPENSIVE``. The abandoned fill runs
-to its end on its thread (xgrammar cannot stop one), into a buffer nobody reads again.
-
-Why xgrammar (vLLM's default) rather than llguidance: a wheel for this Python and platform with
-no build step, masks written straight into a torch bitmask tensor with its own in-place apply
-kernels for CPU and CUDA, and a compiler that caches compiled grammars and is thread-safe, which
-is what compiling off the engine thread needs.
+The contract, the budget and why xgrammar rather than llguidance:
+docs/internals.md#engine-api-workersengine ("Structured outputs").
 """
 
 from __future__ import annotations

@@ -1,17 +1,16 @@
 """A static, slot-based KV cache that Hugging Face models write into in place.
 
-Storage is allocated once: keys and values of shape ``[layers, slots, kv_heads, max_len, head_dim]``.
-Every running request owns one slot; the scheduler keeps the occupied slots contiguous
-(``0..n-1``), so the decode rows are read as the view ``[:n]`` and nothing is gathered,
-concatenated or re-stacked per step (only while a request in the middle of the slots is still
-being prefilled in chunks are the decoding rows gathered). When a request leaves, the request in
-the last slot is moved into the hole (one copy of that request's tokens, once; with prefix
-caching a swap, so the leaver's tokens stay cached in the slot that becomes free).
+Storage is allocated once, keys and values of shape ``[layers, slots, kv_heads, max_len, head_dim]``.
+Every running request owns one slot, and the scheduler keeps the occupied slots contiguous
+(``0..n-1``). So the decode rows are read as the view ``[:n]``, and nothing is gathered or
+re-stacked per step (except the decode rows while a request in the middle of the slots is still
+prefilled in chunks). When a request leaves, the request in the last slot moves into the hole. With
+prefix caching that move is a swap, so the leaver's tokens stay cached in the slot that becomes free.
 
-The object is passed to the model as its ``cache``: ``begin`` lays out the next packed forward
-(see ``attention.py``), then each attention layer calls ``update(key, value, layer_idx)``, which
-writes the forward's keys/values at their (slot, position) in one ``index_put_`` and returns the
-layer for ``packed_attention`` to read.
+The object is the model's ``cache``. ``begin`` lays out the next packed forward (see
+``attention.py``). Each attention layer then calls ``update(key, value, layer_idx)``, which writes
+the forward's keys and values at their (slot, position) in one ``index_put_`` and returns the layer
+for ``packed_attention`` to read. docs/internals.md#engine-api-workersengine has the design.
 """
 
 from __future__ import annotations

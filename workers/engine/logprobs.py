@@ -1,6 +1,9 @@
 """The host side of logprobs: a step's sampled ids and the logprob rows ``Sampler.logprobs``
 computed come over in one transfer and are read into ``TokenLogprobs``, each token's string
-decoded once."""
+decoded once.
+
+Logprobs as the log carries them: docs/internals.md#engine-api-workersengine ("Sampling").
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,7 @@
-"""Loads a Hugging Face causal LM and runs each step as one packed forward over the slot cache."""
+"""Loads a Hugging Face causal LM and runs each step as one packed forward over the slot cache.
+
+The packed forward and the compiled one: docs/internals.md#engine-api-workersengine.
+"""
 
 from __future__ import annotations
 

@@ -10,6 +10,9 @@ never match, so no tenant's time to first token tells it what another's prompts 
 The hashes only name blocks: what a slot holds is the list of hashes of its full blocks, which
 a running request extends as it computes (``block_hashes``) and a finished one leaves behind
 (``CachedPrefix``) until its slot is reused.
+
+The design and why blocks are copied between slots rather than shared:
+docs/internals.md#prefix-caching-prefix_cachepy-schedulerpy-engineconfigenable_prefix_caching-on-by-default-the-workers-spool_enable_prefix_caching.
 """
 
 from __future__ import annotations

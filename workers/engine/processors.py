@@ -10,6 +10,9 @@ the token lists.
 
 Rows that use none of it cost nothing: with no such row in the batch, ``apply`` and ``update``
 return at once.
+
+The order of the processors and their contract: docs/internals.md#engine-api-workersengine
+("Sampling").
 """
 
 from __future__ import annotations

@@ -58,10 +58,10 @@ class Request:
     cache_salt: str = ""  # prefix caching: only requests with the same salt share cached blocks
     block_hashes: list[bytes] = field(default_factory=list)  # see prefix_cache.block_hashes
     matcher: xgrammar.GrammarMatcher | None = None  # structured outputs: the grammar it follows (grammar.py)
-    # Its mask took more than the budget on a step (grammar.Masks): the engine ends it there.
+    # Its mask took more than the budget on a step (grammar.Masks), so the engine ends it there.
     mask_too_expensive: bool = False
     arrival: int = 0  # the scheduler's count at add(): first come, first served within a priority
-    # Admitted and not yet given its first token of this admission: lower priorities sit its
+    # Admitted and not yet given its first token of this admission. Lower priorities sit its
     # steps out (scheduler.py, "Priority steps").
     starting: bool = False
     num_preemptions: int = 0  # times its slot went to a request of a higher priority (scheduler.py)

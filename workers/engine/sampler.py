@@ -3,6 +3,8 @@
 Sampling uses the exponential race (Gumbel-max in another form): ``argmax(p / q)`` with
 ``q ~ Exp(1)`` draws from ``p``. A request with a seed draws its noise from its own generator,
 one draw per token, so the same seed gives the same tokens whatever else is in the batch.
+
+The sampler's contract: docs/internals.md#engine-api-workersengine ("Sampling").
 """
 
 from __future__ import annotations

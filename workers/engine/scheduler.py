@@ -1,35 +1,14 @@
-"""Which requests run in the next step. Pure Python: no torch, testable on its own.
+"""Which requests run in the next step. Pure Python (no torch), so it is testable on its own.
 
-Running requests occupy KV slots ``0..n-1`` (``running[i].slot == i``). Each step:
-admit waiting requests into free slots by priority (lower first: interactive requests before
-batch lines), and within one the request of the tenant that has received the least service
-(``fair_share``: the Virtual Token Counter of fairness.py; without it first come, first served,
-which also breaks ties); plan one prefill chunk for each request that
-still has prompt tokens to feed (within a per-step token budget, so a long
-prompt never stalls decode rows for more than one chunk); decode every request that has
-exactly one token to feed.
+Running requests hold KV slots ``0..n-1``. Each step admits waiting requests into free slots by
+priority and, within one, by fair share (fairness.py). It plans one prefill chunk per request
+with prompt tokens left, within a per-step token budget, and a decode row for every other.
+A request of a higher priority preempts the lowest one when every slot is held, and while it waits
+for its first token the lower priorities sit the step out. With prefix caching the plan starts
+with the slot copies that give a request blocks another slot holds.
 
-Preemption (vLLM's recompute mode): when every slot is held and the first waiting request has a
-higher priority (a lower value) than some running one, the running request of the lowest
-priority, the last to arrive among those, gives its slot up in this very step. It keeps its
-generated tokens and goes back to the waiting queue ahead of the requests of its priority that
-arrived after it; admitted again, it prefills prompt + generated tokens (its slot went to the
-request that preempted it, so only blocks another slot holds, such as a shared prompt prefix, are
-copied instead of computed) and samples its next token as if it had never left. Nothing it
-already emitted is emitted again. Requests of one priority never preempt each other.
-
-Priority steps: while a running request is still to get its first token since it was admitted
-(prompt tokens left to feed, or a prompt found whole in the prefix cache), the step runs only the
-requests of its priority or higher; the lower ones feed nothing in it, their KV and tokens as
-they were, and go on at the next step. So the step that answers an interactive request's first
-token is a lone prefill, not one beside 32 batch lines' decode rows; the lines lose one step per
-prefill chunk of a higher priority (its decode steps batch with them again).
-
-With prefix caching the free slots ``n..`` keep what finished requests computed
-(``cached``), and the plan starts with the slot copies (``cache_ops``) that give a request the
-blocks some slot already holds: an admitted request takes over the free slot holding its longest
-cached prefix, a prefilling one copies blocks another slot holds by now, and one whose next block
-another request computes in this very step waits a step for it (see docs/internals.md).
+The rules: docs/internals.md#batches-apibatch_feederpy ("Priorities", "Priority steps") and
+docs/internals.md#prefix-caching-prefix_cachepy-schedulerpy-engineconfigenable_prefix_caching-on-by-default-the-workers-spool_enable_prefix_caching.
 """
 
 from __future__ import annotations

@@ -5,6 +5,9 @@ in order through the store's lock (common/store/hooks.py), each attempt a POST s
 Standard Webhooks to an address checked when it is resolved, for the connect (no redirects, a
 bounded read of the answer, ``SPOOL_WEBHOOK_TIMEOUT_S``). A sweep on the same loop sends a
 message for each hooks hash due. No torch, no model: ``spool worker --kind hooks``.
+
+What a receiver sees: docs/webhooks.md. The keys and scripts:
+docs/internals.md#redis-names-from-commonkeyspy-only-prefix-spool_redis_prefix.
 """
 
 from __future__ import annotations

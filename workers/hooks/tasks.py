@@ -1,7 +1,7 @@
 """The hook workers' Celery app and task: hands a hooks hash to this process's HookRuntime.
 
-Its own app, on the ``{p}.hooks`` queue; the runtime starts with the worker (``worker_init``)
-and stops with it. A lost message costs nothing: the hash stays in the due set, and a sweep
+Its own app, on the ``{p}.hooks`` queue. The runtime starts with the worker (``worker_init``)
+and stops with it. A lost message costs nothing, since the hash stays in the due set and a sweep
 sends it again once its claim ends (common/store/hooks.py).
 """
 

@@ -1,13 +1,13 @@
 """Prometheus metrics of one media worker process: image parts, denoising steps, queue wait.
 
-Served as a text worker's are (workers/metrics.py: ``SPOOL_WORKER_METRICS_PORT``, the
-``model_name`` label, the same latency buckets), from what the runtime already has: the part's
-``created_at`` (read when it took the part) and its own clock around each denoising step. No
-Redis round trip of its own. Images per second: ``rate(spool_image_parts_total{status="succeeded"})``.
+They are served as a text worker's are (workers/metrics.py), on ``SPOOL_WORKER_METRICS_PORT`` with
+the ``model_name`` label and the same latency buckets. They come from what the runtime already
+has, the part's ``created_at`` and its own clock around each denoising step, with no Redis round
+trip of their own. Images per second is ``rate(spool_image_parts_total{status="succeeded"})``.
 
-Queue wait and end to end compare the worker's clock with the API's ``created_at`` (a part that
-takes its prompt from a text part waits for it, and that wait counts); a denoising step's time
-is the worker's clock only and leaves out the step's write to Redis.
+Queue wait and end to end compare the worker's clock with the API's ``created_at``. A part that
+takes its prompt from a text part waits for it, and that wait counts. A denoising step's time is
+the worker's clock only and leaves out the step's write to Redis. Every metric: docs/metrics.md.
 """
 
 from __future__ import annotations

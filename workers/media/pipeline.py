@@ -1,10 +1,10 @@
 """One diffusers text-to-image pipeline, loaded once, called for one image at a time.
 
-Knows nothing of Redis or Celery: ``generate`` reports each denoising step to a callback that
+It knows nothing of Redis or Celery. ``generate`` reports each denoising step to a callback that
 may stop it (a cancel, a timeout, a lost lease), through diffusers' ``callback_on_step_end`` and
-the pipeline's ``_interrupt`` flag, which makes the remaining steps no-ops. At the steps the
-spec names (``preview_steps``) it also hands the callback a preview: the current latents decoded
-by the pipeline's own VAE, shrunk to at most ``PREVIEW_SIDE`` pixels a side.
+the pipeline's ``_interrupt`` flag, which makes the remaining steps no-ops. At the steps the spec
+names (``preview_steps``) it also hands the callback a preview, the current latents decoded by the
+pipeline's own VAE and shrunk to at most ``PREVIEW_SIDE`` pixels a side.
 """
 
 from __future__ import annotations

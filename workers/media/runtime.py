@@ -1,17 +1,15 @@
-"""The media worker's runtime: one image part at a time, through the job store, with the
-liveness of every worker (workers/liveness.py: heartbeat, leases fenced by attempt, cancels,
-the sweep that requeues a dead worker's parts).
+"""The media worker's runtime: one image part at a time, through the job store, with the liveness
+every worker has (workers/liveness.py).
 
-A Celery task thread calls ``run_part``: take the part (a new attempt), run the pipeline from
-step 0, append a ``progress`` event after every step (and a ``preview`` at the steps a part
-with ``partial_images`` asks for; one round trip each, fenced: a worker that was taken over
-stops at its next step), and end the part with one append that carries its ``part`` event, its
-PNG and its status. A cancel or the part's timeout stops the pipeline at the next step
-(workers/media/pipeline.py), so the worker is free for the next part at once.
+A Celery task thread calls ``run_part``. It takes the part (a new attempt) and runs the pipeline
+from step 0. After every step it appends a ``progress`` event (and a ``preview`` where the part
+asks for ``partial_images``), one fenced round trip each, so a worker that was taken over stops
+at its next step. One append ends the part with its ``part`` event, its PNG and its status. A
+cancel or the part's timeout stops the pipeline at the next step, so the worker is free at once.
 
-An image part of a job with text parts is held: its message is sent once they have their first
-tokens (the store's append script does it), or by a media worker's ``_release_held`` thread once
-its bound (``SPOOL_IMAGE_HOLD_S`` after the job's creation) passed (docs/internals.md "Parts").
+An image part of a job with text parts is held until they have their first tokens, or until its
+bound, which a ``_release_held`` thread watches. The contract:
+docs/internals.md#parts-jobs-of-text-and-image-parts.
 """
 
 from __future__ import annotations
@@ -95,8 +93,9 @@ class MediaRuntime:
         self.store = store
         self.name = name  # heartbeat key and the part hash's `worker`
         self.model = model
-        # How long the bound's thread sleeps with no part held: a part held just after a check
-        # is due SPOOL_IMAGE_HOLD_S later (a heartbeat at most: the API's setting may differ).
+        # How long the bound's thread sleeps with no part held. A part held just after a check is
+        # due SPOOL_IMAGE_HOLD_S later. It sleeps a heartbeat at most, since the API's setting
+        # may differ.
         hold_s = settings.image_hold_s
         self._idle_s = min(hold_s, settings.heartbeat_s) if hold_s > 0 else settings.heartbeat_s
         self._stop = threading.Event()
@@ -341,8 +340,9 @@ class MediaRuntime:
         return Outcome.FINISHED if ok else Outcome.LOST
 
     def _send(self, part: _Part, append: Append) -> bool:
-        """Write ``append``; False when refused: another worker took the part over, or (a gap:
-        one of this worker's writes was lost) it is handed back, its lease lapsed for the sweep."""
+        """Write ``append``, and say False when it was refused. Either another worker took the
+        part over, or one of this worker's writes was lost (a gap) and the part is handed back,
+        its lease lapsed for the sweep."""
         sent = self._publisher.send([append])
         if part.part_id in sent.gaps - sent.lost:
             log.error(

@@ -1,8 +1,8 @@
 """The media workers' Celery app and task: hands an image part to this process's MediaRuntime.
 
-Its own app, on the ``{p}.media`` queue with one task thread: a worker runs one pipeline, one
-image at a time. The runtime starts with the worker (``worker_init``: the pipeline is loaded
-before the first message is consumed) and stops with it.
+Its own app, on the ``{p}.media`` queue with one task thread, since a worker runs one pipeline,
+one image at a time. The runtime starts with the worker (``worker_init``), which loads the
+pipeline before the first message is consumed, and stops with it.
 """
 
 from __future__ import annotations

@@ -3,9 +3,9 @@
 -- ARGV: id worker model now deadline
 -- deadline: the lease's end. A running job is taken over only when its lease lapsed (its worker
 -- died or hung). The attempt is also recorded in the attempts hash, which fences the step writes
--- (append_step.lua). The text key covers the log up to the hash's text_seq; a job whose log has
--- no such mark gets it, and one without a text key gets the key, built from its log (choice 0's
--- tokens: records.job_text).
+-- (append_step.lua). The text key covers the log up to the hash's text_seq. A job with a log but
+-- no text key (the key was lost) gets the key again, built from its log (choice 0's tokens, as
+-- records.job_text reads them).
 -- Returns {'taken', attempt, the job's hash, its log}, {'busy', lease}, {'finished', status} or {'missing'}.
 --#include hook_event
 --#include take_lease
@@ -28,8 +28,6 @@ if #entries > 0 then
       if entry.type == 'token' and (not choice or choice == 0) then parts[#parts + 1] = entry.data.text end
     end
     redis.call('SET', text, table.concat(parts))
-    redis.call('HSET', job, 'text_seq', #entries, 'text_len', redis.call('STRLEN', text))
-  elseif redis.call('HEXISTS', job, 'text_seq') == 0 then
     redis.call('HSET', job, 'text_seq', #entries, 'text_len', redis.call('STRLEN', text))
   end
 end
