@@ -1,8 +1,9 @@
 #!/usr/bin/env python
 """Fair shares between tenants in the engine: the Virtual Token Counter against first come, first
-served, one run, side by side (docs/benchmarks.md, "Fair shares").
+served, one run, side by side; and two models on one Redis (docs/benchmarks.md, "Fair shares").
 
-The engine alone (no Redis, no HTTP), on the tiny Llama (built in a temp dir), EOS ignored:
+backlogged, flood and throughput run the engine alone (no Redis, no HTTP), on the tiny Llama
+(built in a temp dir), EOS ignored:
 
 backlogged  two tenants submit at once: "long" N requests of 32..64 prompt tokens and 32..64 new
             ones, then "short" N requests of 8..16 and 8..16. While both wait: the weighted
@@ -11,32 +12,51 @@ backlogged  two tenants submit at once: "long" N requests of 32..64 prompt token
             ((a + b)^2 / (2 (a^2 + b^2)), 1 is an even split).
 flood       "flood" submits F short requests at once; "trickle" sends T requests one after the
             other (each when the last ended): trickle's time to first token p50 and p99 against
-            its figure on an idle engine.
+            its figure on an idle engine, and the engine steps to its first token (1: the first
+            step after it arrived), which the machine's load cannot bend.
 throughput  generated tokens per second of the backlogged run, fairness on / off: the median of
             --repeats runs each, FCFS and fair alternating, so that a change in the machine's load
             falls on both; also per CPU second of this process and per engine step, which other
             processes on a shared machine bend less than the wall clock.
+models      the whole stack: a Redis (a private redis-server, or --redis-url under a prefix of
+            its own, deleted at the end), two `spool worker`s, "a" on the tiny Llama and "b" on a
+            tiny GPT-2 with a tokenizer of its own, one API (uvicorn); J completions per model
+            sent over HTTP, interleaved, queued at once (background): how many ran on their own
+            model's worker (the job's `model` and the worker its record names), and the wall time
+            from the first job created to the last one ended. tests/test_models.py checks each
+            text against its own model's greedy output.
 
-Two models on one Redis (every job on its own model) is a test, not a figure: tests/test_models.py.
-
-    .venv/bin/python bench/fair_bench.py                    # N=200, F=2000, T=40
+    .venv/bin/python bench/fair_bench.py                    # N=200, F=2000, T=40, J=200
     nice -n 5 .venv/bin/python bench/fair_bench.py --requests 100 --flood 500 --trickle 20 --repeats 2
-    .venv/bin/python bench/fair_bench.py --parts flood      # one part: backlogged or flood
+    .venv/bin/python bench/fair_bench.py --parts flood      # some parts: backlogged, flood, models
+    .venv/bin/python bench/fair_bench.py --parts models --jobs 5 --redis-url redis://127.0.0.1:6379/0
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import statistics
 import tempfile
 import time
+import uuid
 from collections import defaultdict
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
+import httpx
+import redis
+
+from common.keys import Keys
+from common.schemas.views import JobStatus
+from spool_cli import procs as harness
 from workers.engine import Engine, EngineConfig, SamplingParams, TokenWeights
 from workers.engine.tiny import build_tiny_model
 
+REPO_ROOT = Path(__file__).resolve().parent.parent
 WEIGHTS = TokenWeights()  # prompt 1, output 2: the service counted
 SLOTS = 8
 
@@ -108,29 +128,33 @@ def backlogged(model: Path, fair: bool, n: int, window: int) -> dict[str, float]
     }
 
 
-def trickle_ttft(model: Path, fair: bool, flood: int, trickle: int) -> list[float]:
-    """The trickle tenant's TTFTs (s), one request at a time, beside ``flood`` short requests."""
+def trickle_ttft(model: Path, fair: bool, flood: int, trickle: int) -> tuple[list[float], list[int]]:
+    """The trickle tenant's TTFTs (s), one request at a time, beside ``flood`` short requests; and
+    the engine steps each took to its first token (1: in the first step after it arrived)."""
     rng = random.Random(1)
     e = engine(model, fair)
     for i in range(flood):
         e.add_request(f"flood-{i}", prompt(rng, 8), params("flood", 8))
-    ttfts = []
+    ttfts, steps = [], []
     for i in range(trickle):
-        rid, sent, first = f"trickle-{i}", time.perf_counter(), None
+        rid, sent, first, n = f"trickle-{i}", time.perf_counter(), None, 0
         e.add_request(rid, prompt(rng, 16), params("trickle", 16))
         done = False
         while not done:
-            for d in e.step():
+            deltas = e.step()
+            n += 1
+            for d in deltas:
                 if d.request_id == rid:
                     if first is None and d.token_ids:
                         first = time.perf_counter() - sent
+                        steps.append(n)
                     done = done or d.finish_reason is not None
         assert first is not None
         ttfts.append(first)
-    return ttfts
+    return ttfts, steps
 
 
-def pct(xs: list[float], q: float) -> float:
+def pct(xs: Sequence[float], q: float) -> float:
     # NOTE: "inclusive": the default ("exclusive") extrapolates past the largest sample when there
     # are fewer than 100, which made a p99 of 15 TTFTs several times the slowest one.
     return statistics.quantiles(xs, n=100, method="inclusive")[int(q) - 1] if len(xs) > 1 else xs[0]
@@ -143,8 +167,18 @@ def main() -> None:
     ap.add_argument("--flood", type=int, default=2000, help="flood: the flooding tenant's requests")
     ap.add_argument("--trickle", type=int, default=40, help="flood: the trickling tenant's requests")
     ap.add_argument("--repeats", type=int, default=3, help="backlogged: runs of each, alternating")
+    ap.add_argument("--jobs", type=int, default=200, help="models: jobs per model")
+    ap.add_argument("--job-tokens", type=int, default=16, help="models: max_tokens of each job")
     ap.add_argument(
-        "--parts", default="backlogged,flood", help="which parts to run, comma-separated (default: both)"
+        "--redis-url",
+        help="models: run on this Redis, under a prefix of its own deleted at the end "
+        "(default: a private redis-server)",
+    )
+    ap.add_argument("--json", type=Path, help="models: also write its figures as JSON here")
+    ap.add_argument(
+        "--parts",
+        default="backlogged,flood,models",
+        help="which parts to run, comma-separated: backlogged, flood, models (default: all three)",
     )
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
@@ -155,6 +189,11 @@ def main() -> None:
             run_backlogged(model, args)
         if "flood" in parts:
             run_flood(model, args)
+        if "models" in parts:
+            figures = run_models(model, args)
+            print_models(figures, args)
+            if args.json:
+                args.json.write_text(json.dumps(figures, indent=2) + "\n")
 
 
 def run_backlogged(model: Path, args: argparse.Namespace) -> None:
@@ -185,16 +224,141 @@ def run_backlogged(model: Path, args: argparse.Namespace) -> None:
 
 
 def run_flood(model: Path, args: argparse.Namespace) -> None:
-    idle = trickle_ttft(model, True, 0, args.trickle)
+    idle, idle_steps = trickle_ttft(model, True, 0, args.trickle)
     print(f"flood: {args.flood} short requests; trickle: {args.trickle} one by one")
-    print(f"  idle: trickle TTFT p50 {pct(idle, 50) * 1e3:.1f} ms, p99 {pct(idle, 99) * 1e3:.1f} ms")
+    print(
+        f"  idle: trickle TTFT p50 {pct(idle, 50) * 1e3:.1f} ms, p99 {pct(idle, 99) * 1e3:.1f} ms, "
+        f"steps to its first token p50 {pct(idle_steps, 50):.0f}, p99 {pct(idle_steps, 99):.0f}"
+    )
     for fair in (False, True):
-        t = trickle_ttft(model, fair, args.flood, args.trickle)
+        t, steps = trickle_ttft(model, fair, args.flood, args.trickle)
         print(
             f"  {'fair' if fair else 'FCFS'}: trickle TTFT p50 {pct(t, 50) * 1e3:.1f} ms "
             f"({pct(t, 50) / pct(idle, 50):.2f}x idle), p99 {pct(t, 99) * 1e3:.1f} ms "
-            f"({pct(t, 99) / pct(idle, 99):.2f}x idle; target within 1.5x fair)"
+            f"({pct(t, 99) / pct(idle, 99):.2f}x idle; target within 1.5x fair); "
+            f"steps to its first token p50 {pct(steps, 50):.0f}, p99 {pct(steps, 99):.0f}"
         )
+
+
+# -- (d) two models, two workers ----------------------------------------------------------------
+
+PROMPTS = ["the quick brown fox", "once upon a time", "in the beginning", "to be or not to be"]
+
+
+def run_models(llama: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """Two workers on one Redis, worker "a" on the tiny Llama, "b" on a tiny GPT-2 with a
+    tokenizer of its own, and one API (uvicorn); ``--jobs`` completions for each model, sent
+    interleaved and queued at once (background); then, per job, the model its view names and
+    the worker its record names."""
+    prefix = f"fairbench-{uuid.uuid4().hex[:8]}"
+    with tempfile.TemporaryDirectory(prefix="spool-fair-bench-") as tmp:
+        logs = Path(tmp)
+        paths = {"a": llama, "b": build_tiny_model(logs / "tiny-gpt2", "gpt2", vocab_size=1024, seed=1)}
+        procs: list[harness.Proc] = []
+        url = args.redis_url
+        try:
+            if url is None:  # a private server, as the other benchmarks start
+                server, url = harness.start_redis(data_dir=logs, log_dir=logs)
+                procs.append(server)
+            for name, path in paths.items():  # eager forward (no compile): the tests' workers
+                env = harness.spool_env(
+                    url,
+                    prefix,
+                    model=path,
+                    worker_name=f"{prefix}-{name}",
+                    max_batch_size=SLOTS,
+                    compile=False,
+                )
+                argv = [*harness.spool_argv(), "worker"]
+                procs.append(harness.start(f"worker-{name}", argv, env=env, log_dir=logs, cwd=REPO_ROOT))
+            api, api_url = harness.start_api(
+                "api", harness.spool_env(url, prefix), log_dir=logs, tree=REPO_ROOT
+            )
+            procs.append(api)
+            served = {str(p): 1 for p in paths.values()}
+            harness.wait_until(lambda: live_models(api_url) == served, "both models served", 300, procs)
+            figures = models_jobs(
+                api_url, redis.Redis.from_url(url, decode_responses=True), prefix, paths, args
+            )
+        finally:
+            harness.stop_all(procs)
+            if args.redis_url is not None:
+                harness.delete_prefixes(redis.Redis.from_url(args.redis_url), [prefix])
+    figures["prefix"] = prefix
+    return figures
+
+
+def live_models(api_url: str) -> dict[str, int]:
+    """model -> live workers, as /v1/models lists them."""
+    try:
+        listed = httpx.get(f"{api_url}/v1/models").json()["data"]
+    except (httpx.HTTPError, KeyError, ValueError):
+        return {}
+    return {m["id"]: m.get("workers", 0) for m in listed}
+
+
+def submit(api_url: str, model: str, prompt: str, max_tokens: int) -> str:
+    """A background completion's job id (its stream closed at once: the job runs on)."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+    with httpx.stream(
+        "POST", f"{api_url}/v1/completions", json={**body, "stream": True, "background": True}, timeout=60
+    ) as r:
+        r.raise_for_status()
+        return r.headers["X-Spool-Job-Id"]
+
+
+def models_jobs(
+    api_url: str, r: redis.Redis, prefix: str, paths: dict[str, Path], args: argparse.Namespace
+) -> dict[str, Any]:
+    names = [name for _ in range(args.jobs) for name in paths]  # a, b, a, b, ...
+    with ThreadPoolExecutor(16) as pool:
+        ids = list(
+            pool.map(
+                lambda i: submit(api_url, str(paths[names[i]]), PROMPTS[i % len(PROMPTS)], args.job_tokens),
+                range(len(names)),
+            )
+        )
+    keys = Keys(prefix)
+
+    def ended() -> bool:
+        with r.pipeline(transaction=False) as pipe:
+            for job_id in ids:
+                pipe.hget(keys.job(job_id), "status")
+            return all(s is not None and JobStatus(s).terminal for s in pipe.execute())
+
+    harness.wait_until(ended, f"{len(ids)} jobs to end", 60 + 2 * len(ids))
+    with httpx.Client(base_url=api_url, timeout=60) as client, ThreadPoolExecutor(8) as pool:
+        views = list(pool.map(lambda j: client.get(f"/v1/jobs/{j}").json(), ids))
+    with r.pipeline(transaction=False) as pipe:
+        for job_id in ids:
+            pipe.hget(keys.job(job_id), "worker")
+        workers = pipe.execute()
+    own = [
+        v["status"] == "succeeded" and v["model"] == str(paths[n]) and w == f"{prefix}-{n}"
+        for n, v, w in zip(names, views, workers, strict=True)
+    ]
+    wall = max(v["finished_at"] for v in views) - min(v["created_at"] for v in views)
+    return {
+        "jobs": len(ids),
+        "on_own_model": sum(own),
+        "per_model": {n: sum(o for m, o in zip(names, own, strict=True) if m == n) for n in paths},
+        "succeeded": sum(v["status"] == "succeeded" for v in views),
+        "wall_s": wall,
+        "jobs_per_s": len(ids) / wall,
+        "completion_tokens": sum(v["usage"]["completion_tokens"] for v in views),
+    }
+
+
+def print_models(m: dict[str, Any], args: argparse.Namespace) -> None:
+    print(
+        f"models: 2 models, 2 workers ({SLOTS} slots each), {args.jobs} jobs each, {args.job_tokens} tokens"
+    )
+    print(
+        f"  {m['on_own_model']} of {m['jobs']} jobs ran on their own model's worker "
+        f"(a {m['per_model']['a']}, b {m['per_model']['b']}; {m['succeeded']} succeeded); "
+        f"first submit to last end {m['wall_s']:.1f} s, {m['jobs_per_s']:.1f} jobs/s, "
+        f"{m['completion_tokens'] / m['wall_s']:.0f} tok/s"
+    )
 
 
 if __name__ == "__main__":

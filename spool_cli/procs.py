@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import signal
 import socket
@@ -149,6 +150,24 @@ def wait_until(check: Callable[[], bool], what: str, timeout: float, watch: Iter
         if time.monotonic() > deadline:
             raise HarnessError(f"timed out after {timeout:.0f}s waiting for {what}\n{log_tails(watch)}")
         time.sleep(POLL_S)
+
+
+def delete_prefixes(client: redis.Redis, prefixes: Iterable[str]) -> None:
+    """Delete every key of the stacks run under ``prefixes`` (tests, benchmarks on a shared Redis):
+    "{prefix}:*" the job store's keys; "{prefix}.*" the broker's (the Celery queues' lists and
+    kombu's records of unacknowledged messages, Keys.broker_unacked); and kombu's binding keys for
+    those queues (_kombu.binding.Q, _kombu.binding_permanent.Q). One pass over the keyspace for
+    every prefix: a SCAN per prefix and pattern took a second each on a busy machine."""
+    made = set(prefixes)
+    doomed = []
+    for key in client.scan_iter(count=1000):
+        name = key.decode(errors="replace") if isinstance(key, bytes) else str(key)
+        if re.split(r"[:.]", name, maxsplit=1)[0] in made or (
+            name.startswith("_kombu.binding") and any(f".{p}." in name for p in made)
+        ):
+            doomed.append(key)
+    for i in range(0, len(doomed), 1000):
+        client.delete(*doomed[i : i + 1000])
 
 
 # -- what a readiness check asks ----------------------------------------------------------------

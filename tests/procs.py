@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import socket
 import subprocess
 import sys
@@ -156,21 +155,7 @@ class Prefixes:
         return prefix
 
     def cleanup(self) -> None:
-        """ "{prefix}:*" the job store's keys; "{prefix}.*" the broker's (the Celery queues' lists
-        and kombu's records of unacknowledged messages, Keys.broker_unacked); and kombu's binding
-        keys for those queues (_kombu.binding.Q, _kombu.binding_permanent.Q). One pass over the
-        keyspace for every prefix: a SCAN per prefix and pattern took a second each on a busy
-        machine, minutes for a whole run."""
-        made = set(self.made)
-        doomed = []
-        for key in self.client.scan_iter(count=1000):
-            name = key.decode(errors="replace")
-            if re.split(r"[:.]", name, maxsplit=1)[0] in made or (
-                name.startswith("_kombu.binding") and any(f".{p}." in name for p in made)
-            ):
-                doomed.append(key)
-        for i in range(0, len(doomed), 1000):
-            self.client.delete(*doomed[i : i + 1000])
+        harness.delete_prefixes(self.client, self.made)
 
 
 @dataclass(frozen=True)
