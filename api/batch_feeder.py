@@ -46,6 +46,7 @@ from common.store import (
     LineResult,
     new_job_id,
 )
+from common.tasks import cancel_until_done
 
 log = logging.getLogger(__name__)
 
@@ -92,9 +93,7 @@ class BatchFeeder:
                     log.exception("batch feeder tick failed")
                 await asyncio.sleep(self.settings.batch_feed_s)
         finally:
-            for task in self._tasks.values():
-                task.cancel()
-            await asyncio.gather(*self._tasks.values(), return_exceptions=True)
+            await cancel_until_done(self._tasks.values())
 
     async def tick(self) -> None:
         """Start a step for each active batch whose last one ended."""

@@ -32,6 +32,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from common.keys import Keys
 from common.schemas.events import LogEntry
+from common.tasks import cancel_until_done
 
 log = logging.getLogger(__name__)
 
@@ -130,9 +131,7 @@ class Hub:
 
     async def stop(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await cancel_until_done([self._task])
         await self._redis.aclose()
 
     @contextlib.asynccontextmanager

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 from collections.abc import AsyncIterator
@@ -24,6 +23,7 @@ from common.redis_errors import UNREACHABLE
 from common.redis_policy import check_redis_async
 from common.settings import Settings
 from common.store import AsyncBatchStore, AsyncJobStore
+from common.tasks import cancel_until_done
 
 log = logging.getLogger(__name__)
 
@@ -80,9 +80,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     try:
         yield
     finally:
-        feeder.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await feeder
+        await cancel_until_done([feeder])
         await watchers.stop()
         await hub.stop()
         await store.close()

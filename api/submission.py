@@ -27,12 +27,12 @@ from common.schemas.requests import JobRequest
 from common.schemas.views import Job
 from common.store import IdempotencyConflict, QueueFull
 from common.store.hooks import AsyncHookStore
+from common.tasks import cancel_until_done
 from common.tenants import tenant_of
 from common.webhooks import BadDestination, check_destination
 
 RETRY_AFTER_S = 2  # a full queue drains at the workers' pace; retrying sooner only adds load
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for it; logged, never received
-RECANCEL_S = 0.05  # a task that did not end this long after its cancel is cancelled again
 
 
 async def submit_job(
@@ -78,22 +78,6 @@ async def check_webhook(services: Services, url: str) -> None:
         await check_destination(url, settings.webhook_allow_private, settings.webhook_allow_host_set)
     except BadDestination as e:
         raise ApiError(400, str(e), param="webhook", code="invalid_webhook") from None
-
-
-async def cancel_until_done(tasks: Sequence[asyncio.Future[None]]) -> None:
-    """Cancel the tasks, again and again until each has ended.
-
-    NOTE: one cancel is not enough. A cancel that lands while a task is inside redis-py (seen in
-    the hub's SUBSCRIBE of a job, a client hanging up just as its wait began: about 1 in 3 with
-    an immediate hang-up) can be swallowed; the task then ran on with ``cancelling() == 1`` and
-    this wait never ended, the request kept watching its job, and a foreground job whose client
-    was gone ran to its end instead of being cancelled after the grace. (Starlette's streams
-    are cancelled by anyio's cancel scopes, which cancel again at every await.)
-    """
-    while pending := [t for t in tasks if not t.done()]:
-        for task in pending:
-            task.cancel()
-        await asyncio.wait(pending, timeout=RECANCEL_S)
 
 
 async def wait_for_job(services: Services, job_id: str, request: Request) -> Job:

@@ -32,6 +32,7 @@ from typing import Any
 from redis.exceptions import RedisError
 
 from common.store import AsyncJobStore, StoreError
+from common.tasks import cancel_until_done
 
 log = logging.getLogger(__name__)
 
@@ -57,10 +58,7 @@ class Watchers:
     async def stop(self) -> None:
         """Stop renewing and checking; every watcher of this process becomes a ghost, so its job
         gets a whole grace from now and is then the worker's to cancel (nobody here checks)."""
-        tasks = list(self._tasks)
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await cancel_until_done(self._tasks)
         watchers = {**self._mine, **self._leaving}
         if not watchers:
             return

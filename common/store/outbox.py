@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+from typing import cast
 
 import redis
 import redis.asyncio as aredis
@@ -42,9 +43,12 @@ class SyncOutbox:
     def relay(self) -> int:
         """Move every message of the outbox onto its broker list; returns how many."""
         moved = 0
-        while entries := self.data.rpop(self.key, RELAY_PAGE):
+        while popped := self.data.rpop(self.key, RELAY_PAGE):
+            entries = cast(
+                list[str], popped
+            )  # redis-py types RPOP's reply as one item; with a count it is a list
             pipe = self.broker.pipeline(transaction=False)
-            for lst, payload in _pairs(entries):  # type: ignore[arg-type]  # redis-py: RPOP with a count replies a list
+            for lst, payload in _pairs(entries):
                 pipe.lpush(lst, payload)
             try:
                 pipe.execute()
@@ -71,9 +75,10 @@ class AsyncOutbox:
 
     async def relay(self) -> int:
         moved = 0
-        while entries := await self.data.rpop(self.key, RELAY_PAGE):
+        while popped := await self.data.rpop(self.key, RELAY_PAGE):
+            entries = cast(list[str], popped)  # as in SyncOutbox.relay
             async with self.broker.pipeline(transaction=False) as pipe:
-                for lst, payload in _pairs(entries):  # type: ignore[arg-type]  # redis-py: RPOP with a count replies a list
+                for lst, payload in _pairs(entries):
                     pipe.lpush(lst, payload)
                 try:
                     await pipe.execute()
