@@ -17,6 +17,7 @@ import openai
 import pytest
 from openai_stream import read_stream
 from procs import Cluster, Service, wait_until
+from tool_defs import FORECAST, PARAMS, PING
 from transformers import AutoTokenizer
 
 WEATHER = {
@@ -155,25 +156,6 @@ def test_bad_tool_requests_are_refused(oai: openai.OpenAI, model: str) -> None:
         oai.chat.completions.create(model=model, messages=bad_args, max_tokens=2)  # type: ignore[arg-type]
 
 
-FORECAST = {
-    "type": "function",
-    "function": {
-        "name": "forecast",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "city": {"type": "string", "maxLength": 8},
-                "days": {"type": "integer", "minimum": 1, "maximum": 7},
-                "unit": {"enum": ["c", "f"]},
-            },
-            "required": ["city", "days", "unit"],
-            "additionalProperties": False,
-        },
-    },
-}
-PING = {"type": "function", "function": {"name": "ping", "parameters": {"type": "object", "properties": {}}}}
-
-
 @pytest.mark.parametrize("choice", ["named", "required"])
 def test_a_forced_call_validates_every_time(oai: openai.OpenAI, model: str, choice: str) -> None:
     tool_choice: Any = (
@@ -193,12 +175,11 @@ def test_a_forced_call_validates_every_time(oai: openai.OpenAI, model: str, choi
 
     with ThreadPoolExecutor(20) as pool:
         choices = list(pool.map(one, range(20)))
-    params = {t["function"]["name"]: t["function"]["parameters"] for t in (FORECAST, PING)}
     for c in choices:
         assert c.finish_reason == "tool_calls", c
         [call] = c.message.tool_calls or []
-        assert call.function.name in (["forecast"] if choice == "named" else params)
-        jsonschema.validate(json.loads(call.function.arguments), params[call.function.name])
+        assert call.function.name in (["forecast"] if choice == "named" else PARAMS)
+        jsonschema.validate(json.loads(call.function.arguments), PARAMS[call.function.name])
 
 
 RESPONSES_WEATHER = {"type": "function", **WEATHER["function"]}  # the Responses API's shape
@@ -333,9 +314,8 @@ def test_responses_streamed_calls_reassemble_and_resume_on_another_replica(
             calls = [i for i in whole.output if i.type == "function_call"]
             if choice == "required":
                 assert len(calls) == 1 and whole.status == "completed"
-            params = {t["function"]["name"]: t["function"]["parameters"] for t in (FORECAST, PING)}
             for c in calls:
-                jsonschema.validate(json.loads(c.arguments), params[c.name])
+                jsonschema.validate(json.loads(c.arguments), PARAMS[c.name])
                 done = [e for e in events if e.type == "response.function_call_arguments.done"]
                 assert c.arguments in [d.arguments for d in done]
             for n in range(0, len(events), max(1, len(events) // 5)):
@@ -375,7 +355,7 @@ def test_batch_lines_with_tools_get_their_calls_parsed(oai: openai.OpenAI, url: 
         for raw in oai.files.content(batch.output_file_id).text.splitlines()
     ]
     assert len(outs) == 2
-    params = FORECAST["function"]["parameters"]  # type: ignore[index]
+    params = FORECAST["function"]["parameters"]
     for out in outs:
         if chat:
             [choice] = out["choices"]
@@ -393,7 +373,6 @@ def test_batch_lines_with_tools_get_their_calls_parsed(oai: openai.OpenAI, url: 
 def test_auto_answers_in_text_or_in_valid_calls(oai: openai.OpenAI, model: str) -> None:
     """tool_choice auto on a random model: plain text (a call it started would be constrained:
     tests/engine/test_tool_grammar.py starts them)."""
-    params = {t["function"]["name"]: t["function"]["parameters"] for t in (FORECAST, PING)}
 
     def one(seed: int) -> Any:
         return oai.chat.completions.create(
@@ -405,4 +384,4 @@ def test_auto_answers_in_text_or_in_valid_calls(oai: openai.OpenAI, model: str) 
     assert any(c.message.content for c in choices)
     for c in choices:
         for call in c.message.tool_calls or []:
-            jsonschema.validate(json.loads(call.function.arguments), params[call.function.name])
+            jsonschema.validate(json.loads(call.function.arguments), PARAMS[call.function.name])

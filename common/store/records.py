@@ -206,9 +206,13 @@ def text_read(h: Mapping[str, str], text: str | None, logged: int) -> tuple[str,
     while queued: its log is the one done event; or its key was lost) and the whole log is read.
 
     The text key covers the log's first ``text_seq`` entries with its first ``text_len`` bytes.
+    Without ``text_seq`` (a job with parts: part_append.lua appends at every event) it is the
+    whole text.
     """
     if text is None:
         return None if logged else ("", 0)
+    if "text_seq" not in h:
+        return text, 0
     covered, size = int(h["text_seq"]), int(h["text_len"])
     raw = text.encode()
     if len(raw) > size:

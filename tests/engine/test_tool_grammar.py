@@ -13,31 +13,10 @@ import json
 from typing import Any
 
 import jsonschema
+from tool_defs import FORECAST, PARAMS, PING
 
 from common.tool_calls import call_guide, parse
 from workers.engine import SamplingParams
-
-FORECAST: dict[str, Any] = {
-    "type": "function",
-    "function": {
-        "name": "forecast",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "city": {"type": "string", "maxLength": 8},
-                "days": {"type": "integer", "minimum": 1, "maximum": 7},
-                "unit": {"enum": ["c", "f"]},
-            },
-            "required": ["city", "days", "unit"],
-            "additionalProperties": False,
-        },
-    },
-}
-PING: dict[str, Any] = {
-    "type": "function",
-    "function": {"name": "ping", "parameters": {"type": "object", "properties": {}}},
-}
-PARAMS = {t["function"]["name"]: t["function"]["parameters"] for t in (FORECAST, PING)}
 
 
 def sample(engine: Any, grammar: Any, started: str, n: int, max_tokens: int) -> list[tuple[str, str]]:

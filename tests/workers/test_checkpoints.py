@@ -66,6 +66,7 @@ def test_a_checkpoint_between_the_reads_is_not_counted_twice(store: StoreForTest
     h = {"text_seq": "2", "text_len": str(len("aü".encode()))}
     assert text_read(h, "aü€x b", 5) == ("aü", 2)
     assert text_read(h, "aü", 2) == ("aü", 0)
+    assert text_read({}, "abc", 3) == ("abc", 0)  # a job with parts: the text at every event
     assert text_read({}, None, 1) is None and text_read({}, None, 0) == ("", 0)
 
 

@@ -29,6 +29,10 @@ if #entries > 0 then
     end
     redis.call('SET', text, table.concat(parts))
     redis.call('HSET', job, 'text_seq', #entries, 'text_len', redis.call('STRLEN', text))
+  elseif redis.call('HEXISTS', job, 'text_seq') == 0 then
+    -- a text key without the mark (a job with parts appends its text part's text at every event,
+    -- part_append.lua): it covers the whole log so far
+    redis.call('HSET', job, 'text_seq', #entries, 'text_len', redis.call('STRLEN', text))
   end
 end
 return {'taken', tostring(attempt), redis.call('HGETALL', job), entries}
