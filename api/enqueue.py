@@ -45,11 +45,16 @@ class Enqueuer:
         self._keys = settings.keys
         self._outbox = settings.broker_apart
 
-    def generate(self, job_id: str, queue: str, priority: int = JOB_PRIORITY) -> QueueMessage:
-        """The message of the ``generate`` task for ``job_id``, as ``send_task`` would send it, to
+    def generate(
+        self, job_id: str, queue: str, priority: int = JOB_PRIORITY, tenant: str = ""
+    ) -> QueueMessage:
+        """The message of the ``generate`` task for ``job_id``, as ``send_task`` would send it, for
         ``queue`` (its model's: ``Keys.model_queue``) at ``priority`` (a batch's lines go at
-        BATCH_PRIORITY, behind interactive jobs)."""
-        return self._message(GENERATE_TASK, queue, job_id, priority)
+        BATCH_PRIORITY, behind interactive jobs). An interactive one (JOB_PRIORITY) goes to its
+        ``tenant``'s queue of that model (``Keys.tenant_queue``), so tenants take turns in the
+        queue; the job's own queue stays the model's."""
+        to = Keys.tenant_queue(queue, tenant) if priority == JOB_PRIORITY else queue
+        return self._message(GENERATE_TASK, queue, job_id, priority, to=to)
 
     def media(self, part_id: str, held: bool = False) -> QueueMessage:
         """The message of the media workers' task for an image part (``common.keys.part_id``);
@@ -58,8 +63,16 @@ class Enqueuer:
         return self._message(MEDIA_TASK, self._keys.queue_media, part_id, JOB_PRIORITY, kwargs)
 
     def _message(
-        self, task: str, queue: str, job_id: str, priority: int, kwargs: dict[str, object] | None = None
+        self,
+        task: str,
+        queue: str,
+        job_id: str,
+        priority: int,
+        kwargs: dict[str, object] | None = None,
+        to: str | None = None,
     ) -> QueueMessage:
+        """``to``: the Celery queue the message goes to, if not the job's ``queue``."""
+        to = to or queue
         task_id = uuid()
         # ignore_result None: the task's own setting decides, as with send_task.
         headers, properties, body, _ = self._amqp.as_task_v2(
@@ -70,7 +83,7 @@ class Enqueuer:
         properties.update(
             delivery_mode=PERSISTENT,
             # Celery sends to a direct queue through the default exchange, named by routing key.
-            delivery_info={"exchange": "", "routing_key": queue},
+            delivery_info={"exchange": "", "routing_key": to},
             priority=priority,
             body_encoding="base64",
             delivery_tag=uuid(),
@@ -82,5 +95,5 @@ class Enqueuer:
             "headers": headers,
             "properties": properties,
         }
-        message = QueueMessage(Keys.broker_list(queue, priority), json_dumps(envelope), queue)
+        message = QueueMessage(Keys.broker_list(to, priority), json_dumps(envelope), queue)
         return outboxed(self._keys, message) if self._outbox else message

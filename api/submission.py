@@ -52,13 +52,13 @@ async def submit_job(
             param="priority",
             code="priority_not_allowed",
         )
-    queue, priority = settings.keys.model_queue(model), message_priority(body)
+    queue, priority, tenant = settings.keys.model_queue(model), message_priority(body), tenant_of(owner)
     body.with_endpoints(await AsyncHookStore(services.store.redis, settings).endpoints(owner))
     try:
         job = await services.store.create_job(
             body,
             owner,
-            lambda job_id: services.enqueuer.generate(job_id, queue, priority),
+            lambda job_id: services.enqueuer.generate(job_id, queue, priority, tenant),
             idempotency_key,
             services.enqueuer.media,
         )

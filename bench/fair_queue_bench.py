@@ -2,7 +2,8 @@
 """A trickling tenant beside another tenant's flood on the whole stack (issue 32 (b), through the
 queue): where bench/fair_bench.py's flood part gives the engine every request at once, here a
 worker holds only as many jobs as its task threads (its slots + SPARE_TASK_THREADS), and the rest
-wait in its model's queue.
+wait in its model's queue (each key's interactive jobs in its tenant's queue of the model, which
+the worker takes in turn: common/keys.py TENANT_QUEUES).
 
 A private redis-server, one `spool worker` (the tiny Llama, 8 slots, fair shares on, the
 default) and one API (uvicorn) with two API keys. The "trickle" key sends --trickle jobs one

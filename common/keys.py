@@ -28,6 +28,14 @@ REQUEUE_PRIORITY = 0
 JOB_PRIORITY = 3
 BATCH_PRIORITY = 6
 _KOMBU_PRIORITY_SEP = "\x06\x16"
+# A model's interactive messages (JOB_PRIORITY) go to one of this many tenant queues of it by a
+# hash of their tenant (Keys.tenant_queue), and its workers consume them all with the model's queue
+# (Keys.consumed_queues). kombu's BRPOP names every priority step's lists before the next step's,
+# and moves the queue it popped from to the end of its list (round robin), so the non-empty tenant
+# queues take turns within a priority: a tenant's job does not wait behind another tenant's
+# backlog unless the two share a queue. A constant, not a setting: an API and a worker that
+# counted differently would leave messages in queues no worker reads.
+TENANT_QUEUES = 8
 
 MODEL_SLUG_CHARS = 40  # of a model's name in its queue's name (Keys.model_queue)
 MODEL_DIGEST_CHARS = 10
@@ -212,9 +220,26 @@ class Keys:
         """Pattern of every model's queue list (for tests and tools that clean a prefix up)."""
         return f"{self.prefix}.llm.*"
 
-    def queue_lists(self, queue: str) -> tuple[str, str]:
-        """The broker's lists behind a queue: requeued messages, then first messages."""
-        return self.broker_list(queue, REQUEUE_PRIORITY), self.broker_list(queue, JOB_PRIORITY)
+    def queue_lists(self, queue: str) -> tuple[str, ...]:
+        """The broker's lists behind a model's queue: requeued messages, then first messages (its
+        own list, which takes none from the API any more but drains what an older API sent, and
+        its tenant queues'). Batch lines (BATCH_PRIORITY) are not among them. The media queue has
+        no tenant queues: theirs are always empty."""
+        tenants = [self.broker_list(q, JOB_PRIORITY) for q in self.consumed_queues(queue)[1:]]
+        return self.broker_list(queue, REQUEUE_PRIORITY), self.broker_list(queue, JOB_PRIORITY), *tenants
+
+    @staticmethod
+    def tenant_queue(queue: str, tenant: str) -> str:
+        """The tenant queue of a model's ``queue`` that ``tenant``'s interactive messages go to,
+        ``{queue}.t{k}`` (k: a hash of the tenant modulo TENANT_QUEUES; "" is a tenant too)."""
+        k = int(hashlib.sha256(tenant.encode()).hexdigest()[:8], 16) % TENANT_QUEUES
+        return f"{queue}.t{k}"
+
+    @staticmethod
+    def consumed_queues(queue: str) -> tuple[str, ...]:
+        """The Celery queues a worker of a model's ``queue`` consumes: that queue (requeues, batch
+        lines) and its tenant queues."""
+        return queue, *(f"{queue}.t{k}" for k in range(TENANT_QUEUES))
 
     @staticmethod
     def broker_list(queue: str, priority: int) -> str:

@@ -158,7 +158,9 @@ def cmd_worker(args: argparse.Namespace) -> int:
     else:
         from workers.celery_app import app, worker_concurrency  # loads torch: only here
 
-        concurrency, queue = worker_concurrency(settings), settings.keys.model_queue(settings.served_model)
+        # Its model's queue and that queue's tenant queues (common/keys.py TENANT_QUEUES).
+        concurrency = worker_concurrency(settings)
+        queue = ",".join(settings.keys.consumed_queues(settings.keys.model_queue(settings.served_model)))
         model = settings.served_model
     from workers.celery_app import node_name
 

@@ -79,11 +79,11 @@ def test_a_jobs_message_is_the_one_celery_would_send(prefixes: Prefixes) -> None
     # A job's, and a held image part's (its task's keyword argument).
     enqueuer = Enqueuer(settings)
     cases = [
-        (
-            enqueuer.generate("job-1", keys.model_queue("m")),
+        (  # an interactive job's goes to its tenant's queue of its model (TENANT_QUEUES)
+            enqueuer.generate("job-1", keys.model_queue("m"), tenant="0123456789ab"),
             GENERATE_TASK,
             "job-1",
-            keys.model_queue("m"),
+            keys.tenant_queue(keys.model_queue("m"), "0123456789ab"),
             {},
         ),
         (
@@ -102,6 +102,7 @@ def test_a_jobs_message_is_the_one_celery_would_send(prefixes: Prefixes) -> None
             celery.close()
         (theirs,) = prefixes.client.lrange(keys.broker_list(queue, JOB_PRIORITY), 0, -1)
         assert ours.list_key == keys.broker_list(queue, JOB_PRIORITY)
+        assert ours.queue == (keys.queue_media if task == MEDIA_TASK else keys.model_queue("m"))  # the job's
         assert per_message_fields_blanked(ours.payload) == per_message_fields_blanked(theirs)
         mine = json.loads(ours.payload)
         assert mine["headers"]["id"] == mine["headers"]["root_id"] == mine["properties"]["correlation_id"]

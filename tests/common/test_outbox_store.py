@@ -85,7 +85,7 @@ def data_holds_no_broker_keys(store: StoreForTests) -> bool:
 
 def test_a_jobs_message_reaches_the_broker_through_the_outbox(store: StoreForTests, apart: Settings) -> None:
     job = create(apart, {"prompt": "hi", "max_tokens": 4})
-    queue = apart.keys.model_queue(MODEL)
+    queue = apart.keys.tenant_queue(apart.keys.model_queue(MODEL), "")  # the one tenant's (no keys)
     assert sent(store.broker, queue) == [job.id]
     assert data_holds_no_broker_keys(store)
     assert store.redis.zrange(apart.keys.queued_jobs(), 0, -1) == [job.id]
@@ -97,7 +97,7 @@ def test_held_and_dependent_parts_are_relayed_after_the_text_parts_append(
     job = create(apart, {"parts": [TEXT, IMAGE, {**IMAGE, "prompt": None, "prompt_from": 0}]})
     keys, broker = apart.keys, store.broker
     text = part_id(job.id, 0)
-    assert sent(broker, keys.model_queue(MODEL)) == [text]
+    assert sent(broker, keys.tenant_queue(keys.model_queue(MODEL), "")) == [text]
     assert (
         len(sent(broker, keys.queue_media)) == 0
     )  # held for the text part's first token; the other waits for its end
@@ -153,5 +153,8 @@ def test_a_relay_the_broker_refuses_gives_the_messages_back_in_order(
         down.close()
     assert store.redis.llen(apart.keys.outbox()) == 2
     assert store.relay() == 2
-    assert sent(store.broker, apart.keys.model_queue(MODEL)) == [first.id, second.id]
+    assert sent(store.broker, apart.keys.tenant_queue(apart.keys.model_queue(MODEL), "")) == [
+        first.id,
+        second.id,
+    ]
     assert data_holds_no_broker_keys(store)

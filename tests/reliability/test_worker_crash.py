@@ -26,7 +26,7 @@ from breakers import SHORT_LEASES, JobWatch, Stream, Workers, poll
 from procs import REDIS_URL, Prefixes, Service, start_api
 from sse_client import Event, check_full_stream
 
-from common.keys import Keys
+from common.keys import JOB_PRIORITY, Keys
 
 pytestmark = pytest.mark.slow  # workers killed, frozen and restarted
 
@@ -284,8 +284,9 @@ def test_a_dead_workers_jobs_are_taken_before_the_jobs_queued_behind_them(
         poll(lambda: r.zcard(keys.running_jobs()) == 5, "five jobs held by the worker", 60)
         pool.kill("a", signal.SIGSTOP)
         queued += [submit(client, api.url, LONG_PROMPT) for _ in range(4)]
-        first_messages = keys.queue_lists(pool.queue)[1]
-        assert r.llen(first_messages) == 4  # where kombu keeps JOB_PRIORITY messages
+        # Where kombu keeps JOB_PRIORITY messages of the tenant queue of the one tenant (no API keys).
+        first_messages = keys.broker_list(keys.tenant_queue(pool.queue, ""), JOB_PRIORITY)
+        assert r.llen(first_messages) == 4
         pool.kill("a")
         pool.start("a")  # at once: it releases its earlier run's leases itself
         poll(
