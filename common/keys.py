@@ -222,9 +222,8 @@ class Keys:
 
     def queue_lists(self, queue: str) -> tuple[str, ...]:
         """The broker's lists behind a model's queue: requeued messages, then first messages (its
-        own list, which takes none from the API any more but drains what an older API sent, and
-        its tenant queues'). Batch lines (BATCH_PRIORITY) are not among them. The media queue has
-        no tenant queues: theirs are always empty."""
+        own list and its tenant queues'). Batch lines (BATCH_PRIORITY) are not among them. The
+        media queue has no tenant queues: theirs are always empty."""
         tenants = [self.broker_list(q, JOB_PRIORITY) for q in self.consumed_queues(queue)[1:]]
         return self.broker_list(queue, REQUEUE_PRIORITY), self.broker_list(queue, JOB_PRIORITY), *tenants
 

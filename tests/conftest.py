@@ -3,11 +3,15 @@
 Every fixture that needs isolation picks its own ``SPOOL_REDIS_PREFIX``, so runs share the Redis
 at ``TEST_REDIS_URL`` (default 127.0.0.1:6379) without seeing each other; every key under
 those prefixes is deleted at the end. When a test fails, the tail of every running process's
-log is attached to its report.
+log is attached to its report. The reliability tests' figures are printed at the end, and
+written as JSON to ``$RELIABILITY_FIGURES`` when that is set (docs/reliability.md quotes them);
+under pytest-xdist each worker hands its figures to the controller, which prints them all.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
 from collections.abc import Generator, Iterator
 from pathlib import Path
@@ -17,7 +21,7 @@ import httpx
 import openai
 import pytest
 import redis
-from procs import REDIS_URL, Cluster, Prefixes, Service, running, start_api, start_worker
+from procs import FIGURES, REDIS_URL, Cluster, Prefixes, Service, running, start_api, start_worker
 
 
 @pytest.fixture(scope="session")
@@ -130,3 +134,25 @@ def pytest_runtest_makereport(
         for s in reversed(running):  # newest first: most likely the failing test's own
             report.sections.append((f"log of {s.name} ({s.log_path})", s.log_tail()))
     return report
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:  # a pytest-xdist worker: to the controller
+        workeroutput["reliability_figures"] = json.dumps(FIGURES)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: Any, error: object) -> None:
+    """pytest-xdist's controller, as each worker ends: its figures."""
+    FIGURES.update(json.loads(node.workeroutput.get("reliability_figures", "{}")))
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if not FIGURES:
+        return
+    terminalreporter.section("reliability figures")
+    for name, value in sorted(FIGURES.items()):
+        terminalreporter.write_line(f"{name}: {value}")
+    if out := os.environ.get("RELIABILITY_FIGURES"):
+        Path(out).write_text(json.dumps(FIGURES, indent=2, sort_keys=True) + "\n")

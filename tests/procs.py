@@ -34,6 +34,9 @@ SPOOL = str(Path(sys.executable).with_name("spool"))  # the console script of th
 START_TIMEOUT_S = 120.0  # a worker loads torch and the model before its first heartbeat
 
 running: list[Service] = []  # processes whose logs go into a failing test's report
+# What the reliability tests measured (tests/reliability/conftest.py ``figures``), printed at the
+# end of the run and written as JSON to $RELIABILITY_FIGURES (tests/conftest.py)
+FIGURES: dict[str, Any] = {}
 
 
 @dataclass

@@ -1,15 +1,12 @@
 """Fixtures for breaking things on purpose: killable workers, a private redis-server, the figures.
 
 Every test here records what it measured in ``figures`` (crashes survived, take-over times,
-requests fuzzed, ...). At the end of the session they are printed and written as JSON to
-``$RELIABILITY_FIGURES`` when that is set; docs/reliability.md quotes them.
+requests fuzzed, ...); tests/conftest.py prints them at the end of the run.
 """
 
 from __future__ import annotations
 
 import functools
-import json
-import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -17,25 +14,12 @@ from typing import Any
 import pytest
 from breakers import SHORT_LEASES, RedisServer, Workers
 from greedy import Greedy, greedy
-from procs import Prefixes
-
-FIGURES: dict[str, Any] = {}
+from procs import FIGURES, Prefixes
 
 
 @pytest.fixture(scope="session")
 def figures() -> dict[str, Any]:
     return FIGURES
-
-
-def pytest_terminal_summary(terminalreporter: Any) -> None:
-    if not FIGURES:
-        return
-    terminalreporter.section("reliability figures")
-    for name, value in FIGURES.items():
-        terminalreporter.write_line(f"{name}: {value}")
-    out = os.environ.get("RELIABILITY_FIGURES")
-    if out:
-        Path(out).write_text(json.dumps(FIGURES, indent=2, sort_keys=True) + "\n")
 
 
 @pytest.fixture(scope="module")
