@@ -36,7 +36,10 @@ def environ(pid: int) -> dict[str, str]:
 
 
 def said(up: Service) -> list[str]:
-    return [x for x in up.log_path.read_text(errors="replace").splitlines() if x.startswith("spool: ")]
+    """spool up's own lines. A child's unended line (a progress bar) may run into one: from the
+    "spool: " on."""
+    lines = up.log_path.read_text(errors="replace").splitlines()
+    return [x[x.index("spool: ") :] for x in lines if "spool: " in x]
 
 
 def test_spool_up_names_a_child_that_dies_stops_the_others_and_exits_1(

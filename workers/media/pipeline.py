@@ -53,7 +53,11 @@ class ImageSpec:
 class ImagePipeline:
     def __init__(self, model: str, device: str = "cpu", dtype: str = "float32") -> None:
         from diffusers import DiffusionPipeline  # heavy: only in the media worker
+        from diffusers.utils import logging as diffusers_logging
 
+        # A progress bar in a service's log is noise, and its unended line swallows the start of
+        # the next line (spool up's own).
+        diffusers_logging.disable_progress_bar()
         self.device = device
         pipe: Any = DiffusionPipeline.from_pretrained(model, dtype=getattr(torch, dtype))
         self.pipe = pipe.to(device)
