@@ -105,13 +105,6 @@ class RedisServer:
         )
 
 
-def clean_prefix(client: redis.Redis, prefix: str) -> None:
-    keys = Keys(prefix)
-    for pattern in (f"{prefix}:*", keys.model_queues(), f"_kombu.binding*.{prefix}.*"):
-        for key in client.scan_iter(pattern, count=1000):
-            client.delete(key)
-
-
 def poll(check: Any, what: str, timeout: float) -> Any:
     """Poll until ``check()`` is truthy and return it (``wait_until``, with the value)."""
     got: list[Any] = [None]

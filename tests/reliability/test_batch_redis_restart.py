@@ -12,8 +12,10 @@ from typing import Any
 
 import openai
 import pytest
-from breakers import SHORT_LEASES, RedisServer, clean_prefix, poll
+from breakers import SHORT_LEASES, RedisServer, poll
 from procs import Prefixes, Service, start_api, start_worker
+
+from spool_cli.procs import delete_prefixes
 
 pytestmark = pytest.mark.slow  # a Redis of its own, crashed mid-batch
 
@@ -33,7 +35,7 @@ def batch_stack(
     yield api
     api.stop()
     worker.stop()
-    clean_prefix(own_redis.client, prefix)
+    delete_prefixes(own_redis.client, [prefix])
 
 
 def line(i: int) -> dict[str, Any]:

@@ -18,11 +18,12 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from breakers import SHORT_LEASES, JobWatch, RedisServer, Stream, Workers, clean_prefix, poll
+from breakers import SHORT_LEASES, JobWatch, RedisServer, Stream, Workers, poll
 from procs import Prefixes, Service, start_api
 from sse_client import check_full_stream, read_events
 
 from common.keys import Keys
+from spool_cli.procs import delete_prefixes
 
 pytestmark = pytest.mark.slow  # private redis-servers, a broker stopped, a worker killed
 
@@ -72,7 +73,7 @@ def apart(
     yield Apart(broker, data, workers, api)
     api.stop()
     workers.stop_all()
-    clean_prefix(data.client, workers.prefix)
+    delete_prefixes(data.client, [workers.prefix])
     broker.close()
     data.close()
 

@@ -19,11 +19,12 @@ from typing import Any
 
 import httpx
 import pytest
-from breakers import SHORT_LEASES, JobWatch, RedisServer, Workers, clean_prefix, poll
+from breakers import SHORT_LEASES, JobWatch, RedisServer, Workers, poll
 from procs import Prefixes, Service, start_api, wait_until
 
 from common.keys import GENERATE_TASK, Keys
 from common.settings import Settings
+from spool_cli.procs import delete_prefixes
 from workers.celery_app import make_app
 
 pytestmark = pytest.mark.slow  # a Redis of its own, out of memory, with workers of its own
@@ -56,7 +57,7 @@ def oom_cluster(
     yield workers, api
     api.stop()
     workers.stop_all()
-    clean_prefix(memory_redis.client, workers.prefix)
+    delete_prefixes(memory_redis.client, [workers.prefix])
 
 
 class Prober:

@@ -20,9 +20,11 @@ from typing import Any
 
 import httpx
 import pytest
-from breakers import SHORT_LEASES, RedisServer, Stream, Workers, clean_prefix, poll
+from breakers import SHORT_LEASES, RedisServer, Stream, Workers, poll
 from procs import SPOOL, Prefixes, Service, spool_env, start_api
 from sse_client import Event, check_full_stream, read_events
+
+from spool_cli.procs import delete_prefixes
 
 pytestmark = pytest.mark.slow  # a Redis of its own, restarted
 
@@ -42,7 +44,7 @@ def on_own_redis(
     yield workers, api
     api.stop()
     workers.stop_all()
-    clean_prefix(own_redis.client, workers.prefix)
+    delete_prefixes(own_redis.client, [workers.prefix])
 
 
 class Load:
