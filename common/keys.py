@@ -44,6 +44,10 @@ _UNSAFE = re.compile(r"[^A-Za-z0-9_.-]+")
 WATCHER_GHOST = "left:"  # prefix of the member a watcher leaves behind in Keys.job_watchers
 
 
+def _tenant_queue(queue: str, k: int) -> str:
+    return f"{queue}.t{k}"
+
+
 @dataclass(frozen=True)
 class Keys:
     prefix: str = "spool"
@@ -221,24 +225,25 @@ class Keys:
         return f"{self.prefix}.llm.*"
 
     def queue_lists(self, queue: str) -> tuple[str, ...]:
-        """The broker's lists behind a model's queue: requeued messages, then first messages (its
-        own list and its tenant queues'). Batch lines (BATCH_PRIORITY) are not among them. The
-        media queue has no tenant queues: theirs are always empty."""
-        tenants = [self.broker_list(q, JOB_PRIORITY) for q in self.consumed_queues(queue)[1:]]
-        return self.broker_list(queue, REQUEUE_PRIORITY), self.broker_list(queue, JOB_PRIORITY), *tenants
+        """The broker's lists behind a queue: requeued messages, then first messages (a model's
+        own list and its tenant queues'; the media queue has none). Batch lines (BATCH_PRIORITY)
+        are not among them."""
+        consumed = (queue,) if queue == self.queue_media else self.consumed_queues(queue)
+        return self.broker_list(queue, REQUEUE_PRIORITY), *(
+            self.broker_list(q, JOB_PRIORITY) for q in consumed
+        )
 
     @staticmethod
     def tenant_queue(queue: str, tenant: str) -> str:
-        """The tenant queue of a model's ``queue`` that ``tenant``'s interactive messages go to,
-        ``{queue}.t{k}`` (k: a hash of the tenant modulo TENANT_QUEUES; "" is a tenant too)."""
-        k = int(hashlib.sha256(tenant.encode()).hexdigest()[:8], 16) % TENANT_QUEUES
-        return f"{queue}.t{k}"
+        """The tenant queue of a model's ``queue`` that ``tenant``'s interactive messages go to
+        (a hash of the tenant modulo TENANT_QUEUES; "" is a tenant too)."""
+        return _tenant_queue(queue, int(hashlib.sha256(tenant.encode()).hexdigest()[:8], 16) % TENANT_QUEUES)
 
     @staticmethod
     def consumed_queues(queue: str) -> tuple[str, ...]:
         """The Celery queues a worker of a model's ``queue`` consumes: that queue (requeues, batch
         lines) and its tenant queues."""
-        return queue, *(f"{queue}.t{k}" for k in range(TENANT_QUEUES))
+        return queue, *(_tenant_queue(queue, k) for k in range(TENANT_QUEUES))
 
     @staticmethod
     def broker_list(queue: str, priority: int) -> str:
