@@ -6,12 +6,13 @@ Every key it writes: docs/internals.md#redis-names-from-commonkeyspy-only-prefix
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Iterable
 
 import redis.asyncio as aredis
 from redis.client import NEVER_DECODE
 
-from common.keys import BATCH_PRIORITY, REQUEUE_PRIORITY, part_id
+from common.keys import BATCH_PRIORITY, REQUEUE_PRIORITY, Keys, part_id
 from common.schemas.events import LogEntry
 from common.schemas.requests import JobRequest
 from common.schemas.views import Job, JobList, JobStatus, JobSummary, WorkerHeartbeat
@@ -49,6 +50,7 @@ from common.store.responses import ResponseRecords
 from common.store.scripts import source
 from common.store.service_times import estimate_start_s, mean_service_s, model_load
 from common.store.watchers import WatcherSets
+from common.tenants import tenant_of
 
 QUEUE_POSITION_SCAN = 1000  # queued jobs read to count a job's place among its model's
 
@@ -191,34 +193,42 @@ class AsyncJobStore(WatcherSets, ResponseRecords):
     async def queue_position(self, job_id: str) -> int | None:
         """How many jobs its model's workers take before this queued one (None: not queued).
 
-        In the queue's order: the requeues waiting, then the interactive jobs of its model queued
-        before it; a job of the batch tier (flex) waits for every interactive one, for the batch
-        lines sent before it and the flex jobs queued before it. Numeric priorities, which the
-        engine orders among the jobs it holds, are not counted. The jobs queued ahead are read
-        among the oldest QUEUE_POSITION_SCAN of every model's: past them it is a lower bound.
+        In the queue's order: the requeues waiting first. An interactive job waits for those of
+        its tenant queue queued before it (``Keys.tenant_queue``), and the tenant queues take
+        turns, so for as many jobs of each other tenant queue (those queued after it too), give
+        or take one each: where the turns stand is the worker's. A job of the batch tier (flex)
+        waits for every interactive one, for the batch lines sent before it and the flex jobs
+        queued before it. Numeric priorities, which the engine orders among the jobs it holds,
+        are not counted. The jobs are read among the oldest QUEUE_POSITION_SCAN of every
+        model's: past them it is a lower bound.
         """
         queued = self.keys.queued_jobs()
-        queue, tier = await self.redis.hmget(self.keys.job(job_id), ["queue", "tier"])
-        found = await self.redis.zrank(queued, job_id)
-        if not isinstance(found, int) or not queue:  # (a list only with withscore)
+        queue, tier, owner = await self.redis.hmget(self.keys.job(job_id), ["queue", "tier", "owner"])
+        rank = await self.redis.zrank(queued, job_id)
+        if not isinstance(rank, int) or not queue:  # (a list only with withscore)
             return None
-        rank, queue = found, str(queue)
-        scan = min(QUEUE_POSITION_SCAN if tier else rank, QUEUE_POSITION_SCAN)  # flex: those after it too
-        ids = await self.redis.zrange(queued, 0, scan - 1) if scan else []
+        queue = str(queue)
+        ids = await self.redis.zrange(queued, 0, QUEUE_POSITION_SCAN - 1)
         async with self.broker.pipeline(transaction=False) as pipe:
             pipe.llen(self.keys.broker_list(queue, REQUEUE_PRIORITY))
             pipe.llen(self.keys.broker_list(queue, BATCH_PRIORITY))
             requeued, lines = await pipe.execute()
         async with self.redis.pipeline(transaction=False) as pipe:
             for j in ids:
-                pipe.hmget(self.keys.job(str(j)), ["queue", "tier"])
+                pipe.hmget(self.keys.job(str(j)), ["queue", "tier", "owner"])
             replies = await pipe.execute()
-        ahead = [
-            i
-            for i, (q, t) in enumerate(replies)
-            if q == queue and i != rank and (not t or (tier and i < rank))
-        ]
-        return int(requeued) + len(ahead) + (int(lines) if tier else 0)
+        ours = [(i, t, o) for i, (q, t, o) in enumerate(replies) if q == queue and i != rank]
+        if tier:
+            return int(requeued) + int(lines) + sum(1 for i, t, _ in ours if not t or i < rank)
+
+        def tenant_queue(owner: str | None) -> str:
+            return Keys.tenant_queue(queue, tenant_of(owner or ""))
+
+        mine = tenant_queue(str(owner or ""))
+        interactive = Counter(tenant_queue(o) for _, t, o in ours if not t)
+        ahead = sum(1 for i, t, o in ours if not t and i < rank and tenant_queue(o) == mine)
+        del interactive[mine]
+        return int(requeued) + ahead + sum(min(n, ahead) for n in interactive.values())
 
     async def estimated_start_s(self, job_id: str, position: int) -> float | None:
         """Seconds until a queued job at ``position`` can be expected to start, from its model's

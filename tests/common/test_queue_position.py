@@ -6,10 +6,11 @@ import asyncio
 
 from store_helpers import StoreForTests
 
-from common.keys import BATCH_PRIORITY, REQUEUE_PRIORITY
+from common.keys import BATCH_PRIORITY, REQUEUE_PRIORITY, Keys
 from common.schemas.requests import JobRequest
 from common.settings import Settings
 from common.store import AsyncJobStore, QueueMessage
+from common.tenants import tenant_of
 
 
 def positions(settings: Settings, job_ids: list[str]) -> list[int | None]:
@@ -50,3 +51,27 @@ def check_positions(store: StoreForTests, settings: Settings) -> None:
     taken = store.take_job(first_a, "w", "a")
     assert taken.record is not None
     assert positions(settings, [first_a, second_a]) == [None, 2]  # running: none
+
+
+def test_tenant_queues_take_turns(settings: Settings) -> None:
+    """An interactive job waits for its own tenant queue's jobs queued before it, and for as many
+    of each other tenant queue's (those queued after it too): the queues take turns."""
+    store = StoreForTests.from_settings(settings.model_copy(update={"max_queued_jobs": 20}))
+    queue = settings.keys.model_queue("a")
+    owners = [f"owner-{i}" for i in range(16)]
+    flood = owners[0]
+    tenant_queue = lambda owner: Keys.tenant_queue(queue, tenant_of(owner))  # noqa: E731
+    trickle = next(o for o in owners if tenant_queue(o) != tenant_queue(flood))
+
+    def create(owner: str) -> str:
+        message = lambda j: QueueMessage(f"{queue}:sent", j, queue)  # noqa: E731
+        return store.create_job(JobRequest(prompt="x"), owner, message).id
+
+    try:
+        backlog = [create(flood) for _ in range(5)]
+        late = create(trickle)
+        # The trickle job is first in its queue; the backlog's last has 4 of its own ahead and
+        # the one trickle job, whose queue has a turn in between.
+        assert positions(settings, [late, backlog[0], backlog[1], backlog[-1]]) == [0, 0, 2, 5]
+    finally:
+        store.close()
