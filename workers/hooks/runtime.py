@@ -13,7 +13,6 @@ docs/internals.md#redis-names-from-commonkeyspy-only-prefix-spool_redis_prefix.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import logging
 import secrets
 import threading
@@ -33,6 +32,7 @@ from common.store import AsyncBatchStore, AsyncJobStore, JobNotFound, SyncJobSto
 from common.store.clients import async_client
 from common.store.hooks import AsyncHookStore, Begun
 from common.store.responses import RESPONSE_PREFIX
+from common.tasks import cancel_until_done
 from common.webhooks import (
     BadDestination,
     envelope,
@@ -77,7 +77,7 @@ class HookRuntime:
         self._me = asdict(this_process())  # the heartbeat's host, pid, pid_ns and instance
         store = SyncJobStore.from_settings(settings)
         self.liveness = Liveness(store, settings, name, self, self._stop, None, "")  # no jobs to sweep
-        self._sweeper: concurrent.futures.Future[None] | None = None
+        self._sweeper: asyncio.Task[None] | None = None
 
     @classmethod
     def start(cls, settings: Settings, name: str, send: Send) -> HookRuntime:
@@ -87,8 +87,11 @@ class HookRuntime:
         if settings.worker_metrics_port is not None:
             runtime.metrics.serve(settings.worker_metrics_port)
         runtime.liveness.start()
-        runtime._sweeper = asyncio.run_coroutine_threadsafe(runtime._sweep(), runtime._loop)
+        runtime._sweeper = runtime._run(runtime._start_sweep())
         return runtime
+
+    async def _start_sweep(self) -> asyncio.Task[None]:
+        return asyncio.create_task(self._sweep())
 
     async def _open(self) -> None:
         client = async_client(self.settings.redis_url)
@@ -102,14 +105,14 @@ class HookRuntime:
 
     def close(self) -> None:
         self._stop.set()
-        if self._sweeper is not None:
-            self._sweeper.cancel()
         self.liveness.join(timeout=10)
         self._run(self._close())
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)
 
     async def _close(self) -> None:
+        if self._sweeper is not None:  # before its clients close under it
+            await cancel_until_done([self._sweeper])
         await self.http.aclose()
         await self.hooks.redis.aclose()
 
