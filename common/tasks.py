@@ -16,9 +16,17 @@ async def cancel_until_done(tasks: Iterable[asyncio.Future[Any]]) -> None:
     can be swallowed (redis/redis-py#2028; about 1 cancel in 10 of a loop of commands here, with
     redis-py 8.1). The task then runs on with ``cancelling() == 1``. A request kept watching a job
     whose client was gone, and an API's shutdown waited on its batch feeder until it was killed.
+
+    Cancelled itself meanwhile (a caller's ``finally`` whose task is cancelled again, as this
+    function does to it), it still waits for the tasks to end, then raises CancelledError.
     """
-    tasks = list(tasks)
+    tasks, cancelled = list(tasks), False
     while pending := [t for t in tasks if not t.done()]:
         for task in pending:
             task.cancel()
-        await asyncio.wait(pending, timeout=RECANCEL_S)
+        try:
+            await asyncio.wait(pending, timeout=RECANCEL_S)
+        except asyncio.CancelledError:
+            cancelled = True
+    if cancelled:
+        raise asyncio.CancelledError
