@@ -28,7 +28,13 @@ from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig, PreTrainedTokenizerFast
 
 from workers.engine import Engine, EngineConfig
-from workers.engine.tiny import special_token_ids, tiny_tokenizer, wrap_tokenizer
+from workers.engine.tiny import (
+    special_token_ids,
+    tiny_corpus,
+    tiny_tokenizer,
+    train_tokenizer,
+    wrap_tokenizer,
+)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -156,8 +162,12 @@ def bench_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
     Prompts are token ids, so the tokenizer only matters for the engine's incremental
     detokenizer; padding the vocabulary makes every id the model can emit decode to text
     (ids past the end of a vocabulary decode to nothing, which would make detokenizing free).
+    A vocabulary smaller than the tiny tokenizer's is a byte-level BPE of that size trained on
+    the same corpus.
     """
     base = tiny_tokenizer()
+    if vocab_size < len(base):
+        return train_tokenizer(tiny_corpus(), vocab_size)
     data = json.loads(base.backend_tokenizer.to_str())
     vocab = data["model"]["vocab"]
     for i in range(len(vocab), vocab_size):

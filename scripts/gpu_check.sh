@@ -78,7 +78,7 @@ print(sys.version.split()[0], "torch", torch.__version__, "transformers", transf
       torch.cuda.get_device_name(), "cpus", len(__import__("os").sched_getaffinity(0)))' | tee "$OUT/versions.txt"
   redis-server --version | tee -a "$OUT/versions.txt"
   local cuda=(--device cuda --dtype bfloat16)
-  stage peers_compile 150 python3 bench/peers_bench.py "${cuda[@]}" --compile --rounds 2 --deadline-s 140 \
+  stage peers_compile 150 python3 bench/peers_bench.py "${cuda[@]}" --shapes bench --compile --rounds 2 --deadline-s 140 \
     --json "$OUT/peers_cuda.json"
   stage engine_tests 110 env TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider tests/engine
   stage stack_bench 180 python3 bench/stack_bench.py "${cuda[@]}" --engine-cpus 4 --deadline-s 170 \
