@@ -27,8 +27,11 @@ from procs import (
     start_worker,
     wait_until,
 )
+from pydantic import ValidationError
 
+from common.artifacts import Artifacts, file_name, part_name
 from common.keys import Keys
+from common.settings import Settings
 
 BATCH = {"batch_feed_s": 0.1, "batch_window": 12}
 
@@ -185,3 +188,29 @@ def test_a_file_that_expires_loses_its_artifact(stack: Stack, client: httpx.Clie
         assert client.get(f"{stack.api.url}/v1/files/{file_id}").status_code == 404
     finally:
         brief.stop()
+
+
+def test_a_files_lines_are_read_by_window_from_its_artifact(tmp_path: Path) -> None:
+    store = Artifacts(tmp_path)
+    name = file_name("file-abc")
+    store.append(name, "upload", ["a\n", "\n", "bé\n"])
+    store.append(name, "upload", ["no newline at the end"])
+    with pytest.raises(RuntimeError):
+        store.seal(name, "upload", 3)  # a count that does not match renames nothing
+    assert not (tmp_path / name).exists()
+    store.seal(name, "upload", 4)
+    assert store.read_lines(name, 0, 10) == ["a\n", "\n", "bé\n", "no newline at the end"]
+    assert store.read_lines(name, 1, 2) == ["\n", "bé\n"]
+    assert store.read_lines(name, 4, 1) == []
+    assert store.read_lines(file_name("file-gone"), 0, 1) == []
+    store.seal(file_name("file-empty"), "upload", 0)
+    assert store.read_lines(file_name("file-empty"), 0, 1) == []
+
+
+def test_only_ids_name_artifacts_and_only_a_directory_is_a_store() -> None:
+    with pytest.raises(ValueError):
+        file_name("../../etc/passwd")
+    assert part_name("ab12:part:3", 2) == "parts/ab12.3.2.png"
+    for url in ("s3://bucket/prefix", "file://relative/dir", "/no/scheme"):
+        with pytest.raises(ValidationError, match="SPOOL_ARTIFACT_URL|not supported"):
+            Settings(artifact_url=url)
