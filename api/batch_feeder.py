@@ -87,6 +87,7 @@ class BatchFeeder:
                     self._fence = await self.batches.claim_feeder(self._token, self._lease_s)
                     if self._fence:
                         await self.tick()
+                        await self.batches.sweep_artifacts()
                 except RedisError as e:
                     log.warning("batch feeder: Redis unreachable (%s)", e)
                 except Exception:

@@ -88,7 +88,8 @@ class Keys:
         return f"{self.prefix}:idem:{digest}"
 
     def part_content(self, part_id: str) -> str:
-        """String with a TTL: a finished image part's bytes (PNG)."""
+        """String with a TTL: a finished image part's bytes (PNG), or with SPOOL_ARTIFACT_URL set,
+        the name of its artifact."""
         return f"{self.prefix}:job:{part_id}:content"
 
     def job_id_from_channel(self, channel: str) -> str:
@@ -149,7 +150,8 @@ class Keys:
         return f"{self.prefix}:file:{file_id}"
 
     def file_lines(self, file_id: str) -> str:
-        """List: the file's content, one element per line (each with its newline)."""
+        """List: the file's content, one element per line (each with its newline); with
+        SPOOL_ARTIFACT_URL set, none: the content is its artifact (common/artifacts.py)."""
         return f"{self.prefix}:file:{file_id}:lines"
 
     def file_upload(self, file_id: str) -> str:
@@ -173,6 +175,12 @@ class Keys:
         """Sorted set of one owner's file ids (score: when the file expires), so the quota forgets
         an expired file without reading every file."""
         return f"{self.prefix}:owner:{owner or 'anonymous'}:file_expiry"
+
+    def artifacts(self) -> str:
+        """Sorted set of the artifacts in SPOOL_ARTIFACT_URL's directory, by name (score: when the
+        API's sweep deletes it: its file's or image's expiry, or an hour after a write began that
+        never ended); common/artifacts.py."""
+        return f"{self.prefix}:artifacts"
 
     def batch(self, batch_id: str) -> str:
         """Hash: a batch's state (status, timestamps, counts, next line to feed, files)."""

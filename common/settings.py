@@ -15,6 +15,7 @@ from typing import Literal, TypeVar
 from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from common.artifacts import artifact_root
 from common.keys import Keys
 from common.tool_calls import PARSERS
 from common.webhooks import check_secret
@@ -117,6 +118,9 @@ class Settings(BaseSettings):
     # workers' batch slots between two feeds, few enough that a batch is never a flood of messages.
     batch_window: int = Field(256, ge=1)
     batch_feed_s: float = Field(0.2, gt=0)  # how often the feeder looks at the running batches
+    # Where the bytes of files and images go (common/artifacts.py): empty, in Redis; file:///path,
+    # a directory every API and worker process shares. Redis keeps their metadata either way.
+    artifact_url: str = ""
 
     # Workers (liveness)
     # A killed worker's jobs are taken over about max(lease_s, heartbeat_ttl_s) + heartbeat_s
@@ -183,6 +187,12 @@ class Settings(BaseSettings):
     def _device(cls, v: str) -> str:
         if v != "cpu" and v != "mps" and not (v == "cuda" or v.startswith("cuda:")):
             raise ValueError("must be cpu, cuda, cuda:N or mps")
+        return v
+
+    @field_validator("artifact_url")
+    @classmethod
+    def _artifact_url(cls, v: str) -> str:
+        artifact_root(v)  # ValueError: named with the variable
         return v
 
     @field_validator("webhook_secret")

@@ -5,6 +5,7 @@ Every key it writes: docs/internals.md#redis-names-from-commonkeyspy-only-prefix
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import Counter
 from collections.abc import Iterable
@@ -12,6 +13,7 @@ from collections.abc import Iterable
 import redis.asyncio as aredis
 from redis.client import NEVER_DECODE
 
+from common.artifacts import Artifacts
 from common.keys import BATCH_PRIORITY, REQUEUE_PRIORITY, Keys, part_id
 from common.schemas.events import LogEntry
 from common.schemas.requests import JobRequest
@@ -68,6 +70,7 @@ class AsyncJobStore(WatcherSets, ResponseRecords):
         self._create = client.register_script(source("create"))
         self._cancel = client.register_script(source("cancel"))
         self._create_parts = client.register_script(source("create_parts"))
+        self.artifacts = Artifacts.at(settings.artifact_url)
 
     @classmethod
     def from_settings(cls, settings: Settings) -> AsyncJobStore:
@@ -176,7 +179,9 @@ class AsyncJobStore(WatcherSets, ResponseRecords):
         """A finished image part's bytes (PNG); None until it succeeded, and after it expired."""
         key = self.keys.part_content(part_id(job_id, index))
         raw = await self.redis.execute_command("GET", key, **{NEVER_DECODE: True})
-        return bytes(raw) if raw is not None else None
+        if raw is None or self.artifacts is None:
+            return bytes(raw) if raw is not None else None
+        return await asyncio.to_thread(self.artifacts.read, bytes(raw).decode())  # its artifact's name
 
     async def request_cancel(self, job_id: str) -> Job:
         """Cancel a job: at once if queued, at the worker's next step if running.

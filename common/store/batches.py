@@ -19,6 +19,7 @@ from typing import Any
 
 import redis.asyncio as aredis
 
+from common.artifacts import Artifacts
 from common.keys import Keys
 from common.schemas.requests import JobRequest
 from common.settings import Settings
@@ -89,6 +90,7 @@ class AsyncBatchStore(FileRecords):
         self.broker = broker or client
         self.outbox = AsyncOutbox(client, broker, self.keys) if broker is not None else None
         self._scripts = {name: client.register_script(source(name)) for name in _SCRIPTS}
+        self.artifacts = Artifacts.at(settings.artifact_url)
 
     # -- batches ----------------------------------------------------------------------------------
 
@@ -259,6 +261,10 @@ class AsyncBatchStore(FileRecords):
         status = str(await self._scripts["batch_finish"]([*keys, k.batch_feeder()], args))
         if status == "fenced":
             raise FenceLost(fence)
+        if self.artifacts is not None:
+            # The result files are artifacts now, and the results are read only to write them:
+            # Redis keeps no copy of the lines (a stale feeder's assembly then writes nothing).
+            await self.redis.delete(k.batch_results(batch_id))
         return status
 
     async def fail_batch(self, batch_id: str, errors: list[dict[str, Any]]) -> str:

@@ -1,13 +1,16 @@
 """The API's store of files (OpenAI's Files API), over ``redis.asyncio``: a part of ``AsyncBatchStore``.
 
-A file is a hash (its object) and a list with one element per line, so a batch's feeder reads
-lines by index and a file's content is streamed in pages, never read whole. Each owner (API key)
-has its own index of files, and its files' bytes for its quota. A batch's result files are
-written under the feeder's fence (feeder_claim.lua says how), and committed whole or not at all.
+A file is a hash (its object) and its lines: a list with one element per line, or with
+SPOOL_ARTIFACT_URL set, an artifact (common/artifacts.py) that the index ``Keys.artifacts`` has
+deleted when the file expires (``sweep_artifacts``). Either way a batch's feeder reads lines by
+index and a file's content is streamed in pages, never read whole. Each owner (API key) has its
+own index of files, and its files' bytes for its quota. A batch's result files are written under
+the feeder's fence (feeder_claim.lua says how), and committed whole or not at all.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -16,10 +19,15 @@ from typing import Any
 import redis.asyncio as aredis
 from redis.commands.core import AsyncScript
 
+from common.artifacts import Artifacts, file_name
 from common.keys import Keys
 from common.settings import Settings
 
-UPLOAD_TTL_S = 3600  # an upload's lines left behind by an API process that died mid-upload go
+# An upload's lines (or a result file's) left behind by an API process that died mid-write go
+# after this; so does an artifact whose write began this long ago and never ended.
+UPLOAD_TTL_S = 3600
+UPLOAD_TAG = "upload"  # an upload's artifact is written under this tag; a result file's, its fence
+SWEEP_BATCH = 100  # artifacts deleted per sweep at most
 
 
 class FenceLost(Exception):
@@ -47,18 +55,27 @@ def _fence_number(fence: str) -> int:
     return int(fence.rpartition(":")[2])
 
 
+def _tag(fence: str) -> str:
+    return str(_fence_number(fence))
+
+
 class FileRecords:
     """The files' reads and writes (``_scripts``: AsyncBatchStore's, by name)."""
 
     redis: aredis.Redis
     keys: Keys
     settings: Settings
+    artifacts: Artifacts | None
     _scripts: dict[str, AsyncScript]
 
     # -- files ------------------------------------------------------------------------------------
 
     async def append_upload(self, file_id: str, lines: Sequence[str]) -> None:
         """Add lines to an upload still arriving (``commit_file`` makes it the file)."""
+        if self.artifacts is not None:
+            await self._begin(file_id)
+            await asyncio.to_thread(self.artifacts.append, file_name(file_id), UPLOAD_TAG, lines)
+            return
         key = self.keys.file_upload(file_id)
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.rpush(key, *lines)
@@ -66,14 +83,26 @@ class FileRecords:
             await pipe.execute()
 
     async def abort_upload(self, file_id: str) -> None:
+        if self.artifacts is not None:
+            await asyncio.to_thread(self.artifacts.drop, file_name(file_id), UPLOAD_TAG)
         await self.redis.delete(self.keys.file_upload(file_id))
 
     async def commit_file(self, fields: dict[str, str]) -> None:
         """The upload's lines (``fields["lines"]`` of them) become the file ``fields["id"]``."""
-        await self._commit(self.keys.file_upload(fields["id"]), "", fields)
+        await self._commit(self.keys.file_upload(fields["id"]), UPLOAD_TAG, "", fields)
 
-    async def _commit(self, upload: str, holder: str, fields: dict[str, str]) -> int:
+    async def _begin(self, file_id: str) -> None:
+        """Index a file's artifact being written, so it is deleted should the write never end (a
+        later expiry, its file's, stays)."""
+        deadline = time.time() + UPLOAD_TTL_S
+        await self.redis.zadd(self.keys.artifacts(), {file_name(file_id): deadline}, gt=True)
+
+    async def _commit(self, upload: str, tag: str, holder: str, fields: dict[str, str]) -> int:
         k, file_id, owner = self.keys, fields["id"], fields["owner"]
+        artifact = ""
+        if self.artifacts is not None:
+            artifact = file_name(file_id)
+            await asyncio.to_thread(self.artifacts.seal, artifact, tag, int(fields["lines"]))
         keys = [
             k.batch_feeder(),
             upload,
@@ -82,6 +111,7 @@ class FileRecords:
             k.owner_files(owner),
             k.owner_file_bytes(owner),
             k.owner_file_expiry(owner),
+            k.artifacts(),
         ]
         args: list[str | int] = [
             holder,
@@ -89,8 +119,10 @@ class FileRecords:
             self.settings.file_ttl_s,
             fields["created_at"],
             file_id,
+            fields["bytes"],
+            artifact,
         ]
-        reply = int(await self._scripts["file_commit"](keys, [*args, fields["bytes"], *flat(fields)]))
+        reply = int(await self._scripts["file_commit"](keys, [*args, *flat(fields)]))
         if reply == -2:
             raise RuntimeError(f"file {file_id}: the upload does not hold {fields['lines']} lines")
         return reply
@@ -111,6 +143,8 @@ class FileRecords:
 
     async def read_lines(self, file_id: str, start: int, count: int) -> list[str]:
         """Lines ``start`` to ``start + count - 1`` of the file (fewer past its end)."""
+        if self.artifacts is not None:
+            return await asyncio.to_thread(self.artifacts.read_lines, file_name(file_id), start, count)
         return [
             str(x) for x in await self.redis.lrange(self.keys.file_lines(file_id), start, start + count - 1)
         ]
@@ -122,13 +156,36 @@ class FileRecords:
             pipe.zrem(k.owner_files(owner), file_id)
             pipe.hdel(k.owner_file_bytes(owner), file_id)
             pipe.zrem(k.owner_file_expiry(owner), file_id)
+            pipe.zrem(k.artifacts(), file_name(file_id))
             deleted, *_ = await pipe.execute()
+        if self.artifacts is not None:
+            await asyncio.to_thread(self.artifacts.delete, file_name(file_id))
         return bool(deleted)
+
+    async def sweep_artifacts(self) -> int:
+        """Delete the artifacts due (their file or image expired, or their write never ended);
+        returns how many. The batch feeder's lease holder calls it at each tick."""
+        if self.artifacts is None:
+            return 0
+        index = self.keys.artifacts()
+        due = [str(n) for n in await self.redis.zrangebyscore(index, "-inf", time.time(), 0, SWEEP_BATCH)]
+        for name in due:
+            await asyncio.to_thread(self.artifacts.delete, name)
+        if due:
+            await self.redis.zrem(index, *due)
+        return len(due)
 
     # -- a batch's result files, under the feeder's fence ------------------------------------------
 
     async def append_attempt(self, file_id: str, fence: str, start: int, lines: Sequence[str]) -> None:
         """Append lines ``start`` on of a result file written under ``fence`` (``token:fence``)."""
+        if self.artifacts is not None:
+            # The file under this fence's tag is this call's own; the commit is what is fenced.
+            if await self.redis.get(self.keys.batch_feeder()) != fence:
+                raise FenceLost(fence)
+            await self._begin(file_id)
+            await asyncio.to_thread(self.artifacts.append, file_name(file_id), _tag(fence), lines)
+            return
         key = self.keys.file_attempt(file_id, _fence_number(fence))
         reply = int(
             await self._scripts["file_append_attempt"](
@@ -141,12 +198,18 @@ class FileRecords:
             raise RuntimeError(f"file {file_id}: the attempt's list does not end at line {start}")
 
     async def drop_attempt(self, file_id: str, fence: str) -> None:
+        if self.artifacts is not None:
+            await asyncio.to_thread(self.artifacts.drop, file_name(file_id), _tag(fence))
         await self.redis.delete(self.keys.file_attempt(file_id, _fence_number(fence)))
 
     async def commit_attempt(self, fence: str, fields: dict[str, str]) -> None:
-        """The result file written under ``fence`` becomes the file, if the fence still holds."""
+        """The result file written under ``fence`` becomes the file, if the fence still holds.
+
+        With artifacts, the artifact is renamed into place before the fenced commit: a feeder
+        that lost the lease writes the same lines under the same name (each line's result is set
+        once), and it has no listed file until the holder commits."""
         upload = self.keys.file_attempt(fields["id"], _fence_number(fence))
-        if await self._commit(upload, fence, fields) == -1:
+        if await self._commit(upload, _tag(fence), fence, fields) == -1:
             raise FenceLost(fence)
 
     async def _listed(self, index: str, key: Any) -> list[dict[str, str]]:

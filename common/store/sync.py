@@ -5,6 +5,7 @@ Every key it writes: docs/internals.md#redis-names-from-commonkeyspy-only-prefix
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -14,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Self
 import redis
 from redis.exceptions import RedisError
 
+from common.artifacts import Artifacts, part_name
 from common.keys import part_id, split_part_id
 from common.schemas.views import WorkerHeartbeat
 from common.settings import Settings
@@ -26,6 +28,7 @@ from common.store.calls import (
     take_args,
 )
 from common.store.clients import sync_client
+from common.store.files import UPLOAD_TTL_S
 from common.store.outbox import SyncOutbox
 from common.store.records import WORKER_FORGET_S, Append, Appended, TakeResult, heartbeats_from
 from common.store.scripts import source
@@ -68,6 +71,7 @@ class SyncJobStore:
         self._cancel = client.register_script(source("cancel"))
         self._drop_attempts = client.register_script(source("drop_attempts"))
         self._release_held = client.register_script(source("release_held"))
+        self.artifacts = Artifacts.at(settings.artifact_url)
 
     @classmethod
     def from_settings(cls, settings: Settings) -> Self:
@@ -107,13 +111,26 @@ class SyncJobStore:
                 results[i] = Appended.of(reply)
         for i, a in enumerate(appends):
             if results[i] is None:  # a part's, in order (several steps of one part stay in order)
-                keys, args = part_append_args(self.keys, a, ttl, now)
+                keys, args = part_append_args(self.keys, self._stored_content(a, now), ttl, now)
                 results[i] = Appended.of(self._part_append(keys, args))
         ended = [appends[i].job_id for i in jobs if appends[i].final and results[i] is Appended.WRITTEN]
         record_service_times(self.redis, self.keys, ended)
         if len(jobs) < len(appends):  # a part's append may have sent its held or dependent parts
             self.relay()
         return [r for r in results if r is not None]
+
+    def _stored_content(self, a: Append, now: float) -> Append:
+        """With SPOOL_ARTIFACT_URL set, a part's content (an image) goes to its artifact, and the
+        append carries the artifact's name. Indexed before it is written to be deleted an hour
+        after its reference (the content key, Keys.part_content) expires; one this attempt never
+        appends (fenced) is deleted with it."""
+        if not a.content or self.artifacts is None:
+            return a
+        name = part_name(a.job_id, a.attempt)
+        deadline = now + self.settings.job_ttl_s + UPLOAD_TTL_S
+        self.redis.zadd(self.keys.artifacts(), {name: deadline}, gt=True)
+        self.artifacts.write(name, a.content)
+        return dataclasses.replace(a, content=name.encode())
 
     def part_text(self, job_id: str, index: int) -> str:
         """The text of a job's text part so far (its final text once it succeeded)."""

@@ -1,7 +1,8 @@
 """A batch's result files when the API assembling them freezes mid-file: SIGSTOP it while it
 writes the error file, let another API take the feeder's lease over and finish the batch, then
 SIGCONT it. The files hold exactly one line per custom_id, and the file objects' line and byte
-counts are what downloads."""
+counts are what downloads. With the lines in Redis (the default) and in a directory
+(SPOOL_ARTIFACT_URL), where the frozen assembler, woken, may rename its copy into place."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import json
 import signal
 from collections import Counter
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +21,7 @@ from breakers import poll
 from procs import Prefixes, Service, start_api, start_worker, wait_until
 
 from api.batch_files import result_file_id
+from common.artifacts import file_name
 from common.keys import Keys
 
 pytestmark = pytest.mark.slow  # an API frozen and taken over
@@ -31,12 +34,26 @@ TRIES = 3  # batches run until one's assembler is frozen mid-file
 FEEDER = {"batch_feed_s": 0.05, "batch_window": 5000}
 
 
-@pytest.fixture
-def stack(prefixes: Prefixes, tiny_model: Path, log_dir: Path) -> Iterator[tuple[str, Service]]:
+@dataclass
+class Stack:
+    prefix: str
+    api: Service
+    settings: dict[str, object]
+    root: Path | None  # the artifact directory, None: the lines are in Redis
+
+
+@pytest.fixture(params=["redis", "file"])
+def stack(
+    request: pytest.FixtureRequest, prefixes: Prefixes, tiny_model: Path, log_dir: Path, tmp_path: Path
+) -> Iterator[Stack]:
     prefix = prefixes.new()
-    worker = start_worker(prefix, tiny_model, log_dir, max_batch_size=8)
-    api = start_api(prefix, log_dir, **FEEDER)
-    yield prefix, api
+    root = tmp_path if request.param == "file" else None
+    settings = {**FEEDER, "artifact_url": f"file://{root}" if root else ""}
+    worker = start_worker(
+        prefix, tiny_model, log_dir, max_batch_size=8, artifact_url=settings["artifact_url"]
+    )
+    api = start_api(prefix, log_dir, **settings)
+    yield Stack(prefix, api, settings, root)
     api.handle.signal(signal.SIGCONT)
     api.stop()
     worker.stop()
@@ -47,10 +64,15 @@ def line(i: int) -> dict[str, Any]:
     return {"custom_id": f"line-{i}", "method": "POST", "url": "/v1/completions", "body": body}
 
 
-def writing(r: redis.Redis, keys: Keys, file_id: str) -> bool:
-    """Whether an assembler is writing ``file_id`` now (its lines list under the lease's fence)."""
+def writing(r: redis.Redis, stack: Stack, file_id: str) -> bool:
+    """Whether an assembler is writing ``file_id`` now (its lines under the lease's fence: a list,
+    or the artifact's file of that fence)."""
+    keys = Keys(stack.prefix)
     holder = r.get(keys.batch_feeder())
     fence = holder.decode().rpartition(":")[2] if holder else ""
+    if stack.root is not None:
+        part = stack.root / f"{file_name(file_id)}.{fence}.part"
+        return fence.isdigit() and part.exists() and part.stat().st_size > 0
     candidates = [keys.file_upload(file_id)] + (
         [keys.file_attempt(file_id, int(fence))] if fence.isdigit() else []
     )
@@ -58,9 +80,9 @@ def writing(r: redis.Redis, keys: Keys, file_id: str) -> bool:
 
 
 def test_an_assembler_frozen_mid_file_and_taken_over_leaves_one_line_per_custom_id(
-    stack: tuple[str, Service], redis_client: redis.Redis, log_dir: Path
+    stack: Stack, redis_client: redis.Redis, log_dir: Path
 ) -> None:
-    prefix, first = stack
+    prefix, first = stack.prefix, stack.api
     keys = Keys(prefix)
     content = "".join(json.dumps(line(i)) + "\n" for i in range(LINES)).encode()
     with httpx.Client(base_url=first.url, timeout=60) as http:
@@ -74,7 +96,7 @@ def test_an_assembler_frozen_mid_file_and_taken_over_leaves_one_line_per_custom_
             ).json()
             error_file = result_file_id(batch["id"], "failed")
             poll(
-                lambda f=error_file: writing(redis_client, keys, f),
+                lambda f=error_file: writing(redis_client, stack, f),
                 "the assembler to write the error file",
                 120,
             )
@@ -84,7 +106,7 @@ def test_an_assembler_frozen_mid_file_and_taken_over_leaves_one_line_per_custom_
             first.handle.signal(signal.SIGCONT)  # it finished first: once more
         else:
             pytest.fail(f"the assembler finished {TRIES} files before it could be frozen")
-    second = start_api(prefix, log_dir, **FEEDER)
+    second = start_api(prefix, log_dir, **stack.settings)
     try:
         with httpx.Client(base_url=second.url, timeout=60) as http:
 

@@ -1,0 +1,216 @@
+"""SPOOL_ARTIFACT_URL=file://<dir>: files and images in a shared directory, their metadata in Redis,
+through the whole stack (real Redis, a text worker, a media worker, uvicorn): the bytes are in the
+directory and not in Redis, survive an API restart, and go when their file is deleted or expires."""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import redis
+from procs import (
+    REDIS_URL,
+    SPOOL,
+    Prefixes,
+    Service,
+    finished_job,
+    spool_env,
+    start,
+    start_api,
+    start_worker,
+    wait_until,
+)
+from pydantic import ValidationError
+
+from common.artifacts import Artifacts, file_name, part_name
+from common.keys import Keys
+from common.settings import Settings
+
+BATCH = {"batch_feed_s": 0.1, "batch_window": 12}
+
+
+def chat_line(i: int) -> dict[str, Any]:
+    body = {"messages": [{"role": "user", "content": f"count to {i}"}], "max_tokens": 4, "temperature": 0}
+    return {"custom_id": f"marker-{i}", "method": "POST", "url": "/v1/chat/completions", "body": body}
+
+
+def upload(oai: openai.OpenAI, content: bytes) -> str:
+    return oai.files.create(file=("input.jsonl", content), purpose="batch").id
+
+
+def jsonl(lines: list[dict[str, Any]]) -> bytes:
+    return "".join(json.dumps(x) + "\n" for x in lines).encode()
+
+
+@dataclass
+class Stack:
+    prefix: str
+    root: Path  # the artifact directory
+    settings: dict[str, object]
+    log_dir: Path
+    api: Service
+
+    @property
+    def keys(self) -> Keys:
+        return Keys(self.prefix)
+
+    def restart_api(self) -> None:
+        self.api.stop()
+        self.api = start_api(self.prefix, self.log_dir, **self.settings)
+
+    def oai(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.api.url}/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def stack(
+    prefixes: Prefixes,
+    tiny_model: Path,
+    tiny_image_model: Path,
+    log_dir: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[Stack]:
+    prefix, root = prefixes.new(), tmp_path_factory.mktemp("artifacts")
+    settings: dict[str, object] = {"artifact_url": f"file://{root}"}
+    text = start_worker(prefix, tiny_model, log_dir, max_batch_size=4, **settings)
+    env = spool_env(prefix, image_model=tiny_image_model, worker_name=f"{prefix}-m1", **settings)
+    env["OMP_NUM_THREADS"] = "1"
+    media = start(f"media-{prefix}-m1", [SPOOL, "worker", "--kind", "media"], env, log_dir)
+    r = redis.Redis.from_url(REDIS_URL)
+    wait_until(
+        lambda: bool(r.exists(Keys(prefix).worker(f"{prefix}-m1"))), "media worker heartbeat", 120, (media,)
+    )
+    s = Stack(prefix, root, {**settings, **BATCH}, log_dir, start_api(prefix, log_dir, **settings, **BATCH))
+    yield s
+    s.api.stop()
+    media.stop()
+    text.stop()
+
+
+def artifact_bytes(path: Path) -> bytes:
+    """A file's artifact without its trailer of line offsets (common/artifacts.py)."""
+    raw = path.read_bytes()
+    (lines,) = struct.unpack("<Q", raw[-8:])
+    return raw[: len(raw) - 8 * (lines + 2)]
+
+
+def prefix_values(r: redis.Redis, prefix: str) -> bytes:
+    """Every string, list and hash value under the prefix, joined: what Redis holds of its data."""
+    held = []
+    for key in r.scan_iter(f"{prefix}:*"):
+        kind = r.type(key)
+        if kind == b"string":
+            held.append(r.get(key) or b"")
+        elif kind == b"list":
+            held += r.lrange(key, 0, -1)
+        elif kind == b"hash":
+            held += r.hvals(key)
+    return b"\n".join(held)
+
+
+def test_a_batch_and_its_files_live_in_the_directory_and_survive_an_api_restart(
+    stack: Stack, redis_client: redis.Redis
+) -> None:
+    content = jsonl([chat_line(i) for i in range(5)])
+    with stack.oai() as oai:
+        input_id = upload(oai, content)
+        batch = oai.batches.create(
+            input_file_id=input_id,
+            endpoint="/v1/chat/completions",
+            completion_window="24h",  # type: ignore[arg-type]
+        )
+        wait_until(
+            lambda: oai.batches.retrieve(batch.id).status not in ("validating", "in_progress", "finalizing"),
+            "the batch to end",
+            120,
+        )
+        done = oai.batches.retrieve(batch.id)
+        assert (done.status, done.request_counts and done.request_counts.completed) == ("completed", 5)
+        output = oai.files.content(done.output_file_id or "").content
+    assert [json.loads(x)["custom_id"] for x in output.splitlines()] == [f"marker-{i}" for i in range(5)]
+    # The bytes are the directory's, and none of the lines are in Redis: no list of lines, no
+    # results hash; the custom_ids (only in the files) appear nowhere in the prefix's values.
+    assert artifact_bytes(stack.root / "files" / f"{input_id}.jsonl") == content
+    assert artifact_bytes(stack.root / "files" / f"{done.output_file_id}.jsonl") == output
+    assert not redis_client.exists(stack.keys.file_lines(input_id), stack.keys.batch_results(batch.id))
+    assert b"marker-" not in prefix_values(redis_client, stack.prefix)
+
+    stack.restart_api()
+    with stack.oai() as oai:
+        assert oai.files.content(input_id).content == content
+        assert oai.files.content(done.output_file_id or "").content == output
+        assert oai.batches.retrieve(batch.id).status == "completed"
+
+
+def test_an_image_is_in_the_directory_and_served_the_same(
+    stack: Stack, client: httpx.Client, redis_client: redis.Redis
+) -> None:
+    image = {"type": "image", "prompt": "a lighthouse", "size": "32x32", "steps": 2, "seed": 7}
+    r = client.post(f"{stack.api.url}/v1/jobs", json={"parts": [image]})
+    assert r.status_code == 202, r.text
+    job_id = r.json()["id"]
+    assert finished_job(client, stack.api.url, job_id)["status"] == "succeeded"
+    served = client.get(f"{stack.api.url}/v1/jobs/{job_id}/parts/0/content")
+    assert served.status_code == 200 and served.content.startswith(b"\x89PNG")
+    [png] = (stack.root / "parts").glob(f"{job_id}.0.*.png")
+    assert png.read_bytes() == served.content
+    # Redis holds the artifact's name, not the image.
+    reference = redis_client.get(stack.keys.part_content(f"{job_id}:part:0"))
+    assert reference == f"parts/{png.name}".encode()
+
+
+def test_deleting_a_file_deletes_its_artifact(stack: Stack) -> None:
+    with stack.oai() as oai:
+        file_id = upload(oai, jsonl([chat_line(0)]))
+        path = stack.root / "files" / f"{file_id}.jsonl"
+        assert path.exists()
+        assert oai.files.delete(file_id).deleted
+    assert not path.exists()
+
+
+def test_a_file_that_expires_loses_its_artifact(stack: Stack, client: httpx.Client) -> None:
+    # Another API on the same Redis and directory whose files expire in 2 s; the sweep of whichever
+    # API holds the feeder's lease deletes the artifact.
+    brief = start_api(stack.prefix, stack.log_dir, ready=False, file_ttl_s=2, **stack.settings)
+    try:
+        with openai.OpenAI(base_url=f"{brief.url}/v1", api_key="unused", max_retries=0) as oai:
+            file_id = upload(oai, jsonl([chat_line(0)]))
+        path = stack.root / "files" / f"{file_id}.jsonl"
+        assert path.exists()
+        wait_until(lambda: not path.exists(), "the expired file's artifact to be deleted", 30)
+        assert client.get(f"{stack.api.url}/v1/files/{file_id}").status_code == 404
+    finally:
+        brief.stop()
+
+
+def test_a_files_lines_are_read_by_window_from_its_artifact(tmp_path: Path) -> None:
+    store = Artifacts(tmp_path)
+    name = file_name("file-abc")
+    store.append(name, "upload", ["a\n", "\n", "bé\n"])
+    store.append(name, "upload", ["no newline at the end"])
+    with pytest.raises(RuntimeError):
+        store.seal(name, "upload", 3)  # a count that does not match renames nothing
+    assert not (tmp_path / name).exists()
+    store.seal(name, "upload", 4)
+    assert store.read_lines(name, 0, 10) == ["a\n", "\n", "bé\n", "no newline at the end"]
+    assert store.read_lines(name, 1, 2) == ["\n", "bé\n"]
+    assert store.read_lines(name, 4, 1) == []
+    assert store.read_lines(file_name("file-gone"), 0, 1) == []
+    store.seal(file_name("file-empty"), "upload", 0)
+    assert store.read_lines(file_name("file-empty"), 0, 1) == []
+
+
+def test_only_ids_name_artifacts_and_only_a_directory_is_a_store() -> None:
+    with pytest.raises(ValueError):
+        file_name("../../etc/passwd")
+    assert part_name("ab12:part:3", 2) == "parts/ab12.3.2.png"
+    for url in ("s3://bucket/prefix", "file://relative/dir", "/no/scheme"):
+        with pytest.raises(ValidationError, match="SPOOL_ARTIFACT_URL|not supported"):
+            Settings(artifact_url=url)
