@@ -15,7 +15,7 @@ from typing import Literal, TypeVar
 from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from common.artifacts import artifact_root
+from common.artifacts import check_url
 from common.keys import Keys
 from common.tool_calls import PARSERS
 from common.webhooks import check_secret
@@ -119,7 +119,8 @@ class Settings(BaseSettings):
     batch_window: int = Field(256, ge=1)
     batch_feed_s: float = Field(0.2, gt=0)  # how often the feeder looks at the running batches
     # Where the bytes of files and images go (common/artifacts.py): empty, in Redis; file:///path,
-    # a directory every API and worker process shares. Redis keeps their metadata either way.
+    # a directory every API and worker process shares; s3://bucket/prefix, an S3-compatible
+    # bucket (the extra spool[s3]). Redis keeps their metadata either way.
     artifact_url: str = ""
 
     # Workers (liveness)
@@ -192,7 +193,7 @@ class Settings(BaseSettings):
     @field_validator("artifact_url")
     @classmethod
     def _artifact_url(cls, v: str) -> str:
-        artifact_root(v)  # ValueError: named with the variable
+        check_url(v)  # ValueError: named with the variable
         return v
 
     @field_validator("webhook_secret")

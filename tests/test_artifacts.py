@@ -1,16 +1,20 @@
-"""SPOOL_ARTIFACT_URL=file://<dir>: files and images in a shared directory, their metadata in Redis,
-through the whole stack (real Redis, a text worker, a media worker, uvicorn): the bytes are in the
-directory and not in Redis, survive an API restart, and go when their file is deleted or expires."""
+"""SPOOL_ARTIFACT_URL=file://<dir> and s3://<bucket>/<prefix> (a moto server process): files and
+images in the store, their metadata in Redis, through the whole stack (real Redis, a text worker, a
+media worker, uvicorn): the bytes are in the store and not in Redis, survive an API restart, and go
+when their file is deleted or expires."""
 
 from __future__ import annotations
 
 import json
+import re
 import struct
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import boto3
 import httpx
 import openai
 import pytest
@@ -21,6 +25,8 @@ from procs import (
     Prefixes,
     Service,
     finished_job,
+    free_port,
+    http_status,
     spool_env,
     start,
     start_api,
@@ -34,6 +40,7 @@ from common.keys import Keys
 from common.settings import Settings
 
 BATCH = {"batch_feed_s": 0.1, "batch_window": 12}
+BUCKET = "spool-test"
 
 
 def chat_line(i: int) -> dict[str, Any]:
@@ -52,7 +59,7 @@ def jsonl(lines: list[dict[str, Any]]) -> bytes:
 @dataclass
 class Stack:
     prefix: str
-    root: Path  # the artifact directory
+    store: Artifacts  # the stack's artifacts, read here as its processes write them
     settings: dict[str, object]
     log_dir: Path
     api: Service
@@ -70,15 +77,49 @@ class Stack:
 
 
 @pytest.fixture(scope="module")
+def s3_url(prefixes: Prefixes, log_dir: Path) -> Iterator[str]:
+    """An S3-compatible server (moto's, a process on a free port) with a bucket, and the standard
+    AWS_* variables that point boto3 at it, here and in the processes started meanwhile."""
+    prefix, port = prefixes.new(), free_port()
+    argv = [sys.executable, "-m", "moto.server", "-p", str(port)]
+    server = start(f"moto-{prefix}", argv, spool_env(prefix), log_dir)
+    endpoint = f"http://127.0.0.1:{port}"
+    wait_until(lambda: http_status(endpoint) is not None, "the S3 server", 60, (server,))
+    aws = {
+        "ENDPOINT_URL": endpoint,
+        "ACCESS_KEY_ID": "test",
+        "SECRET_ACCESS_KEY": "test",
+        "REGION": "us-east-1",
+    }
+    with pytest.MonkeyPatch.context() as env:
+        for name, value in aws.items():
+            env.setenv(f"AWS_{name}", value)
+        boto3.client("s3").create_bucket(Bucket=BUCKET)
+        yield f"s3://{BUCKET}/{prefix}"
+    server.stop()
+
+
+def store_url(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The store the test's parameter names: a new directory, or the S3 server's bucket."""
+    if request.param == "file":
+        return f"file://{tmp_path_factory.mktemp('artifacts')}"
+    url: str = request.getfixturevalue("s3_url")
+    return url
+
+
+# The stack on S3 is slow: a second stack of the same processes (the fast tier reads and writes
+# S3 in the tests of Artifacts below).
+@pytest.fixture(scope="module", params=["file", pytest.param("s3", marks=pytest.mark.slow)])
 def stack(
+    request: pytest.FixtureRequest,
     prefixes: Prefixes,
     tiny_model: Path,
     tiny_image_model: Path,
     log_dir: Path,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[Stack]:
-    prefix, root = prefixes.new(), tmp_path_factory.mktemp("artifacts")
-    settings: dict[str, object] = {"artifact_url": f"file://{root}"}
+    prefix, url = prefixes.new(), store_url(request, tmp_path_factory)
+    settings: dict[str, object] = {"artifact_url": url}
     text = start_worker(prefix, tiny_model, log_dir, max_batch_size=4, **settings)
     env = spool_env(prefix, image_model=tiny_image_model, worker_name=f"{prefix}-m1", **settings)
     env["OMP_NUM_THREADS"] = "1"
@@ -87,16 +128,18 @@ def stack(
     wait_until(
         lambda: bool(r.exists(Keys(prefix).worker(f"{prefix}-m1"))), "media worker heartbeat", 120, (media,)
     )
-    s = Stack(prefix, root, {**settings, **BATCH}, log_dir, start_api(prefix, log_dir, **settings, **BATCH))
+    store = Artifacts.at(url)
+    assert store is not None
+    s = Stack(prefix, store, {**settings, **BATCH}, log_dir, start_api(prefix, log_dir, **settings, **BATCH))
     yield s
     s.api.stop()
     media.stop()
     text.stop()
 
 
-def artifact_bytes(path: Path) -> bytes:
+def artifact_bytes(raw: bytes | None) -> bytes:
     """A file's artifact without its trailer of line offsets (common/artifacts.py)."""
-    raw = path.read_bytes()
+    assert raw is not None
     (lines,) = struct.unpack("<Q", raw[-8:])
     return raw[: len(raw) - 8 * (lines + 2)]
 
@@ -115,7 +158,7 @@ def prefix_values(r: redis.Redis, prefix: str) -> bytes:
     return b"\n".join(held)
 
 
-def test_a_batch_and_its_files_live_in_the_directory_and_survive_an_api_restart(
+def test_a_batch_and_its_files_live_in_the_store_and_survive_an_api_restart(
     stack: Stack, redis_client: redis.Redis
 ) -> None:
     content = jsonl([chat_line(i) for i in range(5)])
@@ -135,10 +178,10 @@ def test_a_batch_and_its_files_live_in_the_directory_and_survive_an_api_restart(
         assert (done.status, done.request_counts and done.request_counts.completed) == ("completed", 5)
         output = oai.files.content(done.output_file_id or "").content
     assert [json.loads(x)["custom_id"] for x in output.splitlines()] == [f"marker-{i}" for i in range(5)]
-    # The bytes are the directory's, and none of the lines are in Redis: no list of lines, no
+    # The bytes are the store's, and none of the lines are in Redis: no list of lines, no
     # results hash; the custom_ids (only in the files) appear nowhere in the prefix's values.
-    assert artifact_bytes(stack.root / "files" / f"{input_id}.jsonl") == content
-    assert artifact_bytes(stack.root / "files" / f"{done.output_file_id}.jsonl") == output
+    assert artifact_bytes(stack.store.read(file_name(input_id))) == content
+    assert artifact_bytes(stack.store.read(file_name(done.output_file_id or ""))) == output
     assert not redis_client.exists(stack.keys.file_lines(input_id), stack.keys.batch_results(batch.id))
     assert b"marker-" not in prefix_values(redis_client, stack.prefix)
 
@@ -149,7 +192,7 @@ def test_a_batch_and_its_files_live_in_the_directory_and_survive_an_api_restart(
         assert oai.batches.retrieve(batch.id).status == "completed"
 
 
-def test_an_image_is_in_the_directory_and_served_the_same(
+def test_an_image_is_in_the_store_and_served_the_same(
     stack: Stack, client: httpx.Client, redis_client: redis.Redis
 ) -> None:
     image = {"type": "image", "prompt": "a lighthouse", "size": "32x32", "steps": 2, "seed": 7}
@@ -159,58 +202,71 @@ def test_an_image_is_in_the_directory_and_served_the_same(
     assert finished_job(client, stack.api.url, job_id)["status"] == "succeeded"
     served = client.get(f"{stack.api.url}/v1/jobs/{job_id}/parts/0/content")
     assert served.status_code == 200 and served.content.startswith(b"\x89PNG")
-    [png] = (stack.root / "parts").glob(f"{job_id}.0.*.png")
-    assert png.read_bytes() == served.content
     # Redis holds the artifact's name, not the image.
-    reference = redis_client.get(stack.keys.part_content(f"{job_id}:part:0"))
-    assert reference == f"parts/{png.name}".encode()
+    reference = (redis_client.get(stack.keys.part_content(f"{job_id}:part:0")) or b"").decode()
+    assert re.fullmatch(rf"parts/{job_id}\.0\.\d+\.png", reference)
+    assert stack.store.read(reference) == served.content
 
 
 def test_deleting_a_file_deletes_its_artifact(stack: Stack) -> None:
     with stack.oai() as oai:
         file_id = upload(oai, jsonl([chat_line(0)]))
-        path = stack.root / "files" / f"{file_id}.jsonl"
-        assert path.exists()
+        assert stack.store.read(file_name(file_id)) is not None
         assert oai.files.delete(file_id).deleted
-    assert not path.exists()
+    assert stack.store.read(file_name(file_id)) is None
 
 
 def test_a_file_that_expires_loses_its_artifact(stack: Stack, client: httpx.Client) -> None:
-    # Another API on the same Redis and directory whose files expire in 2 s; the sweep of whichever
+    # Another API on the same Redis and store whose files expire in 2 s; the sweep of whichever
     # API holds the feeder's lease deletes the artifact.
     brief = start_api(stack.prefix, stack.log_dir, ready=False, file_ttl_s=2, **stack.settings)
     try:
         with openai.OpenAI(base_url=f"{brief.url}/v1", api_key="unused", max_retries=0) as oai:
             file_id = upload(oai, jsonl([chat_line(0)]))
-        path = stack.root / "files" / f"{file_id}.jsonl"
-        assert path.exists()
-        wait_until(lambda: not path.exists(), "the expired file's artifact to be deleted", 30)
+        name = file_name(file_id)
+        assert stack.store.read(name) is not None
+        wait_until(lambda: stack.store.read(name) is None, "the expired file's artifact to be deleted", 30)
         assert client.get(f"{stack.api.url}/v1/files/{file_id}").status_code == 404
     finally:
         brief.stop()
 
 
-def test_a_files_lines_are_read_by_window_from_its_artifact(tmp_path: Path) -> None:
-    store = Artifacts(tmp_path)
+@pytest.fixture(params=["file", "s3"])
+def store(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Artifacts:
+    store = Artifacts.at(store_url(request, tmp_path_factory))
+    assert store is not None
+    return store
+
+
+def test_a_files_lines_are_read_by_window_from_its_artifact(store: Artifacts) -> None:
     name = file_name("file-abc")
     store.append(name, "upload", ["a\n", "\n", "bé\n"])
     store.append(name, "upload", ["no newline at the end"])
     with pytest.raises(RuntimeError):
-        store.seal(name, "upload", 3)  # a count that does not match renames nothing
-    assert not (tmp_path / name).exists()
+        store.seal(name, "upload", 3)  # a count that does not match publishes nothing
+    assert store.read(name) is None
     store.seal(name, "upload", 4)
-    assert store.read_lines(name, 0, 10) == ["a\n", "\n", "bé\n", "no newline at the end"]
-    assert store.read_lines(name, 1, 2) == ["\n", "bé\n"]
-    assert store.read_lines(name, 4, 1) == []
+    # The offsets asked for read from the artifact's tail, or (a tail too short) read apart.
+    for tail_bytes in (8, 1 << 16):
+        store.tail_bytes = tail_bytes
+        assert store.read_lines(name, 0, 10) == ["a\n", "\n", "bé\n", "no newline at the end"]
+        assert store.read_lines(name, 1, 2) == ["\n", "bé\n"]
+        assert store.read_lines(name, 4, 1) == []
     assert store.read_lines(file_name("file-gone"), 0, 1) == []
     store.seal(file_name("file-empty"), "upload", 0)
     assert store.read_lines(file_name("file-empty"), 0, 1) == []
 
 
-def test_only_ids_name_artifacts_and_only_a_directory_is_a_store() -> None:
+def test_only_ids_name_artifacts_and_only_a_directory_or_a_bucket_is_a_store(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     with pytest.raises(ValueError):
         file_name("../../etc/passwd")
     assert part_name("ab12:part:3", 2) == "parts/ab12.3.2.png"
-    for url in ("s3://bucket/prefix", "file://relative/dir", "/no/scheme"):
+    for url in ("s3:///no-bucket", "gs://bucket/prefix", "file://relative/dir", "/no/scheme"):
         with pytest.raises(ValidationError, match="SPOOL_ARTIFACT_URL|not supported"):
             Settings(artifact_url=url)
+    assert Settings(artifact_url="s3://bucket/prefix").artifact_url == "s3://bucket/prefix"
+    monkeypatch.setitem(sys.modules, "boto3", None)  # an install without the extra
+    with pytest.raises(ValidationError, match=re.escape("pip install 'spool[s3]'")):
+        Settings(artifact_url="s3://bucket/prefix")
