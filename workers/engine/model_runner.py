@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import hashlib
 import inspect
-import io
 import logging
 import sys
 import tempfile
@@ -108,7 +107,9 @@ class ModelRunner:
         self.forward(*largest)
         log.info("compiled the forward in %.1f s (%s)", time.perf_counter() - started, how)
 
-    def _compile(self, example: attention.PackedBatch, config: EngineConfig) -> tuple[Any, str]:
+    def _compile(
+        self, example: attention.PackedBatch, config: EngineConfig
+    ) -> tuple[Callable[..., torch.Tensor], str]:
         """The forward compiled ahead of time by AOTInductor, and how it came: loaded from
         ``config.compile_cache_dir``, or compiled (and saved there when it is set).
 
@@ -120,46 +121,39 @@ class ModelRunner:
         step's as the example) for one model's weights, so its name is a digest of what the
         compile depends on (``_artifact_key``) and another model, batch shape or torch never loads it.
         """
-        from torch._inductor import aoti_compile_and_package, aoti_load_package
-
         inputs = (example.input_ids, example.position_ids, example.logits_rows)
-        path = None
-        if config.compile_cache_dir is not None:
-            path = Path(config.compile_cache_dir) / f"{self._artifact_key(inputs)}.pt2"
-            if path.exists():
-                try:
-                    return aoti_load_package(str(path)), f"loaded from {path}"
-                except Exception:  # a damaged or partial file: compiled again, over it
-                    log.warning(
-                        "could not load the compiled forward %s; compiling it again", path, exc_info=True
-                    )
+        if config.compile_cache_dir is None:
+            with tempfile.TemporaryDirectory() as tmp:
+                path = Path(tmp) / "forward.pt2"
+                self._export_and_compile(inputs, path)
+                return _load_package(path), "not kept: no compile cache directory"
+        path = Path(config.compile_cache_dir) / f"{self._artifact_key(inputs)}.pt2"
+        if path.exists():
+            try:
+                return _load_package(path), f"loaded from {path}"
+            except Exception:  # a damaged file: compiled again, over it
+                log.warning("could not load the compiled forward %s; compiling it again", path, exc_info=True)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # Written beside and renamed: a worker starting meanwhile never reads half a package.
+        with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".pt2", delete=False) as f:
+            partial = Path(f.name)
+        try:
+            self._export_and_compile(inputs, partial)
+            partial.replace(path)
+        finally:
+            partial.unlink(missing_ok=True)
+        return _load_package(path), f"saved to {path}"
+
+    def _export_and_compile(self, inputs: tuple[torch.Tensor, ...], path: Path) -> None:
+        from torch._inductor import aoti_compile_and_package
+
         # Both sizes dynamic from 2 (_at_least_two): one package serves every step.
         tokens, rows = torch.export.Dim("tokens", min=2), torch.export.Dim("rows", min=2)
         program = torch.export.export(
-            _Forward(self),
-            inputs,
-            dynamic_shapes=({1: tokens}, {1: tokens}, {0: rows}),
-            strict=False,
+            _Forward(self), inputs, dynamic_shapes=({1: tokens}, {1: tokens}, {0: rows}), strict=False
         )
-        # Inductor freezes only with grad off (compile_fx).
-        with torch.no_grad():
-            if path is None:
-                buffer = io.BytesIO()
-                aoti_compile_and_package(program, package_path=buffer, inductor_configs={"freezing": True})
-                buffer.seek(0)
-                return aoti_load_package(buffer), "not kept: no compile cache directory"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            # Written beside and renamed: a worker starting meanwhile never reads half a package.
-            with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".pt2", delete=False) as f:
-                partial = Path(f.name)
-            try:
-                aoti_compile_and_package(
-                    program, package_path=str(partial), inductor_configs={"freezing": True}
-                )
-                partial.replace(path)
-            finally:
-                partial.unlink(missing_ok=True)
-        return aoti_load_package(str(path)), f"saved to {path}"
+        with torch.no_grad():  # inductor freezes only with grad off (compile_fx)
+            aoti_compile_and_package(program, package_path=str(path), inductor_configs={"freezing": True})
 
     def _artifact_key(self, inputs: tuple[torch.Tensor, ...]) -> str:
         """A digest of what a compiled forward depends on: the weights (their names, shapes and
@@ -247,6 +241,21 @@ class ModelRunner:
             )
         logits: torch.Tensor = out.logits[0]  # [rows, V]
         return logits
+
+
+def _load_package(path: Path) -> Callable[..., torch.Tensor]:
+    """The compiled forward in the package at ``path``, loaded by torch's own loader, not through
+    ``aoti_load_package``: that one first probes which vector instruction sets the CPU runs,
+    loading a test library in a subprocess per set (2 s of a warm start), only to warn if the
+    package's differs, which its name (the digest holds the CPU's capability) already rules out;
+    and its callable parses the package's input and output specs again at every step."""
+    loader = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
+
+    def run(input_ids: torch.Tensor, position_ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        [logits] = loader.boxed_run([input_ids, position_ids, rows])
+        return logits
+
+    return run
 
 
 class _Forward(torch.nn.Module):
