@@ -150,7 +150,7 @@ class ModelRunner:
         # Both sizes dynamic from 2 (_at_least_two): one package serves every step.
         tokens, rows = torch.export.Dim("tokens", min=2), torch.export.Dim("rows", min=2)
         program = torch.export.export(
-            _Forward(self), inputs, dynamic_shapes=({1: tokens}, {1: tokens}, {0: rows}), strict=False
+            _Forward(self.model), inputs, dynamic_shapes=({1: tokens}, {1: tokens}, {0: rows}), strict=False
         )
         with torch.no_grad():  # inductor freezes only with grad off (compile_fx)
             aoti_compile_and_package(program, package_path=str(path), inductor_configs={"freezing": True})
@@ -261,9 +261,9 @@ def _load_package(path: Path) -> Callable[..., torch.Tensor]:
 class _Forward(torch.nn.Module):
     """The compiled forward: no cache object (the attention op writes the layers)."""
 
-    def __init__(self, runner: ModelRunner) -> None:
+    def __init__(self, model: Any) -> None:
         super().__init__()
-        self.model = runner.model
+        self.model = model
 
     def forward(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor, rows: torch.Tensor
