@@ -4,10 +4,10 @@ eager and compiled, cold and warm, alternating.
 
 Each start is a fresh `spool up` (API, text, media and hook workers) on a private
 ``redis-server``; it is timed from the process's start to its ``spool: ready at`` line (a text
-worker serves the model and /readyz answers), then stopped. Cold: an empty compiler cache
-(``TORCHINDUCTOR_CACHE_DIR``, a new directory: inductor's FX graph cache and AOTAutograd's cache
-live there); warm: the same directory again, as a restart finds it. The text worker's own
-``compiled the forward in X s`` line is reported beside it. A round is eager cold, compiled cold,
+worker serves the model and /readyz answers), then stopped. Cold: empty compile caches (a new
+directory as ``SPOOL_COMPILE_CACHE_DIR``, where the worker keeps its compiled forward, and as
+``TORCHINDUCTOR_CACHE_DIR``, inductor's own); warm: the same directory again, as a restart finds
+it. The text worker's own ``compiled the forward in X s`` line is reported beside it. A round is eager cold, compiled cold,
 eager warm, compiled warm, in that order, so that a machine whose load changes (other jobs)
 spreads over every mode; the medians over ``--rounds`` are printed, with the load average.
 
@@ -40,7 +40,7 @@ def one_start(
     from spool_cli.procs import free_port
 
     env = spool_env(redis_url, f"startup-{name}", port=free_port(), compile=str(compiled).lower())
-    env["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir)
+    env["SPOOL_COMPILE_CACHE_DIR"] = env["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir)
     started = time.perf_counter()
     up = start(name, [*spool_argv(), "up"], env=env, log_dir=log_dir)
     try:

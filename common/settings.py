@@ -52,10 +52,13 @@ class Settings(BaseSettings):
     prefill_chunk_size: int = Field(512, ge=16)
     max_prefill_tokens_per_step: int = Field(2048, ge=16)
     enable_prefix_caching: bool = True  # reuse cached prompt prefixes, per owner (the engine's EngineConfig)
-    # The engine's forward through torch.compile, compiled at load (EngineConfig.compile); unset:
-    # on for SPOOL_DEVICE=cpu, where it pays (docs/benchmarks.md), falling back to eager if the
-    # compiler fails on the model; off elsewhere (not measured on a GPU yet).
+    # The engine's forward compiled ahead of time, at load (EngineConfig.compile); unset: on for
+    # SPOOL_DEVICE=cpu, where it pays (docs/benchmarks.md), falling back to eager if the compiler
+    # fails on the model; off elsewhere (not measured on a GPU yet).
     compile: bool | None = None
+    # Where compiled forwards are kept between starts (EngineConfig.compile_cache_dir); empty:
+    # spool/compile under the user's cache directory ($XDG_CACHE_HOME, else ~/.cache).
+    compile_cache_dir: str = ""
     # What one structured-output request's token mask may take per step (its grammar's allowed
     # tokens, while the whole batch waits), in ms of CPU time; a fill over it is cut off and its
     # request fails with guide_too_expensive (EngineConfig.max_guide_mask_ms). 0: no budget.

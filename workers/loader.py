@@ -8,7 +8,9 @@ Tool parsers: docs/internals.md#tool-calls-commontool_callspy.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -41,7 +43,12 @@ def engine_config(settings: Settings, path: str) -> EngineConfig:
         ),
         # Unset: where it was measured to pay, a CPU (docs/benchmarks.md); not yet on a GPU.
         compile=settings.compile if settings.compile is not None else settings.device == "cpu",
+        compile_cache_dir=settings.compile_cache_dir or str(_user_cache_dir() / "spool" / "compile"),
     )
+
+
+def _user_cache_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
 
 
 def load_engine(settings: Settings) -> Engine:

@@ -4,6 +4,7 @@ The tests share one compiled engine (the compile is the cost); each leaves it wi
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -31,16 +32,21 @@ def run_all(engine, prompts: list[str], max_tokens: list[int]) -> dict[str, list
 
 
 @pytest.fixture(scope="module")
-def engine(llama_dir: Path) -> Engine:
+def config(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> EngineConfig:
     """Small prefill chunks: a step may hold several chunks, or one that does not end its prompt."""
-    config = EngineConfig(
+    return EngineConfig(
         model=str(llama_dir),
         max_batch_size=4,
         device=TEST_DEVICE,
         compile=True,
+        compile_cache_dir=str(tmp_path_factory.mktemp("compile-cache")),
         prefill_chunk_size=16,
         max_prefill_tokens_per_step=32,
     )
+
+
+@pytest.fixture(scope="module")
+def engine(config: EngineConfig) -> Engine:
     return Engine(config)
 
 
@@ -78,3 +84,19 @@ def test_an_interrupted_compiled_step_is_dropped_and_the_next_runs_it_again(
     while engine.has_unfinished():
         out += [t for d in engine.step() for t in d.token_ids]
     assert out == expected
+
+
+def test_a_second_engine_loads_the_forward_the_first_compiled(
+    engine: Engine, config: EngineConfig, llama_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A restarted worker finds its compiled forward in the cache directory: loaded, not compiled
+    again, and the same tokens."""
+    assert config.compile_cache_dir is not None
+    [package] = Path(config.compile_cache_dir).glob("*.pt2")  # the first engine's (the fixture)
+    with caplog.at_level(logging.INFO, logger="workers.engine.model_runner"):
+        second = Engine(config)
+    assert f"(loaded from {package})" in caplog.text
+    assert list(Path(config.compile_cache_dir).glob("*.pt2")) == [package]
+    tokens = run_all(second, PROMPTS, [5, 5, 5, 5])
+    for i, prompt in enumerate(PROMPTS):
+        assert tokens[str(i)] == greedy(llama_dir, prompt, 5).token_ids, prompt

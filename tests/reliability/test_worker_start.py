@@ -79,10 +79,11 @@ def test_a_worker_whose_model_does_not_load_exits_with_the_reason_before_taking_
 @pytest.fixture
 def no_cxx(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """The workers started from here find no C++ compiler, so inductor cannot build the CPU
-    kernels of the compiled forward; an empty cache of its own, so no kernel built earlier
-    stands in for one."""
+    kernels of the compiled forward; empty caches of their own (inductor's, and the user cache
+    directory where the worker keeps compiled forwards), so nothing built earlier stands in."""
     monkeypatch.setenv("CXX", "/nonexistent/g++")
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
 
 
 @pytest.mark.usefixtures("no_cxx")

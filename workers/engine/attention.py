@@ -13,8 +13,8 @@ dispatch through that interface (Llama, Qwen2, GPT-2, OPT, ...) runs packed. Out
 forward (no ``PackedBatch`` active) it is plain SDPA.
 
 A compiled forward (``EngineConfig.compile``) passes the model no cache: each layer's key/value
-write and its packed attention are then the custom op ``spool::attend``, opaque to
-``torch.compile``, so what changes shape every step stays out of the graph.
+write and its packed attention are then the custom op ``spool::attend``, opaque to the compiler
+(``torch.export``, then AOTInductor), so what changes shape every step stays out of the graph.
 
 The contract: docs/internals.md#engine-api-workersengine ("Inside a step").
 """
@@ -121,8 +121,8 @@ def attend(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_idx: int, scaling: float | None
 ) -> torch.Tensor:
     """A compiled forward's attention layer: write the step's keys and values [1, Hkv, T, D] into
-    the cache, then attend as ``packed_attention`` does; [T, Hq, D]. One opaque op to
-    ``torch.compile``: its shapes change every step (the requests' lengths), so it runs as it does
+    the cache, then attend as ``packed_attention`` does; [T, Hq, D]. One opaque op to the
+    compiler: its shapes change every step (the requests' lengths), so it runs as it does
     eagerly, and what the compiler fuses is the rest of the layer."""
     batch, writer = _current.get(), _writer.get()
     assert batch is not None and writer is not None, "a compiled forward runs inside active(batch, writer)"

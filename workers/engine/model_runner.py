@@ -5,16 +5,22 @@ The packed forward and the compiled one: docs/internals.md#engine-api-workerseng
 
 from __future__ import annotations
 
+import hashlib
+import inspect
 import logging
+import sys
+import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, cast
 
 import torch
+import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from workers.engine import attention
-from workers.engine.kv_cache import ShapeProbe, SlotKVCache
+from workers.engine.kv_cache import ShapeProbe, SlotKVCache, StepInterrupted
 from workers.engine.types import EngineConfig
 
 log = logging.getLogger(__name__)
@@ -96,17 +102,82 @@ class ModelRunner:
         if not config.compile:
             self.forward(*largest)
             return
-        from torch._inductor import config as inductor
-
         started = time.perf_counter()
-        self._compiled = torch.compile(self._logits, dynamic=True)
-        # Compiled at its first call. Freezing: the weights are constants to the compiler, so on a
-        # CPU it packs them for oneDNN's matmuls (a second copy of them) and folds what depends on
-        # them only. (torch.compile's options= does not reach it; the config does.)
-        with inductor.patch(freezing=True):
-            self.forward(*largest)
-            self.forward([(0, 0, 0)], [])  # the smallest: one decode row
-        log.info("compiled the forward in %.1f s", time.perf_counter() - started)
+        self._compiled, how = self._compile(self.cache.begin(*largest, pad=_at_least_two), config)
+        self.forward(*largest)
+        log.info("compiled the forward in %.1f s (%s)", time.perf_counter() - started, how)
+
+    def _compile(
+        self, example: attention.PackedBatch, config: EngineConfig
+    ) -> tuple[Callable[..., torch.Tensor], str]:
+        """The forward compiled ahead of time by AOTInductor, and how it came: loaded from
+        ``config.compile_cache_dir``, or compiled (and saved there when it is set).
+
+        Ahead of time, because inductor's freezing (the weights constants, on a CPU packed for
+        oneDNN's matmuls: most of the compiled forward's speed) keeps a graph out of the FX graph
+        and AOTAutograd caches, so a torch.compile'd forward was traced and compiled again at every
+        start; a package keeps the packed weights and kernels, and loads in a fraction of a second.
+        It holds the exported forward (dynamic token and row counts, compiled with the largest
+        step's as the example) for one model's weights, so its name is a digest of what the
+        compile depends on (``_artifact_key``) and another model, batch shape or torch never loads it.
+        """
+        inputs = (example.input_ids, example.position_ids, example.logits_rows)
+        if config.compile_cache_dir is None:
+            with tempfile.TemporaryDirectory() as tmp:
+                path = Path(tmp) / "forward.pt2"
+                self._export_and_compile(inputs, path)
+                return _load_package(path), "not kept: no compile cache directory"
+        path = Path(config.compile_cache_dir) / f"{self._artifact_key(inputs)}.pt2"
+        if path.exists():
+            try:
+                return _load_package(path), f"loaded from {path}"
+            except Exception:  # a damaged file: compiled again, over it
+                log.warning("could not load the compiled forward %s; compiling it again", path, exc_info=True)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # Written beside and renamed: a worker starting meanwhile never reads half a package.
+        with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".pt2", delete=False) as f:
+            partial = Path(f.name)
+        try:
+            self._export_and_compile(inputs, partial)
+            partial.replace(path)
+        finally:
+            partial.unlink(missing_ok=True)
+        return _load_package(path), f"saved to {path}"
+
+    def _export_and_compile(self, inputs: tuple[torch.Tensor, ...], path: Path) -> None:
+        from torch._inductor import aoti_compile_and_package
+
+        # Both sizes dynamic from 2 (_at_least_two): one package serves every step.
+        tokens, rows = torch.export.Dim("tokens", min=2), torch.export.Dim("rows", min=2)
+        program = torch.export.export(
+            _Forward(self.model), inputs, dynamic_shapes=({1: tokens}, {1: tokens}, {0: rows}), strict=False
+        )
+        with torch.no_grad():  # inductor freezes only with grad off (compile_fx)
+            aoti_compile_and_package(program, package_path=str(path), inductor_configs={"freezing": True})
+
+    def _artifact_key(self, inputs: tuple[torch.Tensor, ...]) -> str:
+        """A digest of what a compiled forward depends on: the weights (their names, shapes and
+        bytes), the model's class and config, the example step's shapes (the packed weights' batch
+        hint), the attention op's source, the torch and transformers versions, the Python, the
+        device, the CPU's instruction set and the torch threads the kernels were built for."""
+        h = hashlib.sha256()
+        for part in (
+            type(self.model).__qualname__,
+            self.model.config.to_json_string(),
+            [tuple(t.shape) for t in inputs],
+            inspect.getsource(attention),
+            torch.__version__,
+            transformers.__version__,
+            sys.version_info[:3],
+            str(self.device),
+            torch.backends.cpu.get_cpu_capability(),
+            torch.get_num_threads(),
+        ):
+            h.update(repr(part).encode())
+        for name, tensor in self.model.state_dict().items():
+            h.update(f"{name} {tensor.dtype} {tuple(tensor.shape)}".encode())
+            h.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        return h.hexdigest()[:32]
 
     @torch.inference_mode()
     def _probe_cache_shape(self) -> Any:
@@ -138,11 +209,26 @@ class ModelRunner:
         true raises ``kv_cache.StepInterrupted`` (the step is dropped).
         """
         if self._compiled is not None:
-            batch = self.cache.begin(decode, prefills, stop, pad=_at_least_two)
-            with attention.active(batch, self.cache):
-                return self._compiled(batch.input_ids, batch.position_ids, batch.logits_rows)[
-                    : batch.num_rows
-                ]
+            stopped = False
+
+            def asked() -> bool:
+                nonlocal stopped
+                stopped = stop is not None and stop()
+                return stopped
+
+            batch = self.cache.begin(decode, prefills, asked, pad=_at_least_two)
+            try:
+                with attention.active(batch, self.cache):
+                    compiled: torch.Tensor = self._compiled(
+                        batch.input_ids, batch.position_ids, batch.logits_rows
+                    )
+            except RuntimeError:
+                # StepInterrupted, raised in the attention op, reaches here through the package's
+                # C++ as a RuntimeError (C++ prints one line of it on stderr).
+                if stopped:
+                    raise StepInterrupted from None
+                raise
+            return compiled[: batch.num_rows]
         batch = self.cache.begin(decode, prefills, stop)
         with attention.active(batch):
             out = self.model(
@@ -156,10 +242,32 @@ class ModelRunner:
         logits: torch.Tensor = out.logits[0]  # [rows, V]
         return logits
 
-    def _logits(
+
+def _load_package(path: Path) -> Callable[..., torch.Tensor]:
+    """The compiled forward in the package at ``path``, loaded by torch's own loader, not through
+    ``aoti_load_package``: that one first probes which vector instruction sets the CPU runs,
+    loading a test library in a subprocess per set (2 s of a warm start), only to warn if the
+    package's differs, which its name (the digest holds the CPU's capability) already rules out;
+    and its callable parses the package's input and output specs again at every step."""
+    loader = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
+
+    def run(input_ids: torch.Tensor, position_ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        [logits] = loader.boxed_run([input_ids, position_ids, rows])
+        return logits
+
+    return run
+
+
+class _Forward(torch.nn.Module):
+    """The compiled forward: no cache object (the attention op writes the layers)."""
+
+    def __init__(self, model: Any) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor, rows: torch.Tensor
     ) -> torch.Tensor:
-        """The compiled forward: no cache object (the attention op writes the layers)."""
         out = self.model(
             input_ids=input_ids,
             position_ids=position_ids,

@@ -113,9 +113,13 @@ class EngineConfig:
     # one over it on a step ends there with the error guide_too_expensive (grammar.py).
     # The worker's SPOOL_MAX_GUIDE_MASK_MS.
     max_guide_mask_ms: float = 50.0
-    # Run the forward through torch.compile (model_runner.py), compiled at load; the worker's
-    # SPOOL_COMPILE turns it on for a CPU unless set.
+    # Run the forward compiled ahead of time by AOTInductor (model_runner.py), at load; the
+    # worker's SPOOL_COMPILE turns it on for a CPU unless set.
     compile: bool = False
+    # Where compiled forwards are kept, one file per model, batch shape and torch version, so a
+    # later start loads its forward rather than compiling it; None: not kept. The worker's
+    # SPOOL_COMPILE_CACHE_DIR.
+    compile_cache_dir: str | None = None
     # Fair shares between tenants within a priority (fairness.py); None: first come, first served.
     fair_share: TokenWeights | None = field(default_factory=TokenWeights)
 
