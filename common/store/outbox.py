@@ -44,9 +44,8 @@ class SyncOutbox:
         """Move every message of the outbox onto its broker list; returns how many."""
         moved = 0
         while popped := self.data.rpop(self.key, RELAY_PAGE):
-            entries = cast(
-                list[str], popped
-            )  # redis-py types RPOP's reply as one item; with a count it is a list
+            # redis-py types RPOP's reply as one item; with a count it is a list.
+            entries = cast(list[str], popped)
             pipe = self.broker.pipeline(transaction=False)
             for lst, payload in _pairs(entries):
                 pipe.lpush(lst, payload)

@@ -280,5 +280,6 @@ class _Forward(torch.nn.Module):
 
 
 def _at_least_two(n: int) -> int:
-    """A compiled forward's token and row counts: sizes 0 and 1 would each compile a graph of their own."""
+    """A compiled forward's token and row counts: the export's sizes start at 2 (it specializes
+    0 and 1), so a step of one token or row is padded to two."""
     return max(n, 2)
