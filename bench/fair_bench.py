@@ -18,6 +18,10 @@ throughput  generated tokens per second of the backlogged run, fairness on / off
             --repeats runs each, FCFS and fair alternating, so that a change in the machine's load
             falls on both; also per CPU second of this process and per engine step, which other
             processes on a shared machine bend less than the wall clock.
+service     flood's figure through the whole stack, where a user sees it: a Redis (as for models),
+            one `spool worker` with fair shares off, then on, one API with two API keys; "trickle"
+            sends T streamed completions one by one, alone and then while "flood" has F short
+            jobs queued (POST /v1/jobs): TTFT from each POST to its first chunk, at the client.
 models      the whole stack: a Redis (a private redis-server, or --redis-url under a prefix of
             its own, deleted at the end), two `spool worker`s, "a" on the tiny Llama and "b" on a
             tiny GPT-2 with a tokenizer of its own, one API (uvicorn); J completions per model
@@ -26,9 +30,9 @@ models      the whole stack: a Redis (a private redis-server, or --redis-url und
             from the first job created to the last one ended. tests/test_models.py checks each
             text against its own model's greedy output.
 
-    .venv/bin/python bench/fair_bench.py                    # N=200, F=2000, T=40, J=200
+    .venv/bin/python bench/fair_bench.py                    # every part: N=200, F=2000, T=40, J=200
     nice -n 5 .venv/bin/python bench/fair_bench.py --requests 100 --flood 500 --trickle 20 --repeats 2
-    .venv/bin/python bench/fair_bench.py --parts flood      # some parts: backlogged, flood, models
+    .venv/bin/python bench/fair_bench.py --parts flood      # some parts: backlogged, flood, service, models
     .venv/bin/python bench/fair_bench.py --parts models --jobs 5 --redis-url redis://127.0.0.1:6379/0
 """
 
@@ -50,8 +54,10 @@ from typing import Any
 import httpx
 import redis
 
+from api.auth import owner_of as auth_owner
 from common.keys import Keys
 from common.schemas.views import JobStatus
+from common.tenants import tenant_of
 from spool_cli import procs as harness
 from workers.engine import Engine, EngineConfig, SamplingParams, TokenWeights
 from workers.engine.tiny import build_tiny_model
@@ -171,14 +177,14 @@ def main() -> None:
     ap.add_argument("--job-tokens", type=int, default=16, help="models: max_tokens of each job")
     ap.add_argument(
         "--redis-url",
-        help="models: run on this Redis, under a prefix of its own deleted at the end "
+        help="models, service: run on this Redis, under a prefix of their own deleted at the end "
         "(default: a private redis-server)",
     )
     ap.add_argument("--json", type=Path, help="models: also write its figures as JSON here")
     ap.add_argument(
         "--parts",
-        default="backlogged,flood,models",
-        help="which parts to run, comma-separated: backlogged, flood, models (default: all three)",
+        default="backlogged,flood,service,models",
+        help="which parts to run, comma-separated: backlogged, flood, service, models (default: all)",
     )
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
@@ -189,6 +195,8 @@ def main() -> None:
             run_backlogged(model, args)
         if "flood" in parts:
             run_flood(model, args)
+        if "service" in parts:
+            run_service(model, args)
         if "models" in parts:
             figures = run_models(model, args)
             print_models(figures, args)
@@ -240,6 +248,110 @@ def run_flood(model: Path, args: argparse.Namespace) -> None:
         )
 
 
+# -- (b) through the service: two API keys, one worker -----------------------------------------
+
+# Two API keys whose tenants hash to different tenant queues (Keys.tenant_queue), so that the
+# broker does not put the trickle key's messages behind the flood's (that is what tenant queues
+# are for; keys that share one are the broker's FCFS, not the engine's).
+SERVICE_KEYS = {"flood": "bench-flood-key", "trickle": "bench-trickle-key-1"}
+WORDS = "the quick brown fox jumps over a lazy dog while seven bold wizards quietly hex".split()
+
+
+def run_service(model: Path, args: argparse.Namespace) -> None:
+    """(b) through the whole service: a Redis (as for models), one `spool worker` (``SLOTS``
+    slots, fair shares off, then on), one API with two API keys. "trickle" sends --trickle streamed
+    completions one by one, first alone (idle), then while "flood" has --flood short jobs queued
+    (POST /v1/jobs, 8 tokens each): TTFT from each POST to its first chunk, at the client."""
+    keys = SERVICE_KEYS
+    queue = Keys("x").model_queue(str(model))
+    owner = {name: auth_owner(key) for name, key in keys.items()}
+    assert Keys.tenant_queue(queue, tenant_of(owner["flood"])) != Keys.tenant_queue(
+        queue, tenant_of(owner["trickle"])
+    ), "the bench's two keys share a tenant queue: pick others"
+    print(
+        f"service (b): {args.flood} short jobs of one key, {args.trickle} streamed completions of "
+        f"another one by one; one worker ({SLOTS} slots), one API, TTFT at the client"
+    )
+    with tempfile.TemporaryDirectory(prefix="spool-fair-service-") as tmp:
+        logs = Path(tmp)
+        procs, url = [], args.redis_url
+        try:
+            if url is None:
+                server, url = harness.start_redis(data_dir=logs, log_dir=logs)
+                procs.append(server)
+            for fair in (False, True):
+                service_mode(model, url, fair, args, logs)
+        finally:
+            harness.stop_all(procs)
+
+
+def service_mode(model: Path, url: str, fair: bool, args: argparse.Namespace, logs: Path) -> None:
+    prefix = f"fairservice-{uuid.uuid4().hex[:8]}"
+    settings: dict[str, object] = {"api_keys": ",".join(SERVICE_KEYS.values())}
+    worker_env = harness.spool_env(
+        url, prefix, model=model, max_batch_size=SLOTS, compile=False, fair_share=fair, **settings
+    )
+    procs = [
+        harness.start(f"worker-{prefix}", [*harness.spool_argv(), "worker"], env=worker_env, log_dir=logs)
+    ]
+    try:
+        api, api_url = harness.start_api(
+            f"api-{prefix}", harness.spool_env(url, prefix, **settings), log_dir=logs
+        )
+        procs.append(api)
+        served = {str(model): 1}
+        harness.wait_until(
+            lambda: live_models(api_url, SERVICE_KEYS["trickle"]) == served, "the worker", 300, procs
+        )
+        rng = random.Random(2)
+        with httpx.Client(base_url=api_url, timeout=120) as client:
+            trickle = {"Authorization": f"Bearer {SERVICE_KEYS['trickle']}"}
+            idle = [service_ttft(client, trickle, rng) for _ in range(args.trickle)]
+            flood = {"Authorization": f"Bearer {SERVICE_KEYS['flood']}"}
+            with ThreadPoolExecutor(8) as pool:
+                ids = list(pool.map(lambda _: flood_job(client, flood, random.Random(_)), range(args.flood)))
+            loaded = [service_ttft(client, trickle, rng) for _ in range(args.trickle)]
+            r = redis.Redis.from_url(url, decode_responses=True)
+            with r.pipeline(transaction=False) as pipe:
+                for job_id in ids:
+                    pipe.hget(Keys(prefix).job(job_id), "status")
+                waiting = sum(not JobStatus(s).terminal for s in pipe.execute())
+        print(
+            f"  {'fair' if fair else 'FCFS'}: idle TTFT p50 {pct(idle, 50) * 1e3:.1f} ms, p99 "
+            f"{pct(idle, 99) * 1e3:.1f} ms; beside the flood p50 {pct(loaded, 50) * 1e3:.1f} ms "
+            f"({pct(loaded, 50) / pct(idle, 50):.2f}x idle), p99 {pct(loaded, 99) * 1e3:.1f} ms "
+            f"({pct(loaded, 99) / pct(idle, 99):.2f}x idle; target within 1.5x fair); "
+            f"{waiting} of {len(ids)} flood jobs not yet ended after the last trickle request"
+        )
+    finally:
+        harness.stop_all(procs)
+        harness.delete_prefixes(redis.Redis.from_url(url), [prefix])
+
+
+def words(rng: random.Random, n: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(n))
+
+
+def flood_job(client: httpx.Client, headers: dict[str, str], rng: random.Random) -> str:
+    body = {"prompt": words(rng, 6), "max_tokens": 8, "temperature": 0}
+    r = client.post("/v1/jobs", json=body, headers=headers)
+    r.raise_for_status()
+    return r.json()["id"]
+
+
+def service_ttft(client: httpx.Client, headers: dict[str, str], rng: random.Random) -> float:
+    """Seconds from a streamed completion's POST to its first chunk; the rest is read to its end."""
+    body = {"prompt": words(rng, 12), "max_tokens": 16, "temperature": 0, "stream": True}
+    sent, first = time.perf_counter(), None
+    with client.stream("POST", "/v1/completions", json=body, headers=headers) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if first is None and line.startswith("data: {"):
+                first = time.perf_counter() - sent
+    assert first is not None, "no chunk"
+    return first
+
+
 # -- (d) two models, two workers ----------------------------------------------------------------
 
 PROMPTS = ["the quick brown fox", "once upon a time", "in the beginning", "to be or not to be"]
@@ -288,10 +400,11 @@ def run_models(llama: Path, args: argparse.Namespace) -> dict[str, Any]:
     return figures
 
 
-def live_models(api_url: str) -> dict[str, int]:
+def live_models(api_url: str, key: str | None = None) -> dict[str, int]:
     """model -> live workers, as /v1/models lists them."""
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
     try:
-        listed = httpx.get(f"{api_url}/v1/models").json()["data"]
+        listed = httpx.get(f"{api_url}/v1/models", headers=headers).json()["data"]
     except (httpx.HTTPError, KeyError, ValueError):
         return {}
     return {m["id"]: m.get("workers", 0) for m in listed}

@@ -23,10 +23,16 @@ def test_fair_bench_smoke_run(tmp_path: Path) -> None:
     argv = [sys.executable, str(BENCH), *sizes, "--jobs", "5", "--redis-url", REDIS_URL, "--json", str(out)]
     result = subprocess.run(argv, capture_output=True, text=True, timeout=540, check=False)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
-    for line in ("backlogged: 2 tenants x 4 requests", "flood: 10 short requests", "5 jobs each"):
+    lines = (
+        "backlogged: 2 tenants x 4 requests",
+        "flood: 10 short requests",
+        "service (b): 10 short jobs",
+        "5 jobs each",
+    )
+    for line in lines:
         assert line in result.stdout, result.stdout
     figures = json.loads(out.read_text())
     assert (figures["jobs"], figures["on_own_model"], figures["per_model"]) == (10, 10, {"a": 5, "b": 5})
-    prefix = figures["prefix"]
-    left = [k for k in redis.Redis.from_url(REDIS_URL).scan_iter(count=1000) if prefix.encode() in k]
+    prefixes = (figures["prefix"].encode(), b"fairservice-")
+    left = [k for k in redis.Redis.from_url(REDIS_URL).scan_iter(count=1000) if k.startswith(prefixes)]
     assert not left, left[:10]

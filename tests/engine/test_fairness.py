@@ -143,3 +143,23 @@ def test_fairness_orders_within_a_priority_only() -> None:
     while not admitted:
         admitted = sim.step()
     assert admitted == [urgent]
+
+
+def test_waiting_queue_keeps_the_order_a_flat_queue_had() -> None:
+    """The waiting queue (a heap per priority and tenant) gives what a flat list in (priority,
+    arrival) order gave: the next request by priority, then least service, then arrival; a
+    request aborted while waiting leaves it; a preempted one goes back ahead of later arrivals."""
+    sim = Sim(Scheduler(1, 64, 64, fair_share=WEIGHTS))
+    a1, b1, a2, b2 = (sim.add(t, 4, 4) for t in ("a", "b", "a", "b"))
+    urgent = sim.add("b", 4, 4, priority=-1)
+    waiting = sim.scheduler.waiting
+    assert list(waiting) == [urgent, a1, b1, a2, b2] and len(waiting) == 5
+    assert waiting.next(sim.scheduler.fairness.counter) is urgent
+    sim.scheduler.remove(urgent)  # aborted while waiting
+    sim.scheduler.fairness.counters["a"] = 10.0  # "a" has had more service: "b" goes first
+    assert waiting.next(sim.scheduler.fairness.counter) is b1
+    waiting.pop(b1)
+    waiting.push(b1)  # back, as a preempted request is: ahead of b2, which arrived after it
+    assert waiting.next(sim.scheduler.fairness.counter) is b1
+    assert waiting.next() is a1  # without fair shares: the first to arrive
+    assert list(waiting) == [a1, b1, a2, b2] and len(waiting) == 4

@@ -13,9 +13,9 @@ docs/internals.md#prefix-caching-prefix_cachepy-schedulerpy-engineconfigenable_p
 
 from __future__ import annotations
 
-from collections import deque
+import heapq
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from itertools import takewhile
 
 from workers.engine import prefix_cache
 from workers.engine.fairness import VirtualTokenCounter
@@ -93,7 +93,7 @@ class Scheduler:
         self.prefill_chunk_size = prefill_chunk_size
         self.max_prefill_tokens = max_prefill_tokens_per_step
         self.prefix_caching = prefix_caching
-        self.waiting: deque[Request] = deque()
+        self.waiting = WaitingQueue(by_tenant=self.fairness is not None)
         self.running: list[Request] = []
         # What each free slot (index >= len(running)) still holds; None: nothing worth keeping.
         self.cached: list[CachedPrefix | None] = [None] * num_slots
@@ -108,16 +108,7 @@ class Scheduler:
         request.arrival = self._arrivals
         if self.fairness is not None:
             self.fairness.arrive(request)
-        self._enqueue(request)
-
-    def _enqueue(self, request: Request) -> None:
-        # By priority (lower first), first come first served within one: an interactive request
-        # gets the next free slot ahead of the batch lines already waiting, and a preempted one
-        # goes back ahead of those of its priority that arrived after it.
-        at = len(self.waiting)
-        while at and _order(self.waiting[at - 1]) > _order(request):
-            at -= 1
-        self.waiting.insert(at, request)
+        self.waiting.push(request)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -127,15 +118,16 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        counter = self.fairness.counter if self.fairness is not None else None
         while self.waiting:
-            admit = self._next()
+            admit = self.waiting.next(counter)
             if not self.can_admit():
                 victim = self._victim(admit)
                 if victim is None:
                     break
                 out.cache_ops += self._preempt(victim)
                 out.preempted.append(victim)
-            self.waiting.remove(admit)
+            self.waiting.pop(admit)
             out.cache_ops += self._admit(admit)
 
         # A request still to get its first token (prompt left to feed, or admitted this step with
@@ -175,16 +167,6 @@ class Scheduler:
                 out.started.append(request)
         return out
 
-    def _next(self) -> Request:
-        """The waiting request to admit next: of the highest priority waiting, the one of the
-        tenant with the least service (the first to arrive among equals)."""
-        head = self.waiting[0]
-        fairness = self.fairness
-        if fairness is None:
-            return head
-        peers = takewhile(lambda r: r.params.priority == head.params.priority, self.waiting)
-        return min(peers, key=lambda r: (fairness.counter(r.params.tenant), _order(r)))
-
     def remove(self, request: Request, keep_cache: bool = True) -> list[CacheOp]:
         """Take a request out (finished or aborted). Returns the cache ops that fill its slot.
 
@@ -216,7 +198,7 @@ class Scheduler:
         request.num_computed = 0
         request.num_preemptions += 1
         self.preemptions += 1
-        self._enqueue(request)
+        self.waiting.push(request)
         return ops
 
     def _vacate(self, request: Request, keep_cache: bool) -> list[CacheOp]:
@@ -332,3 +314,64 @@ class Scheduler:
 def _order(request: Request) -> tuple[int, int]:
     """The waiting queue's order: priority (lower first), then arrival."""
     return request.params.priority, request.arrival
+
+
+class WaitingQueue:
+    """The requests waiting for a slot: a heap by arrival per priority and (with fair shares) per
+    tenant, so that choosing and taking the next one costs O(tenants + log n), not O(n): a flood
+    of thousands of waiting requests must not slow every step down.
+
+    By priority (lower first), first come first served within one: an interactive request gets
+    the next free slot ahead of the batch lines already waiting, and a preempted one goes back
+    ahead of those of its priority (and tenant) that arrived after it."""
+
+    def __init__(self, by_tenant: bool) -> None:
+        self.by_tenant = by_tenant
+        self._heaps: dict[int, dict[str, list[tuple[int, Request]]]] = {}  # priority -> tenant -> heap
+        self._len = 0
+
+    def _tenant(self, request: Request) -> str:
+        return request.params.tenant if self.by_tenant else ""
+
+    def push(self, request: Request) -> None:
+        tenants = self._heaps.setdefault(request.params.priority, {})
+        heapq.heappush(tenants.setdefault(self._tenant(request), []), (request.arrival, request))
+        self._len += 1
+
+    def next(self, counter: Callable[[str], float] | None = None) -> Request:
+        """The request to admit next: of the highest priority waiting, the first to arrive of the
+        tenant with the least service by ``counter`` (any tenant's without it)."""
+        heads = (heap[0] for heap in self._heaps[min(self._heaps)].values())
+        if counter is None:
+            return min(heads)[1]
+        return min(heads, key=lambda head: (counter(head[1].params.tenant), head[0]))[1]
+
+    def pop(self, request: Request) -> None:
+        """Take out ``request``, the head of its heap (what ``next`` returned)."""
+        tenants = self._heaps[request.params.priority]
+        heap = tenants[self._tenant(request)]
+        assert heap[0][1] is request
+        heapq.heappop(heap)
+        self._forget_empty(request, heap)
+
+    def remove(self, request: Request) -> None:
+        """Take out any waiting request (aborted): O(its heap)."""
+        heap = self._heaps[request.params.priority][self._tenant(request)]
+        heap.remove((request.arrival, request))
+        heapq.heapify(heap)
+        self._forget_empty(request, heap)
+
+    def _forget_empty(self, request: Request, heap: list[tuple[int, Request]]) -> None:
+        self._len -= 1
+        if not heap:
+            tenants = self._heaps[request.params.priority]
+            del tenants[self._tenant(request)]
+            if not tenants:
+                del self._heaps[request.params.priority]
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __iter__(self) -> Iterator[Request]:
+        """In the queue's order (priority, then arrival), tenants interleaved."""
+        return iter(sorted((r for t in self._heaps.values() for h in t.values() for _, r in h), key=_order))
