@@ -56,7 +56,7 @@ async def refuse_unsafe_redis(store: AsyncJobStore) -> None:
         if store.broker is not store.redis:  # SPOOL_BROKER_URL: an evicted queue list loses messages
             await check_redis_async(store.broker)
     except UNREACHABLE as e:
-        log.warning("Redis's maxmemory-policy not checked, Redis not reachable yet (%s)", e)
+        log.warning("Redis not checked (eviction policy, cluster), not reachable yet (%s)", e)
 
 
 @asynccontextmanager

@@ -6,6 +6,11 @@ Redis delete keys when it fills. It may take a running job's log, its hash, a wo
 stream would then go silent or resume from nothing, and a job be lost without an error. With
 ``noeviction`` a full Redis refuses writes instead, which Spool survives. Workers retry, and the
 API answers 503 (common/redis_errors.py). docs/operations.md#redis says what to set.
+
+A node of a Redis Cluster is refused too: Spool's scripts touch a job's keys and the sets across
+jobs together, which a cluster spreads over slots, and Celery's Redis transport does not speak
+Cluster. Without the check the first command on a key another node owns fails with MOVED, at
+some request or job, not at start.
 """
 
 from __future__ import annotations
@@ -36,12 +41,25 @@ def eviction_problem(memory_info: Mapping[str, Any]) -> str | None:
     )
 
 
+def cluster_problem(cluster_info: Mapping[str, Any]) -> str | None:
+    """What is wrong with a Redis Cluster node (from INFO cluster), or None for a standalone one."""
+    if not int(cluster_info.get("cluster_enabled", 0)):
+        return None
+    return (
+        "this Redis is a node of a Redis Cluster (cluster_enabled:1). Spool's job data and Celery's "
+        "queues need a standalone Redis for now (job data on a cluster is issue 31): point "
+        "SPOOL_REDIS_URL and SPOOL_BROKER_URL at a standalone redis-server (docs/operations.md#redis)"
+    )
+
+
 def check_redis(client: redis.Redis) -> None:
-    """Raise UnsafeRedis if Redis would evict keys. Needs only INFO (managed Redis may hide CONFIG)."""
-    if problem := eviction_problem(client.info("memory")):
+    """Raise UnsafeRedis if Redis would evict keys or is a cluster node. Needs only INFO (managed
+    Redis may hide CONFIG)."""
+    if problem := eviction_problem(client.info("memory")) or cluster_problem(client.info("cluster")):
         raise UnsafeRedis(problem)
 
 
 async def check_redis_async(client: aredis.Redis) -> None:
-    if problem := eviction_problem(await client.info("memory")):
+    problem = eviction_problem(await client.info("memory")) or cluster_problem(await client.info("cluster"))
+    if problem:
         raise UnsafeRedis(problem)

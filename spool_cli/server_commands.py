@@ -119,24 +119,26 @@ def add_model_commands(sub: Any) -> None:
     p.set_defaults(func=cmd_tiny_image_model)
 
 
-def check_redis_at_start(url: str) -> None:
-    """Refuse a Redis that evicts keys (UnsafeRedis); one not reachable yet is waited for later."""
+def check_redis_at_start(*urls: str) -> None:
+    """Refuse a Redis that evicts keys or is a cluster node (UnsafeRedis); one not reachable yet is
+    waited for later."""
     import redis
 
     from common.redis_policy import check_redis
 
-    client = redis.Redis.from_url(url, socket_connect_timeout=2, socket_timeout=5)
-    try:
-        check_redis(client)
-    except redis.RedisError as e:
-        print(f"spool: Redis's maxmemory-policy not checked, Redis not reachable yet ({e})", file=sys.stderr)
-    finally:
-        client.close()
+    for url in dict.fromkeys(urls):
+        client = redis.Redis.from_url(url, socket_connect_timeout=2, socket_timeout=5)
+        try:
+            check_redis(client)
+        except redis.RedisError as e:
+            print(f"spool: Redis not checked, not reachable yet ({e})", file=sys.stderr)
+        finally:
+            client.close()
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
-    check_redis_at_start(get_settings().redis_url)  # before torch loads: seconds sooner
     settings = get_settings()
+    check_redis_at_start(settings.redis_url, settings.broker_redis_url)  # before torch loads: seconds sooner
     if (settings.image_device if args.kind == "media" else settings.device) == "cpu":
         # NOTE: triton (xgrammar's dependency, for its CUDA kernels) is imported by torch.compile
         # even on a CPU, where it runs nothing, and at every exit nanobind reports its module
@@ -190,7 +192,9 @@ def cmd_api(args: argparse.Namespace) -> int:
 
     settings = get_settings()
     check_api_settings(settings)  # the app checks again (a bare uvicorn), too late for status 2
-    check_redis_at_start(settings.redis_url)  # the app's start checks again (a bare uvicorn too)
+    check_redis_at_start(
+        settings.redis_url, settings.broker_redis_url
+    )  # the app checks again (a bare uvicorn)
     host, port = args.host or settings.host, args.port or settings.port
     # NOTE: bound before the app starts. uvicorn binds after the app's start-up, and on a port in
     # use then waited for the app's shutdown forever (the batch feeder running, SIGTERM unheard).

@@ -1,8 +1,10 @@
-"""A Redis that evicts keys when it fills is refused at start, by the worker and by the API.
+"""A Redis that evicts keys when it fills, or a node of a Redis Cluster, is refused at start, by
+the worker and by the API.
 
 With ``allkeys-lru`` or ``volatile-lru`` a full Redis deletes keys: a running job's log, a
 worker's heartbeat (it has a TTL). A stream would go silent, a job vanish without an error. So a
-worker or an API started on such a Redis exits at once, naming ``maxmemory-policy``.
+worker or an API started on such a Redis exits at once, naming ``maxmemory-policy``. A cluster
+would fail the first command on a key of another node's slots (MOVED), at some request or job.
 """
 
 from __future__ import annotations
@@ -12,10 +14,12 @@ import sys
 from collections.abc import Iterator
 
 import pytest
+import redis
 from breakers import RedisServer
 from procs import SPOOL, free_port, spool_env
 
 from common.redis_policy import UnsafeRedis, check_redis, eviction_problem
+from spool_cli import procs as harness
 
 START_S = 60.0  # a refused start exits long before this; a start that is not refused runs on
 
@@ -63,3 +67,46 @@ def test_noeviction_is_accepted(lru_redis: RedisServer) -> None:
     with pytest.raises(UnsafeRedis, match="allkeys-random"):
         lru_redis.client.config_set("maxmemory-policy", "allkeys-random")
         check_redis(lru_redis.client)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A Redis Cluster of three masters on free ports; yields one node's URL."""
+    procs, ports = [], []
+    try:
+        for i in range(3):
+            data = tmp_path_factory.mktemp(f"cluster-{i}")
+            bus = str(harness.free_port())  # not the default (port + 10,000): free ports go past 55,535
+            proc, url = harness.start_redis(
+                "--cluster-enabled", "yes", "--cluster-port", bus, data_dir=data, log_dir=data
+            )
+            procs.append(proc)
+            ports.append(url.split(":")[2].split("/")[0])
+        create = ["redis-cli", "--cluster", "create", *(f"127.0.0.1:{p}" for p in ports)]
+        subprocess.run([*create, "--cluster-replicas", "0", "--cluster-yes"], check=True, capture_output=True)
+        node = redis.Redis(port=int(ports[0]))
+        harness.wait_until(lambda: node.cluster("info")["cluster_state"] == "ok", "the cluster", 30, procs)
+        node.close()
+        yield f"redis://127.0.0.1:{ports[0]}/0"
+    finally:
+        harness.stop_all(procs)
+
+
+@pytest.mark.parametrize("role", ["SPOOL_REDIS_URL", "SPOOL_BROKER_URL"])
+@pytest.mark.parametrize("command", ["worker", "api"])
+def test_a_redis_cluster_is_refused_at_start(
+    cluster: str, lru_redis: RedisServer, role: str, command: str
+) -> None:
+    """A cluster node (for the job data or the broker) is refused with what to do, not found out at
+    the first MOVED of some request."""
+    lru_redis.client.config_set("maxmemory-policy", "noeviction")
+    argv = [SPOOL, command] + (["--port", str(free_port())] if command == "api" else [])
+    env = spool_env("test-policy", redis_url=cluster if role == "SPOOL_REDIS_URL" else lru_redis.url)
+    if role == "SPOOL_BROKER_URL":
+        env[role] = cluster
+    try:
+        done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=START_S)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{command} started on a Redis Cluster")
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "Redis Cluster" in done.stderr and "standalone" in done.stderr
