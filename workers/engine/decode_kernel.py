@@ -49,7 +49,9 @@ def load() -> bool:
             log.info("decode attention kernel loaded in %.1f s", time.perf_counter() - started)
         except Exception as e:  # no C++ compiler (the Dockerfile's slim image), ...
             _loaded = False
-            why = (str(e).strip().splitlines() or [type(e).__name__])[-1]
+            # The compiler's first complaint (a build failure's text starts with its command lines).
+            lines = str(e).strip().splitlines() or [type(e).__name__]
+            why = next((x for x in lines[1:] if "error" in x.lower() or "not found" in x), lines[0][:200])
             log.warning("decode attention kernel not built (%s); decoding with SDPA", why)
             log.debug("decode attention kernel build", exc_info=True)
     return _loaded
