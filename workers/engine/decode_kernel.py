@@ -5,11 +5,11 @@ kernel took half of a compiled decode step on a 10-layer model (issue 34): 2.5 t
 for 32 rows of ~150 positions, in its per-(row, head) blocking around small matrix products, on
 keys and values padded to the longest row with a mask. The kernel reads each (row, key/value head)'s
 keys, then its values, once and only up to the row's own position, as two contiguous streams,
-with no mask and no gathered copy of the rows' slots: 1.5 to 2.5 times faster
-(docs/benchmarks.md, "The decode attention on a CPU").
+with no mask and no gathered copy of the rows' slots: the steps' attention 1.5 to 2 times
+faster (docs/benchmarks.md, "The decode attention on a CPU").
 
 ``load`` builds it with torch's C++ extension loader (``torch.utils.cpp_extension``: a C++
-compiler and ninja, the compiled forward's needs too) once per machine and source, into torch's
+compiler, as the compiled forward needs, and ninja) once per machine and source, into torch's
 extension directory (``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``), about
 10 s, then loads it in well under a second. Where it cannot be built, the engine logs why and
 runs SDPA, as it does on other devices and dtypes. The op is ``torch.ops.spool_cpu.decode_attention``.
