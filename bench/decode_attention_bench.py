@@ -12,6 +12,7 @@ call; the KV writes are not in it), by the step's longest context; and whether t
 are the same.
 
     PYTHONPATH=$PWD .venv/bin/python bench/decode_attention_bench.py --shapes deep,bench --compile
+    .venv/bin/python bench/decode_attention_bench.py --quick --compile --rounds 1   # smoke run: tiny model
 """
 
 from __future__ import annotations
@@ -33,13 +34,10 @@ import stack_bench as sb
 import torch
 from measure import loadavg, log
 from transformers import AutoTokenizer
-from workload import FULL, build_model, text_prompts
+from workload import FULL, QUICK, build_model, text_prompts
 
 from workers.engine import attention, model_runner
 from workers.engine.tiny import make_eos_unreachable
-
-BATCH = 32
-MAX_MODEL_LEN = 2048
 
 
 class StepClock:
@@ -47,6 +45,7 @@ class StepClock:
 
     def __init__(self) -> None:
         self.side = ""
+        self.batch = 0  # the decode rows of a full batch (the workload's)
         self.steps: dict[str, list[tuple[int, float, float]]] = collections.defaultdict(list)
         self._attention = 0.0
         packed, forward = attention._packed, model_runner.ModelRunner.forward
@@ -61,7 +60,7 @@ class StepClock:
             self._attention = 0.0
             started = time.perf_counter()
             out = forward(runner, decode, prefills, stop)
-            if not prefills and len(decode) == BATCH and self.side:
+            if not prefills and len(decode) == self.batch and self.side:
                 context = max(p for _, p, _ in decode) + 1
                 self.steps[self.side].append((context, time.perf_counter() - started, self._attention))
             return out
@@ -71,13 +70,14 @@ class StepClock:
 
 
 def run_shape(name: str, args: argparse.Namespace, root: Path, clock: StepClock) -> None:
-    size = pb.SHAPES[name]
+    plan = QUICK if args.quick else replace(FULL, model=pb.SHAPES[name])
     model_dir = root / name
     model_dir.mkdir()
-    params = build_model(model_dir, size, args.seed)
+    params = build_model(model_dir, plan.model, args.seed)
     make_eos_unreachable(model_dir, sb.BENCH_EOS)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    prompts = text_prompts(replace(FULL, model=size), args.seed, tokenizer)
+    prompts = text_prompts(plan, args.seed, tokenizer)
+    clock.batch = plan.uniform_batch
     device = argparse.Namespace(device="cpu", dtype="float32")
     engines = {}
     for compiled in (False, True) if args.compile else (False,):
@@ -89,8 +89,8 @@ def run_shape(name: str, args: argparse.Namespace, root: Path, clock: StepClock)
             engines[side] = sb.spool_engine(
                 model_dir,
                 device,
-                BATCH,
-                MAX_MODEL_LEN,
+                plan.uniform_batch,
+                plan.decode_max_model_len,
                 compile=compiled,
                 decode_kernel=kernel,
                 compile_cache_dir=str(root / "compiled"),
@@ -98,20 +98,23 @@ def run_shape(name: str, args: argparse.Namespace, root: Path, clock: StepClock)
             log(f"{name}: {side} loaded in {time.perf_counter() - started:.1f} s")
     for engine in engines.values():
         clock.side = ""
-        sb.engine_run(engine, prompts, 16)
+        sb.engine_run(engine, prompts, plan.warmup_tokens)
     tok_s: dict[str, list[float]] = collections.defaultdict(list)
     texts: dict[str, list[str]] = {}
     order = list(engines)
     for i in range(args.rounds):
         for side in order if i % 2 == 0 else reversed(order):
             clock.side = side
-            result = sb.engine_run(engines[side], prompts, 64)
+            result = sb.engine_run(engines[side], prompts, plan.uniform_new_tokens)
             tok_s[side].append(result.tok_s)
             texts[side] = result.texts
     clock.side = ""
     same = all(t == texts[order[0]] for t in texts.values())
     print(f"\n## {name}: {params / 1e6:.1f}M parameters, load average {loadavg()}; texts the same: {same}")
-    print("| side | tok/s (rounds; median) | decode step of 32 rows (median ms) | attention (ms, share) |")
+    print(
+        f"| side | tok/s (rounds; median) | decode step of {plan.uniform_batch} rows (median ms) "
+        "| attention (ms, share) |"
+    )
     print("| --- | --- | --- | --- |")
     for side in order:
         steps = clock.steps.pop(side)
@@ -144,8 +147,11 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     p.add_argument("--compile", action="store_true", help="also the compiled forward, with and without")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quick", action="store_true", help="smoke run: the tiny model, 8 requests, one shape")
     args = p.parse_args()
-    unknown = set(args.shapes.split(",")) - set(pb.SHAPES)
+    if args.quick:
+        args.shapes = "quick"
+    unknown = set(args.shapes.split(",")) - {*pb.SHAPES, "quick"}
     if unknown:
         p.error(f"unknown shapes {sorted(unknown)}")
     torch.set_num_threads(args.threads)
