@@ -132,7 +132,7 @@ class SlotKVCache:
         layout = to_device([tokens, rows, slots, positions], torch.long, self._device)
         n = len(decode)
         kv_len = max(positions[:n], default=-1) + 1
-        masked = n and not self.decode_kernel  # the kernel reads each row to its own position
+        masked = n > 0 and not self.decode_kernel  # the kernel reads each row to its own position
         self._batch = PackedBatch(
             input_ids=layout[0:1],
             position_ids=layout[3:4],
