@@ -5,7 +5,8 @@ request, then each scheduled prefill chunk. The linear layers, which dominate a 
 once over all ``T`` tokens; only attention is split, here, because each token attends over its
 own request's KV slot. ``SlotKVCache.update`` writes the step's keys and values in place and
 hands back the whole layer; ``packed_attention`` then runs one batched SDPA over the decode
-rows and one causal SDPA per prefill chunk, reading the slots as views.
+rows (on a CPU in float32, decode_kernel.py's op instead) and one causal SDPA per prefill
+chunk, reading the slots as views.
 
 It is registered with transformers' ``AttentionInterface`` under the name ``"spool"`` and the
 model is loaded with ``attn_implementation="spool"``, so any model whose attention layers
@@ -57,8 +58,9 @@ class PackedBatch:
     num_rows: int  # the rows of logits_rows that are not padding
     num_decode: int  # tokens 0..num_decode-1 are decode rows, one per request
     decode_slots: torch.Tensor | None  # [num_decode]; None when the rows are slots 0..num_decode-1
-    decode_mask: torch.Tensor | None  # [num_decode, 1, 1, decode_kv_len]
+    decode_mask: torch.Tensor | None  # [num_decode, 1, 1, decode_kv_len]; None with decode_kernel
     decode_kv_len: int
+    decode_kernel: bool  # the decode rows attend by decode_kernel.py's op (a CPU, float32), not SDPA
     prefills: tuple[PrefillSegment, ...]
 
 
@@ -151,7 +153,13 @@ def _packed(
     if length > batch.num_tokens:
         out[batch.num_tokens :] = 0
     n = batch.num_decode
-    if n:
+    if n and batch.decode_kernel:  # each row read to its own position from its slot: no mask, no gather
+        q = query[0, :, :n].transpose(0, 1)  # [n, Hq, D], a view
+        scale = dim**-0.5 if scaling is None else scaling
+        out[:n] = torch.ops.spool_cpu.decode_attention(
+            q, key, value, batch.slots[:n], batch.positions[:n], scale
+        )
+    elif n:
         kv = batch.decode_kv_len
         if batch.decode_slots is None:
             k, v = key[:n, :, :kv], value[:n, :, :kv]

@@ -65,9 +65,16 @@ class ShapeProbe:
 
 class SlotKVCache:
     def __init__(
-        self, shape: CacheShape, num_slots: int, max_len: int, device: torch.device, dtype: torch.dtype
+        self,
+        shape: CacheShape,
+        num_slots: int,
+        max_len: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        decode_kernel: bool = False,
     ) -> None:
         self.num_slots = num_slots
+        self.decode_kernel = decode_kernel  # the decode rows attend by decode_kernel.py's op
         self.max_len = max_len
         size = (shape.num_layers, num_slots, shape.num_kv_heads, max_len, shape.head_dim)
         self.keys = torch.zeros(size, device=device, dtype=dtype)
@@ -125,6 +132,7 @@ class SlotKVCache:
         layout = to_device([tokens, rows, slots, positions], torch.long, self._device)
         n = len(decode)
         kv_len = max(positions[:n], default=-1) + 1
+        masked = n > 0 and not self.decode_kernel  # the kernel reads each row to its own position
         self._batch = PackedBatch(
             input_ids=layout[0:1],
             position_ids=layout[3:4],
@@ -136,8 +144,9 @@ class SlotKVCache:
             num_decode=n,
             decode_slots=None if slots[:n] == list(range(n)) else layout[2, :n],
             decode_mask=(self._positions[None, :kv_len] <= layout[3, :n, None])[:, None, None, :]
-            if n
+            if masked
             else None,
+            decode_kernel=self.decode_kernel,
             decode_kv_len=kv_len,
             prefills=tuple(segments),
         )

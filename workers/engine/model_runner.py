@@ -19,7 +19,7 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
-from workers.engine import attention
+from workers.engine import attention, decode_kernel
 from workers.engine.kv_cache import ShapeProbe, SlotKVCache, StepInterrupted
 from workers.engine.types import EngineConfig
 
@@ -85,7 +85,15 @@ class ModelRunner:
                     f"kv_cache_memory_bytes {config.kv_cache_memory_bytes} cannot hold one request of "
                     f"max_model_len {self.max_model_len} ({slot_bytes} bytes); raise it or lower max_model_len"
                 )
-        self.cache = SlotKVCache(shape, num_slots, self.max_model_len, self.device, self.dtype)
+        kernel = (
+            config.decode_kernel
+            and self.device.type == "cpu"
+            and self.dtype == torch.float32
+            and decode_kernel.load()
+        )
+        self.cache = SlotKVCache(
+            shape, num_slots, self.max_model_len, self.device, self.dtype, decode_kernel=kernel
+        )
         log.info(
             "KV cache: %d slots x %d tokens, %.1f MiB",
             num_slots,

@@ -120,6 +120,9 @@ class EngineConfig:
     # later start loads its forward rather than compiling it; None: not kept. The worker's
     # SPOOL_COMPILE_CACHE_DIR.
     compile_cache_dir: str | None = None
+    # Decode attention on a CPU in float32 by Spool's kernel (decode_kernel.py: built at load, once
+    # per machine; where it cannot be, SDPA); False: SDPA always. Other devices and dtypes: SDPA.
+    decode_kernel: bool = True
     # Fair shares between tenants within a priority (fairness.py); None: first come, first served.
     fair_share: TokenWeights | None = field(default_factory=TokenWeights)
 
