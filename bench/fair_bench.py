@@ -33,6 +33,7 @@ models      the whole stack: a Redis (a private redis-server, or --redis-url und
     .venv/bin/python bench/fair_bench.py                    # every part: N=200, F=2000, T=40, J=200
     nice -n 5 .venv/bin/python bench/fair_bench.py --requests 100 --flood 500 --trickle 20 --repeats 2
     .venv/bin/python bench/fair_bench.py --parts flood      # some parts: backlogged, flood, service, models
+    .venv/bin/python bench/fair_bench.py --parts flood --compile   # the compiled forward, as the service runs
     .venv/bin/python bench/fair_bench.py --parts models --jobs 5 --redis-url redis://127.0.0.1:6379/0
 """
 
@@ -65,6 +66,7 @@ from workers.engine.tiny import build_tiny_model
 REPO_ROOT = Path(__file__).resolve().parent.parent
 WEIGHTS = TokenWeights()  # prompt 1, output 2: the service counted
 SLOTS = 8
+ENGINE_OPTIONS: dict[str, Any] = {}  # --compile: the engine-alone parts' EngineConfig(compile=True, ...)
 
 
 def engine(model: Path, fair: bool) -> Engine:
@@ -73,6 +75,7 @@ def engine(model: Path, fair: bool) -> Engine:
         max_batch_size=SLOTS,
         enable_prefix_caching=False,
         fair_share=WEIGHTS if fair else None,
+        **ENGINE_OPTIONS,
     )
     return Engine(config)
 
@@ -186,8 +189,16 @@ def main() -> None:
         default="backlogged,flood,service,models",
         help="which parts to run, comma-separated: backlogged, flood, service, models (default: all)",
     )
+    ap.add_argument(
+        "--compile",
+        action="store_true",
+        help="backlogged, flood: the engine's compiled forward (the service's default on a CPU), "
+        "compiled once into a temporary cache",
+    )
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
+        if args.compile:
+            ENGINE_OPTIONS.update(compile=True, compile_cache_dir=str(Path(tmp) / "compile"))
         model = build_tiny_model(Path(tmp) / "tiny", "llama")
         engine(model, True).generate([[1, 2, 3]], params("", 4))  # warm-up (first forwards)
         parts = set(args.parts.split(","))
