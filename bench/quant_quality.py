@@ -147,7 +147,7 @@ def quality(name: str, path: Path, args: argparse.Namespace) -> None:
         f"{a['outputs_equal']:.3f} (first divergence at token {a['first_divergence_median']:.0f}, median)"
     )
     for label, (f32, i8) in perplexities(name, path, args).items():
-        print(f"  perplexity on {label}: float32 {f32:.3f}, int8 {i8:.3f} (int8 / float32 {i8 / f32:.4f})")
+        print(f"  perplexity on {label}: float32 {f32:.4g}, int8 {i8:.4g} (int8 / float32 {i8 / f32:.4f})")
 
 
 def run_uniform(e: Engine, prompts: Sequence[list[int]], new: int) -> float:
