@@ -271,8 +271,10 @@ def _quantize_int8(model: Any) -> None:
     # GPU (triton) kernels; the compiled forward keeps the settings it was measured with.
     quantize_(model, Int8WeightOnlyConfig(set_inductor_config=False))
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    if not any(type(m.weight).__name__ == "Int8Tensor" for m in linears):
+    quantized = sum(type(m.weight).__name__ == "Int8Tensor" for m in linears)
+    if not quantized:
         raise RuntimeError("quantization int8: no linear layer of the model was quantized")
+    log.info("int8 weights: %d of %d linear layers (torchao %s)", quantized, len(linears), _torchao_version())
 
 
 def _torchao_version() -> str:
