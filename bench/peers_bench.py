@@ -21,12 +21,16 @@ f32, q8_0  llama.cpp's ``llama-server -np 32 -cb -t T --no-cache-prompt`` on the
            says how); the script converts each shape itself. Without it these sides are skipped,
            and the report says so.
 
+``--quantization int8``: the engine sides and the stack's worker with int8 weights
+(``SPOOL_QUANTIZATION``; their quality against float32: bench/quant_quality.py).
+
 Targets (printed, never asserted; issue 34): on every shape the stack >= 1.0x llama.cpp F32's
 tok/s, and the engine alone (compiled, with ``--compile``) >= 1.0x Q8_0's.
 
     .venv/bin/python bench/peers_bench.py --rounds 2 --compile --llama-cpp ~/llama.cpp
     .venv/bin/python bench/peers_bench.py --shapes bench --rounds 3     # one shape, no llama.cpp
     .venv/bin/python bench/peers_bench.py --quick                       # smoke run: tiny model, 8 requests
+    .venv/bin/python bench/peers_bench.py --quantization int8 --compile --llama-cpp ~/llama.cpp
 """
 
 from __future__ import annotations
@@ -334,7 +338,7 @@ def shape_report(name: str, rounds: list[dict[str, Side]], model: dict[str, Any]
 def print_grid(shapes: dict[str, dict[str, Any]], meta: dict[str, Any]) -> None:
     print(f"\nSpool against llama.cpp over {len(shapes)} shapes: {meta['workload']}")
     print(
-        f"  device {meta['device']}, {meta['dtype']}, {meta['threads']} compute threads a side; "
+        f"  device {meta['device']}, {meta['dtype']}, quantization {meta['quantization']}, {meta['threads']} compute threads a side; "
         f"load average {meta['loadavg_start']} -> {meta['loadavg_end']}"
     )
     if not meta["llama_cpp"]:
@@ -367,6 +371,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--device", default="cpu", help="torch device of the engine and the worker")
     p.add_argument("--dtype", default="float32", help="torch dtype of the engine and the worker")
+    p.add_argument(
+        "--quantization",
+        default="none",
+        choices=["none", "int8"],
+        help="the weights of the engine and the worker (SPOOL_QUANTIZATION; int8 needs spool[int8])",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and the prompts")
     p.add_argument(
         "--max-model-len", type=int, help="engine and worker max_model_len (the plan's by default)"
@@ -511,6 +521,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "threads": sb.torch.get_num_threads(),
         "device": args.device,
         "dtype": args.dtype,
+        "quantization": args.quantization,
         "llama_cpp": str(args.llama_cpp) if args.llama_cpp else None,
         "loadavg_start": loadavg(),
         "command": " ".join(sys.argv),

@@ -237,6 +237,8 @@ def start_stack(
         max_model_len=w.max_model_len,
         worker_name=f"{PREFIX}-w1",
         compile=args.compile,  # as the engine alone, whatever the worker's default
+        # peers_bench's --quantization (this script has none: the default, none)
+        quantization=getattr(args, "quantization", "none"),
         **engine_settings(w),
     )
     argv = [*harness.spool_argv(), "worker"]

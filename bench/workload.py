@@ -207,6 +207,7 @@ def spool_engine(
             model=str(model_dir),
             device=args.device,
             dtype=args.dtype,
+            quantization=getattr(args, "quantization", "none"),  # peers_bench's --quantization
             max_batch_size=batch,
             max_model_len=max_model_len,
             **config,

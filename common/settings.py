@@ -46,6 +46,9 @@ class Settings(BaseSettings):
     model: str = ""  # hub id or local path; empty: the embedded default model
     device: str = "cpu"
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    # The model's linear layers' weights: none (in SPOOL_DTYPE), or int8 (weight-only, one scale
+    # per output channel, through torchao: the extra spool[int8]; EngineConfig.quantization).
+    quantization: Literal["none", "int8"] = "none"
     max_batch_size: int = Field(32, ge=1, le=4096)
     max_model_len: int | None = Field(None, ge=16)
     kv_cache_memory_bytes: int | None = Field(None, ge=1)

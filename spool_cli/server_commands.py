@@ -31,8 +31,8 @@ def add_server_commands(sub: Any) -> None:
         "one image at a time, from the {prefix}.media queue (it exits 70 too when a denoising step "
         "stalls). --kind hooks delivers webhooks from the {prefix}.hooks queue (no model, no torch; "
         "docs/webhooks.md).",
-        "Settings: SPOOL_REDIS_URL, SPOOL_REDIS_PREFIX, SPOOL_MODEL, SPOOL_DEVICE, SPOOL_DTYPE, the "
-        "engine's (SPOOL_MAX_BATCH_SIZE, SPOOL_MAX_MODEL_LEN, ...) and the liveness ones "
+        "Settings: SPOOL_REDIS_URL, SPOOL_REDIS_PREFIX, SPOOL_MODEL, SPOOL_DEVICE, SPOOL_DTYPE, "
+        "SPOOL_QUANTIZATION (int8: weight-only, the extra spool[int8]), the engine's (SPOOL_MAX_BATCH_SIZE, SPOOL_MAX_MODEL_LEN, ...) and the liveness ones "
         "(SPOOL_HEARTBEAT_S, SPOOL_LEASE_S, SPOOL_WORKER_NAME, ...); with --kind media "
         "SPOOL_IMAGE_MODEL, SPOOL_IMAGE_DEVICE, SPOOL_IMAGE_DTYPE and SPOOL_IMAGE_NICE instead of the "
         "model and engine's.",

@@ -7,6 +7,7 @@ Tool parsers: docs/internals.md#tool-calls-commontool_callspy.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 from dataclasses import replace
@@ -29,6 +30,7 @@ def engine_config(settings: Settings, path: str) -> EngineConfig:
         model=path,
         device=settings.device,
         dtype=settings.dtype,
+        quantization=settings.quantization,
         max_batch_size=settings.max_batch_size,
         max_model_len=settings.max_model_len,
         kv_cache_memory_bytes=settings.kv_cache_memory_bytes,
@@ -57,6 +59,11 @@ def load_engine(settings: Settings) -> Engine:
     if settings.torch_threads is not None:
         torch.set_num_threads(settings.torch_threads)  # before the engine's first op
     config = engine_config(settings, path)
+    if settings.quantization == "int8" and importlib.util.find_spec("torchao") is None:
+        raise ModelLoadError(
+            "SPOOL_QUANTIZATION=int8 needs torchao, which is not installed: install Spool with its "
+            "extra spool[int8] (pip install 'spool[int8]')"
+        )
     try:
         return _load(config, fall_back=settings.compile is None)
     except Exception as e:

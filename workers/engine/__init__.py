@@ -3,6 +3,9 @@
 A library on its own: it imports torch, transformers and tokenizers, never Redis, Celery or HTTP.
 """
 
+# First (its name sorts before the others): it quiets torchao's import-time warnings before
+# transformers imports torchao.
+import workers.engine._quiet  # noqa: F401
 from workers.engine.engine import Engine
 from workers.engine.request import RequestTooLongError
 from workers.engine.types import (

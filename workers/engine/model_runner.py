@@ -58,6 +58,9 @@ class ModelRunner:
         )
         # NOTE: cast: transformers' typing of the decorated .to() confuses mypy.
         self.model: Any = cast(Any, model).to(self.device).eval()
+        self.quantization = config.quantization
+        if config.quantization == "int8":
+            _quantize_int8(self.model)
         # NOTE: some models (GPT-2, ...) check on every forward without an attention_mask whether
         # the ids hold padding, with `pad_token_id in input_ids[...]`: a read of device data, so a
         # GPU sync per step. A packed forward never pads, so the check is switched off.
@@ -176,6 +179,8 @@ class ModelRunner:
             inspect.getsource(attention),
             torch.__version__,
             transformers.__version__,
+            self.quantization,
+            _torchao_version() if self.quantization != "none" else None,
             sys.version_info[:3],
             str(self.device),
             torch.backends.cpu.get_cpu_capability(),
@@ -183,8 +188,9 @@ class ModelRunner:
         ):
             h.update(repr(part).encode())
         for name, tensor in self.model.state_dict().items():
-            h.update(f"{name} {tensor.dtype} {tuple(tensor.shape)}".encode())
-            h.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+            h.update(f"{name} {type(tensor).__qualname__} {tensor.dtype} {tuple(tensor.shape)}".encode())
+            for part in _plain_tensors(tensor):
+                h.update(part.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
         return h.hexdigest()[:32]
 
     @torch.inference_mode()
@@ -249,6 +255,51 @@ class ModelRunner:
             )
         logits: torch.Tensor = out.logits[0]  # [rows, V]
         return logits
+
+
+def _quantize_int8(model: Any) -> None:
+    """The model's linear layers (its LM head too; not the embeddings) quantized in place to int8
+    weight-only, by torchao: each weight int8 with one float scale per output channel, its matmul
+    on activations in the model's dtype.
+
+    The eager forward runs torchao's int8 tensor's linear: the weight converted to the
+    activations' dtype at each call, a matmul, the scales. In the compiled forward, inductor's
+    freezing folds that conversion of a float32 model into a float32 constant (it keeps only a
+    bfloat16 one's int8), so the package holds the int8 model's weights as float32 and runs the
+    float32 matmuls: the int8 model's outputs at the compiled float32 speed (docs/benchmarks.md).
+    """
+    try:
+        from torchao.quantization import Int8WeightOnlyConfig, quantize_
+    except ImportError as e:
+        raise RuntimeError(
+            "quantization int8 needs torchao, which is not installed: install Spool with its extra "
+            "spool[int8] (pip install 'spool[int8]')"
+        ) from e
+    # set_inductor_config=False: torchao's recommended inductor settings are process-wide and tune
+    # GPU (triton) kernels; the compiled forward keeps the settings it was measured with.
+    quantize_(model, Int8WeightOnlyConfig(set_inductor_config=False))
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    quantized = sum(type(m.weight).__name__ == "Int8Tensor" for m in linears)
+    if not quantized:
+        raise RuntimeError("quantization int8: no linear layer of the model was quantized")
+    log.info("int8 weights: %d of %d linear layers (torchao %s)", quantized, len(linears), _torchao_version())
+
+
+def _torchao_version() -> str:
+    import torchao
+
+    return str(torchao.__version__)
+
+
+def _plain_tensors(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """A tensor's data as plain tensors: itself, or a tensor subclass's (a quantized weight's int8
+    values and scales) inner ones."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    if not is_traceable_wrapper_subclass(tensor):
+        return [tensor]
+    names, _ = tensor.__tensor_flatten__()
+    return [p for name in names for p in _plain_tensors(getattr(tensor, name))]
 
 
 def _load_package(path: Path) -> Callable[..., torch.Tensor]:

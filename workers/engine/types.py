@@ -18,6 +18,9 @@ class FinishReason(str, enum.Enum):
 # already one-hot at every logit gap the model can produce (vLLM uses the same threshold).
 GREEDY_TEMPERATURE = 1e-5
 
+# EngineConfig.quantization's values: none (the weights in dtype) or int8 (weight-only).
+QUANTIZATIONS = ("none", "int8")
+
 
 @dataclass(frozen=True)
 class TokenWeights:
@@ -96,6 +99,10 @@ class EngineConfig:
     model: str  # hub id or local directory, loaded with from_pretrained
     device: str = "cpu"  # "cpu", "cuda", "cuda:1", ...
     dtype: str = "float32"  # "float32" | "bfloat16" | "float16"
+    # "none", or "int8": the linear layers' weights as int8, one scale per output channel, the
+    # activations in dtype (weight-only, through torchao: the extra spool[int8]; model_runner.py).
+    # The worker's SPOOL_QUANTIZATION.
+    quantization: str = "none"
     max_batch_size: int = 32  # KV-cache slots: requests decoded together
     max_model_len: int | None = (
         None  # prompt + generated tokens per request; None: the model's limit, capped at 2048
@@ -127,6 +134,10 @@ class EngineConfig:
     fair_share: TokenWeights | None = field(default_factory=TokenWeights)
 
     def __post_init__(self) -> None:
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}"
+            )
         if self.max_guide_mask_ms < 0:
             raise ValueError(f"max_guide_mask_ms must be >= 0, got {self.max_guide_mask_ms}")
         if self.prefill_chunk_size < 1 or self.max_prefill_tokens_per_step < self.prefill_chunk_size:
