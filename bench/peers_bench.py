@@ -338,7 +338,13 @@ def shape_report(name: str, rounds: list[dict[str, Side]], model: dict[str, Any]
 def print_grid(shapes: dict[str, dict[str, Any]], meta: dict[str, Any]) -> None:
     print(f"\nSpool against llama.cpp over {len(shapes)} shapes: {meta['workload']}")
     print(
-        f"  device {meta['device']}, {meta['dtype']}, quantization {meta['quantization']}, {meta['threads']} compute threads a side; "
+        f"  device {meta['device']}, {meta['dtype']}, quantization {meta['quantization']}, {meta['threads']} compute threads a side"
+        + (
+            f" (the stack's worker {meta['worker_threads']})"
+            if meta["worker_threads"] not in (None, meta["threads"])
+            else ""
+        )
+        + "; "
         f"load average {meta['loadavg_start']} -> {meta['loadavg_end']}"
     )
     if not meta["llama_cpp"]:
@@ -389,6 +395,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "SPOOL_TORCH_THREADS and llama-server's -t (default: torch's own, the CPUs here)",
     )
     p.add_argument(
+        "--worker-threads",
+        type=int,
+        metavar="N",
+        help="the stack's worker's SPOOL_TORCH_THREADS alone (default: --threads): e.g. 1 with "
+        "--threads 2, the worker as `spool up` starts it on 2 cores (the cores minus one)",
+    )
+    p.add_argument(
         "--compile",
         action="store_true",
         help="also the engine with its compiled forward (side 'compiled'); the stack's worker compiles too",
@@ -426,7 +439,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                 f"--llama-cpp: no convert_hf_to_gguf.py in {args.llama_cpp} or no {missing} in {args.llama.bin}"
             )
     args.llama_threads = args.threads or len(os.sched_getaffinity(0))
-    args.worker_torch_threads = args.threads
+    args.worker_torch_threads = args.worker_threads or args.threads
     # What stack_bench's parts read of their arguments.
     args.small_model, args.api_replicas, args.streamed_submit, args.max_prefill_tokens_per_step = (
         False,
@@ -519,6 +532,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     signal.alarm(int(args.deadline_s))
     meta: dict[str, Any] = {
         "threads": sb.torch.get_num_threads(),
+        "worker_threads": args.worker_torch_threads,
         "device": args.device,
         "dtype": args.dtype,
         "quantization": args.quantization,
