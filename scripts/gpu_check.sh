@@ -13,8 +13,9 @@
 # under its own time limit and whatever the previous one did, the open service issue's figures
 # first: (1) issue 21's peers benchmark in bfloat16, the engine eager and compiled, and the stack
 # with a compiled worker, (2) the engine tests with the engine on the GPU (the compiled parity
-# and int8 weights, tests/engine/test_quantization.py, included), (3) the stack benchmark with the worker on the GPU (4 cores) and the API, Redis and
-# clients on the other cores, (4) the engine benchmark's uniform and decode sections (bfloat16).
+# and int8 weights, tests/engine/test_quantization.py, included), (3) the stack benchmark with
+# the worker on the GPU (4 cores) and the API, Redis and clients on the other cores, (4) the
+# engine benchmark's uniform and decode sections (bfloat16).
 # Logs and JSON go to $OUT.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -32,7 +32,8 @@ def add_server_commands(sub: Any) -> None:
         "stalls). --kind hooks delivers webhooks from the {prefix}.hooks queue (no model, no torch; "
         "docs/webhooks.md).",
         "Settings: SPOOL_REDIS_URL, SPOOL_REDIS_PREFIX, SPOOL_MODEL, SPOOL_DEVICE, SPOOL_DTYPE, "
-        "SPOOL_QUANTIZATION (int8: weight-only, the extra spool[int8]), the engine's (SPOOL_MAX_BATCH_SIZE, SPOOL_MAX_MODEL_LEN, ...) and the liveness ones "
+        "SPOOL_QUANTIZATION (int8: weight-only, the extra spool[int8]), the engine's "
+        "(SPOOL_MAX_BATCH_SIZE, SPOOL_MAX_MODEL_LEN, ...) and the liveness ones "
         "(SPOOL_HEARTBEAT_S, SPOOL_LEASE_S, SPOOL_WORKER_NAME, ...); with --kind media "
         "SPOOL_IMAGE_MODEL, SPOOL_IMAGE_DEVICE, SPOOL_IMAGE_DTYPE and SPOOL_IMAGE_NICE instead of the "
         "model and engine's.",
@@ -138,7 +139,7 @@ def check_redis_at_start(*urls: str) -> None:
 
 def cmd_worker(args: argparse.Namespace) -> int:
     settings = get_settings()
-    check_redis_at_start(settings.redis_url, settings.broker_redis_url)  # before torch loads: seconds sooner
+    check_redis_at_start(settings.redis_url, settings.broker_redis_url)  # before torch: seconds sooner
     if (settings.image_device if args.kind == "media" else settings.device) == "cpu":
         # NOTE: triton (xgrammar's dependency, for its CUDA kernels) is imported by torch.compile
         # even on a CPU, where it runs nothing, and at every exit nanobind reports its module
@@ -192,9 +193,8 @@ def cmd_api(args: argparse.Namespace) -> int:
 
     settings = get_settings()
     check_api_settings(settings)  # the app checks again (a bare uvicorn), too late for status 2
-    check_redis_at_start(
-        settings.redis_url, settings.broker_redis_url
-    )  # the app checks again (a bare uvicorn)
+    # The app's start checks again (for a bare uvicorn), too late for status 2.
+    check_redis_at_start(settings.redis_url, settings.broker_redis_url)
     host, port = args.host or settings.host, args.port or settings.port
     # NOTE: bound before the app starts. uvicorn binds after the app's start-up, and on a port in
     # use then waited for the app's shutdown forever (the batch feeder running, SIGTERM unheard).
