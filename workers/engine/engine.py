@@ -147,7 +147,8 @@ class Engine:
     def request_ids(self) -> tuple[list[str], list[str]]:
         """The ids of the requests holding a slot and of those waiting for one (what ``stats()``
         counts as "running" and "waiting")."""
-        return [r.request_id for r in self.scheduler.running], [r.request_id for r in self.scheduler.waiting]
+        running = [r.request_id for r in self.scheduler.running]
+        return running, [r.request_id for r in self.scheduler.waiting.unordered()]
 
     def stats(self) -> dict[str, int | float]:
         return {

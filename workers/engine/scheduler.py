@@ -372,6 +372,10 @@ class WaitingQueue:
     def __len__(self) -> int:
         return self._len
 
+    def unordered(self) -> Iterator[Request]:
+        """Every waiting request, in no order: O(n), for what only counts them (each step's sets)."""
+        return (r for t in self._heaps.values() for h in t.values() for _, r in h)
+
     def __iter__(self) -> Iterator[Request]:
-        """In the queue's order (priority, then arrival), tenants interleaved."""
-        return iter(sorted((r for t in self._heaps.values() for h in t.values() for _, r in h), key=_order))
+        """In the queue's order (priority, then arrival), tenants interleaved: O(n log n)."""
+        return iter(sorted(self.unordered(), key=_order))
