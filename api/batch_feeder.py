@@ -75,7 +75,7 @@ class BatchFeeder:
         self.files = ResultFiles(settings, batches)
         self._token = secrets.token_hex(8)
         self._lease_s = settings.batch_feed_s * LEASE_TICKS
-        self._fence = ""  # token:fence while this process holds the lease
+        self._fences: dict[int, str] = {}  # bucket -> token:fence, of the leases this process holds
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._slots = asyncio.Semaphore(CONCURRENT)
         self._strikes: dict[str, int] = {}
@@ -84,10 +84,10 @@ class BatchFeeder:
         try:
             while True:
                 try:
-                    self._fence = await self.batches.claim_feeder(self._token, self._lease_s)
-                    if self._fence:
+                    await self.claim()
+                    if self._fences:
                         await self.tick()
-                        await self.batches.sweep_artifacts()
+                        await self.batches.sweep_artifacts(self._fences)
                 except RedisError as e:
                     log.warning("batch feeder: Redis unreachable (%s)", e)
                 except Exception:
@@ -96,12 +96,23 @@ class BatchFeeder:
         finally:
             await cancel_until_done(self._tasks.values())
 
+    async def claim(self) -> None:
+        """Take or renew the lease of each bucket's batches (one bucket on a standalone Redis:
+        common/keys.py); another process may hold some."""
+        for bucket in self.settings.keys.bucket_range():
+            fence = await self.batches.claim_feeder(self._token, self._lease_s, bucket)
+            if fence:
+                self._fences[bucket] = fence
+            else:
+                self._fences.pop(bucket, None)
+
     async def tick(self) -> None:
-        """Start a step for each active batch whose last one ended."""
+        """Start a step for each active batch of the buckets held whose last step ended."""
         self._tasks = {b: t for b, t in self._tasks.items() if not t.done()}
-        for batch_id in await self.batches.active_batches():
-            if batch_id not in self._tasks:
-                self._tasks[batch_id] = asyncio.create_task(self._step(batch_id, self._fence))
+        for bucket, fence in self._fences.items():
+            for batch_id in await self.batches.active_batches(bucket):
+                if batch_id not in self._tasks:
+                    self._tasks[batch_id] = asyncio.create_task(self._step(batch_id, fence))
 
     async def _step(self, batch_id: str, fence: str) -> None:
         """One batch's step, whatever it raises kept to this batch."""
@@ -259,7 +270,7 @@ class BatchFeeder:
             line = parse_line(raw, b["endpoint"])  # validated already
             if line is None:
                 continue
-            job_id = new_job_id()
+            job_id = new_job_id(self.settings.keys, self.settings.keys.bucket_of(batch_id))
             try:
                 request = await line_request(b["endpoint"], line["body"], self.settings, models, self.context)
             except ApiError as e:

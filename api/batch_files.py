@@ -8,6 +8,7 @@ The feeder's steps: docs/internals.md#batches-apibatch_feederpy.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import time
 from dataclasses import dataclass
@@ -15,15 +16,22 @@ from typing import Any
 
 from api.batch_lines import parse_line
 from api.openai_compat.batches import error_line
+from common.keys import Keys
 from common.settings import Settings
 from common.store import AsyncBatchStore, FenceLost, LineResult
 
 PAGE_LINES = 1000  # lines read (validated, assembled) per round trip
 
 
-def result_file_id(batch_id: str, kind: str) -> str:
-    """The output (or error) file of a batch: the same id however often it is assembled."""
-    return "file-" + hashlib.sha256(f"{batch_id}:{kind}".encode()).hexdigest()[:32]
+def result_file_id(keys: Keys, batch_id: str, kind: str) -> str:
+    """The output (or error) file of a batch: the same id however often it is assembled, in the
+    batch's bucket (its owner's, as the files an owner uploads: common/keys.py)."""
+    bucket, seed = keys.bucket_of(batch_id), f"{batch_id}:{kind}"
+    for n in itertools.count():
+        file_id = "file-" + hashlib.sha256((f"{seed}:{n}" if n else seed).encode()).hexdigest()[:32]
+        if keys.bucket_of(file_id) == bucket:
+            return file_id
+    raise AssertionError("unreachable")
 
 
 class ResultFiles:
@@ -42,7 +50,10 @@ class ResultFiles:
         files under the same ids, so a repeat (another feeder took over) is safe.
         """
         batch_id, fed, count = b["id"], int(b["next_line"]), int(b["line_count"])
-        files = {kind: _ResultFile(result_file_id(batch_id, kind)) for kind in ("completed", "failed")}
+        files = {
+            kind: _ResultFile(result_file_id(self.settings.keys, batch_id, kind))
+            for kind in ("completed", "failed")
+        }
         for f in files.values():
             await self.batches.drop_attempt(f.id, fence)  # this fence's own earlier, half-written
         try:

@@ -96,4 +96,4 @@ class Enqueuer:
             "properties": properties,
         }
         message = QueueMessage(Keys.broker_list(to, priority), json_dumps(envelope), queue)
-        return outboxed(self._keys, message) if self._outbox else message
+        return outboxed(self._keys, message, job_id) if self._outbox else message

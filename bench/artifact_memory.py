@@ -113,7 +113,7 @@ async def one_mode(url: str, prefix: str, artifact_url: str, lines: int, reply_c
     for start in range(0, lines, PAGE):
         await store.record(batch_id, [result(i, reply_chars) for i in range(start, min(start + PAGE, lines))])
     figures["running"] = memory(r, prefix)
-    fence = await store.claim_feeder("bench", 60)
+    fence = await store.claim_feeder("bench", 60, 0)
     await ResultFiles(settings, store).assemble(
         {**batch, **(await store.get_batch(batch_id) or {})}, "", fence
     )

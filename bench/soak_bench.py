@@ -183,7 +183,7 @@ async def soak(
                 r.ttl(k) == -1 for k in r.scan_iter(f"{PREFIX}:job:*", count=1000)
             ),
             # ... and its last append dropped its field of the fencing hash (one HLEN).
-            "attempts_fields": r.hlen(Keys(PREFIX).attempts()),
+            "attempts_fields": r.hlen(Keys(PREFIX).attempts(0)),
         }
     return {"rounds": rounds, "tally": tally, "samples": samples, "left": left}
 

@@ -8,8 +8,12 @@ What each key holds: docs/internals.md#redis-names-from-commonkeyspy-only-prefix
 
 from __future__ import annotations
 
+import binascii
+import functools
 import hashlib
 import re
+import secrets
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 GENERATE_TASK = "spool.generate"  # the Celery task a job's message names; the API sends it by name
@@ -43,6 +47,43 @@ _UNSAFE = re.compile(r"[^A-Za-z0-9_.-]+")
 
 WATCHER_GHOST = "left:"  # prefix of the member a watcher leaves behind in Keys.job_watchers
 
+# Buckets (issue 31): on a Redis Cluster each key Spool's scripts touch together must live in one
+# hash slot. So every key of the job data belongs to a bucket, whose hash tag ("{...}") it
+# carries: a job's keys, and the sets across jobs split per bucket (queued, running, leases'
+# attempts, the outbox, ...). A job's bucket is a hash of its id (of its job's id for a part), and
+# an id is drawn until it lands in the bucket it must share: a batch's line jobs, files and the
+# batch itself sit in their owner's bucket, a job created with an Idempotency-Key in its key's.
+# Sweeps walk every bucket. On a standalone Redis there is one bucket and no tag: the names are
+# the ones Spool has always used. The tags are chosen so the buckets' slots are evenly spaced
+# over the 16,384: a cluster that splits the slots in equal ranges (redis-cli --cluster create
+# does) gets the same number of buckets on each of 2, 3, 4, 6, 8 or 12 masters.
+CLUSTER_BUCKETS = 24
+CLUSTER_SLOTS = 16384
+
+
+def key_slot(name: str) -> int:
+    """The Redis Cluster hash slot of a key or shard channel: CRC16 of its hash tag, if any."""
+    data = name.encode()
+    start = data.find(b"{")
+    if start != -1:
+        end = data.find(b"}", start + 1)
+        if end > start + 1:
+            data = data[start + 1 : end]
+    return binascii.crc_hqx(data, 0) % CLUSTER_SLOTS
+
+
+@functools.cache
+def bucket_tags(buckets: int) -> tuple[str, ...]:
+    """The hash tag of each bucket (empty for a single bucket): bucket i's slot lies in the i-th
+    of ``buckets`` equal ranges of slots."""
+    if buckets == 1:
+        return ("",)
+    tags = []
+    for i in range(buckets):
+        low, high = i * CLUSTER_SLOTS // buckets, (i + 1) * CLUSTER_SLOTS // buckets
+        tags.append(next(t for n in range(1 << 20) if low <= key_slot(t := f"b{i}.{n}") < high))
+    return tuple(tags)
+
 
 def _tenant_queue(queue: str, k: int) -> str:
     return f"{queue}.t{k}"
@@ -51,23 +92,60 @@ def _tenant_queue(queue: str, k: int) -> str:
 @dataclass(frozen=True)
 class Keys:
     prefix: str = "spool"
+    buckets: int = 1  # CLUSTER_BUCKETS when the job data is on a Redis Cluster (SPOOL_REDIS_BUCKETS)
+
+    def bucket_range(self) -> range:
+        """Every bucket, for the sweeps that walk the sets split per bucket."""
+        return range(self.buckets)
+
+    def bucket_of(self, object_id: str) -> int:
+        """The bucket of a job, part, batch or file id (a part's is its job's)."""
+        if self.buckets == 1:
+            return 0
+        root = object_id.partition(PART_SEP)[0]
+        return int.from_bytes(hashlib.blake2b(root.encode(), digest_size=4).digest(), "big") % self.buckets
+
+    def owner_bucket(self, owner: str) -> int:
+        """The bucket of an owner's files and batches (and of their line jobs)."""
+        return self.bucket_of(f"owner\0{owner}")
+
+    def new_id(self, prefix: str, nbytes: int, bucket: int | None = None) -> str:
+        """A random id (``prefix`` + ``nbytes`` random bytes in hex) in ``bucket`` (any if None)."""
+        while True:
+            object_id = prefix + secrets.token_hex(nbytes)
+            if bucket is None or self.bucket_of(object_id) == bucket:
+                return object_id
+
+    def by_bucket(self, ids: Iterable[str]) -> dict[int, list[str]]:
+        """These ids by their bucket, each list in the ids' order (one script call per bucket)."""
+        groups: dict[int, list[str]] = {}
+        for object_id in ids:
+            groups.setdefault(self.bucket_of(object_id), []).append(object_id)
+        return groups
+
+    def _at(self, bucket: int) -> str:
+        """The start of a bucket's names: the prefix, then its hash tag on a cluster."""
+        return f"{self.prefix}:{{{bucket_tags(self.buckets)[bucket]}}}" if self.buckets > 1 else self.prefix
+
+    def _of(self, object_id: str) -> str:
+        return self._at(self.bucket_of(object_id))
 
     def job(self, job_id: str) -> str:
         """Hash: status, params, timestamps, usage, finish_reason, error, attempt, worker."""
-        return f"{self.prefix}:job:{job_id}"
+        return f"{self._of(job_id)}:job:{job_id}"
 
     def job_log(self, job_id: str) -> str:
         """List: every event of the job in order; entry i holds sequence number i + 1."""
-        return f"{self.prefix}:job:{job_id}:log"
+        return f"{self._of(job_id)}:job:{job_id}:log"
 
     def job_text(self, job_id: str) -> str:
         """String: the concatenated text of the job's token events up to the hash's ``text_seq``
         (every few events), so reading the text is O(1) plus at most a few log entries."""
-        return f"{self.prefix}:job:{job_id}:text"
+        return f"{self._of(job_id)}:job:{job_id}:text"
 
     def job_events(self, job_id: str) -> str:
         """Pub/sub channel: the same events, live."""
-        return f"{self.prefix}:job:{job_id}:events"
+        return f"{self._of(job_id)}:job:{job_id}:events"
 
     def job_watchers(self, job_id: str) -> str:
         """Sorted set: the streams and waiting requests watching the job, from every API process.
@@ -75,7 +153,7 @@ class Keys:
         A member's score is a deadline: a watcher's, the end of its lease (its process renews it);
         a ghost's (``WATCHER_GHOST`` + the watcher's token), the end of the grace after it left.
         """
-        return f"{self.prefix}:job:{job_id}:watchers"
+        return f"{self._of(job_id)}:job:{job_id}:watchers"
 
     def hub_channel(self, hub_name: str) -> str:
         """Pub/sub channel an API process's hub keeps subscribed (nothing is published on it)."""
@@ -84,16 +162,24 @@ class Keys:
     def idempotency(self, owner: str, key: str) -> str:
         """String with a TTL, the id of the job that a client's ``Idempotency-Key`` created, per
         owner. The key is hashed, since it is the client's text."""
-        digest = hashlib.sha256(f"{owner}\0{key}".encode()).hexdigest()
-        return f"{self.prefix}:idem:{digest}"
+        digest = self._idempotency_digest(owner, key)
+        return f"{self._of(digest)}:idem:{digest}"
+
+    def idempotency_bucket(self, owner: str, key: str) -> int:
+        """The bucket of that key, and so of the job it creates (create.lua writes both)."""
+        return self.bucket_of(self._idempotency_digest(owner, key))
+
+    @staticmethod
+    def _idempotency_digest(owner: str, key: str) -> str:
+        return hashlib.sha256(f"{owner}\0{key}".encode()).hexdigest()
 
     def part_content(self, part_id: str) -> str:
         """String with a TTL: a finished image part's bytes (PNG), or with SPOOL_ARTIFACT_URL set,
         the name of its artifact."""
-        return f"{self.prefix}:job:{part_id}:content"
+        return f"{self._of(part_id)}:job:{part_id}:content"
 
     def job_id_from_channel(self, channel: str) -> str:
-        return channel[len(self.prefix) + len(":job:") : -len(":events")]
+        return channel.partition(":job:")[2].removesuffix(":events")
 
     def tokenizer(self, digest: str) -> str:
         """String: what the API needs to count a model's prompt tokens (common/prompt_tokens.py),
@@ -109,37 +195,38 @@ class Keys:
         scans the keyspace; a worker is live while its heartbeat key exists."""
         return f"{self.prefix}:workers"
 
-    def owner_jobs(self, owner: str) -> str:
-        """Sorted set of one owner's job ids (score: created_at), for listing them newest first;
-        written by the create script, trimmed by age and count there (common/store/records.py)."""
-        return f"{self.prefix}:owner:{owner or 'anonymous'}:jobs"
+    def owner_jobs(self, owner: str, bucket: int) -> str:
+        """Sorted set of one owner's job ids in a bucket (score: created_at), for listing them
+        newest first; written by the create script, trimmed by age and count there
+        (common/store/records.py)."""
+        return f"{self._at(bucket)}:owner:{owner or 'anonymous'}:jobs"
 
     def write_probe(self) -> str:
         """String with a short TTL that /readyz sets: Redis takes writes (not out of memory)."""
         return f"{self.prefix}:write_probe"
 
-    def queued_jobs(self) -> str:
+    def queued_jobs(self, bucket: int) -> str:
         """Sorted set of queued job ids (score: enqueue time); sized for backpressure."""
-        return f"{self.prefix}:queued"
+        return f"{self._at(bucket)}:queued"
 
-    def queued_media(self) -> str:
+    def queued_media(self, bucket: int) -> str:
         """Sorted set of queued image parts whose message was sent (score: when), for the media
         workers' sweep to send a lost one again; not counted for backpressure."""
-        return f"{self.prefix}:queued_media"
+        return f"{self._at(bucket)}:queued_media"
 
-    def held_media(self) -> str:
+    def held_media(self, bucket: int) -> str:
         """Sorted set of image parts held for their job's text parts' first tokens, their message
         not sent yet (score: the latest it is sent, unix seconds); the media workers send those due."""
-        return f"{self.prefix}:held_media"
+        return f"{self._at(bucket)}:held_media"
 
-    def running_jobs(self) -> str:
+    def running_jobs(self, bucket: int) -> str:
         """Sorted set of running job ids (score: lease deadline); scanned for crashed workers."""
-        return f"{self.prefix}:running"
+        return f"{self._at(bucket)}:running"
 
-    def attempts(self) -> str:
+    def attempts(self, bucket: int) -> str:
         """Hash: running text job id -> the attempt that holds it (take.lua writes it, the job's
         last append drops it), so one step's writes are fenced with one HMGET for all its jobs."""
-        return f"{self.prefix}:attempts"
+        return f"{self._at(bucket)}:attempts"
 
     def cancelled(self) -> str:
         """Pub/sub channel: ids of jobs cancelled by a client, for the worker that runs them."""
@@ -147,73 +234,74 @@ class Keys:
 
     def file(self, file_id: str) -> str:
         """Hash: a file's object (bytes, filename, purpose, created_at, lines, owner)."""
-        return f"{self.prefix}:file:{file_id}"
+        return f"{self._of(file_id)}:file:{file_id}"
 
     def file_lines(self, file_id: str) -> str:
         """List: the file's content, one element per line (each with its newline); with
         SPOOL_ARTIFACT_URL set, none: the content is its artifact (common/artifacts.py)."""
-        return f"{self.prefix}:file:{file_id}:lines"
+        return f"{self._of(file_id)}:file:{file_id}:lines"
 
     def file_upload(self, file_id: str) -> str:
         """List: the lines of an upload still arriving; renamed to ``file_lines`` when it ends."""
-        return f"{self.prefix}:file:{file_id}:upload"
+        return f"{self._of(file_id)}:file:{file_id}:upload"
 
     def file_attempt(self, file_id: str, fence: int) -> str:
         """List: the lines of a batch's result file written under feeder fence ``fence``; renamed
         to ``file_lines`` by a commit that holds the same fence (api/batch_feeder.py)."""
-        return f"{self.prefix}:file:{file_id}:upload:{fence}"
+        return f"{self._of(file_id)}:file:{file_id}:upload:{fence}"
 
     def owner_files(self, owner: str) -> str:
         """Sorted set of one owner's file ids (score: created_at), for listing them."""
-        return f"{self.prefix}:owner:{owner or 'anonymous'}:files"
+        return f"{self._at(self.owner_bucket(owner))}:owner:{owner or 'anonymous'}:files"
 
     def owner_file_bytes(self, owner: str) -> str:
         """Hash: one owner's file id -> its bytes, for the per-key storage quota."""
-        return f"{self.prefix}:owner:{owner or 'anonymous'}:file_bytes"
+        return f"{self._at(self.owner_bucket(owner))}:owner:{owner or 'anonymous'}:file_bytes"
 
     def owner_file_expiry(self, owner: str) -> str:
         """Sorted set of one owner's file ids (score: when the file expires), so the quota forgets
         an expired file without reading every file."""
-        return f"{self.prefix}:owner:{owner or 'anonymous'}:file_expiry"
+        return f"{self._at(self.owner_bucket(owner))}:owner:{owner or 'anonymous'}:file_expiry"
 
-    def artifacts(self) -> str:
+    def artifacts(self, bucket: int) -> str:
         """Sorted set of the artifacts in SPOOL_ARTIFACT_URL's directory, by name (score: when the
         API's sweep deletes it: its file's or image's expiry, or an hour after a write began that
         never ended); common/artifacts.py."""
-        return f"{self.prefix}:artifacts"
+        return f"{self._at(bucket)}:artifacts"
 
     def batch(self, batch_id: str) -> str:
         """Hash: a batch's state (status, timestamps, counts, next line to feed, files)."""
-        return f"{self.prefix}:batch:{batch_id}"
+        return f"{self._of(batch_id)}:batch:{batch_id}"
 
     def batch_window(self, batch_id: str) -> str:
         """Hash: the batch's lines queued or running now, job id -> JSON [line index, custom_id]."""
-        return f"{self.prefix}:batch:{batch_id}:window"
+        return f"{self._of(batch_id)}:batch:{batch_id}:window"
 
     def batch_results(self, batch_id: str) -> str:
         """Hash: line index -> the line's result (JSON of its output or error line), set once."""
-        return f"{self.prefix}:batch:{batch_id}:results"
+        return f"{self._of(batch_id)}:batch:{batch_id}:results"
 
-    def batches(self) -> str:
+    def batches(self, bucket: int) -> str:
         """Sorted set of every batch id (score: created_at), for /metrics."""
-        return f"{self.prefix}:batches"
+        return f"{self._at(bucket)}:batches"
 
     def owner_batches(self, owner: str) -> str:
         """Sorted set of one owner's batch ids (score: created_at), for listing them."""
-        return f"{self.prefix}:owner:{owner or 'anonymous'}:batches"
+        return f"{self._at(self.owner_bucket(owner))}:owner:{owner or 'anonymous'}:batches"
 
-    def active_batches(self) -> str:
+    def active_batches(self, bucket: int) -> str:
         """Set of the batches not yet ended: what the feeder works on."""
-        return f"{self.prefix}:batches:active"
+        return f"{self._at(bucket)}:batches:active"
 
-    def batch_feeder(self) -> str:
-        """String with a TTL: the API process that feeds the batches now and its fence,
+    def batch_feeder(self, bucket: int) -> str:
+        """String with a TTL: the API process that feeds a bucket's batches now and its fence,
         ``token:fence`` (api/batch_feeder.py)."""
-        return f"{self.prefix}:batches:feeder"
+        return f"{self._at(bucket)}:batches:feeder"
 
-    def batch_feeder_fence(self) -> str:
-        """Counter: the last fence a feeder lease was taken with (one more at each new holder)."""
-        return f"{self.prefix}:batches:feeder:fence"
+    def batch_feeder_fence(self, bucket: int) -> str:
+        """Counter: the last fence a bucket's feeder lease was taken with (one more at each new
+        holder)."""
+        return f"{self._at(bucket)}:batches:feeder:fence"
 
     def model_queue(self, model: str) -> str:
         """Celery queue of the text jobs of one served model (its name in /v1/models), consumed by
@@ -258,11 +346,11 @@ class Keys:
         """The list kombu keeps a queue's messages of ``priority`` in (a priority step: 0, 3, 6, 9)."""
         return f"{queue}{_KOMBU_PRIORITY_SEP}{priority}" if priority else queue
 
-    def outbox(self) -> str:
+    def outbox(self, bucket: int) -> str:
         """List on the job data's Redis of the broker messages its scripts wrote with their jobs,
         while the broker is a Redis apart (SPOOL_BROKER_URL): JSON ``[broker list, message]``
         each, until relayed to the broker (common/store/outbox.py)."""
-        return f"{self.prefix}:outbox"
+        return f"{self._at(bucket)}:outbox"
 
     @property
     def control_exchange(self) -> str:
@@ -300,12 +388,16 @@ class Keys:
 
         ``d{n}`` is a delivery's record as JSON and ``b{n}`` its body once rendered. ``events``
         counts them, ``head`` is the last one finished, and ``lock`` the delivering worker's."""
-        return f"{self.prefix}:hooks:{kind}:{object_id}"
+        return f"{self._of(object_id)}:hooks:{kind}:{object_id}"
 
-    def hooks_due(self) -> str:
+    def hooks_due(self, bucket: int) -> str:
         """Sorted set of ``hooks`` keys with a delivery due (score: when, unix s); the hook
         workers' sweep sends a message for each one due (common/store/hooks.py)."""
-        return f"{self.prefix}:hooks:due"
+        return f"{self._at(bucket)}:hooks:due"
+
+    def hooks_due_of(self, hooks_key: str) -> str:
+        """The ``hooks_due`` set of a ``hooks`` key's bucket (its object's)."""
+        return self.hooks_due(self.bucket_of(hooks_key.rpartition(":")[2]))
 
     def hooks_disabled(self, owner: str) -> str:
         """Set of the webhook URLs an owner's receiver disabled (answered 410)."""

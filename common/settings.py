@@ -41,6 +41,10 @@ class Settings(BaseSettings):
     # SPOOL_REDIS_URL's (docs/operations.md "The broker apart").
     broker_url: str = ""
     redis_prefix: str = Field("spool", pattern=r"^[A-Za-z0-9_.-]+$")
+    # The job data's buckets (common/keys.py): 1 on a standalone Redis (the names carry no hash
+    # tag), CLUSTER_BUCKETS (24) on a Redis Cluster. Every API and worker of a deployment must use
+    # the same: the first to start records it in Redis, and one that disagrees refuses to start.
+    redis_buckets: int = Field(1, ge=1, le=1024)
 
     # Model and engine (worker)
     model: str = ""  # hub id or local path; empty: the embedded default model
@@ -252,7 +256,7 @@ class Settings(BaseSettings):
 
     @property
     def keys(self) -> Keys:
-        return Keys(self.redis_prefix)
+        return Keys(self.redis_prefix, self.redis_buckets)
 
     @property
     def broker_redis_url(self) -> str:

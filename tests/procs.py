@@ -183,7 +183,7 @@ def waiting_request(api_url: str, prefix: str, path: str, body: dict[str, Any]) 
     url = urlsplit(api_url)
     payload = json.dumps(body).encode()
     head = f"POST {path} HTTP/1.1\r\nHost: {url.netloc}\r\nContent-Type: application/json\r\n"
-    running = Keys(prefix).running_jobs()
+    running = Keys(prefix).running_jobs(0)
     with (
         redis.Redis.from_url(REDIS_URL, decode_responses=True) as r,
         socket.create_connection((url.hostname, url.port)) as sock,

@@ -82,3 +82,10 @@ class StoreForTests(SyncJobStore):
     def list_workers(self) -> list[WorkerHeartbeat]:
         names = [str(n) for n in self.redis.zrange(self.keys.workers(), 0, -1)]
         return heartbeats_from(self.redis.mget(worker_keys(self.keys, names))) if names else []
+
+
+def every_bucket(r: redis.Redis, names: list[str]) -> list[str]:
+    """The members of these sorted sets (one per bucket: ``[keys.held_media(b) for b in
+    keys.bucket_range()]``), together by score."""
+    scored = [(score, str(m)) for name in names for m, score in r.zrange(name, 0, -1, withscores=True)]
+    return [m for _, m in sorted(scored)]

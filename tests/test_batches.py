@@ -319,7 +319,7 @@ def test_cancel_mid_run_keeps_what_finished_and_runs_nothing_after(
     r = redis.Redis.from_url(REDIS_URL, decode_responses=True)
     keys = Keys(batch_cluster.prefix)
     assert r.llen(lines_queue(batch_cluster.prefix, tiny_model)) == 0
-    assert not r.zrange(keys.running_jobs(), 0, -1)
+    assert not r.zrange(keys.running_jobs(0), 0, -1)
 
 
 def batch_figures(api_url: str) -> tuple[dict[str, float], dict[str, float]]:

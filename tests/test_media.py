@@ -666,7 +666,7 @@ def test_an_image_part_whose_message_was_lost_is_sent_again(client: httpx.Client
     assert job["status"] == "succeeded"
     assert r.hget(bare.keys.job(f"{job_id}:part:0"), "requeued_at")
     assert "message lost" in bare.workers[0].log_tail()
-    assert r.zcard(bare.keys.queued_media()) == 0
+    assert r.zcard(bare.keys.queued_media(0)) == 0
 
 
 @pytest.mark.slow  # a media worker exits, another started
@@ -696,7 +696,7 @@ def part_status(r: redis.Redis, media: Media, job_id: str, k: int) -> str | None
 
 
 def held(r: redis.Redis, media: Media, job_id: str) -> bool:
-    return r.zscore(media.keys.held_media(), f"{job_id}:part:1") is not None
+    return r.zscore(media.keys.held_media(0), f"{job_id}:part:1") is not None
 
 
 def test_a_held_image_part_starts_once_its_text_part_has_its_first_token(

@@ -155,7 +155,7 @@ def test_a_models_jobs_wait_for_its_workers_and_are_taken_over_by_them_only(two:
     queued = start_job(two.api.url, two.model("a"), PROMPTS[1], MAX_TOKENS)
     try:
         wait_until(lambda: not r.exists(keys.worker(f"{two.prefix}-a")), "a's heartbeat gone", 30)
-        wait_until(lambda: r.zscore(keys.running_jobs(), running) < time.time(), "a's lease lapsed", 30)
+        wait_until(lambda: r.zscore(keys.running_jobs(0), running) < time.time(), "a's lease lapsed", 30)
         lapsed = time.time()
         # b sweeps at each beat: two beats after both lapsed, it has looked at them.
         wait_until(

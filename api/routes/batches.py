@@ -10,7 +10,6 @@ The feeder's steps: docs/internals.md#batches-apibatch_feederpy.
 from __future__ import annotations
 
 import json
-import secrets
 import time
 from typing import Annotated, Any
 
@@ -23,6 +22,7 @@ from api.errors import ApiError
 from api.openai_compat.batches import COMPLETION_WINDOWS, ENDPOINTS, page
 from api.services import Services
 from api.submission import check_webhook
+from common.keys import Keys
 from common.schemas.views import batch_object
 from common.store.hooks import hook_field
 from common.webhooks import BATCH_EVENTS
@@ -45,8 +45,9 @@ class BatchRequest(BaseModel):
     webhook_events: list[str] | None = None
 
 
-def new_batch_id() -> str:
-    return "batch_" + secrets.token_hex(16)
+def new_batch_id(keys: Keys, owner: str) -> str:
+    """A new batch's id, in its owner's bucket, with its files (common/keys.py)."""
+    return keys.new_id("batch_", 16, keys.owner_bucket(owner))
 
 
 @router.post("")
@@ -70,7 +71,7 @@ async def create_batch(body: BatchRequest, services: ServicesDep) -> dict[str, A
     await _check_webhook(services, body)
     now = time.time()
     fields = {
-        "id": new_batch_id(),
+        "id": new_batch_id(services.settings.keys, current_owner()),
         "status": "validating",
         "endpoint": body.endpoint,
         "input_file_id": body.input_file_id,

@@ -10,7 +10,6 @@ docs/internals.md#redis-names-from-commonkeyspy-only-prefix-spool_redis_prefix.
 
 from __future__ import annotations
 
-import secrets
 import time
 import unicodedata
 from collections.abc import AsyncIterator
@@ -26,6 +25,7 @@ from api.deps import ServicesDep, owned_file
 from api.errors import ApiError
 from api.openai_compat.batches import file_object, page
 from api.uploads import quota_error, receive_upload
+from common.keys import Keys
 
 router = APIRouter(prefix="/v1/files", tags=["files"])
 
@@ -34,8 +34,9 @@ PURPOSES = ("batch",)
 CONTENT_PAGE_LINES = 1000
 
 
-def new_file_id() -> str:
-    return "file-" + secrets.token_hex(16)
+def new_file_id(keys: Keys, owner: str) -> str:
+    """A new file's id, in its owner's bucket (common/keys.py: its quota's keys are there)."""
+    return keys.new_id("file-", 16, keys.owner_bucket(owner))
 
 
 @router.post("")
@@ -48,7 +49,7 @@ async def create_file(request: Request, services: ServicesDep) -> dict[str, Any]
             f"This API key stores {usage.files} files, the most it may (SPOOL_MAX_FILES_PER_KEY): "
             "delete some first"
         )
-    file_id = new_file_id()
+    file_id = new_file_id(settings.keys, owner)
     try:
         upload = await receive_upload(
             request.headers.get("content-type", ""),

@@ -82,11 +82,11 @@ class AsyncJobStore(WatcherSets, ResponseRecords):
         if self.broker is not self.redis:
             await self.broker.aclose()
 
-    async def relay(self) -> None:
-        """Send the broker messages the scripts left in the outbox (common/store/outbox.py);
-        nothing to do with one Redis."""
+    async def relay(self, buckets: Iterable[int] | None = None) -> None:
+        """Send the broker messages the scripts left in the outboxes (those of ``buckets``, or
+        all: common/store/outbox.py); nothing to do with one Redis."""
         if self.outbox is not None:
-            await self.outbox.relay_or_log()
+            await self.outbox.relay_or_log(buckets)
 
     async def ping(self) -> bool:
         return bool(await self.redis.ping())
@@ -122,7 +122,7 @@ class AsyncJobStore(WatcherSets, ResponseRecords):
         earlier = check_created(await script(keys, args), self.settings.max_queued_jobs)
         if earlier is not None:
             return check_replay(await self.get_record(earlier), request)
-        await self.relay()
+        await self.relay([self.keys.bucket_of(fields["id"])])
         if request.parts is not None:
             return (await self.get_record(fields["id"])).job
         return record_from_hash(fields, "").job
@@ -193,7 +193,18 @@ class AsyncJobStore(WatcherSets, ResponseRecords):
         return await self.get_job(job_id)
 
     async def queued_count(self) -> int:
-        return int(await self.redis.zcard(self.keys.queued_jobs()))
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for b in self.keys.bucket_range():
+                pipe.zcard(self.keys.queued_jobs(b))
+            return sum(await pipe.execute())
+
+    async def _oldest_queued(self, count: int) -> list[str]:
+        """The ``count`` jobs queued longest, oldest first, of every bucket's queued set."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for b in self.keys.bucket_range():
+                pipe.zrange(self.keys.queued_jobs(b), 0, count - 1, withscores=True)
+            pages = await pipe.execute()
+        return [str(j) for _, j in sorted((score, str(j)) for page in pages for j, score in page)[:count]]
 
     async def queue_position(self, job_id: str) -> int | None:
         """How many jobs its model's workers take before this queued one (None: not queued).
@@ -207,13 +218,13 @@ class AsyncJobStore(WatcherSets, ResponseRecords):
         are not counted. The jobs are read among the oldest QUEUE_POSITION_SCAN of every
         model's: past them it is a lower bound.
         """
-        queued = self.keys.queued_jobs()
+        queued = self.keys.queued_jobs(self.keys.bucket_of(job_id))
         queue, tier, owner = await self.redis.hmget(self.keys.job(job_id), ["queue", "tier", "owner"])
-        rank = await self.redis.zrank(queued, job_id)
-        if not isinstance(rank, int) or not queue:  # (a list only with withscore)
+        if await self.redis.zscore(queued, job_id) is None or not queue:
             return None
         queue = str(queue)
-        ids = await self.redis.zrange(queued, 0, QUEUE_POSITION_SCAN - 1)
+        ids = await self._oldest_queued(QUEUE_POSITION_SCAN)
+        rank = ids.index(job_id) if job_id in ids else len(ids)  # past the scan: all read are ahead
         async with self.broker.pipeline(transaction=False) as pipe:
             pipe.llen(self.keys.broker_list(queue, REQUEUE_PRIORITY))
             pipe.llen(self.keys.broker_list(queue, BATCH_PRIORITY))
@@ -259,19 +270,14 @@ class AsyncJobStore(WatcherSets, ResponseRecords):
         Reads at most LIST_SCAN_MAX index entries: with a filter that matches few of them, the page
         may be short with ``has_more`` set and ``last_id`` the last entry read. Expired jobs are skipped.
         """
-        index = self.keys.owner_jobs(owner)
-        start = 0
-        if after is not None:
-            rank = await self.redis.zrevrank(index, after)
-            if not isinstance(rank, int):  # not this owner's job (or expired)
-                raise JobNotFound(after)
-            start = rank + 1
+        indexes = [self.keys.owner_jobs(owner, b) for b in self.keys.bucket_range()]
+        starts = await self._index_starts(indexes, after)
         found: list[JobSummary] = []
         part_counts: dict[str, int] = {}  # the jobs with parts among those found: their part count
         last_read: str | None = None
-        end = start + LIST_SCAN_MAX
-        while len(found) <= limit and start < end:
-            ids = [str(i) for i in await self.redis.zrevrange(index, start, min(start + 2 * limit, end) - 1)]
+        read = 0
+        while len(found) <= limit and read < LIST_SCAN_MAX:
+            ids = await self._index_page(indexes, starts, min(2 * limit, LIST_SCAN_MAX - read))
             if not ids:
                 break
             async with self.redis.pipeline(transaction=False) as pipe:
@@ -288,11 +294,45 @@ class AsyncJobStore(WatcherSets, ResponseRecords):
                     if len(found) > limit:
                         break
                 last_read = job_id
-            start += len(ids)
-        has_more = len(found) > limit or (start >= end and last_read is not None)
+            read += len(ids)
+        has_more = len(found) > limit or (read >= LIST_SCAN_MAX and last_read is not None)
         data = await self._listed_parts(found[:limit], part_counts)
         last_id = last_read if has_more and len(found) <= limit else (data[-1].id if data else None)
         return JobList(data=data, first_id=data[0].id if data else None, last_id=last_id, has_more=has_more)
+
+    async def _index_starts(self, indexes: list[str], after: str | None) -> list[int]:
+        """Where to read each bucket's index of an owner's jobs from (newest first): past job
+        ``after`` in the order of the whole index, (created_at, id) descending, or from the start.
+        Raises JobNotFound when ``after`` is not in the owner's index (another's job, or expired)."""
+        if after is None:
+            return [0] * len(indexes)
+        score = await self.redis.zscore(indexes[self.keys.bucket_of(after)], after)
+        if score is None:
+            raise JobNotFound(after)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for index in indexes:
+                pipe.zcount(index, f"({score!r}", "+inf")
+                pipe.zrangebyscore(index, score, score)
+            replies = await pipe.execute()
+        # Before it: a later created_at, or the same and an id not below its own (ZREVRANGE's order).
+        return [
+            int(n) + sum(str(m) >= after for m in same)
+            for n, same in zip(replies[::2], replies[1::2], strict=True)
+        ]
+
+    async def _index_page(self, indexes: list[str], starts: list[int], count: int) -> list[str]:
+        """The next ``count`` ids of an owner's index, newest first, merged from its buckets' from
+        ``starts`` (moved past those returned)."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for index, start in zip(indexes, starts, strict=True):
+                pipe.zrevrange(index, start, start + count - 1, withscores=True)
+            pages = await pipe.execute()
+        entries = sorted(
+            ((score, str(j), b) for b, page in enumerate(pages) for j, score in page), reverse=True
+        )
+        for _, _, b in entries[:count]:
+            starts[b] += 1
+        return [j for _, j, _ in entries[:count]]
 
     async def _listed_parts(self, jobs: list[JobSummary], part_counts: dict[str, int]) -> list[JobSummary]:
         """The listed jobs with their parts (one more round trip when any has parts)."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections import Counter
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -95,12 +96,15 @@ class AsyncBatchStore(FileRecords):
     # -- batches ----------------------------------------------------------------------------------
 
     async def create_batch(self, fields: dict[str, str]) -> None:
+        """Store a new batch; its id is in its owner's bucket (``Keys.owner_bucket``), as its
+        files are, so its indexes are written in one transaction."""
         batch_id, k = fields["id"], self.keys
+        bucket = k.bucket_of(batch_id)
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.hset(k.batch(batch_id), mapping=fields)  # type: ignore[arg-type]  # redis-py's Mapping is invariant
-            pipe.zadd(k.batches(), {batch_id: float(fields["created_at"])})
+            pipe.zadd(k.batches(bucket), {batch_id: float(fields["created_at"])})
             pipe.zadd(k.owner_batches(fields["owner"]), {batch_id: float(fields["created_at"])})
-            pipe.sadd(k.active_batches(), batch_id)
+            pipe.sadd(k.active_batches(bucket), batch_id)
             await pipe.execute()
 
     async def get_batch(self, batch_id: str) -> dict[str, str] | None:
@@ -113,40 +117,42 @@ class AsyncBatchStore(FileRecords):
     async def batch_counts(self, live: Collection[str]) -> BatchCounts:
         """For /metrics: the batches by status, and the lines of those whose status is in
         ``live`` by state. Two round trips whatever the number of batches: the index, then one
-        script that counts (batch_counts.lua) and drops the ids of batches that expired."""
-        ids = [str(i) for i in await self.redis.zrange(self.keys.batches(), 0, -1)]
-        if not ids:
-            return BatchCounts({}, dict.fromkeys(BATCH_LINE_STATES, 0))
-        keys = [k for i in ids for k in (self.keys.batch(i), self.keys.batch_window(i))]
-        reply = [
-            str(x)
-            for x in await self._scripts["batch_counts"]([self.keys.batches(), *keys], [*live, "", *ids])
-        ]
-        cut = reply.index("")
-        statuses = {reply[i]: int(reply[i + 1]) for i in range(0, cut, 2)}
-        return BatchCounts(statuses, dict(zip(BATCH_LINE_STATES, map(int, reply[cut + 1 :]), strict=True)))
+        script that counts (batch_counts.lua) and drops the ids of batches that expired, per bucket."""
+        statuses: Counter[str] = Counter()
+        lines: Counter[str] = Counter(dict.fromkeys(BATCH_LINE_STATES, 0))
+        for b in self.keys.bucket_range():
+            index = self.keys.batches(b)
+            ids = [str(i) for i in await self.redis.zrange(index, 0, -1)]
+            if not ids:
+                continue
+            keys = [k for i in ids for k in (self.keys.batch(i), self.keys.batch_window(i))]
+            reply = [str(x) for x in await self._scripts["batch_counts"]([index, *keys], [*live, "", *ids])]
+            cut = reply.index("")
+            statuses.update({reply[i]: int(reply[i + 1]) for i in range(0, cut, 2)})
+            lines.update(dict(zip(BATCH_LINE_STATES, map(int, reply[cut + 1 :]), strict=True)))
+        return BatchCounts(dict(statuses), dict(lines))
 
     async def end_batch(self, batch_id: str, ending: str) -> str:
         """Stop feeding a batch (``ending``: cancelled or expired); returns the status it had."""
         return str(await self._scripts["batch_end"]([self.keys.batch(batch_id)], [repr(time.time()), ending]))
 
-    async def active_batches(self) -> list[str]:
-        return sorted(str(b) for b in await self.redis.smembers(self.keys.active_batches()))
+    async def active_batches(self, bucket: int) -> list[str]:
+        return sorted(str(b) for b in await self.redis.smembers(self.keys.active_batches(bucket)))
 
     async def forget_active(self, batch_id: str) -> None:
-        await self.redis.srem(self.keys.active_batches(), batch_id)
+        await self.redis.srem(self.keys.active_batches(self.keys.bucket_of(batch_id)), batch_id)
 
-    async def claim_feeder(self, token: str, lease_s: float) -> str:
-        """Take or renew the feeder's lease: the fence it is held with (``token:fence``), or ""
-        while another process holds it."""
-        keys = [self.keys.batch_feeder(), self.keys.batch_feeder_fence()]
+    async def claim_feeder(self, token: str, lease_s: float, bucket: int) -> str:
+        """Take or renew the feeder's lease of a bucket's batches: the fence it is held with
+        (``token:fence``), or "" while another process holds it."""
+        keys = [self.keys.batch_feeder(bucket), self.keys.batch_feeder_fence(bucket)]
         fence = int(await self._scripts["feeder_claim"](keys, [token, int(lease_s * 1000)]))
         return f"{token}:{fence}" if fence else ""
 
     async def validated(
         self, batch_id: str, ok: bool, line_count: int, total: int, errors: list[dict[str, Any]]
     ) -> str:
-        keys = [self.keys.batch(batch_id), self.keys.active_batches()]
+        keys = [self.keys.batch(batch_id), self.keys.active_batches(self.keys.bucket_of(batch_id))]
         args = [batch_id, "ok" if ok else "failed", repr(time.time()), line_count, total]
         return str(
             await self._scripts["batch_validated"](
@@ -181,7 +187,7 @@ class AsyncBatchStore(FileRecords):
             k.batch(batch_id),
             k.batch_window(batch_id),
             k.batch_results(batch_id),
-            k.owner_jobs(owner),
+            k.owner_jobs(owner, k.bucket_of(batch_id)),
         ]
         index = [owner_index_age_s(self.settings), OWNER_INDEX_MAX]
         args: list[Any] = [str(lines[0]), str(lines[1]), len(jobs), len(rejected), repr(now), *index]
@@ -194,12 +200,13 @@ class AsyncBatchStore(FileRecords):
         for r in rejected:
             args += [r.line, json.dumps([r.kind, r.result])]
         fed = int(await self._scripts["batch_feed"](keys, args))
-        await self._relay()
+        await self._relay(batch_id)
         return fed
 
-    async def _relay(self) -> None:
+    async def _relay(self, object_id: str) -> None:
+        """Relay the outbox of this batch's or job's bucket."""
         if self.outbox is not None:
-            await self.outbox.relay_or_log()
+            await self.outbox.relay_or_log([self.keys.bucket_of(object_id)])
 
     async def queue_length(self, broker_list: str) -> int:
         return int(await self.broker.llen(broker_list))
@@ -217,7 +224,7 @@ class AsyncBatchStore(FileRecords):
         sent = bool(
             await self._scripts["batch_resend"](keys, [repr(time.time()), repr(min_gap_s), message.payload])
         )
-        await self._relay()
+        await self._relay(job_id)
         return sent
 
     async def record(self, batch_id: str, results: Sequence[LineResult]) -> None:
@@ -246,8 +253,13 @@ class AsyncBatchStore(FileRecords):
         self, batch_id: str, fence: str, output_file_id: str, error_file_id: str, completed: int, failed: int
     ) -> str:
         """End a batch whose files are written, if ``fence`` still holds (FenceLost if not)."""
-        k = self.keys
-        keys = [k.batch(batch_id), k.active_batches(), k.batch_window(batch_id), k.batch_results(batch_id)]
+        k, bucket = self.keys, self.keys.bucket_of(batch_id)
+        keys = [
+            k.batch(batch_id),
+            k.active_batches(bucket),
+            k.batch_window(batch_id),
+            k.batch_results(batch_id),
+        ]
         args: list[str | int] = [
             batch_id,
             repr(time.time()),
@@ -258,7 +270,7 @@ class AsyncBatchStore(FileRecords):
             failed,
             fence,
         ]
-        status = str(await self._scripts["batch_finish"]([*keys, k.batch_feeder()], args))
+        status = str(await self._scripts["batch_finish"]([*keys, k.batch_feeder(bucket)], args))
         if status == "fenced":
             raise FenceLost(fence)
         if self.artifacts is not None:
@@ -270,7 +282,8 @@ class AsyncBatchStore(FileRecords):
     async def fail_batch(self, batch_id: str, errors: list[dict[str, Any]]) -> str:
         """Fail a batch the feeder cannot advance, with the reason; returns the status it had."""
         k = self.keys
-        keys = [k.batch(batch_id), k.active_batches(), k.batch_window(batch_id), k.batch_results(batch_id)]
+        keys = [k.batch(batch_id), k.active_batches(k.bucket_of(batch_id)), k.batch_window(batch_id)]
+        keys.append(k.batch_results(batch_id))
         args: list[str | int] = [batch_id, repr(time.time()), self.settings.file_ttl_s]
         return str(
             await self._scripts["batch_fail"](keys, [*args, json.dumps({"object": "list", "data": errors})])

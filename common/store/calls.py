@@ -56,6 +56,20 @@ def job_hook(keys: Keys, settings: Settings, job_id: str, request: JobRequest, o
     )
 
 
+def queued_limit(keys: Keys, settings: Settings) -> int:
+    """How many jobs a bucket's queued set takes (create.lua): SPOOL_MAX_QUEUED_JOBS split evenly
+    between the buckets, since a script sees its own bucket's set only."""
+    return -(-settings.max_queued_jobs // keys.buckets)
+
+
+def _new_id(keys: Keys, owner: str, idempotency_key: str | None) -> tuple[str, int]:
+    """A new job's id and bucket: the bucket of its idempotency key (create.lua checks the key and
+    writes the job at once), or any."""
+    bucket = None if idempotency_key is None else keys.idempotency_bucket(owner, idempotency_key)
+    job_id = new_job_id(keys, bucket)
+    return job_id, keys.bucket_of(job_id)
+
+
 def create_call(
     keys: Keys,
     settings: Settings,
@@ -65,7 +79,7 @@ def create_call(
     idempotency_key: str | None,
 ) -> tuple[dict[str, str], ScriptCall]:
     """A new job's fields, and the create script's call that stores them."""
-    now, job_id = time.time(), new_job_id()
+    now, (job_id, bucket) = time.time(), _new_id(keys, owner, idempotency_key)
     fields = new_job_fields(job_id, request, owner, now)
     if request.webhook is not None or request.endpoints:
         fields["hook"] = job_hook(keys, settings, job_id, request, owner)
@@ -73,7 +87,7 @@ def create_call(
     if message:
         fields["queue"] = message.queue
     flat = [x for kv in fields.items() for x in kv]
-    script_keys = [keys.queued_jobs(), keys.job(job_id), keys.owner_jobs(owner)]
+    script_keys = [keys.queued_jobs(bucket), keys.job(job_id), keys.owner_jobs(owner, bucket)]
     script_keys += [message.list_key] if message else []
     # An idempotency key is remembered as long as a finished job (its job outlives it).
     idem_ttl: int | str = ""
@@ -84,7 +98,7 @@ def create_call(
     index = [owner_index_age_s(settings), OWNER_INDEX_MAX]
     return fields, (
         script_keys,
-        [settings.max_queued_jobs, job_id, repr(now), payload, idem_ttl, *index, *flat],
+        [queued_limit(keys, settings), job_id, repr(now), payload, idem_ttl, *index, *flat],
     )
 
 
@@ -100,7 +114,7 @@ def create_parts_call(
     """A new job with parts: its fields, and the call of create_parts.lua that stores it with its
     parts (each a hash of its own, run as a job by its kind of worker) and their messages."""
     assert request.parts is not None
-    now, job_id = time.time(), new_job_id()
+    now, (job_id, bucket) = time.time(), _new_id(keys, owner, idempotency_key)
     fields = new_job_fields(job_id, request, owner, now)
     if request.webhook is not None or request.endpoints:
         fields["hook"] = job_hook(keys, settings, job_id, request, owner)
@@ -134,9 +148,15 @@ def create_parts_call(
         push = message is not None and not waits
         if k in held and message is not None:  # sent at the text parts' first tokens, or at this bound
             assert isinstance(part, ImagePart)
-            zset, score = keys.held_media(), now + min(settings.image_hold_s, part.timeout_s or math.inf)
+            zset, score = (
+                keys.held_media(bucket),
+                now + min(settings.image_hold_s, part.timeout_s or math.inf),
+            )
         else:
-            zset, score = (keys.queued_jobs() if text else keys.queued_media() if push else ""), now
+            zset, score = (
+                (keys.queued_jobs(bucket) if text else keys.queued_media(bucket) if push else ""),
+                now,
+            )
         if message is not None:
             pf.update(list_key=message.list_key, message=message.payload, queue=message.queue)
         parts.append(
@@ -151,14 +171,14 @@ def create_parts_call(
                 "message": message.payload if message else "",
             }
         )
-    script_keys = [keys.queued_jobs(), keys.job(job_id), keys.owner_jobs(owner)]
+    script_keys = [keys.queued_jobs(bucket), keys.job(job_id), keys.owner_jobs(owner, bucket)]
     idem_ttl: int | str = ""
     if idempotency_key is not None:
         script_keys.append(keys.idempotency(owner, idempotency_key))
         idem_ttl = settings.job_ttl_s
     index = [owner_index_age_s(settings), OWNER_INDEX_MAX]
     args = [
-        settings.max_queued_jobs,
+        queued_limit(keys, settings),
         job_id,
         repr(now),
         idem_ttl,
@@ -170,14 +190,15 @@ def create_parts_call(
 
 
 def take_args(keys: Keys, job_id: str, worker: str, model: str, now: float, lease_s: float) -> ScriptCall:
+    bucket = keys.bucket_of(job_id)
     return (
         [
             keys.job(job_id),
             keys.job_log(job_id),
-            keys.queued_jobs(),
-            keys.running_jobs(),
+            keys.queued_jobs(bucket),
+            keys.running_jobs(bucket),
             keys.job_text(job_id),
-            keys.attempts(),
+            keys.attempts(bucket),
         ],
         [job_id, worker, model, repr(now), repr(now + lease_s)],
     )
@@ -187,15 +208,16 @@ def part_take_args(keys: Keys, pid: str, worker: str, model: str, now: float, le
     split = split_part_id(pid)
     assert split is not None
     job_id, index = split
+    bucket = keys.bucket_of(job_id)
     return (
         [
             keys.job(pid),
             keys.job_log(job_id),
-            keys.queued_jobs(),
-            keys.running_jobs(),
+            keys.queued_jobs(bucket),
+            keys.running_jobs(bucket),
             keys.job(job_id),
             keys.job_events(job_id),
-            keys.queued_media(),
+            keys.queued_media(bucket),
         ],
         [pid, worker, model, repr(now), repr(now + lease_s), index],
     )
@@ -226,6 +248,7 @@ def part_append_args(keys: Keys, a: Append, ttl_s: int, now: float) -> ScriptCal
     split = split_part_id(a.job_id)
     assert split is not None
     job_id, index = split
+    bucket = keys.bucket_of(job_id)
     final = a.final
     entries = [as_part_entry(e, index) for e in a.entries]
     summary = to_json(entries[-1].data).decode() if final and entries else ""
@@ -234,13 +257,13 @@ def part_append_args(keys: Keys, a: Append, ttl_s: int, now: float) -> ScriptCal
             keys.job(a.job_id),
             keys.job_log(job_id),
             keys.job_events(job_id),
-            keys.running_jobs(),
+            keys.running_jobs(bucket),
             keys.job_text(a.job_id),
             keys.job(job_id),
             keys.job_text(job_id),
             keys.part_content(a.job_id),
-            keys.queued_media(),
-            keys.held_media(),
+            keys.queued_media(bucket),
+            keys.held_media(bucket),
         ],
         [
             str(a.attempt),
@@ -262,10 +285,14 @@ def part_append_args(keys: Keys, a: Append, ttl_s: int, now: float) -> ScriptCal
     )
 
 
-def append_step_args(keys: Keys, appends: Sequence[Append], ttl_s: int, now: float) -> ScriptCall:
-    """append_step.lua's call: every append of a step (or of several steps, in order) at once."""
-    script_keys, args = [keys.running_jobs(), keys.attempts()], [ttl_s, repr(now)]
+def append_step_args(
+    keys: Keys, bucket: int, appends: Sequence[Append], ttl_s: int, now: float
+) -> ScriptCall:
+    """append_step.lua's call: every append of a step (or of several steps, in order) of the jobs
+    of one bucket at once."""
+    script_keys, args = [keys.running_jobs(bucket), keys.attempts(bucket)], [ttl_s, repr(now)]
     for a in appends:
+        assert keys.bucket_of(a.job_id) == bucket
         script_keys += [
             keys.job(a.job_id),
             keys.job_log(a.job_id),
@@ -295,18 +322,18 @@ def _append_args(a: Append) -> list[Any]:
 
 
 def cancel_args(keys: Keys, job_id: str, ttl_s: int, now: float) -> ScriptCall:
+    bucket = keys.bucket_of(job_id)
     return (
         [
             keys.job(job_id),
             keys.job_log(job_id),
             keys.job_events(job_id),
-            keys.queued_jobs(),
-            keys.cancelled(),
+            keys.queued_jobs(bucket),
             keys.job_text(job_id),
-            keys.queued_media(),
-            keys.held_media(),
+            keys.queued_media(bucket),
+            keys.held_media(bucket),
         ],
-        [job_id, repr(now), ttl_s, cancelled_done_entry().encode()],
+        [job_id, repr(now), ttl_s, cancelled_done_entry().encode(), keys.cancelled()],
     )
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -95,23 +95,26 @@ class FileRecords:
         """Index a file's artifact being written, so it is deleted should the write never end (a
         later expiry, its file's, stays)."""
         deadline = time.time() + UPLOAD_TTL_S
-        await self.redis.zadd(self.keys.artifacts(), {file_name(file_id): deadline}, gt=True)
+        await self.redis.zadd(
+            self.keys.artifacts(self.keys.bucket_of(file_id)), {file_name(file_id): deadline}, gt=True
+        )
 
     async def _commit(self, upload: str, tag: str, holder: str, fields: dict[str, str]) -> int:
         k, file_id, owner = self.keys, fields["id"], fields["owner"]
+        bucket = k.bucket_of(file_id)  # its owner's (routes/files.py, the batch feeder)
         artifact = ""
         if self.artifacts is not None:
             artifact = file_name(file_id)
             await asyncio.to_thread(self.artifacts.seal, artifact, tag, int(fields["lines"]))
         keys = [
-            k.batch_feeder(),
+            k.batch_feeder(bucket),
             upload,
             k.file_lines(file_id),
             k.file(file_id),
             k.owner_files(owner),
             k.owner_file_bytes(owner),
             k.owner_file_expiry(owner),
-            k.artifacts(),
+            k.artifacts(bucket),
         ]
         args: list[str | int] = [
             holder,
@@ -156,24 +159,28 @@ class FileRecords:
             pipe.zrem(k.owner_files(owner), file_id)
             pipe.hdel(k.owner_file_bytes(owner), file_id)
             pipe.zrem(k.owner_file_expiry(owner), file_id)
-            pipe.zrem(k.artifacts(), file_name(file_id))
+            pipe.zrem(k.artifacts(k.bucket_of(file_id)), file_name(file_id))
             deleted, *_ = await pipe.execute()
         if self.artifacts is not None:
             await asyncio.to_thread(self.artifacts.delete, file_name(file_id))
         return bool(deleted)
 
-    async def sweep_artifacts(self) -> int:
-        """Delete the artifacts due (their file or image expired, or their write never ended);
-        returns how many. The batch feeder's lease holder calls it at each tick."""
+    async def sweep_artifacts(self, buckets: Iterable[int]) -> int:
+        """Delete the artifacts due (their file or image expired, or their write never ended) of
+        these buckets; returns how many. The batch feeder calls it at each tick for the buckets
+        whose lease it holds."""
         if self.artifacts is None:
             return 0
-        index = self.keys.artifacts()
-        due = [str(n) for n in await self.redis.zrangebyscore(index, "-inf", time.time(), 0, SWEEP_BATCH)]
-        for name in due:
-            await asyncio.to_thread(self.artifacts.delete, name)
-        if due:
-            await self.redis.zrem(index, *due)
-        return len(due)
+        swept = 0
+        for b in buckets:
+            index = self.keys.artifacts(b)
+            due = [str(n) for n in await self.redis.zrangebyscore(index, "-inf", time.time(), 0, SWEEP_BATCH)]
+            for name in due:
+                await asyncio.to_thread(self.artifacts.delete, name)
+            if due:
+                await self.redis.zrem(index, *due)
+            swept += len(due)
+        return swept
 
     # -- a batch's result files, under the feeder's fence ------------------------------------------
 
@@ -181,7 +188,7 @@ class FileRecords:
         """Append lines ``start`` on of a result file written under ``fence`` (``token:fence``)."""
         if self.artifacts is not None:
             # The file under this fence's tag is this call's own; the commit is what is fenced.
-            if await self.redis.get(self.keys.batch_feeder()) != fence:
+            if await self.redis.get(self.keys.batch_feeder(self.keys.bucket_of(file_id))) != fence:
                 raise FenceLost(fence)
             await self._begin(file_id)
             await asyncio.to_thread(self.artifacts.append, file_name(file_id), _tag(fence), lines)
@@ -189,7 +196,8 @@ class FileRecords:
         key = self.keys.file_attempt(file_id, _fence_number(fence))
         reply = int(
             await self._scripts["file_append_attempt"](
-                [self.keys.batch_feeder(), key], [fence, start, UPLOAD_TTL_S, *lines]
+                [self.keys.batch_feeder(self.keys.bucket_of(file_id)), key],
+                [fence, start, UPLOAD_TTL_S, *lines],
             )
         )
         if reply == -1:

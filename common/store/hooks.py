@@ -56,7 +56,7 @@ def hook_field(
     return json.dumps(
         {
             "key": keys.hooks(kind, object_id),
-            "due": keys.hooks_due(),
+            "due": keys.hooks_due(keys.bucket_of(object_id)),
             "kind": kind,
             "id": object_id,
             "targets": targets,
@@ -119,14 +119,25 @@ class AsyncHookStore:
         return [secret]
 
     async def due(self, now: float, claim_s: float, limit: int = 100) -> list[str]:
-        return [str(k) for k in await self._due([self.keys.hooks_due()], [repr(now), repr(claim_s), limit])]
+        """The hooks keys with a delivery due, claimed for ``claim_s`` (hook_due.lua), of every bucket."""
+        keys: list[str] = []
+        for b in self.keys.bucket_range():
+            if len(keys) < limit:
+                keys += map(
+                    str,
+                    await self._due([self.keys.hooks_due(b)], [repr(now), repr(claim_s), limit - len(keys)]),
+                )
+        return keys
 
     async def backlog(self) -> int:
         """Objects with a delivery pending."""
-        return int(await self.redis.zcard(self.keys.hooks_due()))
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for b in self.keys.bucket_range():
+                pipe.zcard(self.keys.hooks_due(b))
+            return sum(await pipe.execute())
 
     async def begin(self, key: str, token: str, now: float, claim_s: float) -> Begun | None:
-        reply = await self._begin([key, self.keys.hooks_due()], [token, repr(now), repr(claim_s)])
+        reply = await self._begin([key, self.keys.hooks_due_of(key)], [token, repr(now), repr(claim_s)])
         if not reply:
             return None
         n, record, body, hook = reply
@@ -143,7 +154,7 @@ class AsyncHookStore:
         was no longer this worker's (its claim ended: another worker has the delivery)."""
         outcome, at = ("retry", retry_at) if retry_at is not None else ("done", now)
         args: list[str | int] = [token, begun.n, json.dumps(record), outcome, repr(at), repr(now)]
-        return bool(await self._attempt([begun.key, self.keys.hooks_due()], args))
+        return bool(await self._attempt([begun.key, self.keys.hooks_due_of(begun.key)], args))
 
     async def is_disabled(self, owner: str, url: str) -> bool:
         return bool(await self.redis.sismember(self.keys.hooks_disabled(owner), url))
@@ -190,5 +201,5 @@ class AsyncHookStore:
         if raw is None:
             return None
         await self.redis.srem(self.keys.hooks_disabled(owner), json.loads(raw)["url"])
-        m = int(await self._retry([key, self.keys.hooks_due()], [n, repr(time.time())]))
+        m = int(await self._retry([key, self.keys.hooks_due_of(key)], [n, repr(time.time())]))
         return delivery_view(json.loads(str(await self.redis.hget(key, f"d{m}"))))

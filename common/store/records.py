@@ -9,7 +9,6 @@ docs/internals.md#redis-names-from-commonkeyspy-only-prefix-spool_redis_prefix.
 from __future__ import annotations
 
 import enum
-import secrets
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
@@ -125,8 +124,9 @@ TEXT_CHECKPOINT_EVENTS = 16
 JOB_ID_BYTES = 16  # 128 random bits: a job id is its own capability, so it must not be guessable
 
 
-def new_job_id() -> str:
-    return secrets.token_hex(JOB_ID_BYTES)
+def new_job_id(keys: Keys, bucket: int | None = None) -> str:
+    """A new job's id, in ``bucket`` (any if None: common/keys.py on buckets)."""
+    return keys.new_id("", JOB_ID_BYTES, bucket)
 
 
 def new_job_fields(job_id: str, request: JobRequest, owner: str, now: float) -> dict[str, str]:

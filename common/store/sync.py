@@ -83,11 +83,11 @@ class SyncJobStore:
         if self.broker is not self.redis:
             self.broker.close()
 
-    def relay(self) -> int:
-        """Send the broker messages the scripts left in the outbox (common/store/outbox.py);
-        returns how many (0 with one Redis, where the scripts send them). A Redis error is
-        logged: what is left waits for the next relay."""
-        return self.outbox.relay_or_log() if self.outbox is not None else 0
+    def relay(self, buckets: Iterable[int] | None = None) -> int:
+        """Send the broker messages the scripts left in the outboxes (those of ``buckets``, or
+        all: common/store/outbox.py); returns how many (0 with one Redis, where the scripts send
+        them). A Redis error is logged: what is left waits for the next relay."""
+        return self.outbox.relay_or_log(buckets) if self.outbox is not None else 0
 
     def take_job(self, job_id: str, worker: str, model: str) -> TakeResult:
         """Take a job, or a part of one (its id from ``common.keys.part_id``), to run it."""
@@ -99,15 +99,18 @@ class SyncJobStore:
         return parse_take(self._take(keys, args))
 
     def append_batch(self, appends: Sequence[Append]) -> list[Appended]:
-        """Write one engine step for many jobs in one script call (fenced per job inside it), and
-        each part's append in a call of its own (parts are few); what became of each append."""
+        """Write one engine step for many jobs in one script call per bucket (fenced per job inside
+        it), and each part's append in a call of its own (parts are few); what became of each append."""
         now, ttl = time.time(), self.settings.job_ttl_s
         results: list[Appended | None] = [None] * len(appends)
         jobs = [i for i, a in enumerate(appends) if not split_part_id(a.job_id)]
-        if jobs:
-            keys, args = append_step_args(self.keys, [appends[i] for i in jobs], ttl, now)
+        buckets: dict[int, list[int]] = {}
+        for i in jobs:
+            buckets.setdefault(self.keys.bucket_of(appends[i].job_id), []).append(i)
+        for bucket, indexes in buckets.items():
+            keys, args = append_step_args(self.keys, bucket, [appends[i] for i in indexes], ttl, now)
             # Script's call is EVALSHA, loading the script only when Redis answers NOSCRIPT (a restart).
-            for i, reply in zip(jobs, self._append(keys, args), strict=True):
+            for i, reply in zip(indexes, self._append(keys, args), strict=True):
                 results[i] = Appended.of(reply)
         for i, a in enumerate(appends):
             if results[i] is None:  # a part's, in order (several steps of one part stay in order)
@@ -116,7 +119,7 @@ class SyncJobStore:
         ended = [appends[i].job_id for i in jobs if appends[i].final and results[i] is Appended.WRITTEN]
         record_service_times(self.redis, self.keys, ended)
         if len(jobs) < len(appends):  # a part's append may have sent its held or dependent parts
-            self.relay()
+            self.relay({self.keys.bucket_of(a.job_id) for a in appends})
         return [r for r in results if r is not None]
 
     def _stored_content(self, a: Append, now: float) -> Append:
@@ -128,7 +131,7 @@ class SyncJobStore:
             return a
         name = part_name(a.job_id, a.attempt)
         deadline = now + self.settings.job_ttl_s + UPLOAD_TTL_S
-        self.redis.zadd(self.keys.artifacts(), {name: deadline}, gt=True)
+        self.redis.zadd(self.keys.artifacts(self.keys.bucket_of(a.job_id)), {name: deadline}, gt=True)
         self.artifacts.write(name, a.content)
         return dataclasses.replace(a, content=name.encode())
 
@@ -140,16 +143,20 @@ class SyncJobStore:
         """Send the messages of the held image parts whose bound (SPOOL_IMAGE_HOLD_S after their
         job's creation) passed by ``now``, as their text parts' first tokens would (release_held.lua);
         returns the next held part's bound, or None when no part is held."""
-        held = self.keys.held_media()
+        bounds = [self._release_held_in(b, now, limit) for b in self.keys.bucket_range()]
+        return min((b for b in bounds if b is not None), default=None)
+
+    def _release_held_in(self, bucket: int, now: float, limit: int) -> float | None:
+        held = self.keys.held_media(bucket)
         earliest: list[Any] = self.redis.zrange(held, 0, limit - 1, withscores=True)
         due = [(str(m), float(s)) for m, s in earliest]
         ids = [m for m, score in due if score <= now]
         if not ids:
             return due[0][1] if due else None
         jobs = sorted({split[0] for split in map(split_part_id, ids) if split is not None})
-        keys = [held, self.keys.queued_media(), *(self.keys.job(j) for j in jobs)]
+        keys = [held, self.keys.queued_media(bucket), *(self.keys.job(j) for j in jobs)]
         nxt = self._release_held(keys, [repr(now), *ids])
-        self.relay()
+        self.relay([bucket])
         return None if nxt is None else float(nxt)
 
     def renew_leases(self, held: Mapping[str, int]) -> list[str]:
@@ -167,7 +174,11 @@ class SyncJobStore:
         orphan of its previous life, and the next sweep requeues it at once instead of a lease
         later. Fenced by attempt, so a job another worker took over meanwhile keeps its lease.
         """
-        ids = [str(j) for j in self.redis.zrange(self.keys.running_jobs(), 0, -1)]
+        ids = [
+            str(j)
+            for b in self.keys.bucket_range()
+            for j in self.redis.zrange(self.keys.running_jobs(b), 0, -1)
+        ]
         pipe = self.redis.pipeline(transaction=False)
         for job_id in ids:
             pipe.hmget(self.keys.job(job_id), ["worker", "attempt"])
@@ -182,21 +193,23 @@ class SyncJobStore:
 
     def _set_leases(self, held: Mapping[str, int], deadline: float) -> list[str]:
         """Set the lease deadline of jobs still at these attempts and running; returns the others."""
-        if not held:
-            return []
-        keys = [self.keys.running_jobs(), *(self.keys.job(j) for j in held)]
-        args: list[Any] = [repr(deadline)]
-        for job_id, attempt in held.items():
-            args += [job_id, str(attempt)]
-        return list(self._renew(keys, args))
+        lost = []
+        for bucket, ids in self.keys.by_bucket(held).items():
+            keys = [self.keys.running_jobs(bucket), *(self.keys.job(j) for j in ids)]
+            args: list[Any] = [repr(deadline)]
+            for job_id in ids:
+                args += [job_id, str(held[job_id])]
+            lost += self._renew(keys, args)
+        return lost
 
     def lapsed_leases(self, now: float, limit: int = 100) -> list[tuple[str, str, str]]:
         """(job id, worker, queue) of running jobs whose lease lapsed: their worker stopped renewing
         it. The queue is the Celery queue the job's messages go to (its model's, for text)."""
         ids = [
             str(j)
-            for j in self.redis.zrangebyscore(self.keys.running_jobs(), "-inf", now, start=0, num=limit)
-        ]
+            for b in self.keys.bucket_range()
+            for j in self.redis.zrangebyscore(self.keys.running_jobs(b), "-inf", now, start=0, num=limit)
+        ][:limit]
         if not ids:
             return []
         pipe = self.redis.pipeline(transaction=False)
@@ -219,15 +232,17 @@ class SyncJobStore:
             pipe.llen(name)
         if any(pipe.execute()):
             return []
-        if queue == self.keys.queue_media:
+        media = queue == self.keys.queue_media
+        found: list[str] = []
+        for b in self.keys.bucket_range():
+            name = self.keys.queued_media(b) if media else self.keys.queued_jobs(b)
             ids = self.redis.zrangebyscore(
-                self.keys.queued_media(), "-inf", queued_before, start=0, num=limit
+                name, "-inf", queued_before, start=0, num=limit if media else QUEUED_PAGE
             )
-            return [str(j) for j in ids]
-        ids = self.redis.zrangebyscore(
-            self.keys.queued_jobs(), "-inf", queued_before, start=0, num=QUEUED_PAGE
-        )
-        return self._of_queue(ids, queue)[:limit]
+            found += [str(j) for j in ids] if media else self._of_queue(ids, queue)
+            if len(found) >= limit:
+                break
+        return found[:limit]
 
     def oldest_queued(self, limit: int, queue: str) -> list[str]:
         """The jobs (and text parts) of ``queue`` (a model's) queued longest, oldest first:
@@ -236,8 +251,11 @@ class SyncJobStore:
         NOTE: the queued set holds every model's jobs; those of ``queue`` are looked for among the
         oldest ``QUEUED_PAGE`` only, so a model whose jobs wait behind that many of other models'
         is left to its messages (which its workers take all the same)."""
-        ids = self.redis.zrange(self.keys.queued_jobs(), 0, QUEUED_PAGE - 1)
-        return self._of_queue(ids, queue, interactive=True)[:limit]
+        pipe = self.redis.pipeline(transaction=False)
+        for b in self.keys.bucket_range():
+            pipe.zrange(self.keys.queued_jobs(b), 0, QUEUED_PAGE - 1, withscores=True)
+        oldest = sorted((score, str(j)) for page in pipe.execute() for j, score in page)[:QUEUED_PAGE]
+        return self._of_queue([j for _, j in oldest], queue, interactive=True)[:limit]
 
     def _of_queue(self, ids: Sequence[Any], queue: str, interactive: bool = False) -> list[str]:
         """Those of these jobs whose messages go to ``queue`` (``interactive``: and not of the
@@ -284,23 +302,33 @@ class SyncJobStore:
         pipe.execute()
 
     def drop_stale_attempts(self, cursor: int, count: int) -> tuple[int, int]:
-        """One page of a pass over ``{p}:attempts`` (HSCAN from ``cursor``, about ``count``
-        fields): drop the fields of jobs that no longer run (their hash is gone, or they ended).
-        Returns (the next cursor, 0 once the pass is over; how many fields it dropped)."""
-        name = self.keys.attempts()
-        cursor, fields = self.redis.hscan(name, cursor, count=count)
+        """One page of a pass over the buckets' ``{p}:attempts`` (HSCAN from ``cursor``, about
+        ``count`` fields): drop the fields of jobs that no longer run (their hash is gone, or they
+        ended). Returns (the next cursor, 0 once the pass is over; how many fields it dropped).
+        The cursor is HSCAN's times the number of buckets, plus the bucket it scans."""
+        buckets = self.keys.buckets
+        bucket, scan = cursor % buckets, cursor // buckets
+        name = self.keys.attempts(bucket)
+        scan, fields = self.redis.hscan(name, scan, count=count)
+        nxt = int(scan) * buckets + bucket if int(scan) else (bucket + 1) % buckets
         ids = [str(j) for j in fields]
         if not ids:
-            return int(cursor), 0
-        return int(cursor), int(self._drop_attempts([name, *(self.keys.job(j) for j in ids)], ids))
+            return nxt, 0
+        return nxt, int(self._drop_attempts([name, *(self.keys.job(j) for j in ids)], ids))
 
-    def _queued_set(self, queue: str) -> str:
-        return self.keys.queued_media() if queue == self.keys.queue_media else self.keys.queued_jobs()
+    def _queued_set(self, queue: str, job_id: str) -> str:
+        bucket = self.keys.bucket_of(job_id)
+        return (
+            self.keys.queued_media(bucket)
+            if queue == self.keys.queue_media
+            else self.keys.queued_jobs(bucket)
+        )
 
     def claim_requeue(self, job_id: str, now: float, min_gap_s: float, queue: str = "") -> bool:
         """Atomically claim sending this job's message again; True for exactly one claimer per gap.
         ``queue``: as ``stale_queued``'s (where a queued job's entry is)."""
-        keys = [self.keys.job(job_id), self.keys.running_jobs(), self._queued_set(queue)]
+        bucket = self.keys.bucket_of(job_id)
+        keys = [self.keys.job(job_id), self.keys.running_jobs(bucket), self._queued_set(queue, job_id)]
         return bool(self._requeue(keys, [job_id, repr(now), repr(min_gap_s)]))
 
     def cancel_requested(self, job_ids: Sequence[str]) -> list[str]:

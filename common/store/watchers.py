@@ -64,18 +64,29 @@ class WatcherSets:
 
     async def renew_watchers(self, watchers: Iterable[tuple[str, str]], lease_s: float, ttl_s: int) -> None:
         """Move the lease's end of each watcher (token, job id) still in its set to ``lease_s``
-        from now."""
-        watchers = list(watchers)
-        keys = [self.keys.job_watchers(job_id) for _, job_id in watchers]
-        await self._score_watchers(keys, [lease_s, ttl_s, "XX", *(token for token, _ in watchers)])
+        from now (one script call per bucket)."""
+        tokens = dict(watchers)
+        for group in self._by_bucket(tokens):
+            keys = [self.keys.job_watchers(tokens[token]) for token in group]
+            await self._score_watchers(keys, [lease_s, ttl_s, "XX", *group])
 
     async def ghost_watchers(self, watchers: Mapping[str, str], grace_s: float, ttl_s: int) -> float:
         """Replace each watcher (token -> job id) by its ghost, which counts for ``grace_s`` from
         now; returns the end of that grace on Redis's clock (for ``watched``'s ``at``)."""
         # NOTE: the ghost is a new member, so a renewal already on its way (ZADD XX) cannot
         # revive the token and stretch the grace.
-        keys = [self.keys.job_watchers(job_id) for job_id in watchers.values()]
-        return float(await self._ghost_watchers(keys, [grace_s, ttl_s, WATCHER_GHOST, *watchers]))
+        ends = 0.0
+        for group in self._by_bucket(watchers):
+            keys = [self.keys.job_watchers(watchers[token]) for token in group]
+            ends = max(ends, float(await self._ghost_watchers(keys, [grace_s, ttl_s, WATCHER_GHOST, *group])))
+        return ends
+
+    def _by_bucket(self, watchers: Mapping[str, str]) -> list[list[str]]:
+        """The tokens of these watchers (token -> job id) by their job's bucket."""
+        groups: dict[int, list[str]] = {}
+        for token, job_id in watchers.items():
+            groups.setdefault(self.keys.bucket_of(job_id), []).append(token)
+        return list(groups.values())
 
     async def watched(self, job_id: str, grace_s: float, at: float | None = None) -> bool:
         """Whether anybody watches the job now, or at ``at`` (Redis's clock) if that is later (see

@@ -84,7 +84,7 @@ def test_the_owner_index_expires_and_is_trimmed(
     submit(client, keyed_api, KEYS[0], "trims")
     assert r.zscore(index, "ancient") is None
     assert OWNER_INDEX_MAX >= 1000
-    assert Keys(keyed_api.prefix).owner_jobs("") == f"{keyed_api.prefix}:owner:anonymous:jobs"
+    assert Keys(keyed_api.prefix).owner_jobs("", 0) == f"{keyed_api.prefix}:owner:anonymous:jobs"
 
 
 def test_cors_is_off_by_default_and_allows_the_configured_origin(

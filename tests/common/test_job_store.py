@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 
 import pytest
@@ -29,6 +30,7 @@ from common.store import (
     cancelled_done_entry,
     token_entry,
 )
+from common.store.calls import queued_limit
 from spool_cli import procs as harness
 
 
@@ -73,21 +75,24 @@ def test_create_and_get(store: StoreForTests) -> None:
     assert rec.job == job
     assert job.status is JobStatus.QUEUED and job.text == "" and job.usage.total_tokens == 0
     assert rec.request.prompt == "hello" and rec.attempt == 0 and not rec.cancel_requested
-    assert store.redis.zscore(store.keys.queued_jobs(), job.id) is not None
+    assert store.redis.zscore(store.keys.queued_jobs(store.keys.bucket_of(job.id)), job.id) is not None
     with pytest.raises(JobNotFound):
         store.get_job("nope")
 
 
 def test_queue_full_refuses_atomically(store: StoreForTests, settings: Settings) -> None:
-    for _ in range(settings.max_queued_jobs):
-        store.create_job(JobRequest(prompt="x"))
+    """One bucket (a standalone Redis) holds SPOOL_MAX_QUEUED_JOBS; with buckets, each holds its
+    share of them (create.lua sees its own), so the first refusal comes when one is full."""
+    keys = store.keys
     with pytest.raises(QueueFull):
+        for _ in range(settings.max_queued_jobs + 1):
+            store.create_job(JobRequest(prompt="x"))
+    counts = [store.redis.zcard(keys.queued_jobs(b)) for b in keys.bucket_range()]
+    assert max(counts) == queued_limit(keys, settings) and sum(counts) <= settings.max_queued_jobs
+    if keys.buckets == 1:  # Taking a job frees a place in the queue.
+        queued = store.redis.zrange(keys.queued_jobs(0), 0, 0)[0]
+        assert store.take_job(queued, "w", "m").status is TakeStatus.TAKEN
         store.create_job(JobRequest(prompt="x"))
-    assert store.redis.zcard(store.keys.queued_jobs()) == settings.max_queued_jobs
-    # Taking a job frees a place in the queue.
-    queued = store.redis.zrange(store.keys.queued_jobs(), 0, 0)[0]
-    assert store.take_job(queued, "w", "m").status is TakeStatus.TAKEN
-    store.create_job(JobRequest(prompt="x"))
 
 
 def test_a_job_and_its_message_are_stored_together(store: StoreForTests, settings: Settings) -> None:
@@ -96,12 +101,10 @@ def test_a_job_and_its_message_are_stored_together(store: StoreForTests, setting
     def message_for(job_id: str) -> QueueMessage:
         return QueueMessage(queue, f"message of {job_id}")
 
-    jobs = [
-        store.create_job(JobRequest(prompt="x"), message_for=message_for)
-        for _ in range(settings.max_queued_jobs)
-    ]
-    with pytest.raises(QueueFull):
-        store.create_job(JobRequest(prompt="x"), message_for=message_for)
+    jobs = []
+    with pytest.raises(QueueFull):  # (a bucket's share of the queue full: see the test above)
+        for _ in range(settings.max_queued_jobs + 1):
+            jobs.append(store.create_job(JobRequest(prompt="x"), message_for=message_for))
     # One message per stored job, in order; none for the refused one.
     assert store.redis.lrange(queue, 0, -1)[::-1] == [f"message of {job.id}" for job in jobs]
 
@@ -114,8 +117,13 @@ def test_an_idempotency_key_creates_one_job(store: StoreForTests, settings: Sett
 
     request = JobRequest(prompt="once", max_tokens=3)
     first = store.create_job(request, "alice", message_for, idempotency_key="k-1")
-    for _ in range(settings.max_queued_jobs - 1):  # the queue fills up...
-        store.create_job(JobRequest(prompt="x"))
+    # Other keys in its bucket, whose share of the queue they fill (one bucket: the whole queue).
+    keys = (f"fill-{i}" for i in itertools.count())
+    fill = (k for k in keys if store.keys.idempotency_bucket("alice", k) == store.keys.bucket_of(first.id))
+    for _ in range(queued_limit(store.keys, settings) - 1):  # the queue fills up...
+        store.create_job(JobRequest(prompt="x"), "alice", idempotency_key=next(fill))
+    with pytest.raises(QueueFull):
+        store.create_job(JobRequest(prompt="x"), "alice", idempotency_key=next(fill))
     # ...yet the same submit again is the same job (no new load), with no second message.
     assert store.create_job(request, "alice", message_for, idempotency_key="k-1") == first
     assert store.redis.lrange(queue, 0, -1) == [first.id]
@@ -125,8 +133,12 @@ def test_an_idempotency_key_creates_one_job(store: StoreForTests, settings: Sett
         store.create_job(
             JobRequest(prompt="twice", max_tokens=3), "alice", message_for, idempotency_key="k-1"
         )
-    with pytest.raises(QueueFull):  # another owner's key of the same text is another key
-        store.create_job(request, "bob", message_for, idempotency_key="k-1")
+    # Another owner's key of the same text is another key: a new job, refused in a full bucket.
+    if store.keys.idempotency_bucket("bob", "k-1") == store.keys.bucket_of(first.id):
+        with pytest.raises(QueueFull):
+            store.create_job(request, "bob", message_for, idempotency_key="k-1")
+    else:
+        assert store.create_job(request, "bob", message_for, idempotency_key="k-1").id != first.id
 
 
 def test_take_then_append_then_finish(store: StoreForTests, settings: Settings) -> None:
@@ -135,8 +147,8 @@ def test_take_then_append_then_finish(store: StoreForTests, settings: Settings) 
     assert taken.status is TakeStatus.TAKEN and taken.attempt == 1 and taken.log == []
     assert taken.record is not None and taken.record.job.status is JobStatus.RUNNING
     assert taken.record.worker == "w1" and taken.record.job.model == "tiny" and taken.record.job.started_at
-    assert store.redis.zscore(store.keys.queued_jobs(), job.id) is None
-    assert store.redis.zscore(store.keys.running_jobs(), job.id) is not None
+    assert store.redis.zscore(store.keys.queued_jobs(store.keys.bucket_of(job.id)), job.id) is None
+    assert store.redis.zscore(store.keys.running_jobs(store.keys.bucket_of(job.id)), job.id) is not None
     assert store.take_job(job.id, "w2", "tiny").status is TakeStatus.BUSY
 
     pubsub = subscribe(store, store.keys.job_events(job.id))
@@ -156,7 +168,7 @@ def test_take_then_append_then_finish(store: StoreForTests, settings: Settings) 
     assert store.redis.get(store.keys.job_text(job.id)) == "hello!"  # what get_job read
     for key in (store.keys.job(job.id), store.keys.job_log(job.id), store.keys.job_text(job.id)):
         assert 0 < store.redis.ttl(key) <= settings.job_ttl_s
-    assert store.redis.zscore(store.keys.running_jobs(), job.id) is None
+    assert store.redis.zscore(store.keys.running_jobs(store.keys.bucket_of(job.id)), job.id) is None
     assert store.take_job(job.id, "w2", "tiny").status is TakeStatus.FINISHED
 
 
@@ -190,8 +202,9 @@ def test_appends_are_fenced_and_idempotent(store: StoreForTests) -> None:
 
 
 def test_a_step_for_many_jobs_is_one_script_call(settings: Settings, tmp_path) -> None:  # type: ignore[no-untyped-def]
-    """The writer's step goes out as one script call, fenced per job inside it: each append gets
-    its own answer, and a job's next step in the same call finds the log its first step left."""
+    """The writer's step goes out as one script call per bucket (one on a standalone Redis),
+    fenced per job inside it: each append gets its own answer, and a job's next step in the same
+    call finds the log its first step left."""
     proc, url = harness.start_redis(log_dir=tmp_path)
     try:
         store = StoreForTests(redis.Redis.from_url(url, decode_responses=True), settings)
@@ -210,8 +223,10 @@ def test_a_step_for_many_jobs_is_one_script_call(settings: Settings, tmp_path) -
         written, fenced, gap = Appended.WRITTEN, Appended.FENCED, Appended.GAP
         assert store.append_batch(step) == [written, written, fenced, gap, written]
         calls = {k: v["calls"] for k, v in store.redis.info("commandstats").items()}
-        assert calls["cmdstat_evalsha"] == 1
-        assert calls["cmdstat_hmget"] == 1 and "cmdstat_hget" not in calls  # fenced at once, all jobs
+        assert calls["cmdstat_evalsha"] == len({store.keys.bucket_of(j) for j in jobs})
+        assert (
+            calls["cmdstat_hmget"] == calls["cmdstat_evalsha"] and "cmdstat_hget" not in calls
+        )  # fenced at once
         assert [store.get_job(j).text for j in jobs] == ["ab", "", "x"]
         assert [store.redis.llen(store.keys.job_log(j)) for j in jobs] == [2, 0, 1]
         store.close()
@@ -224,7 +239,7 @@ def test_lapsed_lease_is_taken_over_with_the_log(store: StoreForTests) -> None:
     store.take_job(job.id, "w1", "tiny")
     store.append_batch([run_job(store, ["a", "b"], 1, job.id)])
     # The worker died: its lease is not renewed and lapses.
-    store.redis.zadd(store.keys.running_jobs(), {job.id: time.time() - 1})
+    store.redis.zadd(store.keys.running_jobs(store.keys.bucket_of(job.id)), {job.id: time.time() - 1})
     taken = store.take_job(job.id, "w2", "tiny")
     assert taken.status is TakeStatus.TAKEN and taken.attempt == 2
     assert [e.data["text"] for e in taken.log] == ["a", "b"]
@@ -242,7 +257,7 @@ def test_text_of_a_job_whose_text_key_was_lost(store: StoreForTests) -> None:
     store.append_batch([run_job(store, ["a", "", "ü"], 1, job.id)])
     store.redis.delete(store.keys.job_text(job.id))
     assert store.get_job(job.id).text == "aü"
-    store.redis.zadd(store.keys.running_jobs(), {job.id: time.time() - 1})
+    store.redis.zadd(store.keys.running_jobs(store.keys.bucket_of(job.id)), {job.id: time.time() - 1})
     assert store.take_job(job.id, "w2", "tiny").status is TakeStatus.TAKEN
     assert store.redis.get(store.keys.job_text(job.id)) == "aü"
     assert store.append_batch([run_job(store, ["c"], 2, job.id, first_seq=4)]) == [Appended.WRITTEN]
@@ -252,21 +267,24 @@ def test_text_of_a_job_whose_text_key_was_lost(store: StoreForTests) -> None:
 def test_renew_leases_keeps_the_job(store: StoreForTests) -> None:
     job = store.create_job(JobRequest(prompt="hello"))
     store.take_job(job.id, "w1", "tiny")
-    store.redis.zadd(store.keys.running_jobs(), {job.id: time.time() - 1})
+    store.redis.zadd(store.keys.running_jobs(store.keys.bucket_of(job.id)), {job.id: time.time() - 1})
     assert store.renew_leases({job.id: 1, "finished-meanwhile": 1}) == ["finished-meanwhile"]
     assert store.take_job(job.id, "w2", "tiny").status is TakeStatus.BUSY
-    assert store.redis.zscore(store.keys.running_jobs(), "finished-meanwhile") is None
+    gone = store.keys.running_jobs(store.keys.bucket_of("finished-meanwhile"))
+    assert store.redis.zscore(gone, "finished-meanwhile") is None
 
 
 def test_renew_leases_is_fenced(store: StoreForTests) -> None:
     """A worker that was taken over cannot keep the new holder's lease alive."""
     job = store.create_job(JobRequest(prompt="hello"))
     store.take_job(job.id, "w1", "tiny")
-    store.redis.zadd(store.keys.running_jobs(), {job.id: time.time() - 1})
+    store.redis.zadd(store.keys.running_jobs(store.keys.bucket_of(job.id)), {job.id: time.time() - 1})
     assert store.take_job(job.id, "w2", "tiny").attempt == 2
-    store.redis.zadd(store.keys.running_jobs(), {job.id: time.time() - 1})  # w2 died too
+    store.redis.zadd(
+        store.keys.running_jobs(store.keys.bucket_of(job.id)), {job.id: time.time() - 1}
+    )  # w2 died too
     assert store.renew_leases({job.id: 1}) == [job.id]  # w1 comes back: not its job any more
-    assert store.redis.zscore(store.keys.running_jobs(), job.id) < time.time()
+    assert store.redis.zscore(store.keys.running_jobs(store.keys.bucket_of(job.id)), job.id) < time.time()
 
 
 def test_a_restarted_worker_releases_only_its_own_leases(store: StoreForTests) -> None:
@@ -287,7 +305,7 @@ def test_requeue_claim_is_once_per_gap(store: StoreForTests) -> None:
     now = time.time()
     assert not store.claim_requeue(job.id, now, 10)  # its lease is live
     assert store.lapsed_leases(now) == []
-    store.redis.zadd(store.keys.running_jobs(), {job.id: now - 1})
+    store.redis.zadd(store.keys.running_jobs(store.keys.bucket_of(job.id)), {job.id: now - 1})
     assert store.lapsed_leases(now) == [(job.id, "w1", queue)]  # requeued to its model's queue
     assert store.live_workers(["w1"]) == set()
     assert [store.claim_requeue(job.id, now, 10) for _ in range(3)] == [True, False, False]
@@ -304,16 +322,16 @@ def test_attempts_fields_of_jobs_that_no_longer_run_are_dropped_in_pages(store: 
         store.take_job(job.id, "w1", "tiny")
     store.redis.delete(store.keys.job(lost.id))  # its hash went (expired, lost) while it ran
     store.append_batch([Append(ended.id, 1, [done(1)], 1, 0, Final(JobStatus.SUCCEEDED, "stop"))])
-    name = store.keys.attempts()
+    name = store.keys.attempts(store.keys.bucket_of(running.id))
     store.redis.hset(name, ended.id, "1")  # as a worker of an older version leaves it
     store.redis.hset(name, mapping={f"gone-{i}": "1" for i in range(1000)})  # a hashtable, not a listpack
 
-    cursor, dropped = store.drop_stale_attempts(0, 50)
-    assert cursor != 0 and 0 < dropped < 1000  # one page, not the whole hash
-    while cursor:
-        cursor, more = store.drop_stale_attempts(cursor, 50)
-        dropped += more
-    assert dropped == 1002 and store.redis.hgetall(name) == {running.id: "1"}
+    cursor, pages = 0, []
+    while not pages or cursor:
+        cursor, dropped = store.drop_stale_attempts(cursor, 50)
+        pages.append(dropped)
+    assert max(pages) < 1000  # a page at a time, not the whole hash
+    assert sum(pages) == 1002 and store.redis.hgetall(name) == {running.id: "1"}
     store.append_batch([run_job(store, ["hi"], 1, running.id)])  # still fenced by its field
     assert store.get_job(running.id).text == "hi"
 
@@ -363,7 +381,7 @@ def test_cancel_queued_job_writes_the_terminal_event(store: StoreForTests) -> No
     assert store.read_log(job.id) == [cancelled_done_entry()]
     assert [LogEntry.decode(m) for m in next_messages(pubsub, 1)] == store.read_log(job.id)
     pubsub.close()
-    assert store.redis.zscore(store.keys.queued_jobs(), job.id) is None
+    assert store.redis.zscore(store.keys.queued_jobs(store.keys.bucket_of(job.id)), job.id) is None
     assert store.redis.ttl(store.keys.job(job.id)) > 0
     assert store.take_job(job.id, "w1", "tiny").status is TakeStatus.FINISHED
 
@@ -466,10 +484,9 @@ def test_async_store(store: StoreForTests, settings: Settings) -> None:
             assert not (await astore.stream_state(waiting.id)).foreground_and_live
             store.beat(WorkerHeartbeat(name="w1", ts=1.0, engine={}, model="tiny"))
             assert [w.name for w in await astore.list_workers()] == ["w1"]
-            for _ in range(settings.max_queued_jobs):
-                await astore.create_job(JobRequest(prompt="x"))
             with pytest.raises(QueueFull):
-                await astore.create_job(JobRequest(prompt="x"))
+                for _ in range(settings.max_queued_jobs + 1):
+                    await astore.create_job(JobRequest(prompt="x"))
         finally:
             await astore.close()
 
@@ -482,4 +499,6 @@ def test_a_job_that_ended_at_its_attempt_is_not_lost(store: StoreForTests) -> No
     store.take_job(job.id, "w1", "tiny")
     store.append_batch([Append(job.id, 1, [done(1)], 1, 0, Final(JobStatus.SUCCEEDED, "stop"))])
     assert store.renew_leases({job.id: 1}) == []
-    assert store.redis.zscore(store.keys.running_jobs(), job.id) is None  # no lease renewed either
+    assert (
+        store.redis.zscore(store.keys.running_jobs(store.keys.bucket_of(job.id)), job.id) is None
+    )  # no lease renewed either

@@ -31,7 +31,7 @@ import redis
 import redis.asyncio as aredis
 from store_helpers import StoreForTests
 
-from common.keys import part_id
+from common.keys import key_slot, part_id
 from common.schemas.events import DoneEvent, LogEntry
 from common.schemas.requests import JobRequest
 from common.schemas.views import JobStatus, Usage
@@ -48,6 +48,7 @@ from common.store import (
     cancel_args,
     create_call,
     create_parts_call,
+    new_job_id,
     part_append_args,
     part_take_args,
     take_args,
@@ -153,6 +154,12 @@ PASSED: list[str] = []  # the tests below that checked calls and passed
 
 def checked(name: str, call: tuple[list[str], list[Any]]) -> None:
     check(name, *call)
+    tagged = [k for k in call[0] if "{" in k]
+    if tagged:  # names in buckets: on a Redis Cluster the keys of a call must be in one hash slot
+        assert len({key_slot(k) for k in tagged}) == 1, f"{name}: KEYS {tagged!r} span hash slots"
+        # The others are broker lists ("{prefix}.llm..."): a cluster's broker is apart, and the
+        # scripts write its messages on their bucket's outbox instead (common/store/outbox.py).
+        assert all(k.split(":", 1)[0].count(".") for k in call[0] if "{" not in k), call[0]
     SEEN.add(name)
 
 
@@ -215,15 +222,16 @@ def test_the_builders_pass_what_their_scripts_declare(settings: Settings) -> Non
         checked("create_parts", create_parts_call(keys, settings, parts, "o", message, message, idem)[1])
     checked("take", take_args(keys, "j", "w", "m", now, 30.0))
     checked("part_take", part_take_args(keys, part_id("j", 1), "w", "m", now, 30.0))
+    a, b, c = (new_job_id(keys, 0) for _ in range(3))  # one step's jobs of a bucket
     appends = [
-        Append("a", 1, _entries(1, 3), 2, 3),
-        Append("b", 2, [], 2, 0, checkpoint=False),
+        Append(a, 1, _entries(1, 3), 2, 3),
+        Append(b, 2, [], 2, 0, checkpoint=False),
         Append(
-            "c", 1, [*_entries(4, 1), _done(5)], 2, 1, Final(JobStatus.SUCCEEDED, "length"), unsaved_text="x"
+            c, 1, [*_entries(4, 1), _done(5)], 2, 1, Final(JobStatus.SUCCEEDED, "length"), unsaved_text="x"
         ),
     ]
     for some in (appends[:1], appends):
-        checked("append_step", append_step_args(keys, some, 60, now))
+        checked("append_step", append_step_args(keys, 0, some, 60, now))
     for a in (Append(part_id("j", 0), 1, _entries(1, 2), 2, 2), Append(part_id("j", 1), 1, [], 0, 0)):
         checked("part_append", part_append_args(keys, a, 60, now))
     final = Append(part_id("j", 0), 1, [_done(3)], 2, 2, Final(JobStatus.SUCCEEDED, "length"), b"png")
@@ -363,9 +371,13 @@ async def _api_calls(client: Any, settings: Settings) -> None:
         await hooks.record("token", begun, {**begun.record, "status": "delivered"}, None, time.time())
         await hooks.retry("job", job.id, 1, "o")
 
-        await batches.append_upload("file-1", ['{"custom_id": "a"}', '{"custom_id": "b"}'])
+        # The ids in their owner's bucket, as the routes and the feeder make them (common/keys.py).
+        file_1, file_2, batch_1, batch_2 = (
+            k.new_id(p, 4, k.owner_bucket("o")) for p in ("f1-", "f2-", "b1-", "b2-")
+        )
+        await batches.append_upload(file_1, ['{"custom_id": "a"}', '{"custom_id": "b"}'])
         file = {
-            "id": "file-1",
+            "id": file_1,
             "owner": "o",
             "bytes": "40",
             "created_at": repr(now),
@@ -374,9 +386,9 @@ async def _api_calls(client: Any, settings: Settings) -> None:
         }
         await batches.commit_file(file)
         await batches.usage("o")
-        fence = await batches.claim_feeder("feeder", 30.0)
+        fence = await batches.claim_feeder("feeder", 30.0, k.owner_bucket("o"))
         batch = {
-            "id": "batch-1",
+            "id": batch_1,
             "status": "validating",
             "owner": "o",
             "created_at": repr(now),
@@ -384,26 +396,26 @@ async def _api_calls(client: Any, settings: Settings) -> None:
             "failed": "0",
         }
         await batches.create_batch(batch)
-        await batches.validated("batch-1", True, 2, 2, [])
+        await batches.validated(batch_1, True, 2, 2, [])
         line_job = LineJob(
-            "line-job",
+            new_job_id(k, k.bucket_of(batch_1)),
             0,
             "a",
             JobRequest.accept({"prompt": "hi"}, settings),
             QueueMessage(k.model_queue("m"), "msg", "q"),
         )
         rejected = LineResult(1, "failed", {"error": "no"})
-        await batches.feed("batch-1", "o", (0, 2), [line_job], [rejected])
-        await batches.resend("line-job", line_job.message, 0.0)
-        await batches.record("batch-1", [LineResult(0, "completed", {"ok": 1}, "line-job")])
+        await batches.feed(batch_1, "o", (0, 2), [line_job], [rejected])
+        await batches.resend(line_job.job_id, line_job.message, 0.0)
+        await batches.record(batch_1, [LineResult(0, "completed", {"ok": 1}, line_job.job_id)])
         await batches.batch_counts(["in_progress"])
-        await batches.finalizing("batch-1")
-        await batches.append_attempt("file-2", fence, 0, ["{}"])
-        await batches.commit_attempt(fence, {**file, "id": "file-2", "lines": "1"})
-        await batches.finish("batch-1", fence, "file-2", "", 1, 1)
-        await batches.create_batch({**batch, "id": "batch-2"})
-        await batches.end_batch("batch-2", "cancelled")
-        await batches.fail_batch("batch-2", [{"message": "stuck"}])
+        await batches.finalizing(batch_1)
+        await batches.append_attempt(file_2, fence, 0, ["{}"])
+        await batches.commit_attempt(fence, {**file, "id": file_2, "lines": "1"})
+        await batches.finish(batch_1, fence, file_2, "", 1, 1)
+        await batches.create_batch({**batch, "id": batch_2})
+        await batches.end_batch(batch_2, "cancelled")
+        await batches.fail_batch(batch_2, [{"message": "stuck"}])
     finally:
         await jobs.close()
 

@@ -7,7 +7,7 @@ import asyncio
 import time
 from typing import Any, TypeVar
 
-from store_helpers import StoreForTests
+from store_helpers import StoreForTests, every_bucket
 
 from common.keys import part_id
 from common.schemas.events import DoneEvent, ErrorEvent, LogEntry
@@ -82,7 +82,7 @@ def test_messages_go_to_each_kind_and_a_dependent_waits(store: StoreForTests, se
     # The image is held for the text part's first token (SPOOL_IMAGE_HOLD_S: 2 s by default).
     assert r.lrange(keys.queue_media, 0, -1) == []
     # The text part counts as a queued job (backpressure, the sweep); the job itself never does.
-    assert r.zrange(keys.queued_jobs(), 0, -1) == [part_id(job.id, 0)]
+    assert r.zrange(keys.queued_jobs(keys.bucket_of(job.id)), 0, -1) == [part_id(job.id, 0)]
     assert [p["status"] for p in job.parts] == ["queued"] * 3
     # The text part's one append (its token and its end): the held part's message is sent, and
     # the dependent's.
@@ -103,7 +103,9 @@ def test_a_held_image_part_is_sent_once_every_text_part_has_its_first_token(
     job = create(settings, [TEXT, IMAGE, TEXT, {**IMAGE, "prompt": None, "prompt_from": 0}])
     r, keys = store.redis, settings.keys
     texts, image = [part_id(job.id, 0), part_id(job.id, 2)], part_id(job.id, 1)
-    assert r.zrange(keys.held_media(), 0, -1, withscores=True) == [(image, job.created_at + 2.0)]
+    assert r.zrange(keys.held_media(keys.bucket_of(job.id)), 0, -1, withscores=True) == [
+        (image, job.created_at + 2.0)
+    ]
     first = store.take_job(texts[0], "w", "m")
     token = token_entry(1, 0, "tok", [7])
     assert store.append_batch([Append(texts[0], first.attempt, [token], 2, 1)]) == [Appended.WRITTEN]
@@ -117,7 +119,9 @@ def test_a_held_image_part_is_sent_once_every_text_part_has_its_first_token(
         [Append(texts[1], other.attempt, [error], 2, 0, Final(JobStatus.FAILED, "error"))]
     )
     assert r.lrange(keys.queue_media, 0, -1) == [f"image {image} held"]
-    assert r.zcard(keys.held_media()) == 0 and r.zrange(keys.queued_media(), 0, -1) == [image]
+    assert r.zcard(keys.held_media(keys.bucket_of(job.id))) == 0 and r.zrange(
+        keys.queued_media(keys.bucket_of(job.id)), 0, -1
+    ) == [image]
     assert get(settings, job.id).parts[1]["status"] == "queued"  # queued until a media worker takes it
     taken = store.take_job(image, "m1", "sd")
     assert taken.record is not None and taken.record.released_at is not None
@@ -135,7 +139,8 @@ def test_a_held_image_part_is_sent_at_its_bound(store: StoreForTests, settings: 
     gone = create(settings, [TEXT, IMAGE])
     run(settings, lambda s: s.request_cancel(gone.id))
     image, early = part_id(job.id, 1), part_id(soon.id, 1)
-    assert r.zrange(keys.held_media(), 0, -1) == [early, image]  # the cancel took its own out
+    held = [keys.held_media(b) for b in keys.bucket_range()]
+    assert every_bucket(r, held) == [early, image]  # the cancel took its own out
     bound = job.created_at + 2.0
     assert store.release_held(soon.created_at + 0.4) == soon.created_at + 0.5  # none due yet
     assert r.llen(keys.queue_media) == 0
@@ -193,7 +198,7 @@ def test_a_part_is_fenced_by_its_own_attempt_and_appends_are_idempotent(
     assert store.append_batch([step]) == [Appended.WRITTEN]
     assert store.append_batch([step]) == [Appended.WRITTEN]  # a retry of an append applied: no duplicate
     # Its worker died: the lease lapses and another takes the part over (a new attempt).
-    store.redis.zadd(settings.keys.running_jobs(), {pid: time.time() - 1})
+    store.redis.zadd(settings.keys.running_jobs(settings.keys.bucket_of(job.id)), {pid: time.time() - 1})
     second = store.take_job(pid, "m2", "sd")
     assert second.status is TakeStatus.TAKEN and second.attempt == first.attempt + 1
     assert [e.seq for e in second.log] == [1]  # the part's own events, numbered as it counts them
@@ -258,7 +263,9 @@ def test_image_parts_whose_message_was_sent_are_swept_for_a_lost_one(
     job = create(settings, [TEXT, IMAGE, {**IMAGE, "prompt": None, "prompt_from": 0}])
     r, keys, media = store.redis, settings.keys, settings.keys.queue_media
     text, image, dependent = (part_id(job.id, k) for k in range(3))
-    assert r.zrange(keys.queued_media(), 0, -1) == [image]  # the dependent has no message yet
+    assert r.zrange(keys.queued_media(keys.bucket_of(job.id)), 0, -1) == [
+        image
+    ]  # the dependent has no message yet
     later = time.time() + 60
     llm = keys.model_queue(MODEL)
     assert store.stale_queued(later, media) == []  # its message is still in the queue
@@ -273,11 +280,11 @@ def test_image_parts_whose_message_was_sent_are_swept_for_a_lost_one(
     # The text part succeeds: the dependent's message is sent, and it is queued from then on.
     taken = store.take_job(text, "w", "m")
     assert end_text(store, text, taken.attempt, 1, JobStatus.SUCCEEDED)
-    assert r.zrange(keys.queued_media(), 0, -1) == [image, dependent]
+    assert r.zrange(keys.queued_media(keys.bucket_of(job.id)), 0, -1) == [image, dependent]
     assert store.take_job(image, "m1", "sd").status is TakeStatus.TAKEN
-    assert r.zrange(keys.queued_media(), 0, -1) == [dependent]
+    assert r.zrange(keys.queued_media(keys.bucket_of(job.id)), 0, -1) == [dependent]
     store.request_cancel(job.id)
-    assert r.zcard(keys.queued_media()) == 0
+    assert r.zcard(keys.queued_media(keys.bucket_of(job.id))) == 0
 
 
 def test_the_parts_of_a_foreground_job_say_so(store: StoreForTests, settings: Settings) -> None:

@@ -25,7 +25,7 @@ def positions(settings: Settings, job_ids: list[str]) -> list[int | None]:
 
 
 def test_the_jobs_ahead_are_its_models_in_the_queues_order(settings: Settings) -> None:
-    settings = settings.model_copy(update={"max_queued_jobs": 10})
+    settings = settings.model_copy(update={"max_queued_jobs": 10 * settings.redis_buckets})
     store = StoreForTests.from_settings(settings)
     try:
         check_positions(store, settings)
@@ -56,7 +56,9 @@ def check_positions(store: StoreForTests, settings: Settings) -> None:
 def test_tenant_queues_take_turns(settings: Settings) -> None:
     """An interactive job waits for its own tenant queue's jobs queued before it, and for as many
     of each other tenant queue's (those queued after it too): the queues take turns."""
-    store = StoreForTests.from_settings(settings.model_copy(update={"max_queued_jobs": 20}))
+    store = StoreForTests.from_settings(
+        settings.model_copy(update={"max_queued_jobs": 20 * settings.redis_buckets})
+    )
     queue = settings.keys.model_queue("a")
     owners = [f"owner-{i}" for i in range(16)]
     flood = owners[0]

@@ -68,7 +68,7 @@ def writing(r: redis.Redis, stack: Stack, file_id: str) -> bool:
     """Whether an assembler is writing ``file_id`` now (its lines under the lease's fence: a list,
     or the artifact's file of that fence)."""
     keys = Keys(stack.prefix)
-    holder = r.get(keys.batch_feeder())
+    holder = r.get(keys.batch_feeder(0))
     fence = holder.decode().rpartition(":")[2] if holder else ""
     if stack.root is not None:
         part = stack.root / f"{file_name(file_id)}.{fence}.part"
@@ -94,7 +94,7 @@ def test_an_assembler_frozen_mid_file_and_taken_over_leaves_one_line_per_custom_
                 "/v1/batches",
                 json={"input_file_id": file_id, "endpoint": "/v1/completions", "completion_window": "24h"},
             ).json()
-            error_file = result_file_id(batch["id"], "failed")
+            error_file = result_file_id(keys, batch["id"], "failed")
             poll(
                 lambda f=error_file: writing(redis_client, stack, f),
                 "the assembler to write the error file",

@@ -52,7 +52,7 @@ class Apart:
         assert not jobs, f"job keys on the broker's Redis: {sorted(jobs)[:10]}"
         assert any(k.startswith("_kombu.binding") for k in broker_keys), sorted(broker_keys)
         assert any(k.startswith(f"{prefix}:job:") for k in data_keys)
-        poll(lambda: self.data.client.llen(self.keys.outbox()) == 0, "the outbox relayed", 30)
+        poll(lambda: self.data.client.llen(self.keys.outbox(0)) == 0, "the outbox relayed", 30)
 
 
 @pytest.fixture(scope="module")
@@ -150,7 +150,7 @@ def test_a_job_sent_while_the_broker_is_down_runs_once_it_is_back(apart: Apart, 
     apart.broker.stop()
     try:
         job_id = submit(client, url, 8)
-        assert apart.data.client.llen(apart.keys.outbox()) == 1
+        assert apart.data.client.llen(apart.keys.outbox(0)) == 1
     finally:
         apart.broker.start()
     poll(lambda: client.get(f"{url}/v1/jobs/{job_id}").json()["status"] == "succeeded", "the job's end", 120)

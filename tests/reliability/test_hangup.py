@@ -59,7 +59,7 @@ def submit_and_hang_up(api: Service, store: SyncJobStore) -> str:
         "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
         f"Content-Length: {len(body)}\r\n\r\n"
     )
-    queued = store.keys.queued_jobs()
+    queued = store.keys.queued_jobs(0)
     before = set(store.redis.zrange(queued, 0, -1))
     with socket.create_connection((host, int(port))) as sock:
         sock.sendall(head.encode() + body)

@@ -86,7 +86,7 @@ def test_flood_past_the_queue_limit(
 
     def watch_queue() -> None:  # the limit must hold at every instant, not only at the end
         while not stop.is_set():
-            peak[0] = max(peak[0], int(r.zcard(keys.queued_jobs())))
+            peak[0] = max(peak[0], int(r.zcard(keys.queued_jobs(0))))
 
     watcher = threading.Thread(target=watch_queue)
     watcher.start()
@@ -168,7 +168,7 @@ def test_cancel_at_every_stage(
     # They cannot end on their own while the queued job is checked (greedy on LONG: no EOS
     # within 400 tokens, and one slot runs them one after the other), so no task thread frees.
     blockers = [submit(client, url, max_tokens=400) for _ in range(5)]
-    poll(lambda: r.zcard(keys.queued_jobs()) == 0, "the blockers taken by the worker", 60)
+    poll(lambda: r.zcard(keys.queued_jobs(0)) == 0, "the blockers taken by the worker", 60)
     queued = submit(client, url, max_tokens=8)
     assert client.get(f"{url}/v1/jobs/{queued['id']}").json()["status"] == "queued"
     for _ in range(2):  # twice: harmless

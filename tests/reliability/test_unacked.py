@@ -123,12 +123,12 @@ def test_the_attempts_field_of_a_job_lost_with_its_worker_goes(
         ).json()["id"]
     watch = JobWatch(r, keys, job_id)
     poll(lambda: watch.tokens() >= 5, "the job under way", 60)
-    assert r.hget(keys.attempts(), job_id) == "1"
+    assert r.hget(keys.attempts(0), job_id) == "1"
     victim = worker_pool.by_full_name(watch.field("worker"))
     worker_pool.kill(victim, signal.SIGKILL)
     # Gone with its worker, before any sweep could requeue it (its heartbeat lives a TTL longer).
     r.delete(keys.job(job_id), keys.job_log(job_id), keys.job_text(job_id))
     # Before: the field stayed for good; now the other worker's sweep drops it.
-    poll(lambda: not r.hexists(keys.attempts(), job_id), "its attempts field to go", 30)
-    poll(lambda: r.zscore(keys.running_jobs(), job_id) is None, "its lease to go too", 30)
+    poll(lambda: not r.hexists(keys.attempts(0), job_id), "its attempts field to go", 30)
+    poll(lambda: r.zscore(keys.running_jobs(0), job_id) is None, "its lease to go too", 30)
     worker_pool.start(victim)  # the pool as it was, for the next test

@@ -281,7 +281,7 @@ def test_a_dead_workers_jobs_are_taken_before_the_jobs_queued_behind_them(
     queued: list[str] = []
     try:
         held += [submit(client, api.url, LONG_PROMPT) for _ in range(5)]
-        poll(lambda: r.zcard(keys.running_jobs()) == 5, "five jobs held by the worker", 60)
+        poll(lambda: r.zcard(keys.running_jobs(0)) == 5, "five jobs held by the worker", 60)
         pool.kill("a", signal.SIGSTOP)
         queued += [submit(client, api.url, LONG_PROMPT) for _ in range(4)]
         # Where kombu keeps JOB_PRIORITY messages of the tenant queue of the one tenant (no API keys).

@@ -261,7 +261,7 @@ def test_batch_with_a_bad_line_names_it_and_submits_nothing(
 ) -> None:  # type: ignore[no-untyped-def]
     src = tmp_path / "in.jsonl"
     src.write_text('{"prompt": "fine"}\n\n{"prompt": "broken"\n[1, 2]\n')
-    queued = Keys(bare_api.prefix).queued_jobs()
+    queued = Keys(bare_api.prefix).queued_jobs(0)
     before = prefixes.client.zcard(queued)
     result = spool("batch", str(src), "--url", bare_api.url, env=env)
     assert result.returncode == 1 and result.stdout == ""

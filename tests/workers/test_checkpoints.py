@@ -75,7 +75,7 @@ def test_a_take_over_resumes_from_the_checkpoint(store: StoreForTests) -> None:
     cursor = JobCursor(job.id, store.take_job(job.id, "w1", "m").attempt, 1, 0)
     first = TEXT_CHECKPOINT_EVENTS + 5
     write_steps(store, cursor, range(1, first + 1))
-    store.redis.zadd(store.keys.running_jobs(), {job.id: time.time() - 1})  # w1 died
+    store.redis.zadd(store.keys.running_jobs(0), {job.id: time.time() - 1})  # w1 died
     taken = store.take_job(job.id, "w2", "m")
     assert taken.status is TakeStatus.TAKEN and taken.text_seq == TEXT_CHECKPOINT_EVENTS + 1
     resumed = new_job(taken).cursor
@@ -90,7 +90,7 @@ def test_a_take_over_resumes_from_the_checkpoint(store: StoreForTests) -> None:
     text = "".join(word(s) for s in range(1, total + 1))
     assert got.status is JobStatus.SUCCEEDED and got.text == text and got.usage.completion_tokens == total
     assert store.redis.get(store.keys.job_text(job.id)) == text
-    assert store.redis.hget(store.keys.attempts(), job.id) is None  # dropped with the last append
+    assert store.redis.hget(store.keys.attempts(0), job.id) is None  # dropped with the last append
     # A retry of the last append after a dropped connection: a no-op, not fenced (its attempts
     # entry is gone: the job's hash says whose it was).
     log = store.read_log(job.id)

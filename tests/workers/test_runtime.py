@@ -194,7 +194,7 @@ def test_takeover_resumes_from_the_stored_tokens(
     first = store.take_job(job.id, "dead-worker", "m")
     entries = [token_entry(1, 0, decode(ids[:k]), ids[:k])]
     assert store.append_batch([Append(job.id, first.attempt, entries, 3, k)]) == [Appended.WRITTEN]
-    store.redis.zadd(store.keys.running_jobs(), {job.id: time.time() - 1})
+    store.redis.zadd(store.keys.running_jobs(0), {job.id: time.time() - 1})
     assert runtime.run_job(job.id) is Outcome.FINISHED
     got = store.get_job(job.id)
     log = check_log(store, got)
@@ -211,7 +211,7 @@ def test_a_job_taken_over_is_dropped(runtime: EngineRuntime, store: StoreForTest
 
     def take_over() -> bool:
         # Lapse the lease and take the job; the runtime's heartbeat may renew it in between.
-        store.redis.zadd(store.keys.running_jobs(), {job.id: time.time() - 1})
+        store.redis.zadd(store.keys.running_jobs(0), {job.id: time.time() - 1})
         return store.take_job(job.id, "other-worker", "m").attempt == 2
 
     poll(take_over, "a take-over by another worker")
@@ -240,7 +240,7 @@ def test_a_gap_in_the_log_hands_the_job_back(runtime: EngineRuntime, store: Stor
     thread.join(30)
     assert outcomes == [Outcome.LOST]
     assert store.get_record(job.id).attempt == 1
-    lease = store.redis.zscore(store.keys.running_jobs(), job.id)
+    lease = store.redis.zscore(store.keys.running_jobs(0), job.id)
     assert lease is not None and lease <= time.time()  # lapsed now, not a lease from now
 
 
@@ -263,7 +263,7 @@ def test_a_worker_holding_batch_lines_takes_a_queued_interactive_job_itself(
 ) -> None:
     # A batch's line (batch_feed.lua marks its hash with the batch), run as its Celery task would.
     line = store.create_job(JobRequest(prompt=LONG_PROMPT, max_tokens=400, temperature=0))
-    store.redis.zrem(store.keys.queued_jobs(), line.id)  # lines are never in the queued set
+    store.redis.zrem(store.keys.queued_jobs(0), line.id)  # lines are never in the queued set
     store.redis.hset(store.keys.job(line.id), "batch", "batch_test")
     thread, outcomes = run_in_thread(runtime, line.id)
     poll(lambda: store.read_log(line.id), "the line's first token")

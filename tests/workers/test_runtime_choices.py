@@ -104,7 +104,7 @@ def test_takeover_resumes_each_choice_from_its_own_tokens(
             )
     resumed = sum(len(ids_of(events)) for _, events in written)
     assert store.append_batch([Append(job.id, first.attempt, entries, 3, resumed)]) == [Appended.WRITTEN]
-    store.redis.zadd(store.keys.running_jobs(), {job.id: time.time() - 1})
+    store.redis.zadd(store.keys.running_jobs(0), {job.id: time.time() - 1})
     assert runtime.run_job(job.id) is Outcome.FINISHED
     got = store.get_job(job.id)
     log = check_log(store, got)

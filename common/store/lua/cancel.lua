@@ -1,14 +1,15 @@
 -- Cancel a job: at once if queued, at its worker's next step if running (common/store/calls.py cancel_args).
--- KEYS: job log channel queued cancelled text queued_media held_media
--- ARGV: id now ttl done
--- channel: the job's events; cancelled: the cancel channel the workers listen on; done: the
--- done entry of a queued job (seq 1: its log is empty).
+-- KEYS: job log channel queued text queued_media held_media
+-- ARGV: id now ttl done cancelled
+-- channel: the job's events; cancelled: the cancel channel the workers listen on (not a key: on a
+-- cluster, a PUBLISH reaches every node's subscribers); done: the done entry of a queued job
+-- (seq 1: its log is empty).
 -- A job with parts: each queued part is cancelled at once (its part event), each running one is
 -- told (as a running job is); the job ends once its last part has.
 -- Returns 'cancelled', 'requested', 'missing' or the status of a job that ended already.
 --#include parts
-local job, log, channel, queued, cancelled, text, queued_media, held_media = unpack(KEYS)
-local id, now, ttl, done = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
+local job, log, channel, queued, text, queued_media, held_media = unpack(KEYS)
+local id, now, ttl, done, cancelled = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
 
 local status = redis.call('HGET', job, 'status')
 if not status then return 'missing' end
