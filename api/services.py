@@ -20,7 +20,7 @@ from api.served import ServedModels
 from api.watchers import Watchers
 from common.process import freeze_startup_objects
 from common.redis_errors import UNREACHABLE
-from common.redis_policy import check_redis_async
+from common.redis_policy import check_layout_async, check_redis_async
 from common.settings import Settings
 from common.store import AsyncBatchStore, AsyncJobStore
 from common.tasks import cancel_until_done
@@ -53,6 +53,7 @@ async def refuse_unsafe_redis(store: AsyncJobStore) -> None:
     reachable yet is not waited for (the API answers 503 until it is)."""
     try:
         await check_redis_async(store.redis)
+        await check_layout_async(store.redis, store.keys)
         if store.broker is not store.redis:  # SPOOL_BROKER_URL: an evicted queue list loses messages
             await check_redis_async(store.broker)
     except UNREACHABLE as e:

@@ -201,6 +201,12 @@ class Keys:
         (common/store/records.py)."""
         return f"{self._at(bucket)}:owner:{owner or 'anonymous'}:jobs"
 
+    def layout(self) -> str:
+        """String: the number of buckets (``Keys.buckets``) of this prefix's job data, set by the
+        first process to start; one started with another number refuses to start
+        (common/redis_policy.py): it would not find the others' keys."""
+        return f"{self.prefix}:buckets"
+
     def write_probe(self) -> str:
         """String with a short TTL that /readyz sets: Redis takes writes (not out of memory)."""
         return f"{self.prefix}:write_probe"

@@ -21,6 +21,9 @@ from typing import Any
 import redis
 import redis.asyncio as aredis
 
+from common.keys import Keys
+from common.store.clients import record_buckets, record_buckets_async
+
 SAFE_POLICY = "noeviction"
 
 
@@ -50,6 +53,28 @@ def cluster_problem(cluster_info: Mapping[str, Any]) -> str | None:
         "queues need a standalone Redis for now (job data on a cluster is issue 31): point "
         "SPOOL_REDIS_URL and SPOOL_BROKER_URL at a standalone redis-server (docs/operations.md#redis)"
     )
+
+
+def layout_problem(recorded: int, keys: Keys) -> str | None:
+    """What is wrong with our number of buckets against the one the prefix's data was laid out in."""
+    if recorded == keys.buckets:
+        return None
+    return (
+        f"the job data of prefix {keys.prefix!r} is laid out in {recorded} bucket(s) (SPOOL_REDIS_BUCKETS), "
+        f"and this process was started with {keys.buckets}: it would not see the others' jobs. Start every "
+        f"API and worker of a prefix with the same SPOOL_REDIS_BUCKETS (docs/operations.md#redis)"
+    )
+
+
+def check_layout(client: redis.Redis, keys: Keys) -> None:
+    """Raise UnsafeRedis when the job data's Redis holds another layout of the prefix (``Keys.layout``)."""
+    if problem := layout_problem(record_buckets(client, keys), keys):
+        raise UnsafeRedis(problem)
+
+
+async def check_layout_async(client: aredis.Redis, keys: Keys) -> None:
+    if problem := layout_problem(await record_buckets_async(client, keys), keys):
+        raise UnsafeRedis(problem)
 
 
 def check_redis(client: redis.Redis) -> None:

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from common.settings import check_api_settings, get_settings
+from common.settings import Settings, check_api_settings, get_settings
 from spool_cli.commands import command
 
 
@@ -120,17 +120,19 @@ def add_model_commands(sub: Any) -> None:
     p.set_defaults(func=cmd_tiny_image_model)
 
 
-def check_redis_at_start(*urls: str) -> None:
-    """Refuse a Redis that evicts keys or is a cluster node (UnsafeRedis); one not reachable yet is
-    waited for later."""
+def check_redis_at_start(settings: Settings) -> None:
+    """Refuse a Redis that evicts keys or is a cluster node, or job data laid out in another
+    number of buckets (UnsafeRedis); one not reachable yet is waited for later."""
     import redis
 
-    from common.redis_policy import check_redis
+    from common.redis_policy import check_layout, check_redis
 
-    for url in dict.fromkeys(urls):
+    for url in dict.fromkeys([settings.redis_url, settings.broker_redis_url]):
         client = redis.Redis.from_url(url, socket_connect_timeout=2, socket_timeout=5)
         try:
             check_redis(client)
+            if url == settings.redis_url:
+                check_layout(client, settings.keys)
         except redis.RedisError as e:
             print(f"spool: Redis not checked, not reachable yet ({e})", file=sys.stderr)
         finally:
@@ -139,7 +141,7 @@ def check_redis_at_start(*urls: str) -> None:
 
 def cmd_worker(args: argparse.Namespace) -> int:
     settings = get_settings()
-    check_redis_at_start(settings.redis_url, settings.broker_redis_url)  # before torch: seconds sooner
+    check_redis_at_start(settings)  # before torch: seconds sooner
     if (settings.image_device if args.kind == "media" else settings.device) == "cpu":
         # NOTE: triton (xgrammar's dependency, for its CUDA kernels) is imported by torch.compile
         # even on a CPU, where it runs nothing, and at every exit nanobind reports its module
@@ -194,7 +196,7 @@ def cmd_api(args: argparse.Namespace) -> int:
     settings = get_settings()
     check_api_settings(settings)  # the app checks again (a bare uvicorn), too late for status 2
     # The app's start checks again (for a bare uvicorn), too late for status 2.
-    check_redis_at_start(settings.redis_url, settings.broker_redis_url)
+    check_redis_at_start(settings)
     host, port = args.host or settings.host, args.port or settings.port
     # NOTE: bound before the app starts. uvicorn binds after the app's start-up, and on a port in
     # use then waited for the app's shutdown forever (the batch feeder running, SIGTERM unheard).

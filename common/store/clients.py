@@ -8,6 +8,8 @@ from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
+from common.keys import Keys
+
 # NOTE: clients made with from_url retry nothing unless told to. After a Redis restart every
 # pooled connection is dead; without retries each one fails its next command (pipelines too)
 # once, so the API would answer 503s for a while after Redis is back. A retry reconnects at once.
@@ -22,6 +24,18 @@ REDIS_TIMEOUTS = {"socket_timeout": 10.0, "socket_connect_timeout": 5.0}
 ASYNC_POOL_SIZE = 128  # Redis connections per API process
 WRITE_PROBE_TTL_MS = 10_000  # the /readyz write probe's key (AsyncJobStore.probe_write) expires
 ASYNC_POOL_WAIT_S = 10.0  # how long a command waits for one before it fails
+
+
+def record_buckets(client: redis.Redis, keys: Keys) -> int:
+    """The number of buckets this prefix's job data is laid out in (``Keys.layout``): ours, if we
+    are the first to say."""
+    client.set(keys.layout(), keys.buckets, nx=True)
+    return int(client.get(keys.layout()) or keys.buckets)
+
+
+async def record_buckets_async(client: aredis.Redis, keys: Keys) -> int:
+    await client.set(keys.layout(), keys.buckets, nx=True)
+    return int(await client.get(keys.layout()) or keys.buckets)
 
 
 def sync_client(url: str) -> redis.Redis:

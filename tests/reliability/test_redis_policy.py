@@ -18,7 +18,8 @@ import redis
 from breakers import RedisServer
 from procs import SPOOL, free_port, spool_env
 
-from common.redis_policy import UnsafeRedis, check_redis, eviction_problem
+from common.keys import Keys
+from common.redis_policy import UnsafeRedis, check_layout, check_redis, eviction_problem
 from spool_cli import procs as harness
 
 START_S = 60.0  # a refused start exits long before this; a start that is not refused runs on
@@ -110,3 +111,22 @@ def test_a_redis_cluster_is_refused_at_start(
         pytest.fail(f"{command} started on a Redis Cluster")
     assert done.returncode == 2, done.stderr[-2000:]
     assert "Redis Cluster" in done.stderr and "standalone" in done.stderr
+
+
+@pytest.mark.parametrize("command", ["worker", "api"])
+def test_another_number_of_buckets_is_refused_at_start(lru_redis: RedisServer, command: str) -> None:
+    """A prefix's job data laid out in one bucket (as the first process recorded it): a process
+    started with SPOOL_REDIS_BUCKETS=24 would look for every job under other names."""
+    lru_redis.client.config_set("maxmemory-policy", "noeviction")
+    keys = Keys("test-layout")
+    check_layout(lru_redis.client, keys)  # the first to start records its number
+    assert lru_redis.client.get(keys.layout()) == "1"
+    check_layout(lru_redis.client, keys)  # the same number agrees
+    argv = [SPOOL, command] + (["--port", str(free_port())] if command == "api" else [])
+    env = {**spool_env(keys.prefix, redis_url=lru_redis.url), "SPOOL_REDIS_BUCKETS": "24"}
+    try:
+        done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=START_S)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{command} started with another number of buckets")
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "laid out in 1 bucket(s)" in done.stderr and "SPOOL_REDIS_BUCKETS" in done.stderr
