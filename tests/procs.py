@@ -29,6 +29,9 @@ from spool_cli import procs as harness
 from spool_cli.procs import free_port, http_status
 
 REDIS_URL = os.environ.get("TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+# The processes' SPOOL_REDIS_BUCKETS: TEST_REDIS_BUCKETS=24 runs the stacks in the cluster's key
+# layout on the standalone Redis (the tests/common store tests run both layouts always).
+REDIS_BUCKETS = int(os.environ.get("TEST_REDIS_BUCKETS", "1"))
 ROOT = Path(__file__).resolve().parents[1]
 SPOOL = str(Path(sys.executable).with_name("spool"))  # the console script of this venv
 START_TIMEOUT_S = 120.0  # a worker loads torch and the model before its first heartbeat
@@ -78,6 +81,7 @@ def spool_env(prefix: str, **settings: object) -> dict[str, str]:
     Workers run the eager forward unless a test gives ``compile`` (a compile at every worker's
     start would cost each test seconds); ``compile=None`` leaves the service's default."""
     settings.setdefault("compile", False)
+    settings.setdefault("redis_buckets", REDIS_BUCKETS)
     if settings["compile"] is None:
         del settings["compile"]
     return harness.spool_env(REDIS_URL, prefix, **settings)
