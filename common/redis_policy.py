@@ -41,9 +41,14 @@ def eviction_problem(memory_info: Mapping[str, Any]) -> str | None:
     )
 
 
+def is_cluster_node(cluster_info: Mapping[str, Any]) -> bool:
+    """Whether Redis is a node of a Redis Cluster (from INFO cluster)."""
+    return bool(int(cluster_info.get("cluster_enabled", 0)))
+
+
 def cluster_problem(cluster_info: Mapping[str, Any]) -> str | None:
     """What is wrong with a Redis Cluster node (from INFO cluster), or None for a standalone one."""
-    if not int(cluster_info.get("cluster_enabled", 0)):
+    if not is_cluster_node(cluster_info):
         return None
     return (
         "this Redis is a node of a Redis Cluster (cluster_enabled:1). Spool's job data and Celery's "
@@ -63,3 +68,9 @@ async def check_redis_async(client: aredis.Redis) -> None:
     problem = eviction_problem(await client.info("memory")) or cluster_problem(await client.info("cluster"))
     if problem:
         raise UnsafeRedis(problem)
+
+
+async def on_cluster_async(client: aredis.Redis) -> bool:
+    """Whether ``client``'s Redis is a cluster node: the API's pub/sub hub then keeps a connection
+    per master (api/hub.py)."""
+    return is_cluster_node(await client.info("cluster"))
