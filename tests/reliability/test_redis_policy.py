@@ -18,7 +18,7 @@ from breakers import RedisServer
 from procs import SPOOL, free_port, spool_env
 from redis_cluster import redis_cluster
 
-from common.redis_policy import UnsafeRedis, check_redis, eviction_problem
+from common.redis_policy import UnsafeRedis, check_redis, eviction_problem, version_problem
 
 START_S = 60.0  # a refused start exits long before this; a start that is not refused runs on
 
@@ -66,6 +66,13 @@ def test_noeviction_is_accepted(lru_redis: RedisServer) -> None:
     with pytest.raises(UnsafeRedis, match="allkeys-random"):
         lru_redis.client.config_set("maxmemory-policy", "allkeys-random")
         check_redis(lru_redis.client)
+
+
+def test_a_redis_without_sharded_pub_sub_is_refused() -> None:
+    """Job events go over SPUBLISH/SSUBSCRIBE (Redis 7.0): an older Redis would fail every append."""
+    assert "7.0 or later" in (version_problem({"redis_version": "6.2.14"}) or "")
+    assert version_problem({"redis_version": "7.0.15"}) is None
+    assert version_problem({"redis_version": "10.1.0"}) is None
 
 
 @pytest.fixture(scope="module")
