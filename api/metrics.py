@@ -171,7 +171,9 @@ class Metrics:
             lambda: hub.open_streams
         )
         Gauge(
-            "spool_hub_connected", "1 while the pub/sub hub is subscribed", registry=self.registry
+            "spool_hub_connected",
+            "1 while the pub/sub hub is subscribed (each connection, one per master on a cluster)",
+            registry=self.registry,
         ).set_function(lambda: float(hub.connected.is_set()))
         Gauge(
             "spool_hub_reconnects", "Pub/sub reconnections since start", registry=self.registry

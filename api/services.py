@@ -20,7 +20,7 @@ from api.served import ServedModels
 from api.watchers import Watchers
 from common.process import freeze_startup_objects
 from common.redis_errors import UNREACHABLE
-from common.redis_policy import check_layout_async, check_redis_async
+from common.redis_policy import check_layout_async, check_redis_async, on_cluster_async
 from common.settings import Settings
 from common.store import AsyncBatchStore, AsyncJobStore
 from common.tasks import cancel_until_done
@@ -48,25 +48,33 @@ class Services:
             yield inbox
 
 
-async def refuse_unsafe_redis(store: AsyncJobStore) -> None:
+async def refuse_unsafe_redis(store: AsyncJobStore) -> bool:
     """Raise UnsafeRedis (the process does not start) for a Redis that evicts keys; a Redis not
-    reachable yet is not waited for (the API answers 503 until it is)."""
+    reachable yet is not waited for (the API answers 503 until it is). Returns whether the job
+    data's Redis is a cluster node (False when not reachable)."""
     try:
         await check_redis_async(store.redis)
         await check_layout_async(store.redis, store.keys)
         if store.broker is not store.redis:  # SPOOL_BROKER_URL: an evicted queue list loses messages
             await check_redis_async(store.broker)
+        return await on_cluster_async(store.redis)
     except UNREACHABLE as e:
         log.warning("Redis not checked (eviction policy, cluster), not reachable yet (%s)", e)
+        return False
 
 
 @asynccontextmanager
 async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     settings: Settings = app.state.settings
-    hub = Hub(settings.redis_url, settings.keys, client_name=f"{settings.redis_prefix}-api-hub-{os.getpid()}")
     enqueuer = Enqueuer(settings)
     store = AsyncJobStore.from_settings(settings)
-    await refuse_unsafe_redis(store)
+    cluster = await refuse_unsafe_redis(store)
+    hub = Hub(
+        settings.redis_url,
+        settings.keys,
+        client_name=f"{settings.redis_prefix}-api-hub-{os.getpid()}",
+        cluster=cluster,
+    )
     await hub.start()
     watchers = Watchers(store, settings.detach_grace_s)
     await watchers.start()

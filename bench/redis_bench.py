@@ -81,7 +81,7 @@ def run(jobs_n: int, tokens: int, log_dir: Path) -> dict[str, Any]:
         cursors = {j: JobCursor(j, store.take_job(j, "bench", "bench").attempt, 1, 0) for j in ids}
         admin = redis.Redis.from_url(url, decode_responses=True)
         pubsub = admin.pubsub()
-        pubsub.subscribe(*(settings.keys.job_events(j) for j in ids))
+        pubsub.ssubscribe(*(settings.keys.job_events(j) for j in ids))
         while pubsub.get_message(timeout=1.0):  # the subscriptions' confirmations
             pass
         stop, seen = threading.Event(), [0]

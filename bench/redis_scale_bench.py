@@ -116,7 +116,7 @@ def reader(api_url: str, ids: list[str], out: Any) -> None:
 
 def subscribed(admin: redis.Redis, settings: Settings, ids: Sequence[str]) -> bool:
     channels = [settings.keys.job_events(j) for j in ids]
-    return all(n >= 1 for _, n in admin.pubsub_numsub(*channels))
+    return all(n >= 1 for _, n in admin.pubsub_shardnumsub(*channels))
 
 
 def redis_cpu(r: redis.Redis) -> float:
@@ -177,7 +177,9 @@ def run(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
     generated = n * args.steps
     seconds = t1 - t0
     calls = {
-        k: v for k, v in stats.items() if k not in ("config|resetstat", "info", "config", "pubsub|numsub")
+        k: v
+        for k, v in stats.items()
+        if k not in ("config|resetstat", "info", "config", "pubsub|shardnumsub")
     }
     return {
         "workers": args.workers,

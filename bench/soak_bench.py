@@ -177,7 +177,7 @@ async def soak(
             await asyncio.sleep(0.05)
         left = {
             "api_open_streams": await open_streams(client),
-            "job_channels_subscribed": len(r.pubsub_channels(f"{PREFIX}:job:*")),
+            "job_channels_subscribed": len(r.pubsub_shardchannels(f"{PREFIX}:job:*")),
             # Every job has ended: each of its keys must expire (SPOOL_JOB_TTL_S) or be gone.
             "job_keys_without_expiry": sum(
                 r.ttl(k) == -1 for k in r.scan_iter(f"{PREFIX}:job:*", count=1000)

@@ -155,9 +155,10 @@ class Keys:
         """
         return f"{self._of(job_id)}:job:{job_id}:watchers"
 
-    def hub_channel(self, hub_name: str) -> str:
-        """Pub/sub channel an API process's hub keeps subscribed (nothing is published on it)."""
-        return f"{self.prefix}:hub:{hub_name}"
+    def hub_channel(self, hub_name: str, tag: str | None = None) -> str:
+        """Pub/sub channel an API process's hub keeps subscribed (nothing is published on it); on a
+        cluster one per node, each with a hash tag (``tag``) of a slot that node owns."""
+        return f"{self.prefix}:hub:{hub_name}" + ("" if tag is None else f"{{{tag}}}")
 
     def idempotency(self, owner: str, key: str) -> str:
         """String with a TTL, the id of the job that a client's ``Idempotency-Key`` created, per

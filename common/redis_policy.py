@@ -7,6 +7,9 @@ stream would then go silent or resume from nothing, and a job be lost without an
 ``noeviction`` a full Redis refuses writes instead, which Spool survives. Workers retry, and the
 API answers 503 (common/redis_errors.py). docs/operations.md#redis says what to set.
 
+A Redis older than 7.0 is refused: job events go over sharded pub/sub (SPUBLISH inside the
+store's scripts, SSUBSCRIBE in the API), which it does not have; every append would fail.
+
 A node of a Redis Cluster is refused too: Spool's scripts touch a job's keys and the sets across
 jobs together, which a cluster spreads over slots, and Celery's Redis transport does not speak
 Cluster. Without the check the first command on a key another node owns fails with MOVED, at
@@ -25,6 +28,7 @@ from common.keys import Keys
 from common.store.clients import record_buckets, record_buckets_async
 
 SAFE_POLICY = "noeviction"
+MIN_VERSION = (7, 0)  # sharded pub/sub
 
 
 class UnsafeRedis(RuntimeError):
@@ -44,9 +48,29 @@ def eviction_problem(memory_info: Mapping[str, Any]) -> str | None:
     )
 
 
+def version_problem(server_info: Mapping[str, Any]) -> str | None:
+    """What is wrong with Redis's version (from INFO server), or None."""
+    version = str(server_info.get("redis_version", ""))
+    try:
+        major_minor = tuple(int(part) for part in version.split(".")[:2])
+    except ValueError:
+        return None  # (a server that names its version otherwise: not refused on a guess)
+    if major_minor >= MIN_VERSION:
+        return None
+    return (
+        f"Redis {version} has no sharded pub/sub (SPUBLISH, SSUBSCRIBE), which job events go over: "
+        f"Spool needs Redis {MIN_VERSION[0]}.{MIN_VERSION[1]} or later (docs/operations.md#redis)"
+    )
+
+
+def is_cluster_node(cluster_info: Mapping[str, Any]) -> bool:
+    """Whether Redis is a node of a Redis Cluster (from INFO cluster)."""
+    return bool(int(cluster_info.get("cluster_enabled", 0)))
+
+
 def cluster_problem(cluster_info: Mapping[str, Any]) -> str | None:
     """What is wrong with a Redis Cluster node (from INFO cluster), or None for a standalone one."""
-    if not int(cluster_info.get("cluster_enabled", 0)):
+    if not is_cluster_node(cluster_info):
         return None
     return (
         "this Redis is a node of a Redis Cluster (cluster_enabled:1). Spool's job data and Celery's "
@@ -78,13 +102,28 @@ async def check_layout_async(client: aredis.Redis, keys: Keys) -> None:
 
 
 def check_redis(client: redis.Redis) -> None:
-    """Raise UnsafeRedis if Redis would evict keys or is a cluster node. Needs only INFO (managed
-    Redis may hide CONFIG)."""
-    if problem := eviction_problem(client.info("memory")) or cluster_problem(client.info("cluster")):
+    """Raise UnsafeRedis if Redis would evict keys, is older than 7.0 or is a cluster node. Needs
+    only INFO (managed Redis may hide CONFIG)."""
+    problem = (
+        eviction_problem(client.info("memory"))
+        or version_problem(client.info("server"))
+        or cluster_problem(client.info("cluster"))
+    )
+    if problem:
         raise UnsafeRedis(problem)
 
 
 async def check_redis_async(client: aredis.Redis) -> None:
-    problem = eviction_problem(await client.info("memory")) or cluster_problem(await client.info("cluster"))
+    problem = (
+        eviction_problem(await client.info("memory"))
+        or version_problem(await client.info("server"))
+        or cluster_problem(await client.info("cluster"))
+    )
     if problem:
         raise UnsafeRedis(problem)
+
+
+async def on_cluster_async(client: aredis.Redis) -> bool:
+    """Whether ``client``'s Redis is a cluster node: the API's pub/sub hub then keeps a connection
+    per master (api/hub.py)."""
+    return is_cluster_node(await client.info("cluster"))

@@ -201,7 +201,7 @@ def test_the_hub_subscribes_to_the_jobs_of_its_streams_only(
     channels = [writer.store.keys.job_events(job_id) for job_id in (watched, other)]
 
     def subscribers() -> list[int]:
-        return [n for _, n in redis_client.pubsub_numsub(*channels)]
+        return [n for _, n in redis_client.pubsub_shardnumsub(*channels)]
 
     stream = reader(watched)
     writer.tokens(watched, TEXTS[0])
@@ -209,7 +209,8 @@ def test_the_hub_subscribes_to_the_jobs_of_its_streams_only(
     wait_until(lambda: len(stream.events) == 1, "first event", 10)
     assert subscribers() == [1, 0]
     hubs = [c for c in redis_client.client_list() if c["name"].startswith(f"{bare_api.prefix}-api-hub-")]
-    assert [c["psub"] for c in hubs] == ["0"]  # no pattern: nothing of the jobs it does not stream
+    # No pattern: nothing of the jobs it does not stream. Shard channels: the watched job's and its own.
+    assert [(c["psub"], c["sub"], c["ssub"]) for c in hubs] == [("0", "0", "2")]
     writer.finish(watched)
     check_full_stream(stream.result())
     wait_until(lambda: subscribers() == [0, 0], "the channel unsubscribed once its last stream ended", 10)
@@ -244,7 +245,7 @@ def test_streams_of_one_job_come_and_go_while_it_runs(
         streams = [r.result(timeout=30) for r in readers]
     assert all(check_full_stream(events) == "".join(texts) for events in streams)
     channel = writer.store.keys.job_events(job_id)
-    wait_until(lambda: redis_client.pubsub_numsub(channel)[0][1] == 0, "the job unsubscribed", 10)
+    wait_until(lambda: redis_client.pubsub_shardnumsub(channel)[0][1] == 0, "the job unsubscribed", 10)
 
 
 def test_closed_streams_are_released(bare_api: Service, writer: LogWriter, client: httpx.Client) -> None:
@@ -273,7 +274,7 @@ def test_malformed_publish_does_not_break_the_hub(
     writer.tokens(job_id, TEXTS[0])
     wait_until(lambda: len(stream.events) == 1, "first event", 10)
     hub_before = hub_client_ids(redis_client, bare_api.prefix)
-    redis_client.publish(writer.store.keys.job_events(job_id), b"not json")
+    redis_client.spublish(writer.store.keys.job_events(job_id), b"not json")
     writer.tokens(job_id, *TEXTS[1:])
     writer.finish(job_id)
     assert check_full_stream(stream.result()) == "".join(TEXTS)

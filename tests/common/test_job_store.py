@@ -34,14 +34,18 @@ from common.store.calls import queued_limit
 from spool_cli import procs as harness
 
 
-def subscribe(store: StoreForTests, channel: str) -> redis.client.PubSub:
-    """A subscription that Redis has confirmed, so nothing published afterwards is missed."""
+def subscribe(store: StoreForTests, channel: str, sharded: bool = True) -> redis.client.PubSub:
+    """A subscription that Redis has confirmed, so nothing published afterwards is missed. A job's
+    events go on a shard channel (SSUBSCRIBE); the cancel channel is a plain one (SUBSCRIBE)."""
     pubsub = store.redis.pubsub()
-    pubsub.subscribe(channel)
+    if sharded:
+        pubsub.ssubscribe(channel)
+    else:
+        pubsub.subscribe(channel)
 
     def confirmed() -> bool:
         msg = pubsub.get_message(timeout=0.5)
-        return bool(msg and msg["type"] == "subscribe")
+        return bool(msg and msg["type"] == ("ssubscribe" if sharded else "subscribe"))
 
     wait_until(confirmed, f"the subscribe confirmation for {channel}", 30)
     return pubsub
@@ -389,7 +393,7 @@ def test_cancel_queued_job_writes_the_terminal_event(store: StoreForTests) -> No
 def test_cancel_running_job_asks_its_worker(store: StoreForTests) -> None:
     job = store.create_job(JobRequest(prompt="hello"))
     store.take_job(job.id, "w1", "tiny")
-    pubsub = subscribe(store, store.keys.cancelled())
+    pubsub = subscribe(store, store.keys.cancelled(), sharded=False)
     assert store.request_cancel(job.id).status is JobStatus.RUNNING
     assert store.request_cancel(job.id).status is JobStatus.RUNNING
     assert next_messages(pubsub, 2) == [job.id, job.id]

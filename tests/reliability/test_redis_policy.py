@@ -14,13 +14,12 @@ import sys
 from collections.abc import Iterator
 
 import pytest
-import redis
 from breakers import RedisServer
 from procs import SPOOL, free_port, spool_env
+from redis_cluster import redis_cluster
 
 from common.keys import Keys
-from common.redis_policy import UnsafeRedis, check_layout, check_redis, eviction_problem
-from spool_cli import procs as harness
+from common.redis_policy import UnsafeRedis, check_layout, check_redis, eviction_problem, version_problem
 
 START_S = 60.0  # a refused start exits long before this; a start that is not refused runs on
 
@@ -70,27 +69,18 @@ def test_noeviction_is_accepted(lru_redis: RedisServer) -> None:
         check_redis(lru_redis.client)
 
 
+def test_a_redis_without_sharded_pub_sub_is_refused() -> None:
+    """Job events go over SPUBLISH/SSUBSCRIBE (Redis 7.0): an older Redis would fail every append."""
+    assert "7.0 or later" in (version_problem({"redis_version": "6.2.14"}) or "")
+    assert version_problem({"redis_version": "7.0.15"}) is None
+    assert version_problem({"redis_version": "10.1.0"}) is None
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A Redis Cluster of three masters on free ports; yields one node's URL."""
-    procs, ports = [], []
-    try:
-        for i in range(3):
-            data = tmp_path_factory.mktemp(f"cluster-{i}")
-            bus = str(harness.free_port())  # not the default (port + 10,000): free ports go past 55,535
-            proc, url = harness.start_redis(
-                "--cluster-enabled", "yes", "--cluster-port", bus, data_dir=data, log_dir=data
-            )
-            procs.append(proc)
-            ports.append(url.split(":")[2].split("/")[0])
-        create = ["redis-cli", "--cluster", "create", *(f"127.0.0.1:{p}" for p in ports)]
-        subprocess.run([*create, "--cluster-replicas", "0", "--cluster-yes"], check=True, capture_output=True)
-        node = redis.Redis(port=int(ports[0]))
-        harness.wait_until(lambda: node.cluster("info")["cluster_state"] == "ok", "the cluster", 30, procs)
-        node.close()
-        yield f"redis://127.0.0.1:{ports[0]}/0"
-    finally:
-        harness.stop_all(procs)
+    with redis_cluster(tmp_path_factory.mktemp("cluster")) as nodes:
+        yield nodes.url
 
 
 @pytest.mark.parametrize("role", ["SPOOL_REDIS_URL", "SPOOL_BROKER_URL"])

@@ -8,7 +8,7 @@
 -- call after a dropped connection: a no-op, not a duplicate), 0 fenced (another attempt holds
 -- the job), -1 a gap (the log does not end just before the first entry). Appends of one job
 -- follow each other in seq order, so each finds the log as the one before it left it.
--- A step costs, per token, RPUSH and PUBLISH. The fencing is one HMGET of the attempts hash for
+-- A step costs, per token, RPUSH and SPUBLISH. The fencing is one HMGET of the attempts hash for
 -- the whole call; a job missing there (its last append is written already) is fenced by its
 -- hash's attempt. The text key and the hash's counts are written at a checkpoint only (the
 -- writer sends one every few events, with the first and the last): APPEND, then HSET of the
@@ -46,7 +46,7 @@ local function append(job, log, channel, text, a, held)
   else
     local pushed = push(log, last, first_entry, last_entry)
     if pushed ~= 1 then return pushed end
-    for i = first_entry, last_entry do redis.call('PUBLISH', channel, ARGV[i]) end
+    for i = first_entry, last_entry do redis.call('SPUBLISH', channel, ARGV[i]) end
   end
   local status = ARGV[a + STATUS]
   local final = status ~= ''

@@ -1,9 +1,10 @@
 -- Cancel a job: at once if queued, at its worker's next step if running (common/store/calls.py cancel_args).
 -- KEYS: job log channel queued text queued_media held_media
 -- ARGV: id now ttl done cancelled
--- channel: the job's events; cancelled: the cancel channel the workers listen on (not a key: on a
--- cluster, a PUBLISH reaches every node's subscribers); done: the done entry of a queued job
--- (seq 1: its log is empty).
+-- channel: the job's events (a shard channel, SPUBLISH: on a cluster only its slot's node
+-- carries it); cancelled: the cancel channel the workers listen on (plain PUBLISH: on a cluster
+-- that reaches every node, and a worker may listen on any; not a key, so in ARGV); done: the
+-- done entry of a queued job (seq 1: its log is empty).
 -- A job with parts: each queued part is cancelled at once (its part event), each running one is
 -- told (as a running job is); the job ends once its last part has.
 -- Returns 'cancelled', 'requested', 'missing' or the status of a job that ended already.
@@ -41,7 +42,7 @@ if status == 'queued' then
              'cancel_requested', '1')
   redis.call('ZREM', queued, id)
   redis.call('RPUSH', log, done)
-  redis.call('PUBLISH', channel, done)
+  redis.call('SPUBLISH', channel, done)
   redis.call('EXPIRE', job, ttl)
   redis.call('EXPIRE', log, ttl)
   hook_event(job, 'completed', 'job.completed', now)

@@ -25,7 +25,7 @@ for i = ENTRIES, #ARGV do
   local seq = redis.call('LLEN', log) + 1
   local entry = (string.gsub(ARGV[i], '^{"seq":%d+,', '{"seq":' .. seq .. ',', 1))
   redis.call('RPUSH', log, entry)
-  redis.call('PUBLISH', channel, entry)
+  redis.call('SPUBLISH', channel, entry)
 end
 redis.call('HSET', part, 'logged', logged + n, 'prompt_tokens', prompt_tokens, 'completion_tokens', completion_tokens)
 if logged == 0 and n > 0 and redis.call('HGET', part, 'holds') == '1'

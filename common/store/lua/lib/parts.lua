@@ -8,7 +8,7 @@ local function part_event(log, chan, data, kind)
   local seq = redis.call('LLEN', log) + 1
   local entry = '{"seq":' .. seq .. ',"type":"' .. (kind or 'part') .. '","data":' .. data .. '}'
   redis.call('RPUSH', log, entry)
-  redis.call('PUBLISH', chan, entry)
+  redis.call('SPUBLISH', chan, entry)
 end
 
 -- finish_job(job, log, chan, text, now, ttl): once every part has ended, the job's status from
