@@ -53,10 +53,10 @@ async def refuse_unsafe_redis(store: AsyncJobStore) -> bool:
     reachable yet is not waited for (the API answers 503 until it is). Returns whether the job
     data's Redis is a cluster node (False when not reachable)."""
     try:
-        await check_redis_async(store.redis)
+        await check_redis_async(store.redis, store.settings)
         await check_layout_async(store.redis, store.keys)
         if store.broker is not store.redis:  # SPOOL_BROKER_URL: an evicted queue list loses messages
-            await check_redis_async(store.broker)
+            await check_redis_async(store.broker, store.settings, broker=True)
         return await on_cluster_async(store.redis)
     except UNREACHABLE as e:
         log.warning("Redis not checked (eviction policy, cluster), not reachable yet (%s)", e)

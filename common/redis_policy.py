@@ -10,10 +10,11 @@ API answers 503 (common/redis_errors.py). docs/operations.md#redis says what to 
 A Redis older than 7.0 is refused: job events go over sharded pub/sub (SPUBLISH inside the
 store's scripts, SSUBSCRIBE in the API), which it does not have; every append would fail.
 
-A node of a Redis Cluster is refused too: Spool's scripts touch a job's keys and the sets across
-jobs together, which a cluster spreads over slots, and Celery's Redis transport does not speak
-Cluster. Without the check the first command on a key another node owns fails with MOVED, at
-some request or job, not at start.
+A node of a Redis Cluster is refused as the broker, since Celery's Redis transport does not speak
+Cluster, and as the job data's Redis unless the broker is apart and the keys are laid out in
+buckets (SPOOL_REDIS_BUCKETS, common/keys.py), so that each script's keys share a hash slot.
+Without the check the first command on a key another node owns would fail with MOVED, at some
+request or job, not at start.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from typing import Any
 import redis
 import redis.asyncio as aredis
 
-from common.keys import Keys
+from common.keys import CLUSTER_BUCKETS, Keys
+from common.settings import Settings
 from common.store.clients import record_buckets, record_buckets_async
 
 SAFE_POLICY = "noeviction"
@@ -68,15 +70,26 @@ def is_cluster_node(cluster_info: Mapping[str, Any]) -> bool:
     return bool(int(cluster_info.get("cluster_enabled", 0)))
 
 
-def cluster_problem(cluster_info: Mapping[str, Any]) -> str | None:
-    """What is wrong with a Redis Cluster node (from INFO cluster), or None for a standalone one."""
+def cluster_problem(cluster_info: Mapping[str, Any], settings: Settings, broker: bool) -> str | None:
+    """What is wrong with a Redis Cluster node (from INFO cluster) as the broker (``broker``) or the
+    job data's Redis, or None. The job data may be on a cluster, laid out in buckets, with the
+    broker apart; Celery's Redis transport speaks no Redis Cluster."""
     if not is_cluster_node(cluster_info):
         return None
-    return (
-        "this Redis is a node of a Redis Cluster (cluster_enabled:1). Spool's job data and Celery's "
-        "queues need a standalone Redis for now (job data on a cluster is issue 31): point "
-        "SPOOL_REDIS_URL and SPOOL_BROKER_URL at a standalone redis-server (docs/operations.md#redis)"
-    )
+    if broker or not settings.broker_apart:
+        return (
+            "this Redis is a node of a Redis Cluster (cluster_enabled:1), and Celery's queues need a "
+            "standalone Redis (its transport speaks no Redis Cluster): point SPOOL_BROKER_URL at a "
+            "standalone redis-server; the job data (SPOOL_REDIS_URL) may stay on the cluster "
+            "(docs/operations.md#redis)"
+        )
+    if settings.redis_buckets == 1:
+        return (
+            "the job data's Redis (SPOOL_REDIS_URL) is a node of a Redis Cluster, and its keys are laid "
+            f"out in one bucket: set SPOOL_REDIS_BUCKETS={CLUSTER_BUCKETS} on every API and worker, so "
+            "that each script's keys share a hash slot (docs/operations.md#redis)"
+        )
+    return None
 
 
 def layout_problem(recorded: int, keys: Keys) -> str | None:
@@ -101,23 +114,24 @@ async def check_layout_async(client: aredis.Redis, keys: Keys) -> None:
         raise UnsafeRedis(problem)
 
 
-def check_redis(client: redis.Redis) -> None:
-    """Raise UnsafeRedis if Redis would evict keys, is older than 7.0 or is a cluster node. Needs
-    only INFO (managed Redis may hide CONFIG)."""
+def check_redis(client: redis.Redis, settings: Settings, broker: bool = False) -> None:
+    """Raise UnsafeRedis if Redis would evict keys, is older than 7.0 or is a cluster node it
+    cannot be (``cluster_problem``); ``broker``: the broker's Redis, else the job data's. Needs only
+    INFO (managed Redis may hide CONFIG)."""
     problem = (
         eviction_problem(client.info("memory"))
         or version_problem(client.info("server"))
-        or cluster_problem(client.info("cluster"))
+        or cluster_problem(client.info("cluster"), settings, broker)
     )
     if problem:
         raise UnsafeRedis(problem)
 
 
-async def check_redis_async(client: aredis.Redis) -> None:
+async def check_redis_async(client: aredis.Redis, settings: Settings, broker: bool = False) -> None:
     problem = (
         eviction_problem(await client.info("memory"))
         or version_problem(await client.info("server"))
-        or cluster_problem(await client.info("cluster"))
+        or cluster_problem(await client.info("cluster"), settings, broker)
     )
     if problem:
         raise UnsafeRedis(problem)

@@ -126,17 +126,22 @@ def check_redis_at_start(settings: Settings) -> None:
     import redis
 
     from common.redis_policy import check_layout, check_redis
+    from common.store.clients import data_client
 
     for url in dict.fromkeys([settings.redis_url, settings.broker_redis_url]):
         client = redis.Redis.from_url(url, socket_connect_timeout=2, socket_timeout=5)
         try:
-            check_redis(client)
-            if url == settings.redis_url:
-                check_layout(client, settings.keys)
+            check_redis(client, settings, broker=url != settings.redis_url)
         except redis.RedisError as e:
             print(f"spool: Redis not checked, not reachable yet ({e})", file=sys.stderr)
+            return
         finally:
             client.close()
+    data = data_client(settings.redis_url)  # (a cluster's client: the layout's key may be on another node)
+    try:
+        check_layout(data, settings.keys)
+    finally:
+        data.close()
 
 
 def cmd_worker(args: argparse.Namespace) -> int:

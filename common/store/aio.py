@@ -27,7 +27,7 @@ from common.store.calls import (
     create_call,
     create_parts_call,
 )
-from common.store.clients import WRITE_PROBE_TTL_MS, async_client
+from common.store.clients import WRITE_PROBE_TTL_MS, async_client, async_data_client
 from common.store.errors import JobNotFound
 from common.store.outbox import AsyncOutbox
 from common.store.parts import part_reads, summary_with_parts, with_parts
@@ -75,7 +75,7 @@ class AsyncJobStore(WatcherSets, ResponseRecords):
     @classmethod
     def from_settings(cls, settings: Settings) -> AsyncJobStore:
         broker = async_client(settings.broker_redis_url) if settings.broker_apart else None
-        return cls(async_client(settings.redis_url), settings, broker)
+        return cls(async_data_client(settings.redis_url), settings, broker)
 
     async def close(self) -> None:
         await self.redis.aclose()
@@ -369,4 +369,9 @@ class AsyncJobStore(WatcherSets, ResponseRecords):
 
     async def list_workers(self) -> list[WorkerHeartbeat]:
         names = [str(n) for n in await self.redis.zrange(self.keys.workers(), 0, -1)]
-        return heartbeats_from(await self.redis.mget(worker_keys(self.keys, names))) if names else []
+        if not names:
+            return []
+        async with self.redis.pipeline(transaction=False) as pipe:  # (no MGET: the keys span slots)
+            for key in worker_keys(self.keys, names):
+                pipe.get(key)
+            return heartbeats_from(await pipe.execute())

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+from typing import cast
+
 import redis
 import redis.asyncio as aredis
 from redis.asyncio.retry import Retry as AsyncRetry
@@ -36,6 +39,45 @@ def record_buckets(client: redis.Redis, keys: Keys) -> int:
 async def record_buckets_async(client: aredis.Redis, keys: Keys) -> int:
     await client.set(keys.layout(), keys.buckets, nx=True)
     return int(await client.get(keys.layout()) or keys.buckets)
+
+
+def on_cluster(url: str) -> bool:
+    """Whether ``url`` names a node of a Redis Cluster (``INFO cluster``), asked once per process
+    and URL. A Redis not reachable yet is taken for a standalone one (the start-up check, which
+    runs before, says so): start the job data's cluster before Spool."""
+    return _on_cluster(url)
+
+
+@functools.cache
+def _on_cluster(url: str) -> bool:
+    try:
+        with redis.Redis.from_url(url, socket_connect_timeout=2, socket_timeout=5) as probe:
+            return bool(int(probe.info("cluster").get("cluster_enabled", 0)))
+    except redis.RedisError:
+        return False
+
+
+def data_client(url: str) -> redis.Redis:
+    """The job data's client: a cluster client on a Redis Cluster (every script's keys share a
+    slot: common/keys.py on buckets), else ``sync_client``'s."""
+    if not on_cluster(url):
+        return sync_client(url)
+    retry = Retry(ExponentialBackoff(**REDIS_BACKOFF), REDIS_RETRIES)
+    cluster = redis.RedisCluster.from_url(url, decode_responses=True, retry=retry, **REDIS_TIMEOUTS)
+    # NOTE: a RedisCluster is no redis.Redis, but has its commands, pipelines, scripts and pub/sub;
+    # the stores use no command it lacks (a pipeline's TIME, MGET across slots).
+    return cast(redis.Redis, cluster)
+
+
+def async_data_client(url: str) -> aredis.Redis:
+    """The API's job data client: ``data_client``'s choice, over redis.asyncio."""
+    if not on_cluster(url):
+        return async_client(url)
+    retry = AsyncRetry(ExponentialBackoff(**REDIS_BACKOFF), REDIS_RETRIES)
+    cluster = aredis.RedisCluster.from_url(
+        url, decode_responses=True, retry=retry, max_connections=ASYNC_POOL_SIZE, **REDIS_TIMEOUTS
+    )
+    return cast(aredis.Redis, cluster)
 
 
 def sync_client(url: str) -> redis.Redis:

@@ -27,7 +27,7 @@ from common.store.calls import (
     part_take_args,
     take_args,
 )
-from common.store.clients import sync_client
+from common.store.clients import data_client, sync_client
 from common.store.files import UPLOAD_TTL_S
 from common.store.outbox import SyncOutbox
 from common.store.records import WORKER_FORGET_S, Append, Appended, TakeResult, heartbeats_from
@@ -76,7 +76,7 @@ class SyncJobStore:
     @classmethod
     def from_settings(cls, settings: Settings) -> Self:
         broker = sync_client(settings.broker_redis_url) if settings.broker_apart else None
-        return cls(sync_client(settings.redis_url), settings, broker)
+        return cls(data_client(settings.redis_url), settings, broker)
 
     def close(self) -> None:
         self.redis.close()
@@ -341,12 +341,12 @@ class SyncJobStore:
     def unwatched(self, job_ids: Sequence[str], grace_s: float) -> list[str]:
         """Which of these jobs nobody watches now, on Redis's clock (see ``watching``;
         api/watchers.py). A part counts its job's watchers."""
-        pipe = self.redis.pipeline(transaction=False)  # in order on one connection
-        pipe.time()
+        seconds, micros = self.redis.time()  # before the sets are read (a cluster pipes no TIME)
+        pipe = self.redis.pipeline(transaction=False)
         for job_id in job_ids:
             split = split_part_id(job_id)
             pipe.zrange(self.keys.job_watchers(split[0] if split else job_id), 0, -1, withscores=True)
-        (seconds, micros), *sets = pipe.execute()
+        sets = pipe.execute()
         now = seconds + micros / 1e6
         return [
             job_id

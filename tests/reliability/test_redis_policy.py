@@ -1,10 +1,11 @@
-"""A Redis that evicts keys when it fills, or a node of a Redis Cluster, is refused at start, by
-the worker and by the API.
+"""A Redis that evicts keys when it fills, or a node of a Redis Cluster where it cannot serve, is
+refused at start, by the worker and by the API.
 
 With ``allkeys-lru`` or ``volatile-lru`` a full Redis deletes keys: a running job's log, a
 worker's heartbeat (it has a TTL). A stream would go silent, a job vanish without an error. So a
-worker or an API started on such a Redis exits at once, naming ``maxmemory-policy``. A cluster
-would fail the first command on a key of another node's slots (MOVED), at some request or job.
+worker or an API started on such a Redis exits at once, naming ``maxmemory-policy``. A cluster as
+the broker, or as the job data's Redis without buckets, would fail the first command on a key of
+another node's slots (MOVED), at some request or job.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from redis_cluster import redis_cluster
 
 from common.keys import Keys
 from common.redis_policy import UnsafeRedis, check_layout, check_redis, eviction_problem, version_problem
+from common.settings import load_settings
 
 START_S = 60.0  # a refused start exits long before this; a start that is not refused runs on
 
@@ -61,12 +63,13 @@ def test_the_apps_own_start_refuses_it_too(lru_redis: RedisServer) -> None:
 
 
 def test_noeviction_is_accepted(lru_redis: RedisServer) -> None:
+    settings = load_settings(redis_url=lru_redis.url)
     lru_redis.client.config_set("maxmemory-policy", "noeviction")
-    check_redis(lru_redis.client)
+    check_redis(lru_redis.client, settings)
     assert eviction_problem({"maxmemory_policy": "volatile-ttl"}) is not None
     with pytest.raises(UnsafeRedis, match="allkeys-random"):
         lru_redis.client.config_set("maxmemory-policy", "allkeys-random")
-        check_redis(lru_redis.client)
+        check_redis(lru_redis.client, settings)
 
 
 def test_a_redis_without_sharded_pub_sub_is_refused() -> None:
@@ -83,24 +86,37 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         yield nodes.url
 
 
-@pytest.mark.parametrize("role", ["SPOOL_REDIS_URL", "SPOOL_BROKER_URL"])
+# (which Redis is the cluster, whether the broker is apart, the buckets) -> what the refusal names
+REFUSALS = {
+    "data-and-broker": (["SPOOL_REDIS_URL"], "standalone"),
+    "broker": (["SPOOL_BROKER_URL"], "standalone"),
+    "data-in-one-bucket": (["SPOOL_REDIS_URL", "SPOOL_BROKER_URL apart"], "SPOOL_REDIS_BUCKETS=24"),
+}
+
+
+@pytest.mark.parametrize("case", REFUSALS)
 @pytest.mark.parametrize("command", ["worker", "api"])
-def test_a_redis_cluster_is_refused_at_start(
-    cluster: str, lru_redis: RedisServer, role: str, command: str
+def test_a_redis_cluster_is_refused_at_start_where_it_cannot_serve(
+    cluster: str, lru_redis: RedisServer, case: str, command: str
 ) -> None:
-    """A cluster node (for the job data or the broker) is refused with what to do, not found out at
-    the first MOVED of some request."""
+    """A cluster node is refused with what to do, not found out at the first MOVED of some request:
+    as the broker (Celery speaks no Redis Cluster), and as the job data's Redis unless the broker
+    is apart and the keys are in buckets (tests/reliability/test_job_data_on_a_cluster.py runs
+    that)."""
     lru_redis.client.config_set("maxmemory-policy", "noeviction")
+    roles, named = REFUSALS[case]
     argv = [SPOOL, command] + (["--port", str(free_port())] if command == "api" else [])
-    env = spool_env("test-policy", redis_url=cluster if role == "SPOOL_REDIS_URL" else lru_redis.url)
-    if role == "SPOOL_BROKER_URL":
-        env[role] = cluster
+    env = spool_env("test-policy", redis_url=cluster if "SPOOL_REDIS_URL" in roles else lru_redis.url)
+    if "SPOOL_BROKER_URL" in roles:
+        env["SPOOL_BROKER_URL"] = cluster
+    if "SPOOL_BROKER_URL apart" in roles:
+        env["SPOOL_BROKER_URL"] = lru_redis.url
     try:
         done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=START_S)
     except subprocess.TimeoutExpired:
         pytest.fail(f"{command} started on a Redis Cluster")
     assert done.returncode == 2, done.stderr[-2000:]
-    assert "Redis Cluster" in done.stderr and "standalone" in done.stderr
+    assert "Redis Cluster" in done.stderr and named in done.stderr
 
 
 @pytest.mark.parametrize("command", ["worker", "api"])

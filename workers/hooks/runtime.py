@@ -29,7 +29,7 @@ from common.process import NamedThread
 from common.schemas.views import batch_object
 from common.settings import Settings
 from common.store import AsyncBatchStore, AsyncJobStore, JobNotFound, SyncJobStore
-from common.store.clients import async_client
+from common.store.clients import async_data_client
 from common.store.hooks import AsyncHookStore, Begun
 from common.store.responses import RESPONSE_PREFIX
 from common.tasks import cancel_until_done
@@ -94,7 +94,7 @@ class HookRuntime:
         return asyncio.create_task(self._sweep())
 
     async def _open(self) -> None:
-        client = async_client(self.settings.redis_url)
+        client = async_data_client(self.settings.redis_url)
         self.hooks = AsyncHookStore(client, self.settings)
         self.jobs = AsyncJobStore(client, self.settings)
         self.batches = AsyncBatchStore(client, self.settings)
