@@ -85,6 +85,11 @@ def bucket_tags(buckets: int) -> tuple[str, ...]:
     return tuple(tags)
 
 
+@functools.lru_cache(maxsize=1 << 16)  # a step names each of its jobs' keys: four per job
+def _bucket(root_id: str, buckets: int) -> int:
+    return int.from_bytes(hashlib.blake2b(root_id.encode(), digest_size=4).digest(), "big") % buckets
+
+
 def _tenant_queue(queue: str, k: int) -> str:
     return f"{queue}.t{k}"
 
@@ -100,10 +105,7 @@ class Keys:
 
     def bucket_of(self, object_id: str) -> int:
         """The bucket of a job, part, batch or file id (a part's is its job's)."""
-        if self.buckets == 1:
-            return 0
-        root = object_id.partition(PART_SEP)[0]
-        return int.from_bytes(hashlib.blake2b(root.encode(), digest_size=4).digest(), "big") % self.buckets
+        return 0 if self.buckets == 1 else _bucket(object_id.partition(PART_SEP)[0], self.buckets)
 
     def owner_bucket(self, owner: str) -> int:
         """The bucket of an owner's files and batches (and of their line jobs)."""

@@ -41,6 +41,8 @@ from common.store.records import (
     decode_log,
     heartbeats_from,
     job_text,
+    oldest_of,
+    oldest_page,
     record_from_hash,
     record_reads,
     summary_from_hash,
@@ -199,12 +201,12 @@ class AsyncJobStore(WatcherSets, ResponseRecords):
             return sum(await pipe.execute())
 
     async def _oldest_queued(self, count: int) -> list[str]:
-        """The ``count`` jobs queued longest, oldest first, of every bucket's queued set."""
+        """The jobs queued longest, oldest first, of every bucket's queued set (up to ``count``)."""
+        per = oldest_page(self.keys, count)
         async with self.redis.pipeline(transaction=False) as pipe:
             for b in self.keys.bucket_range():
-                pipe.zrange(self.keys.queued_jobs(b), 0, count - 1, withscores=True)
-            pages = await pipe.execute()
-        return [str(j) for _, j in sorted((score, str(j)) for page in pages for j, score in page)[:count]]
+                pipe.zrange(self.keys.queued_jobs(b), 0, per - 1, withscores=True)
+            return oldest_of(await pipe.execute(), per, count)
 
     async def queue_position(self, job_id: str) -> int | None:
         """How many jobs its model's workers take before this queued one (None: not queued).

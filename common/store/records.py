@@ -124,6 +124,21 @@ TEXT_CHECKPOINT_EVENTS = 16
 JOB_ID_BYTES = 16  # 128 random bits: a job id is its own capability, so it must not be guessable
 
 
+def oldest_page(keys: Keys, count: int) -> int:
+    """How many of each bucket's queued set to read for the ``count`` jobs queued longest of all
+    (``oldest_of``): all ``count`` from one bucket, about twice its share from each of several."""
+    return count if keys.buckets == 1 else max(16, 2 * count // keys.buckets)
+
+
+def oldest_of(pages: Sequence[Sequence[tuple[Any, float]]], per: int, count: int) -> list[str]:
+    """The ``count`` oldest ids of the buckets' queued sets, oldest first, from a page of ``per``
+    (id, score) of each. Past the newest entry of a full page another bucket may hold older jobs
+    unread, so the list stops there: a prefix of the true order, short rather than wrong."""
+    cut = min((page[-1][1] for page in pages if len(page) >= per), default=float("inf"))
+    merged = sorted((score, str(j)) for page in pages for j, score in page if score <= cut)
+    return [j for _, j in merged[:count]]
+
+
 def new_job_id(keys: Keys, bucket: int | None = None) -> str:
     """A new job's id, in ``bucket`` (any if None: common/keys.py on buckets)."""
     return keys.new_id("", JOB_ID_BYTES, bucket)

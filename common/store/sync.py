@@ -30,7 +30,15 @@ from common.store.calls import (
 from common.store.clients import data_client, sync_client
 from common.store.files import UPLOAD_TTL_S
 from common.store.outbox import SyncOutbox
-from common.store.records import WORKER_FORGET_S, Append, Appended, TakeResult, heartbeats_from
+from common.store.records import (
+    WORKER_FORGET_S,
+    Append,
+    Appended,
+    TakeResult,
+    heartbeats_from,
+    oldest_of,
+    oldest_page,
+)
 from common.store.scripts import source
 from common.store.service_times import record_service_times
 from common.store.watchers import watching
@@ -251,11 +259,12 @@ class SyncJobStore:
         NOTE: the queued set holds every model's jobs; those of ``queue`` are looked for among the
         oldest ``QUEUED_PAGE`` only, so a model whose jobs wait behind that many of other models'
         is left to its messages (which its workers take all the same)."""
+        per = oldest_page(self.keys, QUEUED_PAGE)
         pipe = self.redis.pipeline(transaction=False)
         for b in self.keys.bucket_range():
-            pipe.zrange(self.keys.queued_jobs(b), 0, QUEUED_PAGE - 1, withscores=True)
-        oldest = sorted((score, str(j)) for page in pipe.execute() for j, score in page)[:QUEUED_PAGE]
-        return self._of_queue([j for _, j in oldest], queue, interactive=True)[:limit]
+            pipe.zrange(self.keys.queued_jobs(b), 0, per - 1, withscores=True)
+        oldest = oldest_of(pipe.execute(), per, QUEUED_PAGE)
+        return self._of_queue(oldest, queue, interactive=True)[:limit]
 
     def _of_queue(self, ids: Sequence[Any], queue: str, interactive: bool = False) -> list[str]:
         """Those of these jobs whose messages go to ``queue`` (``interactive``: and not of the
