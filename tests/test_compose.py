@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import yaml
 
+from common.keys import CLUSTER_BUCKETS
 from common.settings import ENV_PREFIX, Settings
 from spool_cli.main import parser
 
@@ -83,3 +84,26 @@ def test_worker_reserves_a_gpu(services: dict[str, dict[str, Any]]) -> None:
     [device] = services["worker"]["deploy"]["resources"]["reservations"]["devices"]
     assert "gpu" in device["capabilities"]
     assert environment(services["worker"])["SPOOL_DEVICE"].startswith("cuda")
+
+
+def test_the_cluster_override_sets_what_a_cluster_needs(services: dict[str, dict[str, Any]]) -> None:
+    """docker-compose.cluster.yml: the job data on three cluster nodes, the broker apart, the
+    buckets, for every service of the main file that runs Spool (docs/operations.md "Redis")."""
+    override = yaml.safe_load(COMPOSE.with_name("docker-compose.cluster.yml").read_text())["services"]
+    nodes = sorted(n for n in override if n.startswith("redis-node-"))
+    assert len(nodes) == 3
+    for node in nodes:
+        command = override[node]["command"]
+        assert command[command.index("--cluster-enabled") + 1] == "yes"
+        assert command[command.index("--maxmemory-policy") + 1] == "noeviction"
+    assert all(n in override["redis-cluster-init"]["command"][0] for n in nodes)
+    spool = [n for n, s in services.items() if n == "flower" or s.get("command", [""])[0] == "spool"]
+    for name in spool:
+        env = environment(override[name])
+        settings = Settings(**{k.removeprefix(ENV_PREFIX).lower(): v for k, v in env.items()})  # type: ignore[arg-type]
+        assert settings.redis_url.startswith("redis://redis-node-") and settings.broker_apart
+        assert settings.redis_buckets == CLUSTER_BUCKETS
+        assert (
+            override[name]["depends_on"]["redis-cluster-init"]["condition"]
+            == "service_completed_successfully"
+        )
