@@ -3,6 +3,9 @@ each row over its own slot up to its own position; and the engine on a CPU in fl
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -53,3 +56,16 @@ def test_greedy_parity_with_the_kernel_and_without(kernel: bool, make_engine, ll
     prompts = make_prompts(7, seed=3)
     outs = engine.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0))
     assert [o.token_ids for o in outs] == [greedy(llama_dir, p, 12).token_ids for p in prompts]
+
+
+@needs_cpu
+def test_a_lock_left_by_a_killed_process_does_not_hang_the_next_load(tmp_path: Path) -> None:
+    """torch's loader waits while its build's ``lock`` file exists; a process killed while it held
+    it (SIGKILL) leaves it. The next worker's load removes it under its own flock and goes on."""
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path)}
+    load = [sys.executable, "-c", "from workers.engine import decode_kernel; assert decode_kernel.load()"]
+    subprocess.run(load, env=env, check=True, timeout=600)  # built once in this directory
+    [build] = [d for d in tmp_path.rglob("spool_decode_attention_*") if d.is_dir()]
+    (build / "lock").touch()  # as a process killed mid-load leaves it
+    subprocess.run(load, env=env, check=True, timeout=120)  # without the flock: waits forever
+    assert not (build / "lock").exists()

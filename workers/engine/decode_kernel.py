@@ -17,8 +17,11 @@ runs SDPA, as it does on other devices and dtypes. The op is ``torch.ops.spool_c
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import logging
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -27,6 +30,22 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "decode_attention.cpp"
 _loaded: bool | None = None  # None: not tried in this process
+
+
+@contextlib.contextmanager
+def _build_lock(build_dir: Path) -> Iterator[None]:
+    """Hold the build directory against Spool's other processes while torch loads the kernel.
+
+    NOTE: torch's loader marks a build with a ``lock`` file, taken at every load (it runs ninja,
+    which finds the build up to date) and waited for by every other process while it exists. A
+    process killed meanwhile (SIGKILL: a test's, an OOM kill) leaves the file for good, and every
+    worker started after it hangs at load. An flock is dropped by the kernel when its holder dies:
+    whoever holds it knows a ``lock`` file left there is a dead process's, and removes it."""
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with open(build_dir / "spool.flock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        (build_dir / "lock").unlink(missing_ok=True)
+        yield
 
 
 def load() -> bool:
@@ -39,12 +58,14 @@ def load() -> bool:
 
             # The name carries the instruction set it is built for (-march=native): a cache
             # directory shared by different CPUs never loads another's build.
-            cpp_extension.load(
-                f"spool_decode_attention_{torch.backends.cpu.get_cpu_capability().lower()}",
-                [str(SOURCE)],
-                extra_cflags=["-O3", "-march=native", "-fopenmp"],
-                is_python_module=False,
-            )
+            name = f"spool_decode_attention_{torch.backends.cpu.get_cpu_capability().lower()}"
+            with _build_lock(Path(cpp_extension._get_build_directory(name, False))):
+                cpp_extension.load(
+                    name,
+                    [str(SOURCE)],
+                    extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                    is_python_module=False,
+                )
             _loaded = True
             log.info("decode attention kernel loaded in %.1f s", time.perf_counter() - started)
         except Exception as e:  # no C++ compiler (the Dockerfile's slim image), ...
