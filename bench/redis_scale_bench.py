@@ -54,6 +54,9 @@ from workers.engine import Delta, FinishReason
 
 PREFIX = "scalebench"
 SETUP_TIMEOUT_S = 120.0
+# The simulated workers renew no lease: one that lapsed mid-run would have the APIs' sweeps read
+# the jobs every tick (HMGETs counted as the token path's) and requeue them. An hour outlasts any run.
+LEASE_S = 3600.0
 
 
 STANDALONE = 0  # in --shards: a standalone redis-server (the broker too), not a cluster
@@ -71,7 +74,9 @@ def data_settings(shards: int, url: str, broker_url: str) -> dict[str, Any]:
 
 
 def settings_for(placed: dict[str, Any]) -> Settings:
-    return Settings.model_validate({**placed, "redis_prefix": PREFIX, "max_queued_jobs": 10**6})
+    return Settings.model_validate(
+        {**placed, "redis_prefix": PREFIX, "max_queued_jobs": 10**6, "lease_s": LEASE_S}
+    )
 
 
 async def create_jobs(settings: Settings, n: int) -> list[str]:
@@ -180,7 +185,9 @@ def run(args: argparse.Namespace, shards: int, log_dir: Path) -> dict[str, Any]:
         placed = data_settings(shards, urls[0], broker_url)
         settings = settings_for(placed)
         masters = [redis.Redis.from_url(u, decode_responses=True) for u in urls]
-        env = harness.spool_env(urls[0], PREFIX, max_queued_jobs=10**6, sse_ping_s=30, **placed)
+        env = harness.spool_env(
+            urls[0], PREFIX, max_queued_jobs=10**6, sse_ping_s=30, lease_s=LEASE_S, **placed
+        )
         apis = []
         for i in range(args.apis):
             proc, api_url = harness.start_api(f"api-{i}", env, log_dir=log_dir)
