@@ -1,6 +1,8 @@
-"""What one Redis carries on the token path: simulated workers write, API processes relay to SSE.
+"""What Redis carries on the token path: simulated workers write, API processes relay to SSE.
 
-On a private redis-server, ``--workers`` worker processes each take a batch of ``--batch`` jobs
+On a private redis-server, or on a private Redis Cluster of 1, 2 or more masters (``--shards``:
+the job data on the cluster in SPOOL_REDIS_BUCKETS=24 buckets, the broker on a standalone Redis
+apart, as docs/operations.md says), ``--workers`` worker processes each take a batch of ``--batch`` jobs
 (the API's create script, then the worker's take) and write ``--steps`` engine steps at ``--rate``
 steps a second, as the worker's writer thread does (``prepare_appends`` then
 ``SyncJobStore.append_batch``, one token per job and step, the last with its ``done``), without a
@@ -12,8 +14,13 @@ Printed: tokens per second carried to the clients (and offered), the relay laten
 (written by the worker -> read by the client), Redis's CPU (``INFO cpu``: its share of a core,
 and microseconds per token) and Redis commands per token (``INFO commandstats`` after ``CONFIG
 RESETSTAT``, which comes after the takes and the clients' subscriptions: the steps' writes, their
-publishes and what the APIs read meanwhile). One Redis only; a capacity figure is the offered
-rate at which carried falls behind offered or p99 passes 50 ms. Speed is never asserted.
+publishes and what the APIs read meanwhile). On a cluster the CPU and commands are every
+master's (``INFO`` of each), summed, and per master: how evenly the buckets split the load. A
+capacity figure is the offered rate at which carried falls behind offered or p99 passes 50 ms;
+where the machine is too small to offer that, the CPU per token of the busiest master says at
+what rate its core would be the limit. ``--repeats`` runs the layouts in turn that many times
+(alternated, so the machine's load falls on each alike) and prints each layout's medians. Speed
+is never asserted.
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:  # this tree's store, whatever is installed
     sys.path.insert(0, str(REPO_ROOT))
 
+from common.keys import CLUSTER_BUCKETS
 from common.schemas.requests import JobRequest
 from common.settings import Settings
 from common.store import Appended, AsyncJobStore, SyncJobStore
@@ -46,10 +54,29 @@ from workers.engine import Delta, FinishReason
 
 PREFIX = "scalebench"
 SETUP_TIMEOUT_S = 120.0
+# The simulated workers renew no lease: one that lapsed mid-run would have the APIs' sweeps read
+# the jobs every tick (HMGETs counted as the token path's) and requeue them. An hour outlasts any run.
+LEASE_S = 3600.0
 
 
-def settings_for(url: str) -> Settings:
-    return Settings.model_validate({"redis_url": url, "redis_prefix": PREFIX, "max_queued_jobs": 10**6})
+STANDALONE = 0  # in --shards: a standalone redis-server (the broker too), not a cluster
+
+
+def layout_name(shards: int) -> str:
+    return "standalone" if shards == STANDALONE else f"{shards} shard{'s' if shards > 1 else ''}"
+
+
+def data_settings(shards: int, url: str, broker_url: str) -> dict[str, Any]:
+    """The settings that place the job data (and the broker) for this layout."""
+    if shards == STANDALONE:
+        return {"redis_url": url}
+    return {"redis_url": url, "broker_url": broker_url, "redis_buckets": CLUSTER_BUCKETS}
+
+
+def settings_for(placed: dict[str, Any]) -> Settings:
+    return Settings.model_validate(
+        {**placed, "redis_prefix": PREFIX, "max_queued_jobs": 10**6, "lease_s": LEASE_S}
+    )
 
 
 async def create_jobs(settings: Settings, n: int) -> list[str]:
@@ -62,10 +89,10 @@ async def create_jobs(settings: Settings, n: int) -> list[str]:
 
 
 def worker(
-    url: str, name: str, ids: list[str], rate: float, steps: int, ready: Any, go: Any, out: Any
+    placed: dict[str, Any], name: str, ids: list[str], rate: float, steps: int, ready: Any, go: Any, out: Any
 ) -> None:
     """A simulated worker: its batch's steps at ``rate`` a second; reports its CPU and lag."""
-    store = SyncJobStore.from_settings(settings_for(url))
+    store = SyncJobStore.from_settings(settings_for(placed))
     cursors = {j: JobCursor(j, store.take_job(j, name, "bench").attempt, 1, 0) for j in ids}
     ready.put(name)
     go.wait()
@@ -114,9 +141,14 @@ def reader(api_url: str, ids: list[str], out: Any) -> None:
     out.put(asyncio.run(read_streams(api_url, ids)))
 
 
-def subscribed(admin: redis.Redis, settings: Settings, ids: Sequence[str]) -> bool:
+def subscribed(masters: Sequence[redis.Redis], settings: Settings, ids: Sequence[str]) -> bool:
+    """Every job's channel has a subscriber (on the master of its slot: the others answer 0)."""
     channels = [settings.keys.job_events(j) for j in ids]
-    return all(n >= 1 for _, n in admin.pubsub_shardnumsub(*channels))
+    counts = [0] * len(channels)
+    for m in masters:
+        for i, (_, n) in enumerate(m.pubsub_shardnumsub(*channels)):
+            counts[i] += n
+    return all(n >= 1 for n in counts)
 
 
 def redis_cpu(r: redis.Redis) -> float:
@@ -124,16 +156,38 @@ def redis_cpu(r: redis.Redis) -> float:
     return float(cpu["used_cpu_user"]) + float(cpu["used_cpu_sys"])
 
 
-def run(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
+def start_redis_layout(shards: int, log_dir: Path) -> tuple[list[harness.Proc], list[str], str]:
+    """The layout's Redis processes: (procs, the masters' URLs, the broker's URL)."""
+    if shards == STANDALONE:
+        proc, url = harness.start_redis(log_dir=log_dir)
+        return [proc], [url], url
+    procs, urls = harness.start_redis_cluster(shards, log_dir / "cluster")
+    try:
+        broker, broker_url = harness.start_redis(data_dir=log_dir, log_dir=log_dir)
+    except BaseException:
+        harness.stop_all(procs)
+        raise
+    return [*procs, broker], urls, broker_url
+
+
+def redis_cpus(masters: Sequence[redis.Redis]) -> list[float]:
+    return [redis_cpu(m) for m in masters]
+
+
+def run(args: argparse.Namespace, shards: int, log_dir: Path) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     procs: list[harness.Proc] = []
     children: list[Any] = []
+    masters: list[redis.Redis] = []
+    log_dir.mkdir(parents=True, exist_ok=True)
     try:
-        redis_proc, url = harness.start_redis(log_dir=log_dir)
-        procs.append(redis_proc)
-        settings = settings_for(url)
-        admin = redis.Redis.from_url(url, decode_responses=True)
-        env = harness.spool_env(url, PREFIX, max_queued_jobs=10**6, sse_ping_s=30)
+        procs, urls, broker_url = start_redis_layout(shards, log_dir)
+        placed = data_settings(shards, urls[0], broker_url)
+        settings = settings_for(placed)
+        masters = [redis.Redis.from_url(u, decode_responses=True) for u in urls]
+        env = harness.spool_env(
+            urls[0], PREFIX, max_queued_jobs=10**6, sse_ping_s=30, lease_s=LEASE_S, **placed
+        )
         apis = []
         for i in range(args.apis):
             proc, api_url = harness.start_api(f"api-{i}", env, log_dir=log_dir)
@@ -147,28 +201,35 @@ def run(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
             p.start()
             children.append(p)
         harness.wait_until(
-            lambda: subscribed(admin, settings, ids), "every stream subscribed", SETUP_TIMEOUT_S
+            lambda: subscribed(masters, settings, ids), "every stream subscribed", SETUP_TIMEOUT_S
         )
         wout = ctx.Queue()
         for w in range(args.workers):
             batch = ids[w * args.batch : (w + 1) * args.batch]
             p = ctx.Process(
-                target=worker, args=(url, f"w{w}", batch, args.rate, args.steps, ready, go, wout), daemon=True
+                target=worker,
+                args=(placed, f"w{w}", batch, args.rate, args.steps, ready, go, wout),
+                daemon=True,
             )
             p.start()
             children.append(p)
         for _ in range(args.workers):
             ready.get(timeout=SETUP_TIMEOUT_S)
-        admin.config_resetstat()
-        cpu0, t0 = redis_cpu(admin), time.time()
+        for m in masters:
+            m.config_resetstat()
+        cpu0, t0 = redis_cpus(masters), time.time()
         go.set()
         reads = [out.get(timeout=args.steps / args.rate + SETUP_TIMEOUT_S) for _ in apis]
         writers = [wout.get(timeout=SETUP_TIMEOUT_S) for _ in range(args.workers)]
         t1 = max(r["done_at"] for r in reads)
-        redis_s = redis_cpu(admin) - cpu0
-        stats = {k.removeprefix("cmdstat_"): v["calls"] for k, v in admin.info("commandstats").items()}
-        admin.close()
+        used = [c1 - c0 for c0, c1 in zip(cpu0, redis_cpus(masters), strict=True)]
+        per_master = [
+            {k.removeprefix("cmdstat_"): v["calls"] for k, v in m.info("commandstats").items()}
+            for m in masters
+        ]
     finally:
+        for m in masters:
+            m.close()
         for p in children:
             if p.is_alive():
                 p.terminate()
@@ -176,12 +237,16 @@ def run(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
     latencies = sorted(x for r in reads for x in r["latencies"])
     generated = n * args.steps
     seconds = t1 - t0
-    calls = {
-        k: v
-        for k, v in stats.items()
-        if k not in ("config|resetstat", "info", "config", "pubsub|shardnumsub")
-    }
+    ours = ("config|resetstat", "info", "config", "pubsub|shardnumsub")
+    calls: dict[str, int] = {}
+    for stats in per_master:
+        for k, v in stats.items():
+            if k not in ours:
+                calls[k] = calls.get(k, 0) + v
+    master_calls = [sum(v for k, v in stats.items() if k not in ours) for stats in per_master]
     return {
+        "layout": layout_name(shards),
+        "shards": shards,
         "workers": args.workers,
         "batch": args.batch,
         "apis": args.apis,
@@ -192,12 +257,94 @@ def run(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
         "streams_ended": sum(r["ended"] for r in reads),
         "relay_p50_ms": 1000 * statistics.median(latencies),
         "relay_p99_ms": 1000 * latencies[int(0.99 * (len(latencies) - 1))],
-        "redis_cpu_share": redis_s / seconds,
-        "redis_cpu_us_per_token": redis_s * 1e6 / generated,
+        "redis_cpu_share": sum(used) / seconds,
+        "redis_cpu_us_per_token": sum(used) * 1e6 / generated,
+        # each master's: its share of a core, its CPU per token carried by the whole layout
+        "master_cpu_share": [u / seconds for u in used],
+        "master_cpu_us_per_token": [u * 1e6 / generated for u in used],
+        "master_commands_per_token": [c / generated for c in master_calls],
         "commands_per_token": sum(calls.values()) / generated,
         "worker_max_late_s": max(w["max_late_s"] for w in writers),
         "commands": dict(sorted(calls.items(), key=lambda kv: -kv[1])),
     }
+
+
+def parse_shards(text: str) -> list[int]:
+    """The layouts of --shards: "standalone,1,2,3" -> [STANDALONE, 1, 2, 3]."""
+    layouts = []
+    for part in text.split(","):
+        part = part.strip()
+        layouts.append(STANDALONE if part in ("s", "standalone", "0") else int(part))
+        if layouts[-1] < 0:
+            raise argparse.ArgumentTypeError(f"not a number of shards: {part}")
+    return layouts
+
+
+def median_of(runs: list[dict[str, Any]], key: str) -> float:
+    return float(statistics.median(r[key] for r in runs))
+
+
+def spread(runs: list[dict[str, Any]], key: str, scale: float = 1.0, fmt: str = ".0f") -> str:
+    """The median, and the range when there are several runs: "1,221 (1,180-1,240)"."""
+    values = sorted(scale * r[key] for r in runs)
+    mid = format(statistics.median(values), "," + fmt)
+    if len(values) == 1:
+        return mid
+    return f"{mid} ({format(values[0], ',' + fmt)}-{format(values[-1], ',' + fmt)})"
+
+
+def print_table(by_layout: dict[int, list[dict[str, Any]]]) -> None:
+    """One column per layout; each cell the median over the repeats and their range."""
+    base = by_layout.get(1) or next(iter(by_layout.values()))
+    base_carried = median_of(base, "carried_tokens_per_s")
+    rows: list[tuple[str, list[str]]] = [
+        ("offered tokens/s", [spread(rs, "offered_tokens_per_s") for rs in by_layout.values()]),
+        ("carried tokens/s", [spread(rs, "carried_tokens_per_s") for rs in by_layout.values()]),
+        (
+            f"carried / carried({base[0]['layout']})",
+            [f"{median_of(rs, 'carried_tokens_per_s') / base_carried:.2f}" for rs in by_layout.values()],
+        ),
+        ("relay p50 ms", [spread(rs, "relay_p50_ms", fmt=".1f") for rs in by_layout.values()]),
+        ("relay p99 ms", [spread(rs, "relay_p99_ms", fmt=".1f") for rs in by_layout.values()]),
+        (
+            "Redis CPU, % of a core (all)",
+            [spread(rs, "redis_cpu_share", 100, ".1f") for rs in by_layout.values()],
+        ),
+        (
+            "Redis CPU us/token (all)",
+            [spread(rs, "redis_cpu_us_per_token", fmt=".1f") for rs in by_layout.values()],
+        ),
+        ("commands/token", [spread(rs, "commands_per_token", fmt=".2f") for rs in by_layout.values()]),
+        (
+            "per master: us/token",
+            [per_master(rs, "master_cpu_us_per_token", 1, ".1f") for rs in by_layout.values()],
+        ),
+        (
+            "per master: % of a core",
+            [per_master(rs, "master_cpu_share", 100, ".1f") for rs in by_layout.values()],
+        ),
+        (
+            "per master: commands/token",
+            [per_master(rs, "master_commands_per_token", 1, ".2f") for rs in by_layout.values()],
+        ),
+        (
+            "workers late, ms at most",
+            [spread(rs, "worker_max_late_s", 1000) for rs in by_layout.values()],
+        ),
+    ]
+    heads = [f"{rs[0]['layout']} (x{len(rs)})" for rs in by_layout.values()]
+    first = max(len(r[0]) for r in rows)
+    widths = [max(len(h), *(len(r[1][i]) for r in rows)) for i, h in enumerate(heads)]
+    print(" | ".join([" " * first, *(h.rjust(w) for h, w in zip(heads, widths, strict=True))]))
+    for name, cells in rows:
+        print(" | ".join([name.ljust(first), *(c.rjust(w) for c, w in zip(cells, widths, strict=True))]))
+
+
+def per_master(runs: list[dict[str, Any]], key: str, scale: float, fmt: str) -> str:
+    """Each master's median, "/"-separated."""
+    return " / ".join(
+        format(statistics.median(scale * r[key][i] for r in runs), fmt) for i in range(len(runs[0][key]))
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -207,24 +354,49 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--rate", type=float, default=20.0, help="steps a second per worker, default 20")
     p.add_argument("--steps", type=int, default=200, help="steps per worker (tokens per job), default 200")
     p.add_argument("--apis", type=int, default=2, help="API processes relaying to the clients, default 2")
-    p.add_argument("--json", action="store_true", help="print the run as JSON")
+    p.add_argument(
+        "--shards",
+        type=parse_shards,
+        default=[STANDALONE],
+        help="layouts to compare, comma-separated: 'standalone' (one redis-server, the default) "
+        "or a number of cluster masters, e.g. standalone,1,2,3",
+    )
+    p.add_argument("--repeats", type=int, default=1, help="runs of each layout, alternated; default 1")
+    p.add_argument("--json", action="store_true", help="print every run as JSON")
     args = p.parse_args(argv)
+    by_layout: dict[int, list[dict[str, Any]]] = {s: [] for s in args.shards}
     with tempfile.TemporaryDirectory(prefix="redis-scale-bench-") as log_dir:
-        r = run(args, Path(log_dir))
+        for repeat in range(args.repeats):
+            for shards in args.shards:
+                r = run(args, shards, Path(log_dir) / f"{repeat}-{shards}")
+                by_layout[shards].append(r)
+                if not args.json:
+                    print_run(r)
     if args.json:
-        json.dump(r, sys.stdout, indent=2)
+        json.dump([r for rs in by_layout.values() for r in rs], sys.stdout, indent=2)
         print()
         return
+    if len(by_layout) > 1 or args.repeats > 1:
+        print()
+        print_table(by_layout)
+
+
+def print_run(r: dict[str, Any]) -> None:
+    masters = ""
+    if r["shards"] != STANDALONE:
+        split = ", ".join(f"{u:.1f}" for u in r["master_cpu_us_per_token"])
+        masters = f" (per master: {split} us/token)"
     print(
-        f"{r['workers']} workers x batch {r['batch']}, {r['apis']} APIs: offered {r['offered_tokens_per_s']:.0f} "
-        f"tokens/s, carried {r['carried_tokens_per_s']:.0f} tokens/s ({r['tokens_relayed']}/{r['tokens_generated']} "
-        f"relayed, {r['streams_ended']} streams ended); relay p50 {r['relay_p50_ms']:.1f} ms, "
-        f"p99 {r['relay_p99_ms']:.1f} ms; Redis CPU {100 * r['redis_cpu_share']:.0f}% of a core, "
-        f"{r['redis_cpu_us_per_token']:.1f} us/token; {r['commands_per_token']:.2f} commands/token; "
-        f"workers late by {r['worker_max_late_s'] * 1000:.0f} ms at most"
+        f"{r['layout']}: {r['workers']} workers x batch {r['batch']}, {r['apis']} APIs: offered "
+        f"{r['offered_tokens_per_s']:.0f} tokens/s, carried {r['carried_tokens_per_s']:.0f} tokens/s "
+        f"({r['tokens_relayed']}/{r['tokens_generated']} relayed, {r['streams_ended']} streams ended); relay "
+        f"p50 {r['relay_p50_ms']:.1f} ms, p99 {r['relay_p99_ms']:.1f} ms; Redis CPU "
+        f"{100 * r['redis_cpu_share']:.0f}% of a core, {r['redis_cpu_us_per_token']:.1f} us/token{masters}; "
+        f"{r['commands_per_token']:.2f} commands/token; workers late by {r['worker_max_late_s'] * 1000:.0f} ms "
+        "at most"
     )
     per_token = {k: round(v / r["tokens_generated"], 3) for k, v in r["commands"].items()}
-    print("commands per token:", per_token)
+    print("  commands per token:", per_token, flush=True)
 
 
 if __name__ == "__main__":

@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import subprocess
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-
-import redis
 
 from spool_cli import procs as harness
 
@@ -32,26 +29,10 @@ class Cluster:
 @contextmanager
 def redis_cluster(base: Path) -> Iterator[Cluster]:
     """Start the nodes under ``base``, join them (16384 slots split in three), wait for
-    ``cluster_state:ok``; stop them all on exit."""
-    procs: list[harness.Proc] = []
-    ports: list[int] = []
+    ``cluster_state:ok`` (spool_cli.procs.start_redis_cluster); stop them all on exit."""
+    procs, urls = harness.start_redis_cluster(MASTERS, base)
     try:
-        for i in range(MASTERS):
-            data = base / f"node-{i}"
-            data.mkdir(parents=True, exist_ok=True)
-            bus = str(harness.free_port())  # not the default (port + 10,000): free ports go past 55,535
-            proc, url = harness.start_redis(
-                "--cluster-enabled", "yes", "--cluster-port", bus, data_dir=data, log_dir=data
-            )
-            procs.append(proc)
-            ports.append(int(url.split(":")[2].split("/")[0]))
-        create = ["redis-cli", "--cluster", "create", *(f"127.0.0.1:{p}" for p in ports)]
-        subprocess.run([*create, "--cluster-replicas", "0", "--cluster-yes"], check=True, capture_output=True)
-        for port in ports:  # every node, so that each already knows every slot's owner
-            with redis.Redis(port=port) as node:
-                harness.wait_until(
-                    lambda: node.cluster("info")["cluster_state"] == "ok", "the cluster", 30, procs
-                )
+        ports = [int(url.split(":")[2].split("/")[0]) for url in urls]
         yield Cluster(ports, procs)
     finally:
         harness.stop_all(procs)
