@@ -1,4 +1,6 @@
-"""A real Redis Cluster of three masters (no replicas) on free ports, for the tests that need one."""
+"""A real Redis Cluster on free ports, for the tests that need one: three masters, and with
+``replicas=1`` one replica each (six nodes), so that a test can kill a master and see its replica
+promoted."""
 
 from __future__ import annotations
 
@@ -13,6 +15,19 @@ import redis
 from spool_cli import procs as harness
 
 MASTERS = 3
+# With replicas: how long a master may not answer before the others count it as failed and its
+# replica takes over (Redis's default is 15 s; a test wants the failover in seconds).
+NODE_TIMEOUT_MS = 1000
+
+
+@dataclass(frozen=True)
+class Node:
+    flags: frozenset[str]  # CLUSTER NODES's: master or slave, myself, fail?, fail, ...
+    master: int | None  # a replica's master's port
+
+    @property
+    def up_master(self) -> bool:
+        return "master" in self.flags and not {"fail", "fail?"} & self.flags
 
 
 @dataclass(frozen=True)
@@ -28,30 +43,87 @@ class Cluster:
     def node_url(self, i: int) -> str:
         return f"redis://127.0.0.1:{self.ports[i]}/0"
 
+    def proc_of(self, port: int) -> harness.Proc:
+        return self.procs[self.ports.index(port)]
+
+    def nodes(self) -> dict[int, Node]:
+        """CLUSTER NODES as a live node sees it: per port, the node's flags and its master's port
+        (for a replica)."""
+        for port, proc in zip(self.ports, self.procs, strict=True):
+            if not proc.alive():
+                continue
+            try:
+                with redis.Redis(port=port, socket_timeout=2, socket_connect_timeout=2) as node:
+                    raw = node.execute_command("CLUSTER", "NODES")
+            except redis.RedisError:
+                continue
+            break
+        else:
+            raise harness.HarnessError("no cluster node answers")
+        text = raw.decode() if isinstance(raw, bytes) else str(raw)
+        lines = [line.split() for line in text.splitlines() if line.strip()]
+        port_of = {f[0]: int(f[1].split("@")[0].rsplit(":", 1)[1]) for f in lines}
+        return {port_of[f[0]]: Node(frozenset(f[2].split(",")), port_of.get(f[3])) for f in lines}
+
+    def masters(self) -> list[int]:
+        """The ports of the masters a live node counts as up."""
+        return sorted(port for port, n in self.nodes().items() if n.up_master)
+
+    def ok(self) -> bool:
+        """Every live node says cluster_state:ok."""
+        for port, proc in zip(self.ports, self.procs, strict=True):
+            if proc.alive():
+                with redis.Redis(port=port, socket_timeout=2) as node:
+                    if node.cluster("info")["cluster_state"] != "ok":
+                        return False
+        return True
+
 
 @contextmanager
-def redis_cluster(base: Path) -> Iterator[Cluster]:
-    """Start the nodes under ``base``, join them (16384 slots split in three), wait for
-    ``cluster_state:ok``; stop them all on exit."""
+def redis_cluster(base: Path, replicas: int = 0) -> Iterator[Cluster]:
+    """Start the nodes under ``base``, join them (16384 slots split in three; ``replicas`` per
+    master), wait for ``cluster_state:ok`` and, with replicas, for each master's replicas to be
+    attached and in sync; stop them all on exit."""
     procs: list[harness.Proc] = []
     ports: list[int] = []
+    extra = ["--cluster-node-timeout", str(NODE_TIMEOUT_MS)] if replicas else []
     try:
-        for i in range(MASTERS):
+        for i in range(MASTERS * (1 + replicas)):
             data = base / f"node-{i}"
             data.mkdir(parents=True, exist_ok=True)
             bus = str(harness.free_port())  # not the default (port + 10,000): free ports go past 55,535
             proc, url = harness.start_redis(
-                "--cluster-enabled", "yes", "--cluster-port", bus, data_dir=data, log_dir=data
+                "--cluster-enabled", "yes", "--cluster-port", bus, *extra, data_dir=data, log_dir=data
             )
             procs.append(proc)
             ports.append(int(url.split(":")[2].split("/")[0]))
         create = ["redis-cli", "--cluster", "create", *(f"127.0.0.1:{p}" for p in ports)]
-        subprocess.run([*create, "--cluster-replicas", "0", "--cluster-yes"], check=True, capture_output=True)
+        subprocess.run(
+            [*create, "--cluster-replicas", str(replicas), "--cluster-yes"], check=True, capture_output=True
+        )
+        cluster = Cluster(ports, procs)
         for port in ports:  # every node, so that each already knows every slot's owner
             with redis.Redis(port=port) as node:
                 harness.wait_until(
                     lambda: node.cluster("info")["cluster_state"] == "ok", "the cluster", 30, procs
                 )
-        yield Cluster(ports, procs)
+        if replicas:
+            harness.wait_until(lambda: _replicas_in_sync(cluster, replicas), "the replicas", 30, procs)
+        yield cluster
     finally:
         harness.stop_all(procs)
+
+
+def _replicas_in_sync(cluster: Cluster, replicas: int) -> bool:
+    """Every master has ``replicas`` replicas online, and every node knows it (CLUSTER NODES)."""
+    nodes = cluster.nodes()
+    masters = [p for p, n in nodes.items() if n.up_master]
+    if len(masters) != MASTERS:
+        return False
+    for port in masters:
+        with redis.Redis(port=port) as node:
+            info = node.info("replication")
+        online = [v for k, v in info.items() if k.startswith("slave") and v.get("state") == "online"]
+        if len(online) < replicas or sum(n.master == port for n in nodes.values()) < replicas:
+            return False
+    return True
