@@ -270,10 +270,11 @@ CLUSTER_SLOTS = 16384
 
 
 def start_redis_cluster(
-    masters: int, base: Path, *, replicas: int = 0, timeout: float = 30.0
+    masters: int, base: Path, *, replicas: int = 0, args: Sequence[str] = (), timeout: float = 30.0
 ) -> tuple[list[Proc], list[str]]:
     """A Redis Cluster of ``masters`` masters (each with ``replicas`` replicas) on free ports, its
-    nodes' data and logs under ``base``; returns once every node sees ``cluster_state:ok``:
+    nodes' data and logs under ``base``, each started with ``args`` too; returns once every node
+    sees ``cluster_state:ok``:
     (procs, urls), the masters first, master i holding the i-th of ``masters`` equal slot ranges.
 
     Joined with CLUSTER commands rather than ``redis-cli --cluster create``, which refuses fewer
@@ -287,7 +288,7 @@ def start_redis_cluster(
             data.mkdir(parents=True, exist_ok=True)
             bus = free_port()  # not the default (port + 10,000): free ports go past 55,535
             proc, url = start_redis(
-                "--cluster-enabled", "yes", "--cluster-port", str(bus), data_dir=data, log_dir=data
+                "--cluster-enabled", "yes", "--cluster-port", str(bus), *args, data_dir=data, log_dir=data
             )
             proc.name = f"redis-node-{i}"
             procs.append(proc)
