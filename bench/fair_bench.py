@@ -22,6 +22,8 @@ service     flood's figure through the whole stack, where a user sees it: a Redi
             one `spool worker` with fair shares off, then on, one API with two API keys; "trickle"
             sends T streamed completions one by one, alone and then while "flood" has F short
             jobs queued (POST /v1/jobs): TTFT from each POST to its first chunk, at the client.
+            The worker runs torch on the CPUs minus one, as `spool up` starts it beside the API
+            and Redis (--worker-torch-threads to change it).
 models      the whole stack: a Redis (a private redis-server, or --redis-url under a prefix of
             its own, deleted at the end), two `spool worker`s, "a" on the tiny Llama and "b" on a
             tiny GPT-2 with a tokenizer of its own, one API (uvicorn); J completions per model
@@ -60,6 +62,7 @@ from common.keys import Keys
 from common.schemas.views import JobStatus
 from common.tenants import tenant_of
 from spool_cli import procs as harness
+from spool_cli.up import worker_torch_threads
 from workers.engine import Engine, EngineConfig, SamplingParams, TokenWeights
 from workers.engine.tiny import build_tiny_model
 
@@ -185,6 +188,13 @@ def main() -> None:
     )
     ap.add_argument("--json", type=Path, help="models: also write its figures as JSON here")
     ap.add_argument(
+        "--worker-torch-threads",
+        type=int,
+        metavar="N",
+        help="service: the worker's SPOOL_TORCH_THREADS (default: the CPUs minus one, as `spool up` "
+        "gives its worker; the CPUs' count for torch's own default)",
+    )
+    ap.add_argument(
         "--parts",
         default="backlogged,flood,service,models",
         help="which parts to run, comma-separated: backlogged, flood, service, models (default: all)",
@@ -196,6 +206,7 @@ def main() -> None:
         "compiled once into a temporary cache",
     )
     args = ap.parse_args()
+    args.worker_torch_threads = args.worker_torch_threads or int(worker_torch_threads({}))
     with tempfile.TemporaryDirectory() as tmp:
         if args.compile:
             ENGINE_OPTIONS.update(compile=True, compile_cache_dir=str(Path(tmp) / "compile"))
@@ -281,7 +292,8 @@ def run_service(model: Path, args: argparse.Namespace) -> None:
     ), "the bench's two keys share a tenant queue: pick others"
     print(
         f"service (b): {args.flood} short jobs of one key, {args.trickle} streamed completions of "
-        f"another one by one; one worker ({SLOTS} slots), one API, TTFT at the client"
+        f"another one by one; one worker ({SLOTS} slots, {args.worker_torch_threads} torch threads), "
+        "one API, TTFT at the client"
     )
     with tempfile.TemporaryDirectory(prefix="spool-fair-service-") as tmp:
         logs = Path(tmp)
@@ -303,8 +315,19 @@ def service_mode(model: Path, url: str, fair: bool, args: argparse.Namespace, lo
         "api_keys": ",".join(SERVICE_KEYS.values()),
         "max_queued_jobs": 10 * args.flood,
     }
+    # NOTE: torch's default, a thread per core, leaves the API, Redis and the clients no core of
+    # their own: each time they run, the step waits for the engine's preempted thread (on this
+    # 2-core VM the trickle's first step beside the flood took 6.3 and 11.6 ms against 2.3 and 7.6 with one
+    # thread, docs/benchmarks.md). `spool up` gives its worker the CPUs minus one for that reason.
     worker_env = harness.spool_env(
-        url, prefix, model=model, max_batch_size=SLOTS, compile=False, fair_share=fair, **settings
+        url,
+        prefix,
+        model=model,
+        max_batch_size=SLOTS,
+        compile=False,
+        fair_share=fair,
+        torch_threads=args.worker_torch_threads,
+        **settings,
     )
     procs = [
         harness.start(f"worker-{prefix}", [*harness.spool_argv(), "worker"], env=worker_env, log_dir=logs)
