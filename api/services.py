@@ -20,9 +20,10 @@ from api.served import ServedModels
 from api.watchers import Watchers
 from common.process import freeze_startup_objects
 from common.redis_errors import UNREACHABLE
-from common.redis_policy import check_layout_async, check_redis_async, on_cluster_async
+from common.redis_policy import check_layout_async, check_redis_async
 from common.settings import Settings
 from common.store import AsyncBatchStore, AsyncJobStore
+from common.store.clients import on_cluster
 from common.tasks import cancel_until_done
 
 log = logging.getLogger(__name__)
@@ -48,19 +49,16 @@ class Services:
             yield inbox
 
 
-async def refuse_unsafe_redis(store: AsyncJobStore) -> bool:
+async def refuse_unsafe_redis(store: AsyncJobStore) -> None:
     """Raise UnsafeRedis (the process does not start) for a Redis that evicts keys; a Redis not
-    reachable yet is not waited for (the API answers 503 until it is). Returns whether the job
-    data's Redis is a cluster node (False when not reachable)."""
+    reachable yet is not waited for (the API answers 503 until it is)."""
     try:
         await check_redis_async(store.redis, store.settings)
         await check_layout_async(store.redis, store.keys)
         if store.broker is not store.redis:  # SPOOL_BROKER_URL: an evicted queue list loses messages
             await check_redis_async(store.broker, store.settings, broker=True)
-        return await on_cluster_async(store.redis)
     except UNREACHABLE as e:
         log.warning("Redis not checked (eviction policy, cluster), not reachable yet (%s)", e)
-        return False
 
 
 @asynccontextmanager
@@ -68,12 +66,12 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     settings: Settings = app.state.settings
     enqueuer = Enqueuer(settings)
     store = AsyncJobStore.from_settings(settings)
-    cluster = await refuse_unsafe_redis(store)
+    await refuse_unsafe_redis(store)
     hub = Hub(
         settings.redis_url,
         settings.keys,
         client_name=f"{settings.redis_prefix}-api-hub-{os.getpid()}",
-        cluster=cluster,
+        cluster=on_cluster(settings.redis_url),  # as the store's client (common/store/clients.py)
     )
     await hub.start()
     watchers = Watchers(store, settings.detach_grace_s)

@@ -27,7 +27,7 @@ import redis.asyncio as aredis
 
 from common.keys import CLUSTER_BUCKETS, Keys
 from common.settings import Settings
-from common.store.clients import record_buckets, record_buckets_async
+from common.store.clients import is_cluster_node, record_buckets, record_buckets_async
 
 SAFE_POLICY = "noeviction"
 MIN_VERSION = (7, 0)  # sharded pub/sub
@@ -63,11 +63,6 @@ def version_problem(server_info: Mapping[str, Any]) -> str | None:
         f"Redis {version} has no sharded pub/sub (SPUBLISH, SSUBSCRIBE), which job events go over: "
         f"Spool needs Redis {MIN_VERSION[0]}.{MIN_VERSION[1]} or later (docs/operations.md#redis)"
     )
-
-
-def is_cluster_node(cluster_info: Mapping[str, Any]) -> bool:
-    """Whether Redis is a node of a Redis Cluster (from INFO cluster)."""
-    return bool(int(cluster_info.get("cluster_enabled", 0)))
 
 
 def cluster_problem(cluster_info: Mapping[str, Any], settings: Settings, broker: bool) -> str | None:
@@ -135,9 +130,3 @@ async def check_redis_async(client: aredis.Redis, settings: Settings, broker: bo
     )
     if problem:
         raise UnsafeRedis(problem)
-
-
-async def on_cluster_async(client: aredis.Redis) -> bool:
-    """Whether ``client``'s Redis is a cluster node: the API's pub/sub hub then keeps a connection
-    per master (api/hub.py)."""
-    return is_cluster_node(await client.info("cluster"))

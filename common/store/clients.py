@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import functools
-from typing import cast
+from collections.abc import Mapping
+from typing import Any, cast
 
 import redis
 import redis.asyncio as aredis
@@ -52,9 +53,14 @@ def on_cluster(url: str) -> bool:
 def _on_cluster(url: str) -> bool:
     try:
         with redis.Redis.from_url(url, socket_connect_timeout=2, socket_timeout=5) as probe:
-            return bool(int(probe.info("cluster").get("cluster_enabled", 0)))
+            return is_cluster_node(probe.info("cluster"))
     except redis.RedisError:
         return False
+
+
+def is_cluster_node(cluster_info: Mapping[str, Any]) -> bool:
+    """Whether Redis is a node of a Redis Cluster (from INFO cluster)."""
+    return bool(int(cluster_info.get("cluster_enabled", 0)))
 
 
 def data_client(url: str) -> redis.Redis:
