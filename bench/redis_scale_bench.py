@@ -44,7 +44,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:  # this tree's store, whatever is installed
     sys.path.insert(0, str(REPO_ROOT))
 
-from common.keys import CLUSTER_BUCKETS
+from common.buckets import CLUSTER_BUCKETS
 from common.schemas.requests import JobRequest
 from common.settings import Settings
 from common.store import Appended, AsyncJobStore, SyncJobStore

@@ -8,13 +8,13 @@ What each key holds: docs/internals.md#redis-names-from-commonkeyspy-only-prefix
 
 from __future__ import annotations
 
-import binascii
-import functools
 import hashlib
 import re
 import secrets
 from collections.abc import Iterable
 from dataclasses import dataclass
+
+from common.buckets import bucket_of_root, bucket_tags
 
 GENERATE_TASK = "spool.generate"  # the Celery task a job's message names; the API sends it by name
 MEDIA_TASK = "spool.media"  # the media workers' task: one image part, by its part id
@@ -47,48 +47,6 @@ _UNSAFE = re.compile(r"[^A-Za-z0-9_.-]+")
 
 WATCHER_GHOST = "left:"  # prefix of the member a watcher leaves behind in Keys.job_watchers
 
-# Buckets (issue 31): on a Redis Cluster each key Spool's scripts touch together must live in one
-# hash slot. So every key of the job data belongs to a bucket, whose hash tag ("{...}") it
-# carries: a job's keys, and the sets across jobs split per bucket (queued, running, leases'
-# attempts, the outbox, ...). A job's bucket is a hash of its id (of its job's id for a part), and
-# an id is drawn until it lands in the bucket it must share: a batch's line jobs, files and the
-# batch itself sit in their owner's bucket, a job created with an Idempotency-Key in its key's.
-# Sweeps walk every bucket. On a standalone Redis there is one bucket and no tag: the names are
-# the ones Spool has always used. The tags are chosen so the buckets' slots are evenly spaced
-# over the 16,384: a cluster that splits the slots in equal ranges (redis-cli --cluster create
-# does) gets the same number of buckets on each of 2, 3, 4, 6, 8 or 12 masters.
-CLUSTER_BUCKETS = 24
-CLUSTER_SLOTS = 16384
-
-
-def key_slot(name: str) -> int:
-    """The Redis Cluster hash slot of a key or shard channel: CRC16 of its hash tag, if any."""
-    data = name.encode()
-    start = data.find(b"{")
-    if start != -1:
-        end = data.find(b"}", start + 1)
-        if end > start + 1:
-            data = data[start + 1 : end]
-    return binascii.crc_hqx(data, 0) % CLUSTER_SLOTS
-
-
-@functools.cache
-def bucket_tags(buckets: int) -> tuple[str, ...]:
-    """The hash tag of each bucket (empty for a single bucket): bucket i's slot lies in the i-th
-    of ``buckets`` equal ranges of slots."""
-    if buckets == 1:
-        return ("",)
-    tags = []
-    for i in range(buckets):
-        low, high = i * CLUSTER_SLOTS // buckets, (i + 1) * CLUSTER_SLOTS // buckets
-        tags.append(next(t for n in range(1 << 20) if low <= key_slot(t := f"b{i}.{n}") < high))
-    return tuple(tags)
-
-
-@functools.lru_cache(maxsize=1 << 16)  # a step names each of its jobs' keys: four per job
-def _bucket(root_id: str, buckets: int) -> int:
-    return int.from_bytes(hashlib.blake2b(root_id.encode(), digest_size=4).digest(), "big") % buckets
-
 
 def _tenant_queue(queue: str, k: int) -> str:
     return f"{queue}.t{k}"
@@ -105,7 +63,7 @@ class Keys:
 
     def bucket_of(self, object_id: str) -> int:
         """The bucket of a job, part, batch or file id (a part's is its job's)."""
-        return 0 if self.buckets == 1 else _bucket(object_id.partition(PART_SEP)[0], self.buckets)
+        return 0 if self.buckets == 1 else bucket_of_root(object_id.partition(PART_SEP)[0], self.buckets)
 
     def owner_bucket(self, owner: str) -> int:
         """The bucket of an owner's files and batches (and of their line jobs)."""

@@ -25,7 +25,8 @@ from typing import Any
 import redis
 import redis.asyncio as aredis
 
-from common.keys import CLUSTER_BUCKETS, Keys
+from common.buckets import CLUSTER_BUCKETS
+from common.keys import Keys
 from common.settings import Settings
 from common.store.clients import is_cluster_node, record_buckets, record_buckets_async
 

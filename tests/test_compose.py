@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import yaml
 
-from common.keys import CLUSTER_BUCKETS
+from common.buckets import CLUSTER_BUCKETS
 from common.settings import ENV_PREFIX, Settings
 from spool_cli.main import parser
 

@@ -28,6 +28,7 @@ from common.process import NamedThread
 from common.schemas.views import JobError, WorkerHeartbeat
 from common.settings import Settings
 from common.store import SyncJobStore
+from common.store.cancels import listen_cancels
 from workers.reaper import Reaper, Requeue
 
 if TYPE_CHECKING:
@@ -146,7 +147,7 @@ class Liveness:
 
     def _listen_cancels(self) -> None:
         # Cancels published while it reconnects are caught by the heartbeat's re-read of the flags.
-        self.store.listen_cancels(self.executor.abort, self.stop)
+        listen_cancels(self.store.redis, self.store.keys, self.executor.abort, self.stop)
 
     def _beat(self) -> None:
         while not self.stop.wait(self.settings.heartbeat_s):

@@ -10,6 +10,7 @@ The only code of Spool that writes Redis (Celery's broker and kombu write their 
 - ``calls``: each Lua call's arguments and each reply's parser;
 - ``scripts``: the Lua scripts (common/store/lua/*.lua: every status transition and every append is one);
 - ``watchers``: who watches a foreground job (the API writes, a worker reads);
+- ``cancels``: the worker's listener on the cancel channel;
 - ``clients``: the Redis clients' retries, timeouts and pool;
 - ``sync`` and ``aio``: the two stores;
 - ``files`` and ``batches``: the API's files and batches.

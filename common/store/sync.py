@@ -7,13 +7,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Self
 
 import redis
-from redis.exceptions import RedisError
 
 from common.artifacts import Artifacts, part_name
 from common.keys import part_id, split_part_id
@@ -51,7 +49,6 @@ log = logging.getLogger(__name__)
 # Oldest queued jobs read to find one model's (the queued set holds every model's); a worker's
 # intake reads this many each poll while it holds batch lines (workers/runtime.py).
 QUEUED_PAGE = 64
-CANCEL_POLL_S = 1.0  # how long the cancel listener blocks for a message before checking for stop
 
 
 class SyncJobStore:
@@ -368,26 +365,6 @@ class SyncJobStore:
         parts at once and asks their workers to end the running ones. A job already ended stays so."""
         keys, args = cancel_args(self.keys, job_id, self.settings.job_ttl_s, time.time())
         self._cancel(keys, args)
-
-    def listen_cancels(self, on_cancel: Callable[[str], None], stop: threading.Event) -> None:
-        """Call ``on_cancel`` with each job id published on ``{p}:cancel`` until ``stop`` is set.
-
-        Resubscribes after a Redis error; what was published meanwhile is not seen (the worker's
-        heartbeat re-reads its jobs' cancel flags).
-        """
-        while not stop.is_set():
-            pubsub = self.redis.pubsub()
-            try:
-                pubsub.subscribe(self.keys.cancelled())
-                while not stop.is_set():
-                    msg = pubsub.get_message(timeout=CANCEL_POLL_S)
-                    if msg and msg["type"] == "message":
-                        on_cancel(msg["data"])
-            except RedisError as e:
-                log.warning("cancel listener lost Redis (%s); resubscribing", e)
-                stop.wait(CANCEL_POLL_S)
-            finally:
-                pubsub.close()
 
     def beat(self, heartbeat: WorkerHeartbeat, tokenizer: TokenizerSpec | None = None) -> None:
         """Write the heartbeat, and keep the tokenizer spec it names alive as long as it (stored

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import pytest
 from store_helpers import StoreForTests
 
-from common.keys import CLUSTER_BUCKETS
+from common.buckets import CLUSTER_BUCKETS
 from common.settings import Settings, load_settings
 
 REDIS_URL = os.environ.get("TEST_REDIS_URL", "redis://127.0.0.1:6379/0")

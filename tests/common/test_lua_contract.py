@@ -31,7 +31,8 @@ import redis
 import redis.asyncio as aredis
 from store_helpers import StoreForTests
 
-from common.keys import key_slot, part_id
+from common.buckets import key_slot
+from common.keys import part_id
 from common.schemas.events import DoneEvent, LogEntry
 from common.schemas.requests import JobRequest
 from common.schemas.views import JobStatus, Usage

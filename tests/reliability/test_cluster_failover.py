@@ -35,7 +35,8 @@ from procs import SPOOL, Prefixes, Service, spool_env, start, start_api, wait_un
 from redis_cluster import Cluster, redis_cluster
 from sse_client import Event, iter_sse
 
-from common.keys import CLUSTER_BUCKETS, Keys
+from common.buckets import CLUSTER_BUCKETS
+from common.keys import Keys
 from spool_cli import procs as harness
 
 LEASE_S = 3.0

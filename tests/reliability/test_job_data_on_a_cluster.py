@@ -27,7 +27,8 @@ from procs import SPOOL, Prefixes, Service, spool_env, start, start_api, wait_un
 from redis_cluster import redis_cluster
 from sse_client import Event, check_full_stream, iter_sse, read_events
 
-from common.keys import CLUSTER_BUCKETS, Keys
+from common.buckets import CLUSTER_BUCKETS
+from common.keys import Keys
 from spool_cli import procs as harness
 
 LEASE_S = 3.0  # a killed worker's jobs are taken over after this
