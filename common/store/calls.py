@@ -285,22 +285,24 @@ def part_append_args(keys: Keys, a: Append, ttl_s: int, now: float) -> ScriptCal
     )
 
 
-def append_step_args(
-    keys: Keys, bucket: int, appends: Sequence[Append], ttl_s: int, now: float
-) -> ScriptCall:
-    """append_step.lua's call: every append of a step (or of several steps, in order) of the jobs
-    of one bucket at once."""
-    script_keys, args = [keys.running_jobs(bucket), keys.attempts(bucket)], [ttl_s, repr(now)]
+def append_step_args(keys: Keys, appends: Sequence[Append], ttl_s: int, now: float) -> ScriptCall:
+    """append_step.lua's call: every append of a step (or of several steps, in order) of these
+    jobs at once, in as many groups as they have buckets (on a Redis Cluster the caller passes
+    jobs whose buckets lie on one master: common/store/steps.py)."""
+    groups: dict[int, int] = {}  # bucket -> its group, 1-based
+    job_keys: list[str] = []
+    job_args: list[Any] = []
     for a in appends:
-        assert keys.bucket_of(a.job_id) == bucket
-        script_keys += [
+        group = groups.setdefault(keys.bucket_of(a.job_id), len(groups) + 1)
+        job_keys += [
             keys.job(a.job_id),
             keys.job_log(a.job_id),
             keys.job_events(a.job_id),
             keys.job_text(a.job_id),
         ]
-        args += _append_args(a)
-    return script_keys, args
+        job_args += [group, *_append_args(a)]
+    bucket_keys = [k for b in groups for k in (keys.running_jobs(b), keys.attempts(b))]
+    return bucket_keys + job_keys, [ttl_s, repr(now), len(groups), *job_args]
 
 
 def _append_args(a: Append) -> list[Any]:

@@ -18,7 +18,6 @@ from common.keys import part_id, split_part_id
 from common.schemas.views import WorkerHeartbeat
 from common.settings import Settings
 from common.store.calls import (
-    append_step_args,
     cancel_args,
     parse_take,
     part_append_args,
@@ -39,6 +38,7 @@ from common.store.records import (
 )
 from common.store.scripts import source
 from common.store.service_times import record_service_times
+from common.store.steps import StepWriter
 from common.store.watchers import watching
 
 if TYPE_CHECKING:
@@ -68,7 +68,7 @@ class SyncJobStore:
         self.broker = broker or client
         self.outbox = SyncOutbox(client, broker, self.keys) if broker is not None else None
         self._take = client.register_script(source("take"))
-        self._append = client.register_script(source("append_step"))
+        self._steps = StepWriter(client, self.keys)
         self._part_take = client.register_script(source("part_take"))
         self._part_append = client.register_script(source("part_append"))
         self._renew = client.register_script(source("renew"))
@@ -104,19 +104,14 @@ class SyncJobStore:
         return parse_take(self._take(keys, args))
 
     def append_batch(self, appends: Sequence[Append]) -> list[Appended]:
-        """Write one engine step for many jobs in one script call per bucket (fenced per job inside
-        it), and each part's append in a call of its own (parts are few); what became of each append."""
+        """Write one engine step for many jobs in one script call (one per master on a Redis
+        Cluster: common/store/steps.py), fenced per job inside it, and each part's append in a call
+        of its own (parts are few); what became of each append."""
         now, ttl = time.time(), self.settings.job_ttl_s
         results: list[Appended | None] = [None] * len(appends)
         jobs = [i for i, a in enumerate(appends) if not split_part_id(a.job_id)]
-        buckets: dict[int, list[int]] = {}
-        for i in jobs:
-            buckets.setdefault(self.keys.bucket_of(appends[i].job_id), []).append(i)
-        for bucket, indexes in buckets.items():
-            keys, args = append_step_args(self.keys, bucket, [appends[i] for i in indexes], ttl, now)
-            # Script's call is EVALSHA, loading the script only when Redis answers NOSCRIPT (a restart).
-            for i, reply in zip(indexes, self._append(keys, args), strict=True):
-                results[i] = Appended.of(reply)
+        for i, reply in zip(jobs, self._steps.write([appends[i] for i in jobs], ttl, now), strict=True):
+            results[i] = Appended.of(reply)
         for i, a in enumerate(appends):
             if results[i] is None:  # a part's, in order (several steps of one part stay in order)
                 keys, args = part_append_args(self.keys, self._stored_content(a, now), ttl, now)

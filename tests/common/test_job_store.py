@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import time
 
@@ -205,9 +206,27 @@ def test_appends_are_fenced_and_idempotent(store: StoreForTests) -> None:
     assert store.get_job(job.id).text == "ab"
 
 
+def test_a_retry_completes_an_append_cut_short_after_its_entries(store: StoreForTests) -> None:
+    """A call spanning slots cut short by a live resharding (common/store/steps.py) can leave an
+    append's entries pushed and its checkpoint not written; the retry writes the rest, once."""
+    job = store.create_job(JobRequest(prompt="hello"))
+    store.take_job(job.id, "w1", "tiny")
+    assert store.append_batch([run_job(store, ["a"], 1, job.id)]) == [Appended.WRITTEN]
+    cut = dataclasses.replace(run_job(store, ["b", "c"], 1, job.id, first_seq=2), checkpoint=True)
+    store.redis.rpush(
+        store.keys.job_log(job.id), *(e.encode() for e in cut.entries)
+    )  # what the cut call wrote
+    assert store.redis.get(store.keys.job_text(job.id)) == "a"
+    assert store.append_batch([cut]) == [Appended.WRITTEN]
+    assert store.append_batch([cut]) == [Appended.WRITTEN]  # and a second retry writes nothing
+    assert store.redis.llen(store.keys.job_log(job.id)) == 3
+    assert store.redis.get(store.keys.job_text(job.id)) == "abc"
+    assert store.redis.hget(store.keys.job(job.id), "text_seq") == "3"
+
+
 def test_a_step_for_many_jobs_is_one_script_call(settings: Settings, tmp_path) -> None:  # type: ignore[no-untyped-def]
-    """The writer's step goes out as one script call per bucket (one on a standalone Redis),
-    fenced per job inside it: each append gets its own answer, and a job's next step in the same
+    """The writer's step goes out as one script call, whatever buckets its jobs are in (one per
+    master on a Redis Cluster), fenced per job inside it with one HMGET per bucket: each append gets its own answer, and a job's next step in the same
     call finds the log its first step left."""
     proc, url = harness.start_redis(log_dir=tmp_path)
     try:
@@ -227,10 +246,11 @@ def test_a_step_for_many_jobs_is_one_script_call(settings: Settings, tmp_path) -
         written, fenced, gap = Appended.WRITTEN, Appended.FENCED, Appended.GAP
         assert store.append_batch(step) == [written, written, fenced, gap, written]
         calls = {k: v["calls"] for k, v in store.redis.info("commandstats").items()}
-        assert calls["cmdstat_evalsha"] == len({store.keys.bucket_of(j) for j in jobs})
-        assert (
-            calls["cmdstat_hmget"] == calls["cmdstat_evalsha"] and "cmdstat_hget" not in calls
-        )  # fenced at once
+        assert calls["cmdstat_evalsha"] == 1
+        # Fenced at once: one HMGET per bucket, no HGET of a job's attempt. The one HGET is the
+        # retry's, which finds its checkpoint written (text_seq) and writes nothing more.
+        assert calls["cmdstat_hmget"] == len({store.keys.bucket_of(j) for j in jobs})
+        assert calls["cmdstat_hget"] == 1
         assert [store.get_job(j).text for j in jobs] == ["ab", "", "x"]
         assert [store.redis.llen(store.keys.job_log(j)) for j in jobs] == [2, 0, 1]
         store.close()
@@ -444,11 +464,11 @@ def test_cancel_finished_job_is_a_conflict(store: StoreForTests) -> None:
 def test_appends_survive_a_script_cache_flush(store: StoreForTests) -> None:
     job = store.create_job(JobRequest(prompt="hello"))
     store.take_job(job.id, "w1", "tiny")
-    real_sha = store._append.sha
+    real_sha = store._steps.script.sha
     # What Redis answers after a restart: NOSCRIPT for the sha the store knows.
-    store._append.sha = "0" * 40
+    store._steps.script.sha = "0" * 40
     assert store.append_batch([run_job(store, ["a"], 1, job.id)]) == [Appended.WRITTEN]
-    assert store._append.sha == real_sha
+    assert store._steps.script.sha == real_sha
     assert store.get_job(job.id).text == "a"
 
 

@@ -1,15 +1,20 @@
+#!lua flags=allow-cross-slot-keys
 -- One engine step's writes, for every job in it (several steps' when the writer fell behind)
 -- (common/store/calls.py append_step_args).
--- KEYS: running attempts (job log channel text)*
--- ARGV: ttl finished_at (attempt first_seq prompt_tokens completion_tokens status finish_reason error id checkpoint text n entry[n])*
--- One group of KEYS and of ARGV per append. status: the final status ('' if not final);
+-- KEYS: (running attempts)[groups] (job log channel text)*
+-- ARGV: ttl finished_at groups (group attempt first_seq prompt_tokens completion_tokens status finish_reason error id checkpoint text n entry[n])*
+-- The jobs may lie in several buckets (groups: each bucket's running set and attempts hash,
+-- and each job's group, 1-based). One group of KEYS and of ARGV per append. On a Redis Cluster a
+-- call's declared keys must share a slot, so a call for the buckets of one master (the flag on
+-- the first line lets a script span its slots, Redis 7) declares none and passes the KEYS first
+-- in ARGV, after their count (common/store/steps.py). status: the final status ('' if not final);
 -- error: JSON ('' for none); checkpoint: '1' or ''; text: the text since the last checkpoint.
 -- Returns one answer per append, in order: 1 written, 2 written by an earlier try (a retried
 -- call after a dropped connection: a no-op, not a duplicate), 0 fenced (another attempt holds
 -- the job), -1 a gap (the log does not end just before the first entry). Appends of one job
 -- follow each other in seq order, so each finds the log as the one before it left it.
--- A step costs, per token, RPUSH and SPUBLISH. The fencing is one HMGET of the attempts hash for
--- the whole call; a job missing there (its last append is written already) is fenced by its
+-- A step costs, per token, RPUSH and SPUBLISH. The fencing is one HMGET of each group's attempts
+-- hash for the whole call; a job missing there (its last append is written already) is fenced by its
 -- hash's attempt. The text key and the hash's counts are written at a checkpoint only (the
 -- writer sends one every few events, with the first and the last): APPEND, then HSET of the
 -- counts, text_seq (the log length the text covers) and text_len (its bytes), so a reader takes
@@ -19,15 +24,21 @@
 -- the script, so nobody sees it. A script's writes are refused as a whole (out of memory or a
 -- read-only replica refuse its first write), never halfway.
 --#include hook_event
-local running, attempts = KEYS[1], KEYS[2]
-local ttl, finished_at = ARGV[1], ARGV[2]
+local keys, argv = KEYS, ARGV
+if #KEYS == 0 then  -- the keys of several slots, in ARGV
+  local n = tonumber(ARGV[1])
+  keys, argv = {}, {}
+  for i = 2, n + 1 do keys[#keys + 1] = ARGV[i] end
+  for i = n + 2, #ARGV do argv[#argv + 1] = ARGV[i] end
+end
+local ttl, finished_at, groups = argv[1], argv[2], tonumber(argv[3])
 
 -- An append's fields in ARGV, by their offset from its first (``a``, its attempt).
-local ATTEMPT, FIRST_SEQ, PROMPT_TOKENS, COMPLETION_TOKENS, STATUS, FINISH_REASON, ERROR, ID,
-      CHECKPOINT, TEXT, N, ENTRIES = 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11
+local GROUP, ATTEMPT, FIRST_SEQ, PROMPT_TOKENS, COMPLETION_TOKENS, STATUS, FINISH_REASON, ERROR, ID,
+      CHECKPOINT, TEXT, N, ENTRIES = 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12
 
 local function push(log, expected_len, from, to)
-  local len = redis.call('RPUSH', log, unpack(ARGV, from, to))
+  local len = redis.call('RPUSH', log, unpack(argv, from, to))
   if len == expected_len then return 1 end
   local before = len - (to - from + 1)
   if before == 0 then redis.call('DEL', log) else redis.call('LTRIM', log, 0, before - 1) end
@@ -35,32 +46,38 @@ local function push(log, expected_len, from, to)
   return -1
 end
 
-local function append(job, log, channel, text, a, held)
-  local n = tonumber(ARGV[a + N])
+local function append(running, attempts, job, log, channel, text, a, held)
+  local n = tonumber(argv[a + N])
   if not held then held = redis.call('HGET', job, 'attempt') end
-  if held ~= ARGV[a + ATTEMPT] then return 0 end
-  local last = tonumber(ARGV[a + FIRST_SEQ]) - 1 + n
+  if held ~= argv[a + ATTEMPT] then return 0 end
+  local last = tonumber(argv[a + FIRST_SEQ]) - 1 + n
   local first_entry, last_entry = a + ENTRIES, a + ENTRIES - 1 + n
   if n == 0 then
     if redis.call('LLEN', log) ~= last then return -1 end
   else
     local pushed = push(log, last, first_entry, last_entry)
-    if pushed ~= 1 then return pushed end
-    for i = first_entry, last_entry do redis.call('SPUBLISH', channel, ARGV[i]) end
+    if pushed == -1 then return -1 end
+    if pushed == 1 then
+      for i = first_entry, last_entry do redis.call('SPUBLISH', channel, argv[i]) end
+    -- Written by an earlier try: the whole append, or its entries only (a call spanning slots
+    -- cut short at a key a live resharding had moved). The rest of it is written now.
+    elseif tonumber(redis.call('HGET', job, 'text_seq') or 0) >= last then
+      return 2
+    end
   end
-  local status = ARGV[a + STATUS]
+  local status = argv[a + STATUS]
   local final = status ~= ''
-  if ARGV[a + CHECKPOINT] == '' and not final then return 1 end
-  local fields = {'prompt_tokens', ARGV[a + PROMPT_TOKENS], 'completion_tokens', ARGV[a + COMPLETION_TOKENS],
-                  'text_seq', last, 'text_len', redis.call('APPEND', text, ARGV[a + TEXT])}
+  if argv[a + CHECKPOINT] == '' and not final then return 1 end
+  local fields = {'prompt_tokens', argv[a + PROMPT_TOKENS], 'completion_tokens', argv[a + COMPLETION_TOKENS],
+                  'text_seq', last, 'text_len', redis.call('APPEND', text, argv[a + TEXT])}
   if final then
-    for _, v in ipairs({'status', status, 'finish_reason', ARGV[a + FINISH_REASON], 'finished_at', finished_at,
-                        'error', ARGV[a + ERROR]}) do fields[#fields + 1] = v end
+    for _, v in ipairs({'status', status, 'finish_reason', argv[a + FINISH_REASON], 'finished_at', finished_at,
+                        'error', argv[a + ERROR]}) do fields[#fields + 1] = v end
   end
   redis.call('HSET', job, unpack(fields))
   if final then
-    redis.call('ZREM', running, ARGV[a + ID])
-    redis.call('HDEL', attempts, ARGV[a + ID])
+    redis.call('ZREM', running, argv[a + ID])
+    redis.call('HDEL', attempts, argv[a + ID])
     redis.call('EXPIRE', job, ttl)
     redis.call('EXPIRE', log, ttl)
     redis.call('EXPIRE', text, ttl)
@@ -69,17 +86,24 @@ local function append(job, log, channel, text, a, held)
   return 1
 end
 
-local ids, a = {}, 3
-for _ = 3, #KEYS, 4 do
-  ids[#ids + 1] = ARGV[a + ID]
-  a = a + ENTRIES + tonumber(ARGV[a + N])
+-- Each append's first ARGV index, and the ids of each group's appends.
+local firsts, ids, a = {}, {}, 4
+for _ = 2 * groups + 1, #keys, 4 do
+  local g = tonumber(argv[a + GROUP])
+  firsts[#firsts + 1] = a
+  ids[g] = ids[g] or {}
+  ids[g][#ids[g] + 1] = argv[a + ID]
+  a = a + ENTRIES + tonumber(argv[a + N])
 end
-if #ids == 0 then return {} end
-local held = redis.call('HMGET', attempts, unpack(ids))
+local held = {}
+for g, group_ids in pairs(ids) do
+  local attempts = redis.call('HMGET', keys[2 * g], unpack(group_ids))
+  for i, id in ipairs(group_ids) do held[id] = attempts[i] end
+end
 local answers = {}
-a = 3
-for k = 3, #KEYS, 4 do
-  answers[#answers + 1] = append(KEYS[k], KEYS[k + 1], KEYS[k + 2], KEYS[k + 3], a, held[#answers + 1])
-  a = a + ENTRIES + tonumber(ARGV[a + N])
+for j, first in ipairs(firsts) do
+  local g, k = tonumber(argv[first + GROUP]), 2 * groups + 4 * j - 3
+  answers[j] = append(keys[2 * g - 1], keys[2 * g], keys[k], keys[k + 1], keys[k + 2], keys[k + 3], first,
+                      held[argv[first + ID]])
 end
 return answers

@@ -1,0 +1,106 @@
+"""An engine step's writes: append_step.lua, one call per Redis (per master on a Redis Cluster).
+
+A step of 32 jobs spreads over most of a cluster's buckets; a call per bucket would cost each
+master some eight script calls (and round trips) per step instead of one, and a call's fixed cost
+is most of what a token costs Redis (docs/benchmarks.md, "One Redis against 1, 2 and 3 cluster
+shards"). The script's flag lets one call span the slots of one master, so the writer groups the
+step's jobs by the master that serves their bucket and sends each group to its master. Where the
+slot map moved under it (a failover, a resharding: MOVED, ASK, TRYAGAIN, CLUSTERDOWN) or the master
+cannot be reached, that group goes again as one call per bucket, which the cluster client routes
+and retries as any command: the script is safe to run twice (an append already written answers 2).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import redis
+from redis.cluster import ClusterNode
+from redis.exceptions import (
+    ConnectionError,
+    NoScriptError,
+    RedisClusterException,
+    ResponseError,
+    TimeoutError,
+)
+
+from common.buckets import key_slot
+from common.keys import Keys
+from common.store.calls import append_step_args
+from common.store.records import Append
+from common.store.scripts import source
+
+# What a call sent to one master raises when the slot map changed under it or the master is gone
+# (redis-py refreshes its slot map on each). MovedError and AskError are ResponseErrors, the
+# cluster ones RedisClusterExceptions.
+# What the script raises at a key of a slot the master no longer serves (the fence reads every
+# bucket's attempts before any write) or of a slot it is handing over (a live resharding).
+_NOT_LOCAL = "non local key"
+_REROUTE: tuple[type[Exception], ...] = (
+    RedisClusterException,
+    redis.exceptions.MovedError,
+    redis.exceptions.AskError,
+    redis.exceptions.TryAgainError,
+    redis.exceptions.ClusterDownError,
+    ConnectionError,
+    TimeoutError,
+)
+
+
+class StepWriter:
+    def __init__(self, client: redis.Redis, keys: Keys) -> None:
+        self.client, self.keys = client, keys
+        self.script = client.register_script(source("append_step"))
+        self._cluster = isinstance(client, redis.RedisCluster)
+        self._slots = [key_slot(keys.running_jobs(b)) for b in keys.bucket_range()]
+
+    def write(self, appends: Sequence[Append], ttl_s: int, now: float) -> list[Any]:
+        """The script's answers to ``appends`` (jobs, not parts), in their order."""
+        if not appends:
+            return []
+        replies: list[Any] = [None] * len(appends)
+        for node, indexes in self._by_master(appends):
+            some = [appends[i] for i in indexes]
+            for i, reply in zip(indexes, self._call(node, some, ttl_s, now), strict=True):
+                replies[i] = reply
+        return replies
+
+    def _by_master(self, appends: Sequence[Append]) -> list[tuple[ClusterNode | None, list[int]]]:
+        if not self._cluster:
+            return [(None, list(range(len(appends))))]
+        nodes = self.client.nodes_manager  # type: ignore[attr-defined]
+        groups: dict[str, tuple[ClusterNode, list[int]]] = {}
+        for i, a in enumerate(appends):
+            node = nodes.get_node_from_slot(self._slots[self.keys.bucket_of(a.job_id)])
+            groups.setdefault(node.name, (node, []))[1].append(i)
+        return list(groups.values())
+
+    def _call(self, node: ClusterNode | None, appends: Sequence[Append], ttl_s: int, now: float) -> list[Any]:
+        keys, args = append_step_args(self.keys, appends, ttl_s, now)
+        if node is None or len({key_slot(k) for k in keys}) == 1:
+            return list(self.script(keys, args))  # EVALSHA, routed by its keys; loads the script on NOSCRIPT
+        spanning = [0, len(keys), *keys, *args]  # the keys of several slots in ARGV: no key declared
+        try:
+            try:
+                reply = self.client.execute_command("EVALSHA", self.script.sha, *spanning, target_nodes=node)
+            except NoScriptError:  # a restarted or new master: EVAL caches it there
+                reply = self.client.execute_command("EVAL", self.script.script, *spanning, target_nodes=node)
+        except _REROUTE:
+            return self._per_bucket(appends, ttl_s, now)
+        except ResponseError as e:
+            if _NOT_LOCAL not in str(e):
+                raise
+            return self._per_bucket(appends, ttl_s, now)
+        return list(reply)
+
+    def _per_bucket(self, appends: Sequence[Append], ttl_s: int, now: float) -> list[Any]:
+        replies: list[Any] = [None] * len(appends)
+        buckets: dict[int, list[int]] = {}
+        for i, a in enumerate(appends):
+            buckets.setdefault(self.keys.bucket_of(a.job_id), []).append(i)
+        for indexes in buckets.values():
+            keys, args = append_step_args(self.keys, [appends[i] for i in indexes], ttl_s, now)
+            for i, reply in zip(indexes, self.script(keys, args), strict=True):
+                replies[i] = reply
+        return replies
