@@ -1,16 +1,21 @@
 """A real Redis Cluster on free ports, for the tests that need one: three masters, and with
 ``replicas=1`` one replica each (six nodes), so that a test can kill a master and see its replica
-promoted."""
+promoted. And the stack on one (``cluster_stack``): the job data on the cluster, the broker on a
+standalone Redis apart."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import redis
+from procs import SPOOL, Service, spool_env, start, start_api, wait_until
 
+from common.buckets import CLUSTER_BUCKETS
+from common.keys import Keys
 from spool_cli import procs as harness
 
 MASTERS = 3
@@ -107,3 +112,79 @@ def _replicas_in_sync(cluster: Cluster, replicas: int) -> bool:
         if len(online) < replicas or sum(n.master == port for n in nodes.values()) < replicas:
             return False
     return True
+
+
+@dataclass
+class ClusterStack:
+    """The stack the other tests run, with SPOOL_REDIS_URL naming one node of a cluster,
+    SPOOL_BROKER_URL a standalone Redis and SPOOL_REDIS_BUCKETS the cluster's buckets
+    (common/keys.py): an API and its workers, w1 first."""
+
+    prefix: str
+    nodes: Cluster
+    model: Path
+    data: redis.RedisCluster  # the job data's client
+    settings: dict[str, Any]  # what points the services at the cluster and the broker
+    log_dir: Path
+    lease_s: float
+    max_batch_size: int
+    workers: list[Service] = field(default_factory=list)
+    api: Service = field(init=False)
+
+    @property
+    def keys(self) -> Keys:
+        return Keys(self.prefix, CLUSTER_BUCKETS)
+
+    def start_worker(self, name: str) -> Service:
+        """``spool worker`` named ``{prefix}-{name}``; waits for its heartbeat in the cluster."""
+        env = spool_env(
+            self.prefix,
+            model=self.model,
+            heartbeat_s=0.5,
+            lease_s=self.lease_s,
+            worker_name=f"{self.prefix}-{name}",
+            max_batch_size=self.max_batch_size,
+            **self.settings,
+        )
+        worker = start(f"worker-{self.prefix}-{name}", [SPOOL, "worker"], env, self.log_dir)
+        self.workers.append(worker)
+        wait_until(
+            lambda: bool(self.data.exists(self.keys.worker(f"{self.prefix}-{name}"))),
+            "its heartbeat",
+            120,
+            (worker,),
+        )
+        return worker
+
+
+@contextmanager
+def cluster_stack(
+    base: Path,
+    prefix: str,
+    model: Path,
+    log_dir: Path,
+    *,
+    lease_s: float,
+    max_batch_size: int,
+    replicas: int = 0,
+) -> Iterator[ClusterStack]:
+    """A cluster under ``base`` (``redis_cluster``), the broker, worker w1, then the API (an SSE
+    ping every second); all stopped on exit."""
+    with redis_cluster(base, replicas) as nodes:
+        broker_proc, broker_url = harness.start_redis(data_dir=base, log_dir=base)
+        data = redis.RedisCluster.from_url(nodes.url, decode_responses=True)
+        settings: dict[str, Any] = {
+            "redis_url": nodes.url,
+            "broker_url": broker_url,
+            "redis_buckets": CLUSTER_BUCKETS,
+        }
+        stack = ClusterStack(prefix, nodes, model, data, settings, log_dir, lease_s, max_batch_size)
+        try:
+            stack.start_worker("w1")
+            stack.api = start_api(prefix, log_dir, sse_ping_s=1, lease_s=lease_s, **settings)
+            yield stack
+        finally:
+            for service in [*stack.workers, *([stack.api] if hasattr(stack, "api") else [])]:
+                service.stop()
+            data.close()
+            harness.stop_all([broker_proc])

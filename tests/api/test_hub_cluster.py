@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 
 import pytest
 import redis
@@ -18,6 +18,7 @@ from redis.asyncio.cluster import RedisCluster
 from redis_cluster import Cluster, redis_cluster
 
 from api.hub import RESYNC, Hub, Inbox, Item
+from common.buckets import key_slot
 from common.keys import Keys
 from common.schemas.events import LogEntry
 from common.store import token_entry
@@ -48,7 +49,7 @@ def jobs_by_node(cluster: Cluster) -> dict[int, list[str]]:
     n = 0
     while any(len(jobs) < PER_NODE for jobs in by_node.values()):
         job_id, n = f"job{n}", n + 1
-        jobs = by_node[owner[redis.crc.key_slot(KEYS.job_events(job_id).encode())]]
+        jobs = by_node[owner[key_slot(KEYS.job_events(job_id))]]
         if len(jobs) < PER_NODE:
             jobs.append(job_id)
     return by_node
@@ -78,6 +79,32 @@ async def until(check: object, what: str) -> None:
             await asyncio.sleep(0.02)
 
 
+@contextlib.asynccontextmanager
+async def running_hub(cluster: Cluster) -> AsyncIterator[tuple[Hub, RedisCluster]]:
+    """A hub on the cluster, and a cluster client to publish with; both closed on exit."""
+    hub = Hub(cluster.url, KEYS, NAME, cluster=True)
+    client = RedisCluster.from_url(cluster.url)
+    await hub.start()
+    try:
+        yield hub, client
+    finally:
+        await hub.stop()
+        await client.aclose()
+
+
+@contextlib.asynccontextmanager
+async def watching(hub: Hub, jobs: list[str]) -> AsyncIterator[dict[str, Inbox]]:
+    """One stream per job (its inbox), entered once every connection is subscribed, with the
+    first connections' RESYNC (nothing missed yet) taken out."""
+    async with contextlib.AsyncExitStack() as stack:
+        inboxes = {job_id: await stack.enter_async_context(hub.watch(job_id)) for job_id in jobs}
+        await asyncio.wait_for(hub.connected.wait(), WAIT_S)
+        for inbox in inboxes.values():
+            while not inbox.empty():
+                assert inbox.get_nowait() is RESYNC
+        yield inboxes
+
+
 def test_each_job_channel_is_on_its_slots_master_and_a_dropped_node_resyncs_its_streams_only(
     cluster: Cluster,
 ) -> None:
@@ -85,19 +112,11 @@ def test_each_job_channel_is_on_its_slots_master_and_a_dropped_node_resyncs_its_
     jobs = [job_id for ids in by_node.values() for job_id in ids]
 
     async def scenario() -> None:
-        hub = Hub(cluster.url, KEYS, NAME, cluster=True)
-        client = RedisCluster.from_url(cluster.url)
-        await hub.start()
-        try:
-            async with contextlib.AsyncExitStack() as stack:
-                inboxes = {job_id: await stack.enter_async_context(hub.watch(job_id)) for job_id in jobs}
-                await asyncio.wait_for(hub.connected.wait(), WAIT_S)
+        async with running_hub(cluster) as (hub, client):
+            async with watching(hub, jobs) as inboxes:
                 # One connection per master, holding its own channel and the channels of its slots.
                 for port in cluster.ports:
                     assert [c["ssub"] for c in hub_clients(port)] == [str(1 + PER_NODE)], port
-                for inbox in inboxes.values():  # (the first connections' RESYNC: nothing missed yet)
-                    while not inbox.empty():
-                        assert inbox.get_nowait() is RESYNC
 
                 # Every message reaches its job's stream, and no other.
                 for seq in (1, 2):
@@ -127,9 +146,6 @@ def test_each_job_channel_is_on_its_slots_master_and_a_dropped_node_resyncs_its_
                 lambda: all([c["ssub"] for c in hub_clients(p)] == ["1"] for p in cluster.ports),
                 "every job channel unsubscribed",
             )
-        finally:
-            await hub.stop()
-            await client.aclose()
         assert all(hub_clients(port) == [] for port in cluster.ports)
 
     asyncio.run(scenario())
@@ -159,40 +175,28 @@ def test_a_moved_slot_resubscribes_its_channels_on_the_new_owner_and_resyncs_the
     jobs = [job_id for ids in by_node.values() for job_id in ids]
     source, target, _ = cluster.ports
     moved, stays = by_node[source]
-    slot = redis.crc.key_slot(KEYS.job_events(moved).encode())
-    assert slot != redis.crc.key_slot(KEYS.job_events(stays).encode())
+    slot = key_slot(KEYS.job_events(moved))
+    assert slot != key_slot(KEYS.job_events(stays))
 
     async def scenario() -> None:
-        hub = Hub(cluster.url, KEYS, NAME, cluster=True)
-        client = RedisCluster.from_url(cluster.url)
-        await hub.start()
-        try:
-            async with contextlib.AsyncExitStack() as stack:
-                inboxes = {job_id: await stack.enter_async_context(hub.watch(job_id)) for job_id in jobs}
-                await asyncio.wait_for(hub.connected.wait(), WAIT_S)
-                for inbox in inboxes.values():
-                    while not inbox.empty():
-                        assert inbox.get_nowait() is RESYNC
-                before = {port: hub_clients(port) for port in cluster.ports}
+        async with running_hub(cluster) as (hub, client), watching(hub, jobs) as inboxes:
+            before = {port: hub_clients(port) for port in cluster.ports}
 
-                await asyncio.to_thread(move_slot, cluster, slot, source, target)
-                assert await next_item(inboxes[moved]) is RESYNC
-                # The same connections: the moved channel left the source's and joined the target's.
-                after = {port: hub_clients(port) for port in cluster.ports}
-                assert [[c["id"] for c in clients] for clients in after.values()] == [
-                    [c["id"] for c in clients] for clients in before.values()
-                ]
-                assert [c["ssub"] for c in after[source]] == [str(PER_NODE)]
-                assert [c["ssub"] for c in after[target]] == [str(2 + PER_NODE)]
-                assert hub.reconnects == 0
+            await asyncio.to_thread(move_slot, cluster, slot, source, target)
+            assert await next_item(inboxes[moved]) is RESYNC
+            # The same connections: the moved channel left the source's and joined the target's.
+            after = {port: hub_clients(port) for port in cluster.ports}
+            assert [[c["id"] for c in clients] for clients in after.values()] == [
+                [c["id"] for c in clients] for clients in before.values()
+            ]
+            assert [c["ssub"] for c in after[source]] == [str(PER_NODE)]
+            assert [c["ssub"] for c in after[target]] == [str(2 + PER_NODE)]
+            assert hub.reconnects == 0
 
-                # Messages reach every stream (the moved one's from its new node); no other RESYNC.
-                await publish_all(client, jobs, 1)
-                for job_id in jobs:
-                    assert await next_item(inboxes[job_id]) == entry(job_id, 1)
-                    assert inboxes[job_id].empty()
-        finally:
-            await hub.stop()
-            await client.aclose()
+            # Messages reach every stream (the moved one's from its new node); no other RESYNC.
+            await publish_all(client, jobs, 1)
+            for job_id in jobs:
+                assert await next_item(inboxes[job_id]) == entry(job_id, 1)
+                assert inboxes[job_id].empty()
 
     asyncio.run(scenario())

@@ -2,16 +2,16 @@
 every accepted job ends, succeeded with the greedy reference's text or failed visibly, none stays
 queued or running and none vanishes; every open stream ends with a done or error event.
 
-The stack is test_job_data_on_a_cluster.py's on a cluster with one replica per master (six
-nodes, a node timeout of a second). The master killed (SIGKILL: no goodbye) is the one that holds
-the first streamed job's keys. Redis replicates asynchronously, so the writes a master took in
-its last moments may never reach its replica: the promoted replica then holds an earlier state
-of that master's slots (every write up to some point, none after: a script's writes replicate
-whole). The test makes that loss certain rather than a matter of microseconds (a plain kill on
-loopback loses nothing: docs/operations.md has its figures): the replica's link is cut just
-before the kill (CLIENT KILL TYPE replica; the replica reconnects
-only at its next once-a-second cron), and the master takes a few engine steps' writes alone
-first. What the jobs lost and how they ended is printed (pytest -s), for docs/operations.md.
+The stack is test_job_data_on_a_cluster.py's (tests/redis_cluster.py cluster_stack) on a cluster
+with one replica per master (six nodes, a node timeout of a second). The master killed (SIGKILL:
+no goodbye) is the one that holds the first streamed job's keys. Redis replicates asynchronously,
+so the writes a master took in its last moments may never reach its replica: the promoted replica
+then holds an earlier state of that master's slots (every write up to some point, none after: a
+script's writes replicate whole). The test makes that loss certain rather than a matter of
+microseconds (a plain kill on loopback loses nothing: docs/operations.md has its figures): the
+replica's link is cut just before the kill (CLIENT KILL TYPE replica; the replica reconnects only
+at its next once-a-second cron), and the master takes a few engine steps' writes alone first.
+What the jobs lost and how they ended is printed (pytest -s), for docs/operations.md.
 """
 
 from __future__ import annotations
@@ -31,12 +31,10 @@ import httpx
 import pytest
 import redis
 from greedy import greedy
-from procs import SPOOL, Prefixes, Service, spool_env, start, start_api, wait_until
-from redis_cluster import Cluster, redis_cluster
+from procs import Prefixes, wait_until
+from redis_cluster import Cluster, ClusterStack, cluster_stack
 from sse_client import Event, iter_sse
 
-from common.buckets import CLUSTER_BUCKETS
-from common.keys import Keys
 from spool_cli import procs as harness
 
 LEASE_S = 3.0
@@ -49,59 +47,15 @@ BATCH = 12  # the worker runs this many at once: the other jobs are still queued
 END_TIMEOUT_S = 240
 
 
-@dataclass
-class Stack:
-    prefix: str
-    nodes: Cluster
-    api: Service
-    worker: Service
-    model: Path
-    data: redis.RedisCluster
-
-    @property
-    def keys(self) -> Keys:
-        return Keys(self.prefix, CLUSTER_BUCKETS)
-
-
 @pytest.fixture
 def stack(
     tmp_path_factory: pytest.TempPathFactory, prefixes: Prefixes, tiny_model: Path, log_dir: Path
-) -> Iterator[Stack]:
+) -> Iterator[ClusterStack]:
     base = tmp_path_factory.mktemp("redis-cluster-replicas")
-    with redis_cluster(base, replicas=1) as nodes:
-        broker_proc, broker_url = harness.start_redis(data_dir=base, log_dir=base)
-        data = redis.RedisCluster.from_url(nodes.url, decode_responses=True)
-        settings: dict[str, Any] = {
-            "redis_url": nodes.url,
-            "broker_url": broker_url,
-            "redis_buckets": CLUSTER_BUCKETS,
-        }
-        prefix = prefixes.new()
-        keys = Keys(prefix, CLUSTER_BUCKETS)
-        services: list[Service] = []
-        try:
-            env = spool_env(
-                prefix,
-                model=tiny_model,
-                heartbeat_s=0.5,
-                lease_s=LEASE_S,
-                worker_name=f"{prefix}-w1",
-                max_batch_size=BATCH,
-                **settings,
-            )
-            worker = start(f"worker-{prefix}-w1", [SPOOL, "worker"], env, log_dir)
-            services.append(worker)
-            wait_until(
-                lambda: bool(data.exists(keys.worker(f"{prefix}-w1"))), "its heartbeat", 120, (worker,)
-            )
-            api = start_api(prefix, log_dir, sse_ping_s=1, lease_s=LEASE_S, **settings)
-            services.append(api)
-            yield Stack(prefix, nodes, api, worker, tiny_model, data)
-        finally:
-            for service in services:
-                service.stop()
-            data.close()
-            harness.stop_all([broker_proc])
+    with cluster_stack(
+        base, prefixes.new(), tiny_model, log_dir, lease_s=LEASE_S, max_batch_size=BATCH, replicas=1
+    ) as stack:
+        yield stack
 
 
 @dataclass
@@ -141,7 +95,7 @@ def submit(client: httpx.Client, url: str, prompt: str, max_tokens: int = MAX_TO
 
 
 @pytest.mark.timeout(600)
-def test_a_masters_failover_loses_no_accepted_job(stack: Stack) -> None:
+def test_a_masters_failover_loses_no_accepted_job(stack: ClusterStack) -> None:
     url, keys, data = stack.api.url, stack.keys, stack.data
     prompts = {}
     with httpx.Client(timeout=60) as client, ThreadPoolExecutor(8) as pool:
@@ -227,7 +181,7 @@ def test_a_masters_failover_loses_no_accepted_job(stack: Stack) -> None:
                         ended[j] = r.json()
             return len(ended) == len(prompts)
 
-        wait_until(all_ended, "every accepted job to end", END_TIMEOUT_S, (stack.worker, stack.api))
+        wait_until(all_ended, "every accepted job to end", END_TIMEOUT_S, (*stack.workers, stack.api))
         ended_after = time.monotonic() - killed_at
     for t in followers:
         t.join()

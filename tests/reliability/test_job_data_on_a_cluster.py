@@ -4,7 +4,8 @@ resumes by id, a batch, and a worker killed mid-job whose job another worker tak
 
 The stack is the one the other tests run, with SPOOL_REDIS_URL naming one node of the cluster,
 SPOOL_BROKER_URL a standalone Redis and SPOOL_REDIS_BUCKETS the cluster's buckets
-(common/keys.py), so every script's keys share a hash slot and job events go over shard channels.
+(common/keys.py; tests/redis_cluster.py cluster_stack), so every script's keys share a hash slot
+and job events go over shard channels.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import os
 import signal
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,90 +23,36 @@ import httpx
 import pytest
 import redis
 from greedy import greedy
-from procs import SPOOL, Prefixes, Service, spool_env, start, start_api, wait_until
-from redis_cluster import redis_cluster
+from procs import Prefixes, wait_until
+from redis_cluster import ClusterStack, cluster_stack
 from sse_client import Event, check_full_stream, iter_sse, read_events
 
-from common.buckets import CLUSTER_BUCKETS
-from common.keys import Keys
-from spool_cli import procs as harness
-
 LEASE_S = 3.0  # a killed worker's jobs are taken over after this
-
-
-@dataclass
-class Stack:
-    prefix: str
-    api: Service
-    workers: list[Service]
-    model: Path
-    data: redis.RedisCluster
-    settings: dict[str, object]
-    log_dir: Path
-
-    @property
-    def keys(self) -> Keys:
-        return Keys(self.prefix, CLUSTER_BUCKETS)
-
-    def start_worker(self, name: str) -> Service:
-        env = spool_env(
-            self.prefix,
-            model=self.model,
-            heartbeat_s=0.5,
-            lease_s=LEASE_S,
-            worker_name=f"{self.prefix}-{name}",
-            max_batch_size=32,
-            **self.settings,
-        )
-        worker = start(f"worker-{self.prefix}-{name}", [SPOOL, "worker"], env, self.log_dir)
-        self.workers.append(worker)
-        wait_until(
-            lambda: self.data.exists(self.keys.worker(f"{self.prefix}-{name}")),
-            "its heartbeat",
-            120,
-            (worker,),
-        )
-        return worker
 
 
 @pytest.fixture(scope="module")
 def stack(
     tmp_path_factory: pytest.TempPathFactory, prefixes: Prefixes, tiny_model: Path, log_dir: Path
-) -> Iterator[Stack]:
+) -> Iterator[ClusterStack]:
     base = tmp_path_factory.mktemp("redis-cluster")
-    with redis_cluster(base) as nodes:
-        broker_proc, broker_url = harness.start_redis(data_dir=base, log_dir=base)
-        data = redis.RedisCluster.from_url(nodes.url, decode_responses=True)
-        settings: dict[str, object] = {
-            "redis_url": nodes.url,
-            "broker_url": broker_url,
-            "redis_buckets": CLUSTER_BUCKETS,
-        }
-        prefix = prefixes.new()
-        s = Stack(prefix, None, [], tiny_model, data, settings, log_dir)  # type: ignore[arg-type]
-        try:
-            s.start_worker("w1")
-            s.api = start_api(prefix, log_dir, sse_ping_s=1, lease_s=LEASE_S, **settings)
-            yield s
-        finally:
-            for service in [*s.workers, *([s.api] if s.api else [])]:
-                service.stop()
-            data.close()
-            harness.stop_all([broker_proc])
+    with cluster_stack(
+        base, prefixes.new(), tiny_model, log_dir, lease_s=LEASE_S, max_batch_size=32
+    ) as stack:
+        yield stack
 
 
-def reference(stack: Stack, prompt: str, max_tokens: int) -> str:
+def reference(stack: ClusterStack, prompt: str, max_tokens: int) -> str:
     return greedy(stack.model, prompt, max_tokens).text
 
 
-def submit(client: httpx.Client, stack: Stack, prompt: str, max_tokens: int) -> str:
+def submit(client: httpx.Client, stack: ClusterStack, prompt: str, max_tokens: int) -> str:
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
     r = client.post(f"{stack.api.url}/v1/jobs", json=body)
     assert r.status_code == 202, r.text
     return str(r.json()["id"])
 
 
-def finished(client: httpx.Client, stack: Stack, job_id: str, timeout: float = 120) -> dict[str, Any]:
+def finished(client: httpx.Client, stack: ClusterStack, job_id: str, timeout: float = 120) -> dict[str, Any]:
     job: dict[str, Any] = {}
 
     def ended() -> bool:
@@ -117,12 +63,12 @@ def finished(client: httpx.Client, stack: Stack, job_id: str, timeout: float = 1
     return job
 
 
-def master_of(stack: Stack, key: str) -> str:
+def master_of(stack: ClusterStack, key: str) -> str:
     node = stack.data.get_node_from_key(key)
     return f"{node.host}:{node.port}"
 
 
-def test_jobs_equal_the_reference_with_their_keys_on_every_master(stack: Stack) -> None:
+def test_jobs_equal_the_reference_with_their_keys_on_every_master(stack: ClusterStack) -> None:
     prompts = [f"story number {i} begins with" for i in range(24)]
     with httpx.Client(timeout=60) as client, ThreadPoolExecutor(8) as pool:
         ids = list(pool.map(lambda p: submit(client, stack, p, 16), prompts))
@@ -139,7 +85,7 @@ def test_jobs_equal_the_reference_with_their_keys_on_every_master(stack: Stack) 
             assert node.exists(stack.keys.job(job_id), stack.keys.job_log(job_id)) == 2
 
 
-def test_a_stream_resumes_by_id_on_shard_channels(stack: Stack) -> None:
+def test_a_stream_resumes_by_id_on_shard_channels(stack: ClusterStack) -> None:
     body = {"prompt": "Once upon a time", "max_tokens": 32, "temperature": 0, "stream": True}
     with httpx.Client(timeout=60) as client:
         with client.stream("POST", f"{stack.api.url}/v1/jobs", json=body) as r:
@@ -151,7 +97,7 @@ def test_a_stream_resumes_by_id_on_shard_channels(stack: Stack) -> None:
     assert check_full_stream(head + rest) == reference(stack, "Once upon a time", 32)
 
 
-def test_a_batch_runs_its_lines_in_its_owners_bucket(stack: Stack) -> None:
+def test_a_batch_runs_its_lines_in_its_owners_bucket(stack: ClusterStack) -> None:
     prompts = [f"line {i} says" for i in range(6)]
     lines = [
         {
@@ -188,7 +134,7 @@ def test_a_batch_runs_its_lines_in_its_owners_bucket(stack: Stack) -> None:
     assert stack.keys.bucket_of(batch["id"]) == stack.keys.bucket_of(file_id) == stack.keys.owner_bucket("")
 
 
-def test_a_killed_workers_job_is_taken_over(stack: Stack) -> None:
+def test_a_killed_workers_job_is_taken_over(stack: ClusterStack) -> None:
     """Killed mid-job (SIGKILL: no goodbye), its lease lapses; another worker takes the job over
     from its log in the cluster and ends it as one run would have."""
     with httpx.Client(timeout=60) as client:
