@@ -15,10 +15,13 @@ Printed: tokens per second carried to the clients (and offered), the relay laten
 and microseconds per token) and Redis commands per token (``INFO commandstats`` after ``CONFIG
 RESETSTAT``, which comes after the takes and the clients' subscriptions: the steps' writes, their
 publishes and what the APIs read meanwhile). On a cluster the CPU and commands are every
-master's (``INFO`` of each), summed, and per master: how evenly the buckets split the load. A
-capacity figure is the offered rate at which carried falls behind offered or p99 passes 50 ms;
-where the machine is too small to offer that, the CPU per token of the busiest master says at
-what rate its core would be the limit. ``--repeats`` runs the layouts in turn that many times
+master's (``INFO`` of each), summed, and per master: how evenly the buckets split the load. Each
+master's CPU is also measured for ``IDLE_S`` before the first step, every process up and no token
+flowing (the sweeps, the batch feeder's leases, heartbeats: a cluster's buckets multiply them), so
+the CPU per token is printed whole and over that idle share. A capacity figure is the offered rate
+at which carried falls behind offered or p99 passes 50 ms; where the machine is too small to offer
+that, "tokens/s at 80% of the busiest master" says at what rate a master's core would be the limit
+(its idle share plus its CPU per token over idle). ``--repeats`` runs the layouts in turn that many times
 (alternated, so the machine's load falls on each alike) and prints each layout's medians. Speed
 is never asserted.
 """
@@ -58,6 +61,9 @@ SETUP_TIMEOUT_S = 120.0
 # the jobs every tick (HMGETs counted as the token path's) and requeue them. An hour outlasts any run.
 LEASE_S = 3600.0
 
+
+IDLE_S = 5.0  # the window that measures each master's CPU with no token flowing
+CAPACITY_SHARE = 0.8  # of a core: a master's share at the capacity figure
 
 STANDALONE = 0  # in --shards: a standalone redis-server (the broker too), not a cluster
 
@@ -215,6 +221,11 @@ def run(args: argparse.Namespace, shards: int, log_dir: Path) -> dict[str, Any]:
             children.append(p)
         for _ in range(args.workers):
             ready.get(timeout=SETUP_TIMEOUT_S)
+        # The CPU the layout spends with no token flowing: the APIs' and workers' sweeps, the
+        # batch feeder's leases, heartbeats (a cluster's buckets multiply them), per second.
+        idle0 = redis_cpus(masters)
+        time.sleep(IDLE_S)  # a measuring window, not a wait for a condition
+        idle = [(c1 - c0) / IDLE_S for c0, c1 in zip(idle0, redis_cpus(masters), strict=True)]
         for m in masters:
             m.config_resetstat()
         cpu0, t0 = redis_cpus(masters), time.time()
@@ -244,6 +255,8 @@ def run(args: argparse.Namespace, shards: int, log_dir: Path) -> dict[str, Any]:
             if k not in ours:
                 calls[k] = calls.get(k, 0) + v
     master_calls = [sum(v for k, v in stats.items() if k not in ours) for stats in per_master]
+    # Each master's CPU per token over what it spends idle: what grows with the tokens.
+    marginal = [max(0.0, u - i * seconds) * 1e6 / generated for u, i in zip(used, idle, strict=True)]
     return {
         "layout": layout_name(shards),
         "shards": shards,
@@ -263,6 +276,15 @@ def run(args: argparse.Namespace, shards: int, log_dir: Path) -> dict[str, Any]:
         "master_cpu_share": [u / seconds for u in used],
         "master_cpu_us_per_token": [u * 1e6 / generated for u in used],
         "master_commands_per_token": [c / generated for c in master_calls],
+        "redis_idle_share": sum(idle),
+        "master_idle_share": idle,
+        "redis_marginal_us_per_token": sum(marginal),
+        "master_marginal_us_per_token": marginal,
+        # The token rate at which the busiest master's core would be 80% busy: its idle share,
+        # plus its marginal CPU per token of the layout's.
+        "tokens_per_s_at_80pct": min(
+            (CAPACITY_SHARE - i) * 1e6 / m if m else float("inf") for i, m in zip(idle, marginal, strict=True)
+        ),
         "commands_per_token": sum(calls.values()) / generated,
         "worker_max_late_s": max(w["max_late_s"] for w in writers),
         "commands": dict(sorted(calls.items(), key=lambda kv: -kv[1])),
@@ -315,6 +337,29 @@ def print_table(by_layout: dict[int, list[dict[str, Any]]]) -> None:
             [spread(rs, "redis_cpu_us_per_token", fmt=".1f") for rs in by_layout.values()],
         ),
         ("commands/token", [spread(rs, "commands_per_token", fmt=".2f") for rs in by_layout.values()]),
+        (
+            "Redis CPU idle, % of a core (all)",
+            [spread(rs, "redis_idle_share", 100, ".1f") for rs in by_layout.values()],
+        ),
+        (
+            "Redis CPU us/token over idle (all)",
+            [spread(rs, "redis_marginal_us_per_token", fmt=".1f") for rs in by_layout.values()],
+        ),
+        (
+            "tokens/s at 80% of the busiest master",
+            [spread(rs, "tokens_per_s_at_80pct") for rs in by_layout.values()],
+        ),
+        (
+            f"capacity / capacity({base[0]['layout']})",
+            [
+                f"{median_of(rs, 'tokens_per_s_at_80pct') / median_of(base, 'tokens_per_s_at_80pct'):.2f}"
+                for rs in by_layout.values()
+            ],
+        ),
+        (
+            "per master: us/token over idle",
+            [per_master(rs, "master_marginal_us_per_token", 1, ".1f") for rs in by_layout.values()],
+        ),
         (
             "per master: us/token",
             [per_master(rs, "master_cpu_us_per_token", 1, ".1f") for rs in by_layout.values()],
@@ -391,7 +436,8 @@ def print_run(r: dict[str, Any]) -> None:
         f"{r['offered_tokens_per_s']:.0f} tokens/s, carried {r['carried_tokens_per_s']:.0f} tokens/s "
         f"({r['tokens_relayed']}/{r['tokens_generated']} relayed, {r['streams_ended']} streams ended); relay "
         f"p50 {r['relay_p50_ms']:.1f} ms, p99 {r['relay_p99_ms']:.1f} ms; Redis CPU "
-        f"{100 * r['redis_cpu_share']:.0f}% of a core, {r['redis_cpu_us_per_token']:.1f} us/token{masters}; "
+        f"{100 * r['redis_cpu_share']:.0f}% of a core, {r['redis_cpu_us_per_token']:.1f} us/token{masters} "
+        f"({100 * r['redis_idle_share']:.1f}% idle, {r['redis_marginal_us_per_token']:.1f} us/token over it); "
         f"{r['commands_per_token']:.2f} commands/token; workers late by {r['worker_max_late_s'] * 1000:.0f} ms "
         "at most"
     )
