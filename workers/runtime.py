@@ -61,7 +61,8 @@ class _Abort:
 
 @dataclass(frozen=True)
 class _Drop:
-    job_id: str  # another worker took it over: stop it, write nothing more
+    job_id: str  # another worker took it over, or it is handed back: stop it, write nothing more
+    job: Job | None  # its record, read before it is released (which may come first)
 
 
 _STOP = object()
@@ -284,7 +285,7 @@ class EngineRuntime:
             elif isinstance(cmd, _Abort):
                 self._core.abort(self._job(cmd.job_id), cmd.error)
             elif isinstance(cmd, _Drop):
-                self._core.drop(cmd.job_id, self._job(cmd.job_id))
+                self._core.drop(cmd.job_id, cmd.job)
             try:
                 cmd = self._inbox.get_nowait()
             except queue.Empty:
@@ -327,26 +328,36 @@ class EngineRuntime:
             return
         for job_id in sent.lost:
             log.warning("job %s was taken over by another worker; dropping it", job_id)
-            self._inbox.put(_Drop(job_id))
-        self._hand_back(sent.gaps)
+            self._inbox.put(_Drop(job_id, self._job(job_id)))
+        self._hand_back(sent.gaps - sent.lost)
         self._release(sent.finished, Outcome.FINISHED)
-        self._release(sent.lost | sent.gaps, Outcome.LOST)
+        self._release(sent.lost, Outcome.LOST)
 
     def _hand_back(self, gaps: set[str]) -> None:
         """Jobs whose log has a gap before this worker's next event (one of its writes was lost):
         not a take-over (the attempt is still ours). What is stored is consistent, what the engine
         holds is not, so stop them and lapse their leases: the sweep requeues them and the worker
-        that takes them resumes from the stored tokens, with the text an unbroken run gives."""
+        that takes them resumes from the stored tokens, with the text an unbroken run gives.
+
+        They are released before their leases lapse, under liveness's lease lock, so no beat
+        renews a lease after it lapsed (one that read them held finishes its renewal first)."""
         if not gaps:
             return
-        held = {job_id: job.attempt for job_id, job in self.held().items() if job_id in gaps}
-        for job_id in gaps:
-            log.error("job %s: its log has a gap before this worker's next event; handing it back", job_id)
-            self._inbox.put(_Drop(job_id))
-        try:
-            self.store.lapse_leases(held)
-        except RedisError as e:  # its lease then lapses unrenewed (this worker no longer holds it)
-            log.warning("could not lapse the leases of %s: %s", sorted(held), e)
+        with self.liveness.leases:
+            with self._lock:
+                jobs = {job_id: job for job_id in gaps if (job := self._jobs.pop(job_id, None))}
+            for job_id, job in jobs.items():
+                log.error(
+                    "job %s: its log has a gap before this worker's next event; handing it back", job_id
+                )
+                self._inbox.put(_Drop(job_id, job))
+            try:
+                self.store.lapse_leases({job_id: job.cursor.attempt for job_id, job in jobs.items()})
+            except RedisError as e:  # its lease then lapses unrenewed (this worker no longer holds it)
+                log.warning("could not lapse the leases of %s: %s", sorted(jobs), e)
+        for job in jobs.values():
+            job.outcome = Outcome.LOST
+            job.done.set()
 
     def _release(self, job_ids: set[str], outcome: Outcome) -> None:
         with self._lock:
