@@ -100,6 +100,11 @@ class Liveness:
         self._connected_since: float | None = None  # start of the current run of successful beats
         self._tokenizer: TokenizerSpec | None = None  # named by the heartbeats (start)
         self._held_since: dict[str, float] = {}  # job id -> monotonic time a beat first saw it held
+        # Held by a beat from reading the executor's jobs to renewing their leases. An executor
+        # that lapses a lease takes it too, and lets go of the job under it first: a beat that
+        # read the job before would otherwise renew the lapsed lease, and the job would wait a
+        # whole lease for the sweep.
+        self.leases = threading.Lock()
         self._threads = [
             NamedThread(target=self._listen_cancels, name="spool-cancels", daemon=True),
             NamedThread(target=self._beat, name="spool-heartbeat", daemon=True),
@@ -163,8 +168,10 @@ class Liveness:
             )
             self.store.beat(heartbeat, self._tokenizer)
             self._connected_since = self._connected_since or now
-            held = self.executor.held()
-            for job_id in self.store.renew_leases({j: h.attempt for j, h in held.items()}):
+            with self.leases:
+                held = self.executor.held()
+                lost = self.store.renew_leases({j: h.attempt for j, h in held.items()})
+            for job_id in lost:
                 log.warning("lost the lease of job %s; dropping it", job_id)
                 self.executor.abort(job_id)
             for job_id in self.store.cancel_requested(list(held)):

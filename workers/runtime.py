@@ -5,7 +5,9 @@ Only the engine thread touches the engine. It applies the inbox's commands (add,
 ``engine.step()`` and hands the step's log entries to the writer thread. The writer writes them
 in one round trip while the engine runs the next step, so the engine waits for Redis only when
 the writer is ``OUTBOX_STEPS`` steps behind. While the worker holds batch lines, an intake thread
-takes queued interactive jobs itself, since Celery hands it no message until a line ends.
+takes queued interactive jobs itself, since Celery hands it no message until a line ends; while
+all of Celery's task threads are busy, one more runs the messages of tenants it holds no job of
+(workers/tenant_intake.py).
 
 What the engine thread does to a job is in workers/core.py, a job's record in workers/job.py.
 The runtime is the executor of workers/liveness.py. The path of a token through it:
@@ -24,10 +26,12 @@ from typing import Any
 
 from redis.exceptions import RedisError
 
+from common.keys import Keys
 from common.process import NamedThread
 from common.schemas.views import JobError
 from common.settings import Settings
 from common.store import Append, SyncJobStore, TakeStatus
+from common.tenants import tenant_of
 from workers.appends import prepare_appends
 from workers.core import JobCore
 from workers.engine import Delta, Engine
@@ -39,6 +43,7 @@ from workers.metrics import WorkerMetrics, job_sets, per_job
 from workers.publisher import Publisher
 from workers.reaper import Requeue
 from workers.task_common import Outcome
+from workers.tenant_intake import TenantIntake
 from workers.tokenizer_spec import served_spec
 from workers.watchdog import Watchdog
 
@@ -61,7 +66,8 @@ class _Abort:
 
 @dataclass(frozen=True)
 class _Drop:
-    job_id: str  # another worker took it over: stop it, write nothing more
+    job_id: str  # another worker took it over, or it is handed back: stop it, write nothing more
+    job: Job | None  # its record, read before it is released (which may come first)
 
 
 _STOP = object()
@@ -76,6 +82,7 @@ class EngineRuntime:
         name: str,
         model: str,
         requeue: Requeue | None = None,
+        task_threads: int | None = None,
     ) -> None:
         self.engine = engine
         self.store = store
@@ -102,14 +109,20 @@ class EngineRuntime:
             NamedThread(target=self._write_loop, name="spool-writer", daemon=True),
             NamedThread(target=self._intake_loop, name="spool-intake", daemon=True),
         ]
+        # Celery's task threads (its concurrency): while all are busy, one more thread runs the
+        # messages of tenants it holds no job of. None (no Celery, as in tests): no such thread.
+        self._tenants = TenantIntake(
+            store.broker, self.queue, self.held_queues, self._run, task_threads, self._stop
+        )
 
     @classmethod
-    def from_settings(cls, settings: Settings, name: str, requeue: Requeue | None = None) -> EngineRuntime:
+    def from_settings(
+        cls, settings: Settings, name: str, requeue: Requeue | None = None, task_threads: int | None = None
+    ) -> EngineRuntime:
         """Load the model, beat once and start the threads."""
         engine = load_engine(settings)
-        runtime = cls(
-            engine, SyncJobStore.from_settings(settings), settings, name, settings.served_model, requeue
-        )
+        store = SyncJobStore.from_settings(settings)
+        runtime = cls(engine, store, settings, name, settings.served_model, requeue, task_threads)
         if settings.worker_metrics_port is not None:
             runtime.metrics.serve(settings.worker_metrics_port)
         runtime.start()
@@ -121,6 +134,7 @@ class EngineRuntime:
         self.liveness.start(served_spec(self.engine.tokenizer, prompt_of))
         for t in self._threads:
             t.start()
+        self._tenants.start()
         self._watchdog.start()
 
     def close(self) -> None:
@@ -129,6 +143,7 @@ class EngineRuntime:
         self._inbox.put(_STOP)
         for t in self._threads:
             t.join(timeout=10)
+        self._tenants.join(timeout=10)
         self.liveness.join(timeout=10)
         self._watchdog.join(timeout=10)
         with self._lock:
@@ -139,7 +154,12 @@ class EngineRuntime:
     # -- task threads ----------------------------------------------------------------------------
 
     def run_job(self, job_id: str) -> Outcome:
-        """Take the job, run it, and return once its terminal event is written (or it was lost)."""
+        """Take the job, run it, and return once its terminal event is written (or it was lost).
+        For Celery's task threads (counted: workers/tenant_intake.py); the intakes call ``_run``."""
+        with self._tenants.task():
+            return self._run(job_id)
+
+    def _run(self, job_id: str) -> Outcome:
         if self._stop.is_set():
             return Outcome.SHUTDOWN
         taken = self.store.take_job(job_id, self.name, self.model)
@@ -211,7 +231,7 @@ class EngineRuntime:
 
     def _intake(self, job_id: str) -> None:
         try:
-            self.run_job(job_id)
+            self._run(job_id)
         except RedisError as e:  # its message, still queued, runs it
             log.warning("intake of job %s: %s", job_id, e)
         except Exception:
@@ -228,6 +248,11 @@ class EngineRuntime:
                 job_id: HeldJob(j.cursor.attempt, not j.request.background and not j.abort_requested)
                 for job_id, j in self._jobs.items()
             }
+
+    def held_queues(self) -> set[str]:
+        """The tenant queues of the held jobs' tenants (Keys.tenant_queue)."""
+        with self._lock:
+            return {Keys.tenant_queue(self.queue, tenant_of(j.owner)) for j in self._jobs.values()}
 
     def heartbeat_fields(self) -> dict[str, Any]:
         return {
@@ -284,7 +309,7 @@ class EngineRuntime:
             elif isinstance(cmd, _Abort):
                 self._core.abort(self._job(cmd.job_id), cmd.error)
             elif isinstance(cmd, _Drop):
-                self._core.drop(cmd.job_id, self._job(cmd.job_id))
+                self._core.drop(cmd.job_id, cmd.job)
             try:
                 cmd = self._inbox.get_nowait()
             except queue.Empty:
@@ -327,26 +352,36 @@ class EngineRuntime:
             return
         for job_id in sent.lost:
             log.warning("job %s was taken over by another worker; dropping it", job_id)
-            self._inbox.put(_Drop(job_id))
-        self._hand_back(sent.gaps)
+            self._inbox.put(_Drop(job_id, self._job(job_id)))
+        self._hand_back(sent.gaps - sent.lost)
         self._release(sent.finished, Outcome.FINISHED)
-        self._release(sent.lost | sent.gaps, Outcome.LOST)
+        self._release(sent.lost, Outcome.LOST)
 
     def _hand_back(self, gaps: set[str]) -> None:
         """Jobs whose log has a gap before this worker's next event (one of its writes was lost):
         not a take-over (the attempt is still ours). What is stored is consistent, what the engine
         holds is not, so stop them and lapse their leases: the sweep requeues them and the worker
-        that takes them resumes from the stored tokens, with the text an unbroken run gives."""
+        that takes them resumes from the stored tokens, with the text an unbroken run gives.
+
+        They are released before their leases lapse, under liveness's lease lock, so no beat
+        renews a lease after it lapsed (one that read them held finishes its renewal first)."""
         if not gaps:
             return
-        held = {job_id: job.attempt for job_id, job in self.held().items() if job_id in gaps}
-        for job_id in gaps:
-            log.error("job %s: its log has a gap before this worker's next event; handing it back", job_id)
-            self._inbox.put(_Drop(job_id))
-        try:
-            self.store.lapse_leases(held)
-        except RedisError as e:  # its lease then lapses unrenewed (this worker no longer holds it)
-            log.warning("could not lapse the leases of %s: %s", sorted(held), e)
+        with self.liveness.leases:
+            with self._lock:
+                jobs = {job_id: job for job_id in gaps if (job := self._jobs.pop(job_id, None))}
+            for job_id, job in jobs.items():
+                log.error(
+                    "job %s: its log has a gap before this worker's next event; handing it back", job_id
+                )
+                self._inbox.put(_Drop(job_id, job))
+            try:
+                self.store.lapse_leases({job_id: job.cursor.attempt for job_id, job in jobs.items()})
+            except RedisError as e:  # its lease then lapses unrenewed (this worker no longer holds it)
+                log.warning("could not lapse the leases of %s: %s", sorted(jobs), e)
+        for job in jobs.values():
+            job.outcome = Outcome.LOST
+            job.done.set()
 
     def _release(self, job_ids: set[str], outcome: Outcome) -> None:
         with self._lock:

@@ -12,7 +12,7 @@ from celery import Task
 
 from common.keys import GENERATE_TASK, REQUEUE_PRIORITY
 from common.settings import get_settings
-from workers.celery_app import app
+from workers.celery_app import app, worker_concurrency
 from workers.runtime import EngineRuntime
 from workers.task_common import RETRY_MARGIN_S, TASK_OPTIONS, Outcome, WorkerRuntime
 
@@ -27,7 +27,10 @@ def requeue(job_id: str) -> None:
 
 _settings = get_settings()
 _runtime = WorkerRuntime(
-    app, _settings, lambda name: EngineRuntime.from_settings(_settings, name, requeue), "engine"
+    app,
+    _settings,
+    lambda name: EngineRuntime.from_settings(_settings, name, requeue, worker_concurrency(_settings)),
+    "engine",
 )
 
 

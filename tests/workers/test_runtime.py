@@ -21,6 +21,7 @@ from common.settings import load_settings
 from common.store import Append, Appended, QueueMessage, token_entry
 from workers.engine import Engine, SamplingParams
 from workers.job import prompt_of
+from workers.liveness import HeldJob
 from workers.runtime import EngineRuntime
 from workers.task_common import Outcome
 
@@ -228,15 +229,55 @@ def test_heartbeat_names_the_model(runtime: EngineRuntime, store: StoreForTests)
     assert beat[0].model and "peak_batch_size" in beat[0].engine  # type: ignore[index]
 
 
-def test_a_gap_in_the_log_hands_the_job_back(runtime: EngineRuntime, store: StoreForTests) -> None:
+def test_a_gap_in_the_log_hands_the_job_back(
+    runtime: EngineRuntime, store: StoreForTests, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A gap (an entry of this worker's missing: a write that was skipped) is no take-over: the
     attempt is still this worker's. It stops the job and lapses its lease at once, so the sweep
     requeues it and a take-over resumes from what is stored (before: dropped as "taken over by
-    another worker", its lease left to lapse unrenewed)."""
+    another worker", its lease left to lapse unrenewed).
+
+    A heartbeat that read the job held before the hand-back renews no lease after it lapsed: it
+    is held here between the two, and the hand-back waits for it (before: the lease was renewed
+    a whole lease on, now and then, and this test failed)."""
     job = store.create_job(JobRequest(prompt=LONG_PROMPT, max_tokens=400, temperature=0))
-    thread, outcomes = run_in_thread(runtime, job.id)
+    read, go, handing_back = threading.Event(), threading.Event(), threading.Event()
+    outcomes: list[Outcome] = []
+
+    def run() -> None:
+        outcomes.append(runtime.run_job(job.id))
+        handing_back.set()  # the hand-back did not wait
+
+    def held() -> dict[str, HeldJob]:
+        jobs = EngineRuntime.held(runtime)
+        if threading.current_thread() is beat:
+            read.set()
+            go.wait(30)
+        return jobs
+
+    class Leases:  # the lease lock, telling when the writer's hand-back waits for it
+        lock = runtime.liveness.leases
+
+        def __enter__(self) -> None:
+            if threading.current_thread().name == "spool-writer":
+                handing_back.set()
+            self.lock.acquire()
+
+        def __exit__(self, *exc: object) -> None:
+            self.lock.release()
+
+    monkeypatch.setattr(runtime, "held", held)
+    monkeypatch.setattr(runtime.liveness, "leases", Leases())
+    thread = threading.Thread(target=run)
+    thread.start()
     poll(lambda: len(store.read_log(job.id)) >= 3, "a few tokens")
+    beat = threading.Thread(target=runtime.liveness.beat_once)
+    beat.start()
+    assert read.wait(30)  # the beat read the job held, and has not renewed its lease yet
     store.redis.rpop(store.keys.job_log(job.id))
+    assert handing_back.wait(30)
+    go.set()
+    beat.join(30)
     thread.join(30)
     assert outcomes == [Outcome.LOST]
     assert store.get_record(job.id).attempt == 1

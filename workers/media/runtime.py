@@ -348,10 +348,13 @@ class MediaRuntime:
             log.error(
                 "part %s: its events have a gap before this worker's next one; handing it back", part.part_id
             )
-            try:
-                self.store.lapse_leases({part.part_id: part.attempt})
-            except RedisError as e:  # its lease then lapses unrenewed
-                log.warning("could not lapse the lease of %s: %s", part.part_id, e)
+            with self.liveness.leases:  # let go of it first: no beat renews the lease it lapses
+                with self._lock:
+                    self._part = None
+                try:
+                    self.store.lapse_leases({part.part_id: part.attempt})
+                except RedisError as e:  # its lease then lapses unrenewed
+                    log.warning("could not lapse the lease of %s: %s", part.part_id, e)
         return part.part_id not in sent.lost | sent.gaps
 
 

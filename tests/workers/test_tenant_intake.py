@@ -1,0 +1,90 @@
+"""A real `spool worker` whose Celery task threads all hold one tenant's jobs takes another
+tenant's job at once (workers/tenant_intake.py), not when one of those jobs ends."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from procs import REDIS_URL, Service, start_worker
+from store_helpers import StoreForTests
+
+from api.enqueue import Enqueuer
+from common.keys import JOB_PRIORITY, Keys
+from common.schemas.requests import JobRequest
+from common.schemas.views import Job, JobStatus
+from common.settings import load_settings
+from common.tenants import tenant_of
+from workers.celery_app import SPARE_TASK_THREADS
+from workers.tenant_intake import job_of
+
+LONG_PROMPT = "the quick brown fox"  # greedy on the tiny model runs to max_tokens (no EOS)
+SLOTS = 2
+
+
+@pytest.fixture(scope="module")
+def worker(prefixes, tiny_model: Path, log_dir: Path) -> Iterator[tuple[str, Service]]:  # type: ignore[no-untyped-def]
+    prefix = prefixes.new()
+    service = start_worker(prefix, tiny_model, log_dir, max_batch_size=SLOTS)
+    yield prefix, service
+    service.stop()
+
+
+@pytest.fixture(scope="module")
+def store(worker: tuple[str, Service], tiny_model: Path) -> Iterator[StoreForTests]:
+    settings = load_settings(redis_url=REDIS_URL, redis_prefix=worker[0], model=str(tiny_model))
+    s = StoreForTests.from_settings(settings)
+    yield s
+    s.close()
+
+
+def owners(queue: str) -> tuple[str, str]:
+    """Two owners (API key hashes) whose jobs go to different tenant queues."""
+    candidates = [f"{c:x}" * 64 for c in range(16)]
+    first = Keys.tenant_queue(queue, tenant_of(candidates[0]))
+    return candidates[0], next(o for o in candidates if Keys.tenant_queue(queue, tenant_of(o)) != first)
+
+
+def submit(store: StoreForTests, owner: str, max_tokens: int) -> Job:
+    queue = store.settings.keys.model_queue(store.settings.served_model)
+    enqueuer = Enqueuer(store.settings)
+    request = JobRequest(prompt=LONG_PROMPT, max_tokens=max_tokens, temperature=0)
+    return store.create_job(
+        request, owner, message_for=lambda j: enqueuer.generate(j, queue, JOB_PRIORITY, tenant_of(owner))
+    )
+
+
+def test_a_message_of_a_tenant_it_holds_no_job_of_is_taken_while_every_task_thread_is_busy(
+    store: StoreForTests,
+) -> None:
+    queue = store.settings.keys.model_queue(store.settings.served_model)
+    flood, trickle = owners(queue)
+    threads = SLOTS + SPARE_TASK_THREADS  # the worker's Celery concurrency
+    # More long jobs of one tenant than the worker has task threads: all of them hold one.
+    floods = [submit(store, flood, 500) for _ in range(threads + 2)]
+    deadline = time.monotonic() + 60
+    while sum(store.get_job(j.id).status is JobStatus.RUNNING for j in floods) < threads:
+        assert time.monotonic() < deadline, "the flood's jobs were not all taken"
+        time.sleep(0.02)
+    job = submit(store, trickle, 8)
+    # Taken while every flood job still runs (before: only once one of them ended).
+    while (got := store.get_job(job.id)).status is JobStatus.QUEUED:
+        assert not any(store.get_job(j.id).status.terminal for j in floods), "a flood job ended first"
+        assert time.monotonic() < deadline + 60, "the trickle's job was not taken"
+        time.sleep(0.01)
+    assert got.status in (JobStatus.RUNNING, JobStatus.SUCCEEDED)
+    assert not any(store.get_job(j.id).status.terminal for j in floods)
+    for j in floods:
+        store.request_cancel(j.id)
+    while not store.get_job(job.id).status.terminal:
+        assert time.monotonic() < deadline + 120, "the trickle's job did not end"
+        time.sleep(0.02)
+    assert store.get_job(job.id).status is JobStatus.SUCCEEDED
+
+
+def test_job_of_reads_the_job_id_of_a_generate_message(store: StoreForTests) -> None:
+    message = Enqueuer(store.settings).generate("job-1", "q", JOB_PRIORITY, "t")
+    assert job_of(message.payload) == "job-1"
+    assert job_of("not json") is None
