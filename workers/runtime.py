@@ -31,6 +31,7 @@ from common.process import NamedThread
 from common.schemas.views import JobError
 from common.settings import Settings
 from common.store import Append, SyncJobStore, TakeStatus
+from common.store.broker_lists import BrokerLists
 from common.tenants import tenant_of
 from workers.appends import prepare_appends
 from workers.core import JobCore
@@ -112,7 +113,7 @@ class EngineRuntime:
         # Celery's task threads (its concurrency): while all are busy, one more thread runs the
         # messages of tenants it holds no job of. None (no Celery, as in tests): no such thread.
         self._tenants = TenantIntake(
-            store.broker, self.queue, self.held_queues, self._run, task_threads, self._stop
+            BrokerLists(store.broker), self.queue, self.held_queues, self._run, task_threads, self._stop
         )
 
     @classmethod

@@ -26,11 +26,11 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-import redis
 from redis.exceptions import RedisError
 
 from common.keys import GENERATE_TASK, JOB_PRIORITY, Keys
 from common.process import NamedThread
+from common.store.broker_lists import BrokerLists
 from workers.task_common import Outcome
 
 log = logging.getLogger(__name__)
@@ -55,14 +55,14 @@ def job_of(message: str) -> str | None:
 class TenantIntake:
     def __init__(
         self,
-        broker: redis.Redis,
+        lists: BrokerLists,
         queue: str,
         held_queues: Callable[[], set[str]],
         run: Callable[[str], Outcome],
         task_threads: int | None,
         stop: threading.Event,
     ) -> None:
-        self.broker = broker  # the broker's Redis (SyncJobStore.broker)
+        self.lists = lists
         self.queue = queue  # the model's queue
         self.held_queues = held_queues  # the tenant queues of the jobs the worker holds now
         self.run = run  # takes and runs a job, returning once it ended
@@ -108,7 +108,7 @@ class TenantIntake:
                 continue
             lists = self._lists()
             try:
-                popped = self.broker.brpop(list(lists), timeout=BLOCK_S) if lists else None
+                popped = self.lists.pop(list(lists), BLOCK_S) if lists else None
             except RedisError as e:  # the messages still come through Celery
                 log.warning("tenant intake: %s", e)
                 self.stop.wait(BLOCK_S)
@@ -135,6 +135,6 @@ class TenantIntake:
 
     def _give_back(self, list_name: str, message: str) -> None:
         try:
-            self.broker.rpush(list_name, message)  # the tail: the next BRPOP takes it first
+            self.lists.give_back(list_name, message)
         except RedisError as e:
             log.warning("tenant intake could not give a message back (the sweep sends it again): %s", e)
