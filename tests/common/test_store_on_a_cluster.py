@@ -1,7 +1,7 @@
-"""An engine step's writes on a real Redis Cluster (three masters, the broker on the tests' Redis
-apart): one script call per master, whatever buckets the step's jobs are in (common/store/steps.py);
-a slot that moved under the writer's slot map goes again as one call per bucket, and nothing is
-lost or written twice."""
+"""The worker's store on a real Redis Cluster (three masters, the broker on the tests' Redis
+apart): an engine step's writes are one script call per master, whatever buckets the step's jobs
+are in (common/store/steps.py); a slot that moved under the writer's slot map goes again as one
+call per bucket, and nothing is lost or written twice; a job's parts end as on one Redis."""
 
 from __future__ import annotations
 
@@ -14,11 +14,15 @@ import redis
 from procs import REDIS_URL
 from redis_cluster import Cluster, redis_cluster
 from store_helpers import StoreForTests
+from test_parts_store import IMAGE, MODEL, TEXT, end_image, end_text, get, run
 
 from common.buckets import CLUSTER_BUCKETS, key_slot
+from common.keys import part_id
 from common.schemas.requests import JobRequest
+from common.schemas.views import Job, JobStatus
 from common.settings import Settings, load_settings
-from common.store import Append, Appended, token_entry
+from common.store import Append, Appended, QueueMessage, TakeStatus, token_entry
+from common.store.outbox import outboxed
 from spool_cli import procs as harness
 
 
@@ -132,3 +136,32 @@ def _give_slot(cluster: Cluster, slot: int, port: int) -> None:
         return True
 
     harness.wait_until(agreed, f"slot {slot} on the master at {port}", 10, cluster.procs)
+
+
+def test_a_job_with_parts_ends_partial_on_a_cluster(settings: Settings) -> None:
+    """A text part and an image part (their scripts, the outbox to the broker apart) on a cluster:
+    text succeeded, image failed is ``partial``, with one log for both."""
+    keys = settings.keys
+    request = JobRequest.accept({"parts": [TEXT, IMAGE]}, settings)
+    # The API's messages with the broker apart: on the outbox of the job's bucket (api/enqueue.py).
+    queue = keys.model_queue(MODEL)
+
+    def llm(pid: str) -> QueueMessage:
+        return outboxed(keys, QueueMessage(queue, f"text {pid}", queue), pid)
+
+    def media(pid: str, held: bool) -> QueueMessage:
+        return outboxed(keys, QueueMessage(keys.queue_media, f"image {pid}"), pid)
+
+    job: Job = run(settings, lambda api: api.create_job(request, "", llm, None, media))
+    text, image = part_id(job.id, 0), part_id(job.id, 1)
+    with _store(settings) as store:
+        t = store.take_job(text, "w", MODEL)
+        i = store.take_job(image, "m1", "sd")
+        assert t.status is TakeStatus.TAKEN and i.status is TakeStatus.TAKEN
+        assert end_text(store, text, t.attempt, 1, JobStatus.SUCCEEDED)
+        assert end_image(store, image, i.attempt, 1, JobStatus.FAILED)
+        log = store.read_log(job.id)
+    assert [e.seq for e in log] == list(range(1, len(log) + 1)) and log[-1].data["status"] == "partial"
+    final = get(settings, job.id)
+    assert final.status is JobStatus.PARTIAL and final.text == "tok"
+    assert [p["status"] for p in final.parts] == ["succeeded", "failed"]
