@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import functools
 from collections.abc import Mapping
 from typing import Any, cast
 
 import redis
 import redis.asyncio as aredis
+from redis.asyncio.cluster import ClusterPipeline
 from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
@@ -75,12 +77,41 @@ def data_client(url: str) -> redis.Redis:
     return cast(redis.Redis, cluster)
 
 
+class _WaitingCluster(aredis.RedisCluster):
+    """redis.asyncio's cluster client, but a command (or pipeline) past ``ASYNC_POOL_SIZE`` at once
+    waits for one to end, as ``async_client``'s blocking pool makes it wait.
+
+    NOTE: the cluster client raises MaxConnectionsError ("Too many connections") for a command
+    that finds its node's ``max_connections`` in use; the API answered such a burst with 500s (seen
+    with 128 streams opened at once on one API). Each command and each pipeline uses at most one
+    connection of a node, so holding one of ``ASYNC_POOL_SIZE`` permits keeps every node within."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.room = asyncio.Semaphore(ASYNC_POOL_SIZE)
+
+    async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
+        async with self.room:
+            return await super().execute_command(*args, **kwargs)
+
+    def pipeline(self, transaction: Any | None = None, shard_hint: Any | None = None) -> ClusterPipeline:
+        if shard_hint:
+            return super().pipeline(transaction, shard_hint)  # which refuses it
+        return _WaitingPipeline(self, transaction)  # type: ignore[abstract]
+
+
+class _WaitingPipeline(ClusterPipeline):
+    async def execute(self, raise_on_error: bool = True, allow_redirections: bool = True) -> list[Any]:
+        async with cast(_WaitingCluster, self.cluster_client).room:
+            return await super().execute(raise_on_error, allow_redirections)
+
+
 def async_data_client(url: str) -> aredis.Redis:
     """The API's job data client: ``data_client``'s choice, over redis.asyncio."""
     if not on_cluster(url):
         return async_client(url)
     retry = AsyncRetry(ExponentialBackoff(**REDIS_BACKOFF), REDIS_RETRIES)
-    cluster = aredis.RedisCluster.from_url(
+    cluster = _WaitingCluster.from_url(
         url, decode_responses=True, retry=retry, max_connections=ASYNC_POOL_SIZE, **REDIS_TIMEOUTS
     )
     return cast(aredis.Redis, cluster)

@@ -5,9 +5,11 @@ call per bucket, and nothing is lost or written twice; a job's parts end as on o
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -22,6 +24,7 @@ from common.schemas.requests import JobRequest
 from common.schemas.views import Job, JobStatus
 from common.settings import Settings, load_settings
 from common.store import Append, Appended, QueueMessage, TakeStatus, token_entry
+from common.store.clients import ASYNC_POOL_SIZE, async_data_client
 from common.store.outbox import outboxed
 from spool_cli import procs as harness
 
@@ -165,3 +168,31 @@ def test_a_job_with_parts_ends_partial_on_a_cluster(settings: Settings) -> None:
     final = get(settings, job.id)
     assert final.status is JobStatus.PARTIAL and final.text == "tok"
     assert [p["status"] for p in final.parts] == ["succeeded", "failed"]
+
+
+def test_a_burst_past_the_pool_waits_rather_than_fails(cluster: Cluster, settings: Settings) -> None:
+    """The API's cluster client with more commands and pipelines at once than it has connections
+    to a node (``ASYNC_POOL_SIZE``): each waits for a free one (redis-py's own raises "Too many
+    connections", which the API answered with a 500)."""
+    key = settings.keys.job("burst")
+
+    async def burst() -> list[Any]:
+        client = async_data_client(cluster.url)
+        try:
+            await client.set(key, "x")
+
+            async def piped() -> list[Any]:
+                pipe = client.pipeline()
+                pipe.get(key)
+                pipe.exists(key)
+                return list(await pipe.execute())
+
+            calls = [client.get(key) for _ in range(2 * ASYNC_POOL_SIZE)]
+            calls += [piped() for _ in range(ASYNC_POOL_SIZE)]
+            return list(await asyncio.gather(*calls))
+        finally:
+            await client.delete(key)
+            await client.aclose()
+
+    answers = asyncio.run(burst())
+    assert answers == ["x"] * (2 * ASYNC_POOL_SIZE) + [["x", 1]] * ASYNC_POOL_SIZE
