@@ -15,6 +15,7 @@ from __future__ import annotations
 import socket
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -160,8 +161,26 @@ def full_redis_api(
     server.close()
 
 
-def test_the_openai_routes_answer_the_write_refusal_while_redis_is_full(
-    full_redis_api: tuple[RedisServer, Service],
+@contextmanager
+def _refusing(server: RedisServer, refusal: str) -> Iterator[None]:
+    """Redis refusing every write: out of memory (``maxmemory`` under the memory it uses), or a
+    master told to write only with a replica it does not have (NOREPLICAS)."""
+    c = server.client
+    if refusal == "full":
+        c.config_set("maxmemory-policy", "noeviction")
+        c.config_set("maxmemory", str(int(c.info("memory")["used_memory"]) // 2))
+    else:
+        c.config_set("min-replicas-to-write", "1")
+    try:
+        yield
+    finally:
+        c.config_set("maxmemory", "0")
+        c.config_set("min-replicas-to-write", "0")
+
+
+@pytest.mark.parametrize("refusal", ["full", "no replica"])
+def test_the_openai_routes_answer_the_write_refusal(
+    full_redis_api: tuple[RedisServer, Service], refusal: str
 ) -> None:
     server, api = full_redis_api
     openai_bodies = [
@@ -172,13 +191,9 @@ def test_the_openai_routes_answer_the_write_refusal_while_redis_is_full(
     for path, body in openai_bodies:  # no worker, Redis taking writes: no_worker, as before
         r = httpx.post(api.url + path, json=body, timeout=30)
         assert r.status_code == 503 and r.json()["error"]["code"] == "no_worker", r.text
-    server.client.config_set("maxmemory-policy", "noeviction")
-    server.client.config_set("maxmemory", str(int(server.client.info("memory")["used_memory"]) // 2))
-    try:
+    with _refusing(server, refusal):
         for path, body in [("/v1/jobs", {"prompt": "hi"}), *openai_bodies]:
             r = httpx.post(api.url + path, json=body, timeout=30)
             assert r.status_code == 503, (path, r.text)
             assert r.json()["error"]["code"] == "redis_write_refused", (path, r.text)
             assert int(r.headers["retry-after"]) >= 1
-    finally:
-        server.client.config_set("maxmemory", "0")
