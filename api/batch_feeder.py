@@ -51,6 +51,7 @@ from common.tasks import cancel_until_done
 log = logging.getLogger(__name__)
 
 LEASE_TICKS = 25  # the feeder's lease lasts this many ticks: another process takes over after it
+CLAIM_TICKS = 5  # the leases are taken or renewed every this many ticks (one script per bucket)
 MAX_ERRORS = 100  # a failed batch's errors.data names at most this many lines
 CONCURRENT = 8  # batches advanced at once
 MAX_STRIKES = 3  # ticks in a row a batch may fail with an unexpected error before it fails
@@ -81,10 +82,13 @@ class BatchFeeder:
         self._strikes: dict[str, int] = {}
 
     async def run(self) -> None:
+        ticks = 0
         try:
             while True:
                 try:
-                    await self.claim()
+                    if ticks % CLAIM_TICKS == 0:
+                        await self.claim()
+                    ticks += 1
                     if self._fences:
                         await self.tick()
                         await self.batches.sweep_artifacts(self._fences)
@@ -109,10 +113,10 @@ class BatchFeeder:
     async def tick(self) -> None:
         """Start a step for each active batch of the buckets held whose last step ended."""
         self._tasks = {b: t for b, t in self._tasks.items() if not t.done()}
-        for bucket, fence in self._fences.items():
-            for batch_id in await self.batches.active_batches(bucket):
-                if batch_id not in self._tasks:
-                    self._tasks[batch_id] = asyncio.create_task(self._step(batch_id, fence))
+        for batch_id in await self.batches.active_batches(self._fences):
+            if batch_id not in self._tasks:
+                fence = self._fences[self.settings.keys.bucket_of(batch_id)]
+                self._tasks[batch_id] = asyncio.create_task(self._step(batch_id, fence))
 
     async def _step(self, batch_id: str, fence: str) -> None:
         """One batch's step, whatever it raises kept to this batch."""
