@@ -2,8 +2,7 @@
 
 A step of 32 jobs spreads over most of a cluster's buckets; a call per bucket would cost each
 master some eight script calls (and round trips) per step instead of one, and a call's fixed cost
-is most of what a token costs Redis (docs/benchmarks.md, "One Redis against 1, 2 and 3 cluster
-shards"). The script's flag lets one call span the slots of one master, so the writer groups the
+is most of what a token costs Redis (docs/benchmarks.md, "One call per master"). The script's flag lets one call span the slots of one master, so the writer groups the
 step's jobs by the master that serves their bucket and sends each group to its master. Where the
 slot map moved under it (a failover, a resharding: MOVED, ASK, TRYAGAIN, CLUSTERDOWN) or the master
 cannot be reached, that group goes again as one call per bucket, which the cluster client routes
@@ -31,12 +30,11 @@ from common.store.calls import append_step_args
 from common.store.records import Append
 from common.store.scripts import source
 
-# What a call sent to one master raises when the slot map changed under it or the master is gone
-# (redis-py refreshes its slot map on each). MovedError and AskError are ResponseErrors, the
-# cluster ones RedisClusterExceptions.
 # What the script raises at a key of a slot the master no longer serves (the fence reads every
 # bucket's attempts before any write) or of a slot it is handing over (a live resharding).
 _NOT_LOCAL = "non local key"
+# What a call sent to one master raises when the slot map changed under it or the master is gone
+# (redis-py refreshes its slot map on each).
 _REROUTE: tuple[type[Exception], ...] = (
     RedisClusterException,
     redis.exceptions.MovedError,
@@ -78,7 +76,7 @@ class StepWriter:
 
     def _call(self, node: ClusterNode | None, appends: Sequence[Append], ttl_s: int, now: float) -> list[Any]:
         keys, args = append_step_args(self.keys, appends, ttl_s, now)
-        if node is None or len({key_slot(k) for k in keys}) == 1:
+        if node is None or len({self.keys.bucket_of(a.job_id) for a in appends}) == 1:
             return list(self.script(keys, args))  # EVALSHA, routed by its keys; loads the script on NOSCRIPT
         spanning = [0, len(keys), *keys, *args]  # the keys of several slots in ARGV: no key declared
         try:
