@@ -75,6 +75,9 @@ class ResultFiles:
                         f.add(lines)
             written = sum(f.lines for f in files.values())
             if written != int(b["total"]):  # a line with no result: never a short file
+                # Unless another feeder took over meanwhile and finished the batch, which drops
+                # its results: then this one stops as at a fenced write.
+                await self.batches.check_fence(batch_id, fence)
                 raise RuntimeError(f"{written} result lines for the batch's {b['total']} requests")
             for kind, f in files.items():
                 if f.lines:

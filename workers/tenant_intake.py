@@ -122,6 +122,7 @@ class TenantIntake:
             self._give_back(list_name, message)
             self.stop.wait(BLOCK_S)
             return
+        log.info("job %s: taken by the tenant intake (every task thread busy)", job_id)
         try:
             outcome = self.run(job_id)
         except RedisError as e:

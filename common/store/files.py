@@ -188,8 +188,7 @@ class FileRecords:
         """Append lines ``start`` on of a result file written under ``fence`` (``token:fence``)."""
         if self.artifacts is not None:
             # The file under this fence's tag is this call's own; the commit is what is fenced.
-            if await self.redis.get(self.keys.batch_feeder(self.keys.bucket_of(file_id))) != fence:
-                raise FenceLost(fence)
+            await self.check_fence(file_id, fence)
             await self._begin(file_id)
             await asyncio.to_thread(self.artifacts.append, file_name(file_id), _tag(fence), lines)
             return
@@ -204,6 +203,11 @@ class FileRecords:
             raise FenceLost(fence)
         if reply == -2:
             raise RuntimeError(f"file {file_id}: the attempt's list does not end at line {start}")
+
+    async def check_fence(self, object_id: str, fence: str) -> None:
+        """FenceLost unless the feeder's lease of ``object_id``'s bucket is still held with ``fence``."""
+        if await self.redis.get(self.keys.batch_feeder(self.keys.bucket_of(object_id))) != fence:
+            raise FenceLost(fence)
 
     async def drop_attempt(self, file_id: str, fence: str) -> None:
         if self.artifacts is not None:
