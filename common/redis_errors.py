@@ -11,8 +11,8 @@ worker retries its writes with backoff (never skipping one), and the API answers
 from __future__ import annotations
 
 from redis._parsers.base import BaseParser
+from redis.exceptions import ClusterDownError, OutOfMemoryError, ReadOnlyError, ResponseError, TryAgainError
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import OutOfMemoryError, ReadOnlyError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 
@@ -25,6 +25,13 @@ class NoReplicasError(ResponseError):
 # hiredis one too, name an error's class by its first word from this table.
 BaseParser.EXCEPTION_CLASSES.setdefault("NOREPLICAS", NoReplicasError)
 
-UNREACHABLE: tuple[type[Exception], ...] = (RedisConnectionError, RedisTimeoutError)
+# A Redis Cluster without a master for some slots (CLUSTERDOWN, MASTERDOWN: a failover under way)
+# or moving a slot (TRYAGAIN) is unreachable for those keys until it is done.
+UNREACHABLE: tuple[type[Exception], ...] = (
+    RedisConnectionError,
+    RedisTimeoutError,
+    ClusterDownError,
+    TryAgainError,
+)
 WRITE_REFUSED: tuple[type[Exception], ...] = (OutOfMemoryError, ReadOnlyError, NoReplicasError)
 TRANSIENT: tuple[type[Exception], ...] = UNREACHABLE + WRITE_REFUSED

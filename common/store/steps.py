@@ -31,8 +31,12 @@ from common.store.records import Append
 from common.store.scripts import source
 
 # What the script raises at a key of a slot the master no longer serves (the fence reads every
-# bucket's attempts before any write) or of a slot it is handing over (a live resharding).
-_NOT_LOCAL = "non local key"
+# bucket's attempts before any write) or of a slot it is handing over (a live resharding), and
+# while the cluster is down (a failover under way), before any write too.
+_NOT_HERE = (
+    "Script attempted to access a non local key",
+    "Script attempted to execute a command while the cluster is down",
+)
 # What a call sent to one master raises when the slot map changed under it or the master is gone
 # (redis-py refreshes its slot map on each).
 _REROUTE: tuple[type[Exception], ...] = (
@@ -87,7 +91,7 @@ class StepWriter:
         except _REROUTE:
             return self._per_bucket(appends, ttl_s, now)
         except ResponseError as e:
-            if _NOT_LOCAL not in str(e):
+            if not any(m in str(e) for m in _NOT_HERE):
                 raise
             return self._per_bucket(appends, ttl_s, now)
         return list(reply)
