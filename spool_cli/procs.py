@@ -65,6 +65,8 @@ class Proc:
 
     def signal(self, sig: signal.Signals) -> None:
         """``sig`` to the whole group (no-op once it is gone)."""
+        if self.popen.returncode is not None:
+            return  # reaped: its pid, the group's id, may be another process's by now
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.popen.pid, sig)
 

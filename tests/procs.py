@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -138,6 +139,31 @@ def start_worker(
     return worker
 
 
+def free_ports_in_a_row(n: int) -> int:
+    """The first of ``n`` consecutive free ports (`spool up` gives its media and hook workers the
+    metrics ports after the text worker's), taken below the kernel's ephemeral range
+    (/proc/sys/net/ipv4/ip_local_port_range, 32768 up by default), where ``free_port``'s and every
+    outgoing connection's ports come from: one of those could take base + 1 before the worker binds it."""
+    while True:
+        base = random.randrange(20000, 32768 - n)
+        with contextlib.ExitStack() as held:
+            try:
+                for port in range(base, base + n):
+                    held.enter_context(socket.socket()).bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return base
+
+
+def worker_alone(prefixes: Prefixes, model: Path, log_dir: Path, slots: int) -> Iterator[tuple[str, Service]]:
+    """For a module's fixture: a `spool worker` of ``slots`` slots alone on a prefix of its own,
+    as (prefix, process), stopped at the end."""
+    prefix = prefixes.new()
+    worker = start_worker(prefix, model, log_dir, max_batch_size=slots)
+    yield prefix, worker
+    worker.stop()
+
+
 def heartbeats(r: redis.Redis, keys: Keys) -> list[dict[str, Any]]:
     """The live heartbeats of the workers on this prefix."""
     names = [n.decode() if isinstance(n, bytes) else str(n) for n in r.zrange(keys.workers(), 0, -1)]
@@ -208,7 +234,13 @@ def finished_job(client: httpx.Client, url: str, job_id: str, timeout: float = 6
     job: dict[str, Any] = {}
 
     def final() -> bool:
-        job.update(client.get(f"{url}/v1/jobs/{job_id}").json())
+        try:
+            job.update(client.get(f"{url}/v1/jobs/{job_id}").json())
+        except httpx.RemoteProtocolError:
+            # A keep-alive connection the API closed as this poll reused it (uvicorn closes one
+            # idle 5 s: a stalled test process on a loaded machine). The next poll opens another;
+            # an API that is gone fails every poll, and the wait times out saying so.
+            return False
         return job["status"] not in ("queued", "running")
 
     wait_until(final, f"job {job_id} to end", timeout)

@@ -5,13 +5,15 @@ builders, so the store (common/store/) stays the only code that defines a Redis 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from pathlib import Path
 
 import redis
 
 from common.schemas.events import LogEntry
 from common.schemas.requests import JobRequest
 from common.schemas.views import Job, WorkerHeartbeat
-from common.settings import Settings
+from common.settings import Settings, load_settings
 from common.store import (
     JobNotFound,
     JobRecord,
@@ -89,3 +91,13 @@ def every_bucket(r: redis.Redis, names: list[str]) -> list[str]:
     keys.bucket_range()]``), together by score."""
     scored = [(score, str(m)) for name in names for m, score in r.zrange(name, 0, -1, withscores=True)]
     return [m for _, m in sorted(scored)]
+
+
+def store_on(redis_url: str, prefix: str, model: Path) -> Iterator[StoreForTests]:
+    """For a module's fixture: a store on ``prefix`` whose settings name ``model`` (so its queue is
+    that model's, as a worker's of it), closed at the end."""
+    store = StoreForTests.from_settings(
+        load_settings(redis_url=redis_url, redis_prefix=prefix, model=str(model))
+    )
+    yield store
+    store.close()

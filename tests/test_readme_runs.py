@@ -31,7 +31,18 @@ from typing import Any
 
 import httpx
 import pytest
-from procs import ROOT, SPOOL, Service, free_port, heartbeats, http_status, spool_env, start, wait_until
+from procs import (
+    ROOT,
+    SPOOL,
+    Service,
+    free_port,
+    free_ports_in_a_row,
+    heartbeats,
+    http_status,
+    spool_env,
+    start,
+    wait_until,
+)
 
 from common.keys import Keys
 
@@ -161,7 +172,7 @@ class Stack:
 
 @pytest.fixture(scope="module")
 def stack(prefixes, tiny_image_model: Path, log_dir: Path, redis_client, tmp_path_factory) -> Iterator[Stack]:  # type: ignore[no-untyped-def]
-    port, metrics_port = free_port(), free_port()
+    port, metrics_port = free_port(), free_ports_in_a_row(3)  # the text, media and hook workers'
     prefix = prefixes.new()
     # no SPOOL_MODEL: the default model
     env = spool_env(

@@ -11,8 +11,8 @@ and retries as any command: the script is safe to run twice (an append already w
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any, TypeVar
 
 import redis
 from redis.cluster import ClusterNode
@@ -29,6 +29,8 @@ from common.keys import Keys
 from common.store.calls import append_step_args
 from common.store.records import Append
 from common.store.scripts import source
+
+G = TypeVar("G", bound=Hashable)
 
 # What the script raises at a key of a slot the master no longer serves (the fence reads every
 # bucket's attempts before any write) or of a slot it is handing over (a live resharding), and
@@ -61,26 +63,21 @@ class StepWriter:
         """The script's answers to ``appends`` (jobs, not parts), in their order."""
         if not appends:
             return []
-        replies: list[Any] = [None] * len(appends)
-        for node, indexes in self._by_master(appends):
-            some = [appends[i] for i in indexes]
-            for i, reply in zip(indexes, self._call(node, some, ttl_s, now), strict=True):
-                replies[i] = reply
-        return replies
-
-    def _by_master(self, appends: Sequence[Append]) -> list[tuple[ClusterNode | None, list[int]]]:
         if not self._cluster:
-            return [(None, list(range(len(appends))))]
-        nodes = self.client.nodes_manager  # type: ignore[attr-defined]
-        groups: dict[str, tuple[ClusterNode, list[int]]] = {}
-        for i, a in enumerate(appends):
-            node = nodes.get_node_from_slot(self._slots[self.keys.bucket_of(a.job_id)])
-            groups.setdefault(node.name, (node, []))[1].append(i)
-        return list(groups.values())
+            return list(self.script(*append_step_args(self.keys, appends, ttl_s, now)))
+        manager = self.client.nodes_manager  # type: ignore[attr-defined]
+        masters: dict[str, ClusterNode] = {}
 
-    def _call(self, node: ClusterNode | None, appends: Sequence[Append], ttl_s: int, now: float) -> list[Any]:
+        def master(a: Append) -> str:
+            node = manager.get_node_from_slot(self._slots[self.keys.bucket_of(a.job_id)])
+            masters[node.name] = node
+            return str(node.name)
+
+        return _by_group(appends, master, lambda name, some: self._call(masters[name], some, ttl_s, now))
+
+    def _call(self, node: ClusterNode, appends: Sequence[Append], ttl_s: int, now: float) -> list[Any]:
         keys, args = append_step_args(self.keys, appends, ttl_s, now)
-        if node is None or len({self.keys.bucket_of(a.job_id) for a in appends}) == 1:
+        if len({self.keys.bucket_of(a.job_id) for a in appends}) == 1:
             return list(self.script(keys, args))  # EVALSHA, routed by its keys; loads the script on NOSCRIPT
         spanning = [0, len(keys), *keys, *args]  # the keys of several slots in ARGV: no key declared
         try:
@@ -97,12 +94,24 @@ class StepWriter:
         return list(reply)
 
     def _per_bucket(self, appends: Sequence[Append], ttl_s: int, now: float) -> list[Any]:
-        replies: list[Any] = [None] * len(appends)
-        buckets: dict[int, list[int]] = {}
-        for i, a in enumerate(appends):
-            buckets.setdefault(self.keys.bucket_of(a.job_id), []).append(i)
-        for indexes in buckets.values():
-            keys, args = append_step_args(self.keys, [appends[i] for i in indexes], ttl_s, now)
-            for i, reply in zip(indexes, self.script(keys, args), strict=True):
-                replies[i] = reply
-        return replies
+        return _by_group(
+            appends,
+            lambda a: self.keys.bucket_of(a.job_id),
+            lambda _, some: self.script(*append_step_args(self.keys, some, ttl_s, now)),
+        )
+
+
+def _by_group(
+    appends: Sequence[Append],
+    group_of: Callable[[Append], G],
+    call: Callable[[G, list[Append]], Sequence[Any]],
+) -> list[Any]:
+    """One ``call`` per group of ``appends``; the answers in the order of ``appends``."""
+    groups: dict[G, list[int]] = {}
+    for i, a in enumerate(appends):
+        groups.setdefault(group_of(a), []).append(i)
+    replies: list[Any] = [None] * len(appends)
+    for group, indexes in groups.items():
+        for i, reply in zip(indexes, call(group, [appends[i] for i in indexes]), strict=True):
+            replies[i] = reply
+    return replies

@@ -19,7 +19,7 @@ from procs import Cluster, Service, start_api
 from schemathesis import GenerationMode
 
 ENVELOPE = {"message", "type", "param", "code"}
-EXAMPLES_PER_OPERATION_AND_MODE = 50
+EXAMPLES_PER_OPERATION_AND_MODE = 30
 
 
 @pytest.fixture(scope="module")

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 from celery import Celery
-from procs import REDIS_URL, Service, start_worker
-from store_helpers import StoreForTests
+from procs import REDIS_URL, Prefixes, Service, worker_alone
+from store_helpers import StoreForTests, store_on
 
 from common.keys import GENERATE_TASK
 from common.schemas.requests import JobRequest
@@ -21,21 +21,13 @@ LONG_PROMPT = "the quick brown fox"  # greedy on the tiny model runs to max_toke
 
 
 @pytest.fixture(scope="module")
-def worker(prefixes, tiny_model: Path, log_dir: Path) -> Iterator[tuple[str, Service]]:  # type: ignore[no-untyped-def]
-    """A `spool worker` process alone on a prefix of its own (8 slots)."""
-    prefix = prefixes.new()
-    service = start_worker(prefix, tiny_model, log_dir, max_batch_size=8)
-    yield prefix, service
-    service.stop()
+def worker(prefixes: Prefixes, tiny_model: Path, log_dir: Path) -> Iterator[tuple[str, Service]]:
+    yield from worker_alone(prefixes, tiny_model, log_dir, slots=8)
 
 
 @pytest.fixture(scope="module")
 def store(worker: tuple[str, Service], tiny_model: Path) -> Iterator[StoreForTests]:
-    # The worker's model: the app sends the task to that model's queue.
-    settings = load_settings(redis_url=REDIS_URL, redis_prefix=worker[0], model=str(tiny_model))
-    s = StoreForTests.from_settings(settings)
-    yield s
-    s.close()
+    yield from store_on(REDIS_URL, worker[0], tiny_model)
 
 
 @pytest.fixture(scope="module")

@@ -7,14 +7,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from procs import REDIS_URL, Service, start_worker, wait_until
-from store_helpers import StoreForTests
+from procs import REDIS_URL, Prefixes, Service, wait_until, worker_alone
+from store_helpers import StoreForTests, store_on
 
 from api.enqueue import Enqueuer
 from common.keys import JOB_PRIORITY, Keys
 from common.schemas.requests import JobRequest
 from common.schemas.views import Job, JobStatus
-from common.settings import load_settings
 from common.tenants import tenant_of
 from workers.celery_app import SPARE_TASK_THREADS
 from workers.tenant_intake import job_of
@@ -24,19 +23,13 @@ SLOTS = 2
 
 
 @pytest.fixture(scope="module")
-def worker(prefixes, tiny_model: Path, log_dir: Path) -> Iterator[tuple[str, Service]]:  # type: ignore[no-untyped-def]
-    prefix = prefixes.new()
-    service = start_worker(prefix, tiny_model, log_dir, max_batch_size=SLOTS)
-    yield prefix, service
-    service.stop()
+def worker(prefixes: Prefixes, tiny_model: Path, log_dir: Path) -> Iterator[tuple[str, Service]]:
+    yield from worker_alone(prefixes, tiny_model, log_dir, slots=SLOTS)
 
 
 @pytest.fixture(scope="module")
 def store(worker: tuple[str, Service], tiny_model: Path) -> Iterator[StoreForTests]:
-    settings = load_settings(redis_url=REDIS_URL, redis_prefix=worker[0], model=str(tiny_model))
-    s = StoreForTests.from_settings(settings)
-    yield s
-    s.close()
+    yield from store_on(REDIS_URL, worker[0], tiny_model)
 
 
 def owners(queue: str) -> tuple[str, str]:
