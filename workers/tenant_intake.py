@@ -107,8 +107,11 @@ class TenantIntake:
             if not self._busy.wait(BLOCK_S):
                 continue
             lists = self._lists()
+            if not lists:  # a job of every tenant queue held: nothing to wait for but a change
+                self.stop.wait(BLOCK_S)
+                continue
             try:
-                popped = self.lists.pop(list(lists), BLOCK_S) if lists else None
+                popped = self.lists.pop(list(lists), BLOCK_S)
             except RedisError as e:  # the messages still come through Celery
                 log.warning("tenant intake: %s", e)
                 self.stop.wait(BLOCK_S)

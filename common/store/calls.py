@@ -293,6 +293,7 @@ def append_step_args(keys: Keys, appends: Sequence[Append], ttl_s: int, now: flo
     job_keys: list[str] = []
     job_args: list[Any] = []
     for a in appends:
+        assert a.entries, f"an append of job {a.job_id} without entries"  # the script needs one
         group = groups.setdefault(keys.bucket_of(a.job_id), len(groups) + 1)
         job_keys += [
             keys.job(a.job_id),

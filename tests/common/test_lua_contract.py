@@ -235,7 +235,7 @@ def test_the_builders_pass_what_their_scripts_declare(settings: Settings) -> Non
     d = new_job_id(keys, keys.buckets - 1)  # and one of another, where there are several
     appends = [
         Append(a, 1, _entries(1, 3), 2, 3),
-        Append(b, 2, [], 2, 0, checkpoint=False),
+        Append(b, 2, _entries(1, 1), 2, 1, checkpoint=False),
         Append(
             c, 1, [*_entries(4, 1), _done(5)], 2, 1, Final(JobStatus.SUCCEEDED, "length"), unsaved_text="x"
         ),

@@ -247,7 +247,10 @@ def test_spool_generate_resumes_through_a_replica_restart_during_a_redis_outage(
         replacement = start_api(workers.prefix, log_dir, ready=False, port=port, redis_url=own_redis.url)
         poll(lambda: any(b"Redis is unreachable" in line for line in stderr), "generate to get a 503", 60)
         own_redis.start()
-        out, _ = proc.communicate(timeout=120)
+        # Not communicate(): it would read stderr too, and close it under the reader thread.
+        # The text (a few KB) fits the pipe's buffer, so the wait cannot block on it.
+        proc.wait(timeout=120)
+        out = proc.stdout.read()
     finally:
         proc.kill()
         if replacement is not None:

@@ -1,8 +1,10 @@
 """A real `spool worker` whose Celery task threads all hold one tenant's jobs takes another
-tenant's job at once (workers/tenant_intake.py), not when one of those jobs ends."""
+tenant's job at once (workers/tenant_intake.py), not when one of those jobs ends; and the intake's
+thread, with a job of every tenant queue held, waits rather than spins."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,9 +16,11 @@ from api.enqueue import Enqueuer
 from common.keys import JOB_PRIORITY, Keys
 from common.schemas.requests import JobRequest
 from common.schemas.views import Job, JobStatus
+from common.store.broker_lists import BrokerLists
 from common.tenants import tenant_of
 from workers.celery_app import SPARE_TASK_THREADS
-from workers.tenant_intake import job_of
+from workers.task_common import Outcome
+from workers.tenant_intake import BLOCK_S, TenantIntake, job_of
 
 LONG_PROMPT = "the quick brown fox"  # greedy on the tiny model runs to max_tokens (no EOS)
 SLOTS = 2
@@ -80,3 +84,30 @@ def test_job_of_reads_the_job_id_of_a_generate_message(store: StoreForTests) -> 
     message = Enqueuer(store.settings).generate("job-1", "q", JOB_PRIORITY, "t")
     assert job_of(message.payload) == "job-1"
     assert job_of("not json") is None
+
+
+def test_with_a_job_of_every_tenant_queue_held_the_intake_waits_instead_of_spinning(
+    store: StoreForTests,
+) -> None:
+    """Nothing to BRPOP on: the thread looks at the held tenants again every BLOCK_S, no more
+    often (it spun on them, a core's worth of GIL taken from the engine, with 8 tenants' jobs held)."""
+    queue = f"{store.settings.redis_prefix}.spin-check"
+    looks = 0
+
+    def every_tenant_queue() -> set[str]:
+        nonlocal looks
+        looks += 1
+        return set(Keys.consumed_queues(queue)[1:])
+
+    def run(job_id: str) -> Outcome:
+        raise AssertionError(f"nothing to run, yet {job_id} was")
+
+    stop = threading.Event()
+    intake = TenantIntake(BrokerLists(store.broker), queue, every_tenant_queue, run, 1, stop)
+    with intake.task():  # the one task thread busy
+        intake.start()
+        window_s = 2.5 * BLOCK_S
+        stop.wait(window_s)  # a window of time to count in, not a condition to wait for
+        stop.set()
+        intake.join(5 * BLOCK_S)
+    assert 1 <= looks <= window_s / BLOCK_S + 1

@@ -3,6 +3,7 @@
 -- (common/store/calls.py append_step_args).
 -- KEYS: (running attempts)[groups] (job log channel text)*
 -- ARGV: ttl finished_at groups (group attempt first_seq prompt_tokens completion_tokens status finish_reason error id checkpoint text n entry[n])*
+-- n >= 1: every append has an entry (an append of none could not tell a retry from a first try).
 -- The jobs may lie in several buckets (groups: each bucket's running set and attempts hash,
 -- and each job's group, 1-based). One group of KEYS and of ARGV per append. On a Redis Cluster a
 -- call's declared keys must share a slot, so a call for the buckets of one master (the flag on
@@ -52,18 +53,14 @@ local function append(running, attempts, job, log, channel, text, a, held)
   if held ~= argv[a + ATTEMPT] then return 0 end
   local last = tonumber(argv[a + FIRST_SEQ]) - 1 + n
   local first_entry, last_entry = a + ENTRIES, a + ENTRIES - 1 + n
-  if n == 0 then
-    if redis.call('LLEN', log) ~= last then return -1 end
-  else
-    local pushed = push(log, last, first_entry, last_entry)
-    if pushed == -1 then return -1 end
-    if pushed == 1 then
-      for i = first_entry, last_entry do redis.call('SPUBLISH', channel, argv[i]) end
-    -- Written by an earlier try: the whole append, or its entries only (a call spanning slots
-    -- cut short at a key a live resharding had moved). The rest of it is written now.
-    elseif tonumber(redis.call('HGET', job, 'text_seq') or 0) >= last then
-      return 2
-    end
+  local pushed = push(log, last, first_entry, last_entry)
+  if pushed == -1 then return -1 end
+  if pushed == 1 then
+    for i = first_entry, last_entry do redis.call('SPUBLISH', channel, argv[i]) end
+  -- Written by an earlier try: the whole append, or its entries only (a call spanning slots
+  -- cut short at a key a live resharding had moved). The rest of it is written now.
+  elseif tonumber(redis.call('HGET', job, 'text_seq') or 0) >= last then
+    return 2
   end
   local status = argv[a + STATUS]
   local final = status ~= ''
