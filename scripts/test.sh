@@ -12,9 +12,7 @@
 # loop. Without it every test runs, as CI (.ci/run) does.
 # Two pytest processes (pytest-xdist) share the test files, a file to one of them: most tests
 # wait on the processes they start, so two use a 2-core machine better than one (a full run:
-# 29 min alone, 20 to 22 min as two). The files go out longest first, by tests/durations.json
-# (tests/conftest.py; scripts/test_durations.py writes it from a run's --junitxml), so that no long
-# file starts last. TEST_WORKERS sets how many; TEST_WORKERS=0 runs in this process.
+# 29 min alone, 20 to 23 min as two). TEST_WORKERS sets how many; TEST_WORKERS=0 runs in this process.
 set -euo pipefail
 source "$(dirname "$0")/bootstrap.sh" test "[test]"
 
@@ -48,7 +46,7 @@ while True:
 fi
 export TEST_REDIS_URL="$url"
 args=()
-if [ "${TEST_WORKERS:-2}" != 0 ]; then args+=(-n "${TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder); fi
+if [ "${TEST_WORKERS:-2}" != 0 ]; then args+=(-n "${TEST_WORKERS:-2}" --dist loadfile); fi
 for a in "$@"; do
   if [ "$a" = --fast ]; then args+=(-m "not slow"); else args+=("$a"); fi
 done

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import statistics
 from collections.abc import Generator, Iterator
 from pathlib import Path
 from typing import Any
@@ -23,8 +22,6 @@ import openai
 import pytest
 import redis
 from procs import FIGURES, REDIS_URL, Cluster, Prefixes, Service, running, start_api, start_worker
-
-DURATIONS = Path(__file__).with_name("durations.json")  # seconds per test file, longest first
 
 
 @pytest.fixture(scope="session")
@@ -117,12 +114,7 @@ def client() -> Iterator[httpx.Client]:
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The browser's tests (tests/console) are slow as a whole: marked here, not in each file; and
     without Debian's chromium (tests/console/conftest.py drives it) they skip before a module of
-    them starts its stack.
-
-    Then the files go longest first, by the seconds each took in a recorded run
-    (tests/durations.json, from scripts/test_durations.py; a file it does not name counts as the
-    median): pytest-xdist hands the processes whole files in this order (scripts/test.sh passes
-    --no-loadscope-reorder), so no long file starts last while the other process has run dry."""
+    them starts its stack."""
     no_browser = pytest.mark.skip(
         reason="the browser tests need Debian's package `chromium` (apt-get install chromium)"
     )
@@ -131,9 +123,6 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.slow)
             if shutil.which("chromium") is None:
                 item.add_marker(no_browser)
-    seconds: dict[str, float] = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
-    median = statistics.median(seconds.values()) if seconds else 0.0
-    items.sort(key=lambda item: -seconds.get(item.nodeid.split("::")[0], median))  # stable: files stay whole
 
 
 @pytest.hookimpl(wrapper=True)
