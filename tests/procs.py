@@ -234,13 +234,7 @@ def finished_job(client: httpx.Client, url: str, job_id: str, timeout: float = 6
     job: dict[str, Any] = {}
 
     def final() -> bool:
-        try:
-            job.update(client.get(f"{url}/v1/jobs/{job_id}").json())
-        except httpx.RemoteProtocolError:
-            # A keep-alive connection the API closed as this poll reused it (uvicorn closes one
-            # idle 5 s: a stalled test process on a loaded machine). The next poll opens another;
-            # an API that is gone fails every poll, and the wait times out saying so.
-            return False
+        job.update(client.get(f"{url}/v1/jobs/{job_id}").json())
         return job["status"] not in ("queued", "running")
 
     wait_until(final, f"job {job_id} to end", timeout)

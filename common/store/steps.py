@@ -65,15 +65,16 @@ class StepWriter:
             return []
         if not self._cluster:
             return list(self.script(*append_step_args(self.keys, appends, ttl_s, now)))
-        manager = self.client.nodes_manager  # type: ignore[attr-defined]
-        masters: dict[str, ClusterNode] = {}
+        cluster: redis.RedisCluster = self.client  # type: ignore[assignment]
 
         def master(a: Append) -> str:
-            node = manager.get_node_from_slot(self._slots[self.keys.bucket_of(a.job_id)])
-            masters[node.name] = node
-            return str(node.name)
+            return str(
+                cluster.nodes_manager.get_node_from_slot(self._slots[self.keys.bucket_of(a.job_id)]).name
+            )
 
-        return _by_group(appends, master, lambda name, some: self._call(masters[name], some, ttl_s, now))
+        return _by_group(
+            appends, master, lambda name, some: self._call(cluster.get_node(node_name=name), some, ttl_s, now)
+        )
 
     def _call(self, node: ClusterNode, appends: Sequence[Append], ttl_s: int, now: float) -> list[Any]:
         keys, args = append_step_args(self.keys, appends, ttl_s, now)
