@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import re
 import shutil
 import signal
@@ -175,10 +176,31 @@ def delete_prefixes(client: redis.Redis, prefixes: Iterable[str]) -> None:
 # -- what a readiness check asks ----------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+PORTS_BELOW_EPHEMERAL = 12000  # how many ports under the ephemeral range free_port picks from
+_port_picks = random.Random()  # its own: a caller's random.seed() must not make picks repeat
+
+
+def free_port(in_a_row: int = 1) -> int:
+    """A port free now (the first of ``in_a_row`` consecutive ones), for a child to bind.
+
+    Picked at random below the kernel's ephemeral range (/proc/sys/net/ipv4/ip_local_port_range,
+    32768 up by default), not by binding port 0: every outgoing connection takes its local port
+    from that range, so one could take a port picked there before the child binds it (seen: a
+    cluster node's bus port, a worker's metrics port). Below it, only another pick can."""
+    try:
+        first_ephemeral = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        first_ephemeral = 32768
+    low = max(1024, first_ephemeral - PORTS_BELOW_EPHEMERAL)
+    while True:
+        base = _port_picks.randrange(low, first_ephemeral - in_a_row)
+        with contextlib.ExitStack() as held:
+            try:
+                for port in range(base, base + in_a_row):
+                    held.enter_context(socket.socket()).bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return base
 
 
 def redis_answers(url: str) -> bool:
@@ -288,7 +310,7 @@ def start_redis_cluster(
         for i in range(masters * (1 + replicas)):
             data = base / f"node-{i}"
             data.mkdir(parents=True, exist_ok=True)
-            bus = free_port()  # not the default (port + 10,000): free ports go past 55,535
+            bus = free_port()  # not the default (port + 10,000), which may be taken
             proc, url = start_redis(
                 "--cluster-enabled", "yes", "--cluster-port", str(bus), *args, data_dir=data, log_dir=data
             )

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import random
 import socket
 import subprocess
 import sys
@@ -137,22 +136,6 @@ def start_worker(
         (worker,),
     )
     return worker
-
-
-def free_ports_in_a_row(n: int) -> int:
-    """The first of ``n`` consecutive free ports (`spool up` gives its media and hook workers the
-    metrics ports after the text worker's), taken below the kernel's ephemeral range
-    (/proc/sys/net/ipv4/ip_local_port_range, 32768 up by default), where ``free_port``'s and every
-    outgoing connection's ports come from: one of those could take base + 1 before the worker binds it."""
-    while True:
-        base = random.randrange(20000, 32768 - n)
-        with contextlib.ExitStack() as held:
-            try:
-                for port in range(base, base + n):
-                    held.enter_context(socket.socket()).bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        return base
 
 
 def worker_alone(prefixes: Prefixes, model: Path, log_dir: Path, slots: int) -> Iterator[tuple[str, Service]]:

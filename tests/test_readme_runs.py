@@ -36,7 +36,6 @@ from procs import (
     SPOOL,
     Service,
     free_port,
-    free_ports_in_a_row,
     heartbeats,
     http_status,
     spool_env,
@@ -172,7 +171,7 @@ class Stack:
 
 @pytest.fixture(scope="module")
 def stack(prefixes, tiny_image_model: Path, log_dir: Path, redis_client, tmp_path_factory) -> Iterator[Stack]:  # type: ignore[no-untyped-def]
-    port, metrics_port = free_port(), free_ports_in_a_row(3)  # the text, media and hook workers'
+    port, metrics_port = free_port(), free_port(in_a_row=3)  # the text, media and hook workers'
     prefix = prefixes.new()
     # no SPOOL_MODEL: the default model
     env = spool_env(
