@@ -28,7 +28,7 @@ fi
 url="${TEST_REDIS_URL:-redis://127.0.0.1:6379/0}"
 if ! python -c "import redis,sys; redis.Redis.from_url(sys.argv[1]).ping()" "$url" 2>/dev/null; then
   dir="$(mktemp -d)"
-  port="$(python -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
+  port="$(python -c 'from spool_cli.procs import free_port; print(free_port())')"
   redis-server --port "$port" --bind 127.0.0.1 --save "" --appendonly no --dir "$dir" --daemonize yes \
     --pidfile "$dir/redis.pid" --logfile "$dir/redis.log"
   trap 'kill "$(cat "$dir/redis.pid")" 2>/dev/null; rm -rf "$dir"' EXIT
