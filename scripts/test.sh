@@ -45,7 +45,7 @@ while True:
 " "$url"
 fi
 export TEST_REDIS_URL="$url"
-args=()
+args=(--durations=25)  # the slowest tests, at the end of the output
 if [ "${TEST_WORKERS:-2}" != 0 ]; then args+=(-n "${TEST_WORKERS:-2}" --dist loadfile); fi
 for a in "$@"; do
   if [ "$a" = --fast ]; then args+=(-m "not slow"); else args+=("$a"); fi
