@@ -23,12 +23,6 @@ import pytest
 import redis
 from procs import FIGURES, REDIS_URL, Cluster, Prefixes, Service, running, start_api, start_worker
 
-# Torch runs one thread in every process of a run (these pytest processes and the workers they
-# start, whose environment is this one's), not a thread per core: dozens of processes share
-# the cores, and a torch thread that waits on a preempted sibling spins. A test or process that
-# sets its own thread count (SPOOL_TORCH_THREADS, `spool up`) still does.
-os.environ.setdefault("OMP_NUM_THREADS", "1")
-
 
 @pytest.fixture(scope="session")
 def redis_url() -> str:

@@ -122,6 +122,7 @@ def stack(
     settings: dict[str, object] = {"artifact_url": url}
     text = start_worker(prefix, tiny_model, log_dir, max_batch_size=4, **settings)
     env = spool_env(prefix, image_model=tiny_image_model, worker_name=f"{prefix}-m1", **settings)
+    env["OMP_NUM_THREADS"] = "1"
     media = start(f"media-{prefix}-m1", [SPOOL, "worker", "--kind", "media"], env, log_dir)
     r = redis.Redis.from_url(REDIS_URL)
     wait_until(

@@ -71,6 +71,7 @@ class Media:
     def start_media_worker(self, name: str, **settings: object) -> Service:
         settings = {**LIVENESS, "detach_grace_s": MEDIA_GRACE_S, **settings}
         env = spool_env(self.prefix, image_model=self.model, worker_name=f"{self.prefix}-{name}", **settings)
+        env["OMP_NUM_THREADS"] = "1"  # two cores shared: one thread per pipeline runs fastest
         worker = start(f"media-{self.prefix}-{name}", [SPOOL, "worker", "--kind", "media"], env, self.log_dir)
         r = redis.Redis.from_url(REDIS_URL)
         key = self.keys.worker(f"{self.prefix}-{name}")

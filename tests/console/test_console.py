@@ -71,6 +71,7 @@ def media_worker(stack: Stack, tiny_image_model: Path) -> Iterator[Service]:
     """``spool worker --kind media`` on the stack's prefix, for the jobs with image parts."""
     name = f"{stack.prefix}-m1"
     env = spool_env(stack.prefix, image_model=tiny_image_model, worker_name=name, heartbeat_s=0.5)
+    env["OMP_NUM_THREADS"] = "1"  # two cores shared: one thread per pipeline runs fastest
     worker = start(f"media-{name}", [SPOOL, "worker", "--kind", "media"], env, stack.log_dir)
     r = redis.Redis.from_url(REDIS_URL)
     wait_until(

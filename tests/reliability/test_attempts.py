@@ -47,6 +47,7 @@ class Pool:
             **self.model,
             **settings,
         )
+        env["OMP_NUM_THREADS"] = "1"
         argv = [SPOOL, "worker"] + (["--kind", "media"] if self.kind == "media" else [])
         worker = start(f"{self.kind}-{self.prefix}-{name}", argv, env, self.log_dir)
         self.started.append(worker)

@@ -54,6 +54,7 @@ def start_media_worker(prefix: str, image_model: Path, log_dir: Path, url: str) 
     env = spool_env(
         prefix, image_model=image_model, worker_name=name, redis_url=url, heartbeat_s=0.5, **LEASES
     )
+    env["OMP_NUM_THREADS"] = "1"
     worker = start(f"media-{name}", [SPOOL, "worker", "--kind", "media"], env, log_dir)
     r = redis.Redis.from_url(url)
     poll(lambda: bool(r.exists(Keys(prefix).worker(name))) or not worker.alive(), "media heartbeat", 120)
