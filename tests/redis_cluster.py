@@ -181,7 +181,7 @@ def cluster_stack(
         stack = ClusterStack(prefix, nodes, model, data, settings, log_dir, lease_s, max_batch_size)
         try:
             stack.start_worker("w1")
-            stack.api = start_api(prefix, log_dir, sse_ping_s=1, lease_s=lease_s, **settings)
+            stack.api = start_api(prefix, log_dir, sse_ping_s=1, lease_s=lease_s, model=model, **settings)
             yield stack
         finally:
             for service in [*stack.workers, *([stack.api] if hasattr(stack, "api") else [])]:

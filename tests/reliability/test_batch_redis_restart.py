@@ -31,7 +31,7 @@ def batch_stack(
     prefix = prefixes.new()
     on_own = {"redis_url": own_redis.url, **SHORT_LEASES}
     worker = start_worker(prefix, tiny_model, log_dir, max_batch_size=4, **on_own)
-    api = start_api(prefix, log_dir, batch_feed_s=0.1, batch_window=12, **on_own)
+    api = start_api(prefix, log_dir, batch_feed_s=0.1, batch_window=12, model=tiny_model, **on_own)
     yield api
     api.stop()
     worker.stop()

@@ -76,7 +76,7 @@ def test_workers_ride_out_a_failover_and_back(
     prefix = prefixes.new()
     text = start_worker(prefix, tiny_model, log_dir, redis_url=primary.url, max_batch_size=4, **LEASES)
     media = start_media_worker(prefix, tiny_image_model, log_dir, primary.url)
-    api = start_api(prefix, log_dir, redis_url=primary.url)
+    api = start_api(prefix, log_dir, redis_url=primary.url, model=tiny_model)
     keys = Keys(prefix)
     try:
         body = {"prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0, "background": True}

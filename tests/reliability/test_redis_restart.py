@@ -40,7 +40,7 @@ def on_own_redis(
     settings = {"redis_url": own_redis.url, **SHORT_LEASES, "max_batch_size": 8}
     workers = Workers(prefixes.new(), tiny_model, log_dir, settings)
     workers.start("w")
-    api = start_api(workers.prefix, log_dir, sse_ping_s=1, redis_url=own_redis.url)
+    api = start_api(workers.prefix, log_dir, sse_ping_s=1, redis_url=own_redis.url, model=tiny_model)
     yield workers, api
     api.stop()
     workers.stop_all()
@@ -224,7 +224,7 @@ def test_spool_generate_resumes_through_a_replica_restart_during_a_redis_outage(
     """`spool generate` resumes by itself: its stream is cut (its API replica killed while Redis is
     down), the replacement answers 503 until Redis is back, and it goes on from its last event."""
     workers, _ = on_own_redis
-    api = start_api(workers.prefix, log_dir, redis_url=own_redis.url)
+    api = start_api(workers.prefix, log_dir, redis_url=own_redis.url, model=workers.model)
     port = int(api.url.rsplit(":", 1)[1])
     prompt = PROMPTS[0]
     argv = [SPOOL, "generate", prompt, "--max-tokens", str(MAX_TOKENS), "--temperature", "0"]
@@ -244,7 +244,9 @@ def test_spool_generate_resumes_through_a_replica_restart_during_a_redis_outage(
         own_redis.stop(signal.SIGTERM)
         os.killpg(api.proc.pid, signal.SIGKILL)
         api.stop()
-        replacement = start_api(workers.prefix, log_dir, ready=False, port=port, redis_url=own_redis.url)
+        replacement = start_api(
+            workers.prefix, log_dir, ready=False, port=port, redis_url=own_redis.url, model=workers.model
+        )
         poll(lambda: any(b"Redis is unreachable" in line for line in stderr), "generate to get a 503", 60)
         own_redis.start()
         # Not communicate(): it would read stderr too, and close it under the reader thread.
