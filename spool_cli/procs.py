@@ -191,9 +191,11 @@ def free_port(in_a_row: int = 1) -> int:
         first_ephemeral = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     except (OSError, ValueError, IndexError):
         first_ephemeral = 32768
-    low = max(1024, first_ephemeral - PORTS_BELOW_EPHEMERAL)
+    low, high = max(1024, first_ephemeral - PORTS_BELOW_EPHEMERAL), first_ephemeral - in_a_row
+    if high <= low:  # an ephemeral range that starts low leaves no room below it: any port
+        low, high = 1024, 65536 - in_a_row
     while True:
-        base = _port_picks.randrange(low, first_ephemeral - in_a_row)
+        base = _port_picks.randrange(low, high)
         with contextlib.ExitStack() as held:
             try:
                 for port in range(base, base + in_a_row):
