@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 from collections.abc import Generator, Iterator
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,13 @@ import openai
 import pytest
 import redis
 from procs import FIGURES, REDIS_URL, Cluster, Prefixes, Service, running, start_api, start_worker
+
+# A runner that starts the suite in the background without job control (`cmd &` in a script)
+# starts it with SIGINT ignored, and the processes the tests start would inherit that: the tests
+# that press Ctrl-C on a command would see it ignored. A handler of pytest's own is reset to the
+# default in each child at exec. (This runs in every pytest-xdist worker too.)
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(scope="session")
