@@ -32,7 +32,7 @@ from api.batch_lines import (
 from api.context import ContextCheck
 from api.enqueue import Enqueuer
 from api.errors import ApiError
-from api.served import ServedModels, queue_model
+from api.served import ServedModels
 from common.keys import BATCH_PRIORITY, Keys
 from common.schemas.views import JobStatus
 from common.settings import Settings
@@ -267,7 +267,7 @@ class BatchFeeder:
         if not raws:  # the input file was deleted or expired: the rest of its lines cannot run
             await self.batches.end_batch(batch_id, "cancelled")
             return
-        models = await self.served.get()
+        models, default_model = await self.served.get(), await self.served.queue_model(None)
         jobs: list[LineJob] = []
         rejected: list[LineResult] = []
         for i, raw in enumerate(raws, start):
@@ -285,7 +285,7 @@ class BatchFeeder:
             except Exception as e:  # a bug or a limit missed: this line fails, the batch goes on
                 rejected.append(crashed(i, line["custom_id"], e, job_id))
                 continue
-            model = queue_model(models, line["body"].get("model"), self.settings)
+            model = line["body"].get("model") or default_model
             message = self.enqueuer.generate(job_id, self.settings.keys.model_queue(model), BATCH_PRIORITY)
             jobs.append(LineJob(job_id, i, line["custom_id"], request, message))
         fed = await self.batches.feed(batch_id, b["owner"], (start, start + len(raws)), jobs, rejected)

@@ -15,7 +15,6 @@ from collections.abc import Callable, Mapping
 from api.errors import ApiError
 from common.schemas.requests import JobRequest
 from common.schemas.views import WorkerHeartbeat
-from common.settings import Settings
 from common.store import AsyncJobStore
 
 NO_WORKER_RETRY_S = 2
@@ -74,6 +73,20 @@ class ServedModels:
         await self._read_unless(lambda: bool(self._media))
         return self._media
 
+    async def queue_model(self, requested: str | None) -> str:
+        """The model a job is queued for; its messages go to that model's queue (Keys.model_queue).
+
+        It is the model the request names. Otherwise it is the one ``resolve_model`` picks among
+        the live workers'. With none live (they restart, or Redis did and their heartbeats are not
+        back yet), it is the one it picked among the models served within ``WORKER_FORGET_S``,
+        so the job waits where the workers will look; with none served in that time, this server's
+        (SPOOL_SERVED_MODEL_NAME, else SPOOL_MODEL)."""
+        if requested is not None:
+            return requested
+        if models := await self.get():
+            return min(models)
+        return min(await self._store.recent_models(), default=self._store.settings.served_model)
+
     async def _read_unless(self, kept: Callable[[], bool]) -> None:
         if time.monotonic() < self._until and kept():
             return
@@ -106,19 +119,9 @@ def resolve_model(models: Mapping[str, WorkerHeartbeat], requested: str | None) 
     return models[requested]
 
 
-def queue_model(models: Mapping[str, WorkerHeartbeat], requested: str | None, settings: Settings) -> str:
-    """The model a job is queued for; its messages go to that model's queue (Keys.model_queue).
-
-    It is the model the request names. Otherwise it is the one ``resolve_model`` picks among the
-    live workers', or with none live this server's (SPOOL_SERVED_MODEL_NAME, else SPOOL_MODEL)."""
-    if requested is not None:
-        return requested
-    return min(models) if models else settings.served_model
-
-
-def queued_models(workers: list[WorkerHeartbeat], settings: Settings) -> set[str]:
-    """The models whose queues may hold jobs: those served now, and the default."""
-    return {w.model for w in workers if w.kind == "text"} | {settings.served_model}
+async def queued_models(store: AsyncJobStore) -> set[str]:
+    """The models whose queues may hold jobs: those served within ``WORKER_FORGET_S``, and the default."""
+    return set(await store.recent_models()) | {store.settings.served_model}
 
 
 def check_with_live_workers(models: Mapping[str, WorkerHeartbeat], request: JobRequest) -> None:

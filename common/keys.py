@@ -156,6 +156,11 @@ class Keys:
         scans the keyspace; a worker is live while its heartbeat key exists."""
         return f"{self.prefix}:workers"
 
+    def served_models(self) -> str:
+        """Sorted set of the text models workers served (score: a worker's last beat), kept for
+        ``WORKER_FORGET_S``: where a job that names no model goes while no worker is live."""
+        return f"{self.prefix}:models"
+
     def owner_jobs(self, owner: str, bucket: int) -> str:
         """Sorted set of one owner's job ids in a bucket (score: created_at), for listing them
         newest first; written by the create script, trimmed by age and count there

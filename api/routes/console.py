@@ -64,7 +64,7 @@ async def console_status(services: ServicesDep, request: Request) -> dict[str, A
     return {
         "workers": workers,
         "queued_jobs": await store.queued_count(),
-        "queues": dict(await store.queue_depths(queued_models(heartbeats, store.settings))),
+        "queues": dict(await store.queue_depths(await queued_models(store))),
     }
 
 

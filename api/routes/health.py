@@ -45,7 +45,7 @@ async def metrics(services: ServicesDep) -> Response:
     m = services.metrics
     m.queued_jobs.set(await services.store.queued_count())
     workers = await services.store.list_workers()
-    m.set_queue_depths(await services.store.queue_depths(queued_models(workers, services.settings)))
+    m.set_queue_depths(await services.store.queue_depths(await queued_models(services.store)))
     m.set_workers(workers)
     m.set_batches(await services.batches.batch_counts(BATCH_LIVE))
     m.webhook_backlog.set(await AsyncHookStore(services.store.redis, services.settings).backlog())

@@ -34,6 +34,7 @@ from common.store.parts import part_reads, summary_with_parts, with_parts
 from common.store.records import (
     LIST_SCAN_MAX,
     SUMMARY_FIELDS,
+    WORKER_FORGET_S,
     JobRecord,
     MediaMessageFor,
     MessageFor,
@@ -368,6 +369,11 @@ class AsyncJobStore(WatcherSets, ResponseRecords):
         """The tokenizer spec a heartbeat names (common/prompt_tokens.py), None if not stored."""
         spec = await self.redis.get(self.keys.tokenizer(digest))
         return None if spec is None else str(spec)  # (decode_responses: a str already)
+
+    async def recent_models(self) -> list[str]:
+        """The text models a worker served within ``WORKER_FORGET_S``, live or not."""
+        since = time.time() - WORKER_FORGET_S
+        return [str(m) for m in await self.redis.zrangebyscore(self.keys.served_models(), since, "+inf")]
 
     async def list_workers(self) -> list[WorkerHeartbeat]:
         names = [str(n) for n in await self.redis.zrange(self.keys.workers(), 0, -1)]

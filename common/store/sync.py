@@ -369,6 +369,9 @@ class SyncJobStore:
         pipe.set(self.keys.worker(heartbeat.name), heartbeat.model_dump_json(), px=ttl_ms)
         pipe.zadd(self.keys.workers(), {heartbeat.name: now})
         pipe.zremrangebyscore(self.keys.workers(), "-inf", now - WORKER_FORGET_S)
+        if heartbeat.kind == "text":
+            pipe.zadd(self.keys.served_models(), {heartbeat.model: now})
+            pipe.zremrangebyscore(self.keys.served_models(), "-inf", now - WORKER_FORGET_S)
         if tokenizer is not None:
             pipe.pexpire(self.keys.tokenizer(tokenizer.digest), ttl_ms)  # after the heartbeat's: never sooner
         kept = pipe.execute()[-1]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,8 +17,11 @@ from celery import Celery
 from procs import REDIS_URL, Prefixes, Service, start_api
 
 from api.enqueue import Enqueuer
+from api.routes.jobs import READY_HEADER
 from common.keys import GENERATE_TASK, JOB_PRIORITY, MEDIA_TASK, Keys
+from common.schemas.views import WorkerHeartbeat
 from common.settings import DEFAULT_SERVED_MODEL, Settings
+from common.store import SyncJobStore
 
 BURST = 48
 
@@ -30,12 +34,14 @@ def api_alone(prefixes: Prefixes, log_dir: Path) -> Iterator[Service]:
     api.stop()
 
 
-def queued_messages(client: redis.Redis, prefix: str) -> list[tuple[str, list[object]]]:
-    """(task name, args) of every message in the prefix's Celery queue of the default model (no
-    worker is live and no request names one) (kombu's Redis format)."""
+def queued_messages(
+    client: redis.Redis, prefix: str, model: str = DEFAULT_SERVED_MODEL
+) -> list[tuple[str, list[object]]]:
+    """(task name, args) of every message in the prefix's Celery queue of a model, by default the
+    default model's (no worker is live and no request names one) (kombu's Redis format)."""
     keys = Keys(prefix)
     found = []
-    for name in keys.queue_lists(keys.model_queue(DEFAULT_SERVED_MODEL)):
+    for name in keys.queue_lists(keys.model_queue(model)):
         for raw in client.lrange(name, 0, -1):
             message = json.loads(raw)
             args, _kwargs, _embed = json.loads(base64.b64decode(message["body"]))
@@ -59,6 +65,29 @@ def test_a_burst_of_submits_sends_one_message_per_job(api_alone: Service, prefix
     messages = queued_messages(prefixes.client, api_alone.prefix)
     assert all(task == GENERATE_TASK for task, _ in messages)
     assert sorted(str(args[0]) for _, args in messages) == ids  # each job once, none lost
+
+
+def test_a_job_naming_no_model_while_no_worker_is_live_waits_for_the_model_served_last(
+    api_alone: Service, prefixes: Prefixes
+) -> None:
+    """While no heartbeat is live (the workers restart, or Redis did and they have not beaten
+    since), a job that names no model goes to the queue of the text model the workers served,
+    the first in order, where they will look: not to the API's own default, which none reads."""
+    settings = Settings.model_validate({"redis_url": REDIS_URL, "redis_prefix": api_alone.prefix})
+    store = SyncJobStore(redis.Redis.from_url(REDIS_URL, decode_responses=True), settings)
+    served = [("w-c", "model-c", "text"), ("w-b", "model-b", "text"), ("m-a", "a-pipeline", "media")]
+    for name, model, kind in served:
+        store.beat(WorkerHeartbeat(name=name, ts=time.time(), engine={}, model=model, kind=kind))
+        store.remove_heartbeat(name)  # it stopped; a lapsed heartbeat is the same to the API
+
+    posted = httpx.post(f"{api_alone.url}/v1/jobs", json={"prompt": "hi", "max_tokens": 1}, timeout=30)
+    assert posted.status_code == 202, posted.text
+    assert posted.headers[READY_HEADER] == "false"  # no worker is live
+    client = prefixes.client
+    assert queued_messages(client, api_alone.prefix, "model-b") == [(GENERATE_TASK, [posted.json()["id"]])]
+    assert queued_messages(client, api_alone.prefix) == []
+    status = httpx.get(f"{api_alone.url}/console-status", timeout=30).json()
+    assert status["queues"]["llm"] == 1, status  # model-b's queue is counted, though none serves it now
 
 
 def test_a_jobs_message_is_the_one_celery_would_send(prefixes: Prefixes) -> None:
