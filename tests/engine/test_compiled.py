@@ -5,6 +5,8 @@ The tests share one compiled engine (the compile is the cost); each leaves it wi
 from __future__ import annotations
 
 import logging
+import os
+import time
 from pathlib import Path
 
 import pytest
@@ -13,6 +15,7 @@ from greedy import TEST_DEVICE, greedy
 
 from workers.engine import Engine, EngineConfig, SamplingParams
 from workers.engine.kv_cache import StepInterrupted
+from workers.engine.model_runner import COMPILE_CACHE_UNUSED_S
 
 pytestmark = pytest.mark.slow  # each test compiles the forward
 
@@ -90,13 +93,23 @@ def test_a_second_engine_loads_the_forward_the_first_compiled(
     engine: Engine, config: EngineConfig, llama_dir: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A restarted worker finds its compiled forward in the cache directory: loaded, not compiled
-    again, and the same tokens."""
+    again, and the same tokens. It marks it used, and removes the packages nobody used for
+    COMPILE_CACHE_UNUSED_S (another model's, batch shape's, torch's) but not the others."""
     assert config.compile_cache_dir is not None
-    [package] = Path(config.compile_cache_dir).glob("*.pt2")  # the first engine's (the fixture)
+    cache = Path(config.compile_cache_dir)
+    [package] = cache.glob("*.pt2")  # the first engine's (the fixture)
+    month_ago = time.time() - COMPILE_CACHE_UNUSED_S - 60
+    os.utime(package, (month_ago, month_ago))  # used a month ago, and in use again now
+    stale, recent = cache / "another-model.pt2", cache / "another-shape.pt2"
+    for other, used in ((stale, month_ago), (recent, time.time() - 86400)):
+        other.write_bytes(b"a package")
+        os.utime(other, (used, used))
     with caplog.at_level(logging.INFO, logger="workers.engine.model_runner"):
         second = Engine(config)
     assert f"(loaded from {package})" in caplog.text
-    assert list(Path(config.compile_cache_dir).glob("*.pt2")) == [package]
+    assert sorted(cache.glob("*.pt2")) == sorted([package, recent])
+    assert package.stat().st_mtime > time.time() - 600
+    recent.unlink()
     tokens = run_all(second, PROMPTS, [5, 5, 5, 5])
     for i, prompt in enumerate(PROMPTS):
         assert tokens[str(i)] == greedy(llama_dir, prompt, 5).token_ids, prompt

@@ -5,9 +5,11 @@ The packed forward and the compiled one: docs/internals.md#engine-api-workerseng
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import inspect
 import logging
+import os
 import sys
 import tempfile
 import time
@@ -27,6 +29,9 @@ log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_MAX_MODEL_LEN = 2048
+# A compiled forward no worker loaded or saved for this long is removed from the cache directory
+# (another model's, batch shape's or torch's: nothing else would ever remove it).
+COMPILE_CACHE_UNUSED_S = 30 * 86400
 
 
 def _no_padding_check(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
@@ -139,11 +144,16 @@ class ModelRunner:
                 self._export_and_compile(inputs, path)
                 return _load_package(path), "not kept: no compile cache directory"
         path = Path(config.compile_cache_dir) / f"{self._artifact_key(inputs)}.pt2"
+        _remove_unused(path.parent, time.time() - COMPILE_CACHE_UNUSED_S, keep=path)
         if path.exists():
             try:
-                return _load_package(path), f"loaded from {path}"
+                loaded = _load_package(path)
             except Exception:  # a damaged file: compiled again, over it
                 log.warning("could not load the compiled forward %s; compiling it again", path, exc_info=True)
+            else:
+                with contextlib.suppress(OSError):  # (a read-only directory: kept as it is)
+                    os.utime(path)  # its last use, which _remove_unused reads
+                return loaded, f"loaded from {path}"
         path.parent.mkdir(parents=True, exist_ok=True)
         # Written beside and renamed: a worker starting meanwhile never reads half a package.
         with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".pt2", delete=False) as f:
@@ -342,3 +352,20 @@ def _at_least_two(n: int) -> int:
     """A compiled forward's token and row counts: the export's sizes start at 2 (it specializes
     0 and 1), so a step of one token or row is padded to two."""
     return max(n, 2)
+
+
+def _remove_unused(directory: Path, before: float, keep: Path) -> None:
+    """Remove the compiled forwards (and the partial files of compiles that died) last loaded or
+    written before ``before``, but ``keep``, this start's. Another worker sharing the directory
+    may remove one first."""
+    for package in directory.glob("*.pt2"):
+        try:
+            if package != keep and package.stat().st_mtime < before:
+                package.unlink()
+                log.info(
+                    "removed the compiled forward %s: unused for %d days",
+                    package,
+                    COMPILE_CACHE_UNUSED_S // 86400,
+                )
+        except OSError:  # removed by another worker meanwhile, or a read-only directory
+            pass
