@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from jinja2 import TemplateError
 
 from api.errors import ApiError
-from api.served import text_requests
+from api.served import live_worker, text_requests
 from common.prompt_tokens import PromptCounter, TokenizerSpec
 from common.schemas.requests import JobRequest
 from common.schemas.views import WorkerHeartbeat
@@ -90,11 +90,11 @@ class ContextCheck:
             raise too_long(limit, request.max_tokens, prompt_tokens, prompt_field(request))
 
     async def check_live(self, request: JobRequest, models: Mapping[str, WorkerHeartbeat]) -> None:
-        """``check`` against the served model, when a live worker says what it is (a job queued
+        """``check`` against the job's model, when a live worker says what it is (a job queued
         while none is has its length checked by the worker that takes it)."""
-        if models:
+        if (worker := live_worker(models, request)) is not None:
             for text in text_requests(request):  # a job with parts: each of its text parts
-                await self.check(text, models[min(models)])
+                await self.check(text, worker)
 
     async def _count(self, counter: PromptCounter, request: JobRequest) -> int | None:
         try:

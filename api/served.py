@@ -124,15 +124,21 @@ async def queued_models(store: AsyncJobStore) -> set[str]:
     return set(await store.recent_models()) | {store.settings.served_model}
 
 
+def live_worker(models: Mapping[str, WorkerHeartbeat], request: JobRequest) -> WorkerHeartbeat | None:
+    """A live worker of the model a job runs on (``resolve_model``: 404 for a model no live worker
+    serves); None while no worker is live (the job is queued for the model it names, or the default)."""
+    return resolve_model(models, request.model) if models else None
+
+
 def check_with_live_workers(models: Mapping[str, WorkerHeartbeat], request: JobRequest) -> None:
-    """``check_servable`` against the served model, when a live worker says what it is.
+    """``check_servable`` against the job's model, when a live worker says what it is.
 
     A job may also be queued while no worker runs (they restart, or scale from zero); the
     worker then refuses what its model cannot take, and the job fails with the reason.
     """
-    if models:
+    if (worker := live_worker(models, request)) is not None:
         for text in text_requests(request):
-            check_servable(text, models[min(models)])
+            check_servable(text, worker)
 
 
 def text_requests(request: JobRequest) -> list[JobRequest]:

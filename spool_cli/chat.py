@@ -1,8 +1,8 @@
 """``spool chat``: a multi-turn chat in the terminal against a running API.
 
-Each line read is a user message. The request is a streamed job on ``/v1/jobs`` that carries the
-system message, every earlier turn that succeeded (the user's message and the reply) and the new
-message. stream.stream_job resumes a dropped connection's stream by the job's id with
+Each line read is a user message. The request is a streamed job on ``/v1/jobs`` (on ``--model``'s
+model, else the default one) that carries the system message, every earlier turn that succeeded
+(the user's message and the reply) and the new message. stream.stream_job resumes a dropped connection's stream by the job's id with
 Last-Event-ID. ``/reset`` clears the history, and ``/exit`` or the end of input quits.
 """
 
@@ -71,7 +71,8 @@ def chat(
             head = [{"role": "system", "content": system}] if system is not None else []
             state = Follow(None, time.monotonic())
             try:
-                code = stream_job(api, state, {"messages": [*head, *history, user], **options})
+                body = {"messages": [*head, *history, user], **options}
+                code = stream_job(api, state, {**body, "model": model} if model is not None else body)
             except KeyboardInterrupt:
                 interrupted(api, state)
                 _say("the reply is not kept in the history")

@@ -41,6 +41,9 @@ def add_client_commands(sub: Any) -> None:
     )
     p.add_argument("--system", help="a system message before the prompt (implies --chat)")
     p.add_argument(
+        "--model", help="the served model to run it on (default: the first served; 404 if not served)"
+    )
+    p.add_argument(
         "--webhook", metavar="URL", help="POST the job's job.completed event there (docs/webhooks.md)"
     )
     _client_options(p)
@@ -55,7 +58,7 @@ def add_client_commands(sub: Any) -> None:
         "ends with its summary line on stderr, and a dropped connection resumes the reply by its job "
         "id (Last-Event-ID). /reset clears the history; /exit or end of input (Ctrl-D) quits. Ctrl-C "
         "during a reply leaves its job running (not kept in the history) and the chat goes on. "
-        "--model is checked against GET /v1/models; the jobs go to the API's model, as generate's.",
+        "--model is checked against GET /v1/models first; without it the jobs go to the default model.",
         CLIENT_SETTINGS,
         'spool chat --system "You are terse." --max-tokens 60',
     )
@@ -181,7 +184,8 @@ def job_body(args: argparse.Namespace) -> dict[str, Any]:
         text: dict[str, Any] = {"messages": [*system, {"role": "user", "content": prompt}]}
     else:
         text = {"prompt": prompt}
-    return {**text, **sampling(args), **({"webhook": args.webhook} if args.webhook is not None else {})}
+    given = {"model": args.model, "webhook": args.webhook}
+    return {**text, **sampling(args), **{k: v for k, v in given.items() if v is not None}}
 
 
 def sampling(args: argparse.Namespace) -> dict[str, Any]:

@@ -11,6 +11,7 @@ import contextlib
 import json
 import os
 import signal
+import subprocess
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -23,7 +24,17 @@ import openai
 import pytest
 import redis
 from greedy import greedy
-from procs import REDIS_URL, Prefixes, Service, heartbeats, start_api, start_worker, wait_until
+from procs import (
+    REDIS_URL,
+    SPOOL,
+    Prefixes,
+    Service,
+    finished_job,
+    heartbeats,
+    start_api,
+    start_worker,
+    wait_until,
+)
 
 from common.keys import Keys
 from workers.engine.tiny import build_tiny_model
@@ -130,6 +141,36 @@ def test_every_job_runs_on_its_own_model(two: TwoModels) -> None:
         name = "ab"[i % 2]
         got = result["response"]["body"]["choices"][0]["text"]
         assert got == text_of(two, name, PROMPTS[i % len(PROMPTS)]), result["custom_id"]
+
+
+def test_a_native_job_runs_on_the_model_it_names(two: TwoModels) -> None:
+    """POST /v1/jobs, a /v1/jobs batch line and `spool generate --model` take "model" too; without
+    it a job runs on the first model in name order, and a model no worker serves is a 404."""
+    url = two.api.url
+    first = min(two.paths, key=lambda n: two.model(n))
+    bodies = [{"model": two.model(n)} for n in "ab"] + [{}]
+    ids = []
+    for body in bodies:
+        posted = httpx.post(
+            f"{url}/v1/jobs", json={**body, "prompt": PROMPTS[0], "max_tokens": MAX_TOKENS, "temperature": 0}
+        )
+        assert posted.status_code == 202, posted.text
+        ids.append(posted.json()["id"])
+    with httpx.Client(timeout=30) as client:
+        for job_id, name in zip(ids, ["a", "b", first], strict=True):
+            done = finished_job(client, url, job_id)
+            assert (done["model"], done["text"]) == (two.model(name), text_of(two, name, PROMPTS[0]))
+
+    unknown = httpx.post(f"{url}/v1/jobs", json={"model": "no-such-model", "prompt": "x"})
+    assert unknown.status_code == 404, unknown.text
+    assert (unknown.json()["error"]["code"], unknown.json()["error"]["param"]) == ("model_not_found", "model")
+
+    argv = [SPOOL, "generate", PROMPTS[3], "--model", two.model("b"), "--url", url, "--temperature", "0"]
+    cli = subprocess.run(
+        [*argv, "--max-tokens", str(MAX_TOKENS)], capture_output=True, text=True, timeout=120
+    )
+    assert cli.returncode == 0, cli.stderr
+    assert cli.stdout.strip() == text_of(two, "b", PROMPTS[3]).strip()
 
 
 def start_job(url: str, model: str, prompt: str, max_tokens: int, **extra: Any) -> str:

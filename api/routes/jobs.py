@@ -68,7 +68,7 @@ async def create_job(
     check_with_live_workers(models, body)
     await services.context.check_live(body, models)
     await check_media_workers(services.served, body)
-    job = await submit_job(services, body, await services.served.queue_model(None), idempotency_key)
+    job = await submit_job(services, body, await services.served.queue_model(body.model), idempotency_key)
     # A job is queued whether or not a worker is live (it waits for one); this says which.
     headers = {"Location": f"/v1/jobs/{job.id}", READY_HEADER: "true" if models else "false"}
     if body.stream:
@@ -163,9 +163,10 @@ async def _openai_render(services: Services, job: StreamState, cursor: int) -> R
     parts = job.request.parts
     if parts and all(p.type == "image" for p in parts):
         return ImageStreamView.of(services.store, job.job_id, job.created_at, job.request).stream
-    # The worker that took the job wrote its model's name; a queued job gets the served one's.
+    # The worker that took the job wrote its model's name; a queued job gets the one it names,
+    # else the served one's.
     served = await served_models(services.store)
-    model = job.model or min(served, default="")
+    model = job.model or job.request.model or min(served, default="")
     worker = served.get(model) or next(iter(served.values()), None)
     view = View.of(job.job_id, job.created_at, job.request, model, worker.tool_parser if worker else None)
     if (tools := view.tool_stream()) is None:

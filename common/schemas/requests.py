@@ -130,6 +130,8 @@ class JobRequest(TextParams):
     """A validated job request, stored as JSON in the job hash's ``request`` field: one text
     generation (``prompt`` or ``messages``), or ``parts``."""
 
+    # The served model it runs on (its text parts, with parts); None: the default one (api/served.py).
+    model: str | None = Field(None, min_length=1, max_length=256)
     background: bool = True  # the API answers at once; False: it waits for the result
     stream: bool = False  # POST /v1/jobs answers with the job's event stream instead of the job
     user: str | None = Field(None, max_length=256)  # the end user, as the OpenAI API's `user`; stored only
