@@ -583,6 +583,8 @@ function jobBody() {
   };
   const stop = $("stop").value.split(",").map((s) => s.trim()).filter(Boolean);
   if (stop.length) body.stop = stop;
+  const model = $("model").value; // the job's, its text part's with an image part
+  if (model) body.model = model;
   if (mode() === "chat") {
     const system = $("system").value.trim();
     const user = { role: "user", content: $("prompt").value };
@@ -594,7 +596,9 @@ function jobBody() {
     body.prompt = $("prompt").value;
   }
   if (!$("with-image").checked) return JSON.stringify(body);
-  return JSON.stringify({ parts: [{ type: "text", ...body }, imagePart($("image-prompt").value.trim())] });
+  const { model: named, ...text } = body;
+  const parts = [{ type: "text", ...text }, imagePart($("image-prompt").value.trim())];
+  return JSON.stringify({ ...(named ? { model: named } : {}), parts });
 }
 
 // The job's text (every choice's, one after another) to the clipboard; the button says it did.
@@ -689,6 +693,7 @@ async function refreshCluster() {
     $("workers").tBodies[0].replaceChildren(...s.workers.map(workerRow));
     const queues = Object.entries(s.queues).map(([q, depth]) => `${q} ${depth}`).join(" · ");
     $("queues").textContent = `queued jobs: ${s.queued_jobs} · queue messages: ${queues}`;
+    await refreshModels();
   } catch (err) {
     if (err.status === 0) set("api-down", "API unreachable");
     else if (err.code === "backend_unavailable") set("redis-down", "Redis unreachable");
@@ -696,6 +701,25 @@ async function refreshCluster() {
     $("workers").tBodies[0].replaceChildren();
     $("queues").textContent = explain(err);
   }
+}
+
+// The model picker: shown while more than one model is served (GET /v1/models), its choice kept
+// while that model is served. A job that names none runs on the first served, in name order.
+async function refreshModels() {
+  let ids;
+  try {
+    ids = (await getJson("/v1/models")).data.map((m) => m.id).sort();
+  } catch {
+    return; // (without the API key, say): the picker stays as it was
+  }
+  const select = $("model");
+  const chosen = ids.includes(select.value) ? select.value : "";
+  const shown = [...select.options].slice(1).map((o) => o.value);
+  if (shown.join("\n") !== ids.join("\n")) {
+    select.replaceChildren(select.options[0], ...ids.map((id) => new Option(id.split("/").pop(), id)));
+  }
+  select.value = chosen;
+  $("model-label").hidden = ids.length < 2;
 }
 
 // A text worker: its engine's requests, slots and KV usage. A media worker runs one image part

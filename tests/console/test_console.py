@@ -21,6 +21,7 @@ from typing import Any
 import httpx
 import pytest
 import redis
+from greedy import greedy
 from procs import (
     REDIS_URL,
     SPOOL,
@@ -53,6 +54,7 @@ class Stack:
     api: Service
     port: int  # the API's, kept across its restart
     log_dir: Path
+    model: Path  # the worker's
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +62,7 @@ def stack(prefixes: Prefixes, tiny_model: Path, log_dir: Path) -> Iterator[Stack
     prefix, port = prefixes.new(), free_port()
     worker = start_worker(prefix, tiny_model, log_dir, max_batch_size=4)
     api = start_api(prefix, log_dir, port=port, **API_SETTINGS)
-    s = Stack(prefix, worker, api, port, log_dir)
+    s = Stack(prefix, worker, api, port, log_dir, tiny_model)
     yield s
     s.api.stop()
     worker.stop()
@@ -157,6 +159,33 @@ def test_a_prompt_streams_to_the_jobs_final_text(
     page.wait_for_selector(f"#jobs a[title='{job_id}']")  # listed among the recent jobs
     assert page.text_content("#workers tbody").count(f"{stack.prefix}-w1") == 1
     page.screenshot(path=tmp_path / "done.png", full_page=True)
+
+
+def test_with_two_models_served_the_page_runs_a_job_on_the_one_picked(
+    stack: Stack, page: Any, client: httpx.Client, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """The model picker is hidden while one model is served, and lists both (each by its last
+    path component) while a second worker serves another; the job runs on the one picked."""
+    from workers.engine.tiny import build_tiny_model
+
+    open_console(page, stack.api.url)
+    assert page.is_hidden("#model-label")
+    other = build_tiny_model(tmp_path_factory.mktemp("tiny-gpt2"), "gpt2", vocab_size=1024, seed=1)
+    worker = start_worker(stack.prefix, other, stack.log_dir, name="other", max_batch_size=2)
+    try:
+        page.wait_for_selector("#model-label:not([hidden])")  # at the next poll
+        options = page.eval_on_selector_all("#model option", "os => os.map(o => [o.value, o.text])")
+        assert options[0] == ["", "first served"]
+        assert sorted(options[1:]) == sorted([[str(p), p.name] for p in (stack.model, other)])
+        page.select_option("#model", str(other))
+        job_id = submit(page, "the quick brown fox", 6)
+        assert wait_terminal(page) == "succeeded"
+        job = finished_job(client, stack.api.url, job_id)
+        assert job["model"] == str(other)
+        assert job["text"] == greedy(other, "the quick brown fox", 6).text == shown(page)[0]
+        page.screenshot(path=tmp_path / "two-models.png")
+    finally:
+        worker.stop()
 
 
 def test_a_job_with_choices_shows_each_choice_apart(
