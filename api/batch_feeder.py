@@ -37,6 +37,7 @@ from common.keys import BATCH_PRIORITY, Keys
 from common.schemas.views import JobStatus
 from common.settings import Settings
 from common.store import (
+    SPILL_LINES,
     AsyncBatchStore,
     AsyncJobStore,
     Conflict,
@@ -159,6 +160,7 @@ class BatchFeeder:
             await self.batches.end_batch(batch_id, "expired")
             ending = "expired"
         window = await self.collect(b, ending)
+        await self.spill(b, window, fence)
         if ending:
             if window:
                 await self.cancel(window)
@@ -239,6 +241,16 @@ class BatchFeeder:
                     results.append(crashed(line, custom_id, e, job_id))
         await self.batches.record(b["id"], results)
         return window
+
+    async def spill(self, b: dict[str, str], window: dict[str, tuple[int, str]], fence: str) -> None:
+        """With the results' bytes out of Redis (SPOOL_ARTIFACT_URL), move each page of lines that
+        all ended (below the first line still in the window, or not fed yet) to an artifact."""
+        if self.batches.artifacts is None:
+            return
+        ended = min((line for line, _ in window.values()), default=int(b["next_line"]))
+        for start in range(int(b.get("spilled", 0)), ended - SPILL_LINES + 1, SPILL_LINES):
+            if not await self.batches.spill(b["id"], start, fence):
+                return  # another feeder's, or the lease lost
 
     async def _resend_lost(self, queued: list[str]) -> None:
         """Send again the messages of lines queued for a lease although the batch's queue list is

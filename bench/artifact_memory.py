@@ -9,7 +9,9 @@ would be), and the output file is assembled and the batch finished. After each s
 ``MEMORY USAGE`` (``SAMPLES 0``: every element counted) of the prefix's keys is printed, per mode:
 
 input       the uploaded file (its lines list, or only its object with the bytes in the directory)
-running     plus every line's result, as recorded while the batch runs (``{p}:batch:{id}:results``)
+running     plus the lines' results, as recorded while the batch runs (``{p}:batch:{id}:results``),
+            at most: with the bytes in the directory each page of SPILL_LINES that ended leaves
+            Redis for an artifact (the feeder's spill), so it is one page's
 finished    after the output file is written and the batch ends
 
     .venv/bin/python bench/artifact_memory.py                 # 50,000 lines
@@ -35,12 +37,12 @@ if str(REPO_ROOT) not in sys.path:  # this tree's store, whatever is installed
 from api.batch_files import ResultFiles  # noqa: E402
 from api.openai_compat.batches import response_line  # noqa: E402
 from common.settings import Settings  # noqa: E402
-from common.store import AsyncBatchStore, LineResult  # noqa: E402
+from common.store import SPILL_LINES, AsyncBatchStore, LineResult  # noqa: E402
 from common.store.clients import async_client  # noqa: E402
 from spool_cli.procs import start_redis  # noqa: E402
 
 PROMPT = "Summarize the following support ticket in two sentences and name its product area: " * 2
-PAGE = 1000  # lines per upload page and per recorded page
+PAGE = SPILL_LINES  # lines per upload page and per recorded page
 
 
 def request_line(i: int) -> str:
@@ -74,7 +76,8 @@ def result(i: int, reply_chars: int) -> LineResult:
         ],
         "usage": {"prompt_tokens": 40, "completion_tokens": 128, "total_tokens": 168},
     }
-    return LineResult(i, "completed", response_line(job_id, f"request-{i}", 200, body), job_id)
+    # No window here (no job ran): recorded as a line that never ran is, set once by its line.
+    return LineResult(i, "completed", response_line(job_id, f"request-{i}", 200, body))
 
 
 def memory(r: redis.Redis, prefix: str) -> int:
@@ -110,10 +113,13 @@ async def one_mode(url: str, prefix: str, artifact_url: str, lines: int, reply_c
         "owner": "",
     }
     await store.create_batch(batch)
+    fence = await store.claim_feeder("bench", 60, 0)
+    figures["running"] = 0
     for start in range(0, lines, PAGE):
         await store.record(batch_id, [result(i, reply_chars) for i in range(start, min(start + PAGE, lines))])
-    figures["running"] = memory(r, prefix)
-    fence = await store.claim_feeder("bench", 60, 0)
+        figures["running"] = max(figures["running"], memory(r, prefix))
+        if artifact_url and start + PAGE <= lines:  # a page that all ended leaves Redis (the feeder's spill)
+            await store.spill(batch_id, start, fence)
     await ResultFiles(settings, store).assemble(
         {**batch, **(await store.get_batch(batch_id) or {})}, "", fence
     )

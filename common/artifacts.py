@@ -65,6 +65,12 @@ def file_name(file_id: str) -> str:
     return f"files/{_checked(file_id)}.jsonl"
 
 
+def results_name(batch_id: str, start: int, tag: str) -> str:
+    """A page of a running batch's results, its lines ``start`` on, moved out of Redis by the
+    feeder holding the fence ``tag`` names (common/store/batches.py ``spill``)."""
+    return f"results/{_checked(batch_id)}.{start}.{_checked(tag)}.jsonl"
+
+
 def part_name(part_id: str, attempt: int) -> str:
     """An image part's PNG, per attempt: a worker that lost the part writes under its own name."""
     split = split_part_id(part_id)
@@ -104,7 +110,7 @@ class Artifacts(ABC):
 
     def __init__(self, spool: Path) -> None:
         self.spool = spool
-        for sub in ("files", "parts"):
+        for sub in ("files", "parts", "results"):
             (spool / sub).mkdir(parents=True, exist_ok=True)
 
     @staticmethod

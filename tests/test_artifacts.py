@@ -38,6 +38,7 @@ from pydantic import ValidationError
 from common.artifacts import Artifacts, file_name, part_name
 from common.keys import Keys
 from common.settings import Settings
+from common.store import SPILL_LINES
 
 BATCH = {"batch_feed_s": 0.1, "batch_window": 12}
 BUCKET = "spool-test"
@@ -229,6 +230,66 @@ def test_a_file_that_expires_loses_its_artifact(stack: Stack, client: httpx.Clie
         assert client.get(f"{stack.api.url}/v1/files/{file_id}").status_code == 404
     finally:
         brief.stop()
+
+
+@pytest.mark.parametrize("backend", ["file", "s3"])
+def test_a_running_batchs_results_leave_redis_a_page_at_a_time(
+    backend: str,
+    request: pytest.FixtureRequest,
+    tmp_path: Path,
+    prefixes: Prefixes,
+    log_dir: Path,
+    redis_client: redis.Redis,
+) -> None:
+    """Each page of SPILL_LINES lines that all ended moves to an artifact while the batch runs:
+    Redis holds the results of the lines past it only. The files written at the end hold every
+    line in input order, and the pages' artifacts go with the batch's end. No worker: the last
+    line waits in the queue (the batch is cancelled to end it); the others are refused at feed."""
+    url = f"file://{tmp_path}" if backend == "file" else str(request.getfixturevalue("s3_url"))
+    store = Artifacts.at(url)
+    assert store is not None
+    refused = [
+        {**chat_line(i), "body": {**chat_line(i)["body"], "stream": True}}
+        for i in range(2 * SPILL_LINES + 100)
+    ]
+    lines = [*refused, chat_line(len(refused))]
+    prefix = prefixes.new()
+    keys = Keys(prefix)
+    api = start_api(prefix, log_dir, ready=False, artifact_url=url, batch_feed_s=0.1, batch_window=500)
+    try:
+        with openai.OpenAI(base_url=f"{api.url}/v1", api_key="unused", max_retries=0) as oai:
+            batch = oai.batches.create(
+                input_file_id=upload(oai, jsonl(lines)),
+                endpoint="/v1/chat/completions",
+                completion_window="24h",  # type: ignore[arg-type]
+            )
+            held = lambda: redis_client.hgetall(keys.batch(batch.id))  # noqa: E731
+            wait_until(
+                lambda: held().get(b"spilled") == b"%d" % (2 * SPILL_LINES), "two pages spilled", 60, (api,)
+            )
+            assert oai.batches.retrieve(batch.id).status == "in_progress"
+            assert redis_client.hlen(keys.batch_results(batch.id)) == 100  # the lines past the pages
+            pages = [held()[b"spilled_at:%d" % start].decode() for start in (0, SPILL_LINES)]
+            assert all(store.read(name) for name in pages)
+            assert b'"marker-7"' not in prefix_values(redis_client, prefix)  # a spilled line's custom_id
+
+            oai.batches.cancel(batch.id)
+            wait_until(
+                lambda: oai.batches.retrieve(batch.id).status == "cancelled", "the batch cancelled", 60
+            )
+            done = oai.batches.retrieve(batch.id)
+            errors = [json.loads(x) for x in oai.files.content(done.error_file_id or "").text.splitlines()]
+        assert done.output_file_id is None
+        assert [e["custom_id"] for e in errors] == [x["custom_id"] for x in lines]  # every line, in order
+        refusals = {
+            (e["response"]["status_code"], e["response"]["body"]["error"]["code"]) for e in errors[:-1]
+        }
+        assert refusals == {(400, "unsupported_parameter")}
+        assert errors[-1]["error"]["code"] == "batch_cancelled", errors[-1]
+        assert not any(store.read(name) for name in pages)  # the pages went with the batch's end
+        assert not redis_client.exists(keys.batch_results(batch.id))
+    finally:
+        api.stop()
 
 
 @pytest.fixture(params=["file", "s3"])

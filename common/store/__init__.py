@@ -20,7 +20,14 @@ docs/internals.md#redis-names-from-commonkeyspy-only-prefix-spool_redis_prefix.
 """
 
 from common.store.aio import AsyncJobStore
-from common.store.batches import BATCH_LINE_STATES, AsyncBatchStore, BatchCounts, LineJob, LineResult
+from common.store.batches import (
+    BATCH_LINE_STATES,
+    SPILL_LINES,
+    AsyncBatchStore,
+    BatchCounts,
+    LineJob,
+    LineResult,
+)
 from common.store.calls import (
     append_step_args,
     cancel_args,
@@ -70,6 +77,7 @@ from common.store.watchers import WatcherSets, watching
 
 __all__ = [
     "JOB_ID_BYTES",
+    "SPILL_LINES",
     "WORKER_FORGET_S",
     "Append",
     "Appended",

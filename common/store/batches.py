@@ -11,7 +11,9 @@ batches, so a listing reads only that owner's objects.
 
 from __future__ import annotations
 
+import asyncio
 import json
+import secrets
 import time
 from collections import Counter
 from collections.abc import Collection, Sequence
@@ -20,7 +22,7 @@ from typing import Any
 
 import redis.asyncio as aredis
 
-from common.artifacts import Artifacts
+from common.artifacts import Artifacts, results_name
 from common.keys import Keys
 from common.schemas.requests import JobRequest
 from common.settings import Settings
@@ -30,6 +32,8 @@ from common.store.records import OWNER_INDEX_MAX, QueueMessage, new_job_fields, 
 from common.store.scripts import source
 
 ENDED = ("completed", "failed", "expired", "cancelled")  # a batch's final statuses
+# With SPOOL_ARTIFACT_URL, a running batch's results leave Redis this many lines at a time (spill).
+SPILL_LINES = 1000
 
 
 @dataclass(frozen=True)
@@ -73,6 +77,7 @@ _SCRIPTS = (
     "batch_validated",
     "batch_feed",
     "batch_record",
+    "batch_spill",
     "batch_end",
     "batch_finalizing",
     "batch_finish",
@@ -243,12 +248,66 @@ class AsyncBatchStore(FileRecords):
             [k.batch(batch_id), k.batch_window(batch_id), k.batch_results(batch_id)], args
         )
 
+    async def spill(self, batch_id: str, start: int, fence: str) -> bool:
+        """Move the results of lines ``start`` to ``start + SPILL_LINES - 1``, every one ended,
+        out of Redis into an artifact (SPOOL_ARTIFACT_URL), so that a running batch keeps in Redis
+        only the results of its lines past the last whole page that ended. Under the feeder's
+        fence, the next page only (batch_spill.lua); False if not moved (the fence lost, or moved
+        by another feeder first), its artifact then deleted. The artifact is indexed with the
+        files' TTL, so a batch that never ends leaves nothing behind."""
+        assert self.artifacts is not None
+        k, bucket = self.keys, self.keys.bucket_of(batch_id)
+        raw = await self.redis.hmget(
+            k.batch_results(batch_id), [str(i) for i in range(start, start + SPILL_LINES)]
+        )
+        name = results_name(batch_id, start, secrets.token_hex(4))
+        await self.redis.zadd(k.artifacts(bucket), {name: time.time() + self.settings.file_ttl_s})
+        page = "".join((str(r) if r else "") + "\n" for r in raw).encode()  # a blank line: none
+        await asyncio.to_thread(self.artifacts.write, name, page)
+        keys = [k.batch(batch_id), k.batch_results(batch_id), k.batch_feeder(bucket)]
+        if int(await self._scripts["batch_spill"](keys, [fence, start, SPILL_LINES, name])):
+            return True
+        await self._drop_artifacts([name], bucket)
+        return False
+
     async def results(self, batch_id: str, lines: Sequence[int]) -> list[LineResult | None]:
-        """The recorded results of these lines (None: a blank line, or none yet)."""
+        """The recorded results of these lines (None: a blank line, or none yet), read from the
+        artifacts of the pages spilled and the results hash."""
         if not lines:
             return []
-        raw = await self.redis.hmget(self.keys.batch_results(batch_id), [str(i) for i in lines])
-        return [LineResult(i, *json.loads(r)) if r else None for i, r in zip(lines, raw, strict=True)]
+        raw: dict[int, str] = {}
+        spilled = int(await self.redis.hget(self.keys.batch(batch_id), "spilled") or 0)
+        for start in sorted({i - i % SPILL_LINES for i in lines if i < spilled}):
+            raw |= await self._spilled(batch_id, start)
+        if rest := [i for i in lines if i >= spilled]:
+            hashed = await self.redis.hmget(self.keys.batch_results(batch_id), [str(i) for i in rest])
+            raw |= {i: str(r) for i, r in zip(rest, hashed, strict=True) if r}
+        return [LineResult(i, *json.loads(r)) if (r := raw.get(i)) else None for i in lines]
+
+    async def _spilled(self, batch_id: str, start: int) -> dict[int, str]:
+        """A spilled page's results by line (none if its artifact is gone: the batch ended)."""
+        name = await self.redis.hget(self.keys.batch(batch_id), f"spilled_at:{start}")
+        data = await asyncio.to_thread(self.artifacts.read, str(name)) if self.artifacts and name else None
+        if data is None:
+            return {}
+        return {i: r for i, r in enumerate(data.decode().split("\n")[:SPILL_LINES], start) if r}
+
+    async def _drop_spilled(self, batch_id: str) -> None:
+        """Delete the artifacts of the batch's spilled pages (its files hold their lines now)."""
+        k = self.keys
+        spilled = int(await self.redis.hget(k.batch(batch_id), "spilled") or 0)
+        if spilled:
+            fields = [f"spilled_at:{s}" for s in range(0, spilled, SPILL_LINES)]
+            names = [str(n) for n in await self.redis.hmget(k.batch(batch_id), fields) if n]
+            await self._drop_artifacts(names, k.bucket_of(batch_id))
+            await self.redis.hdel(k.batch(batch_id), "spilled", *fields)
+
+    async def _drop_artifacts(self, names: Sequence[str], bucket: int) -> None:
+        assert self.artifacts is not None
+        for name in names:
+            await asyncio.to_thread(self.artifacts.delete, name)
+        if names:
+            await self.redis.zrem(self.keys.artifacts(bucket), *names)
 
     async def finalizing(self, batch_id: str) -> bool:
         return bool(await self._scripts["batch_finalizing"]([self.keys.batch(batch_id)], [repr(time.time())]))
@@ -281,6 +340,7 @@ class AsyncBatchStore(FileRecords):
             # The result files are artifacts now, and the results are read only to write them:
             # Redis keeps no copy of the lines (a stale feeder's assembly then writes nothing).
             await self.redis.delete(k.batch_results(batch_id))
+            await self._drop_spilled(batch_id)
         return status
 
     async def fail_batch(self, batch_id: str, errors: list[dict[str, Any]]) -> str:

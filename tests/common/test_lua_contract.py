@@ -21,6 +21,7 @@ import hashlib
 import re
 import shutil
 import subprocess
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -418,6 +419,9 @@ async def _api_calls(client: Any, settings: Settings) -> None:
         await batches.feed(batch_1, "o", (0, 2), [line_job], [rejected])
         await batches.resend(line_job.job_id, line_job.message, 0.0)
         await batches.record(batch_1, [LineResult(0, "completed", {"ok": 1}, line_job.job_id)])
+        with tempfile.TemporaryDirectory() as spool:  # a page of results moves to an artifact
+            to_artifacts = settings.model_copy(update={"artifact_url": f"file://{spool}"})
+            assert await AsyncBatchStore(client, to_artifacts).spill(batch_1, 0, fence)
         await batches.batch_counts(["in_progress"])
         await batches.finalizing(batch_1)
         await batches.append_attempt(file_2, fence, 0, ["{}"])
