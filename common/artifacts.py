@@ -66,8 +66,8 @@ def file_name(file_id: str) -> str:
 
 
 def results_name(batch_id: str, start: int, tag: str) -> str:
-    """A page of a running batch's results, its lines ``start`` on, moved out of Redis by the
-    feeder holding the fence ``tag`` names (common/store/batches.py ``spill``)."""
+    """A page of a running batch's results, its lines ``start`` on, moved out of Redis by a
+    feeder (common/store/batches.py ``spill``); ``tag`` is that writer's own, random."""
     return f"results/{_checked(batch_id)}.{start}.{_checked(tag)}.jsonl"
 
 
