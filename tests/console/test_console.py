@@ -170,7 +170,10 @@ def test_with_two_models_served_the_page_runs_a_job_on_the_one_picked(
 
     open_console(page, stack.api.url)
     assert page.is_hidden("#model-label")
-    other = build_tiny_model(tmp_path_factory.mktemp("tiny-gpt2"), "gpt2", vocab_size=1024, seed=1)
+    # Named to sort after the stack's model: a job that names none (the next tests') runs on the
+    # stack's model even while an API's served models (kept 1 s, api/served.py) still list this one.
+    other = build_tiny_model(tmp_path_factory.mktemp("zz-tiny-gpt2"), "gpt2", vocab_size=1024, seed=1)
+    assert str(other) > str(stack.model)
     worker = start_worker(stack.prefix, other, stack.log_dir, name="other", max_batch_size=2)
     try:
         page.wait_for_selector("#model-label:not([hidden])")  # at the next poll
