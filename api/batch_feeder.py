@@ -32,7 +32,7 @@ from api.batch_lines import (
 from api.context import ContextCheck
 from api.enqueue import Enqueuer
 from api.errors import ApiError
-from api.served import ServedModels
+from api.served import ServedModels, queue_model
 from common.keys import BATCH_PRIORITY, Keys
 from common.schemas.views import JobStatus
 from common.settings import Settings
@@ -279,7 +279,8 @@ class BatchFeeder:
         if not raws:  # the input file was deleted or expired: the rest of its lines cannot run
             await self.batches.end_batch(batch_id, "cancelled")
             return
-        models, default_model = await self.served.get(), await self.served.queue_model(None)
+        models = await self.served.get()
+        default_model = await queue_model(self.jobs, models, None)
         jobs: list[LineJob] = []
         rejected: list[LineResult] = []
         for i, raw in enumerate(raws, start):

@@ -73,20 +73,6 @@ class ServedModels:
         await self._read_unless(lambda: bool(self._media))
         return self._media
 
-    async def queue_model(self, requested: str | None) -> str:
-        """The model a job is queued for; its messages go to that model's queue (Keys.model_queue).
-
-        It is the model the request names. Otherwise it is the one ``resolve_model`` picks among
-        the live workers'. With none live (they restart, or Redis did and their heartbeats are not
-        back yet), it is the one it picked among the models served within ``WORKER_FORGET_S``,
-        so the job waits where the workers will look; with none served in that time, this server's
-        (SPOOL_SERVED_MODEL_NAME, else SPOOL_MODEL)."""
-        if requested is not None:
-            return requested
-        if models := await self.get():
-            return min(models)
-        return min(await self._store.recent_models(), default=self._store.settings.served_model)
-
     async def _read_unless(self, kept: Callable[[], bool]) -> None:
         if time.monotonic() < self._until and kept():
             return
@@ -117,6 +103,23 @@ def resolve_model(models: Mapping[str, WorkerHeartbeat], requested: str | None) 
             code="model_not_found",
         )
     return models[requested]
+
+
+async def queue_model(
+    store: AsyncJobStore, models: Mapping[str, WorkerHeartbeat], requested: str | None
+) -> str:
+    """The model a job is queued for; its messages go to that model's queue (Keys.model_queue).
+
+    It is the model the request names. Otherwise it is the one ``resolve_model`` picks among
+    ``models``, the live workers'. With none live (they restart, or Redis did and their heartbeats
+    are not back yet), it is the one it picked among the models served within ``WORKER_FORGET_S``,
+    so the job waits where the workers will look; with none served in that time, this server's
+    (SPOOL_SERVED_MODEL_NAME, else SPOOL_MODEL)."""
+    if requested is not None:
+        return requested
+    if models:
+        return min(models)
+    return min(await store.recent_models(), default=store.settings.served_model)
 
 
 async def queued_models(store: AsyncJobStore) -> set[str]:

@@ -71,8 +71,8 @@ def chat(
             head = [{"role": "system", "content": system}] if system is not None else []
             state = Follow(None, time.monotonic())
             try:
-                body = {"messages": [*head, *history, user], **options}
-                code = stream_job(api, state, {**body, "model": model} if model is not None else body)
+                named = {"model": model} if model is not None else {}
+                code = stream_job(api, state, {"messages": [*head, *history, user], **options, **named})
             except KeyboardInterrupt:
                 interrupted(api, state)
                 _say("the reply is not kept in the history")

@@ -25,7 +25,7 @@ from api.deps import (
 from api.errors import ApiError
 from api.openai_compat.chunks import View
 from api.openai_compat.images import ImageStreamView
-from api.served import check_media_workers, check_with_live_workers, served_models
+from api.served import check_media_workers, check_with_live_workers, queue_model, served_models
 from api.services import Services
 from api.sse import AsyncRender, Render, event_stream, rendered, to_sse_list
 from api.submission import streamed_submit, submit_job, wait_for_job
@@ -68,7 +68,9 @@ async def create_job(
     check_with_live_workers(models, body)
     await services.context.check_live(body, models)
     await check_media_workers(services.served, body)
-    job = await submit_job(services, body, await services.served.queue_model(body.model), idempotency_key)
+    job = await submit_job(
+        services, body, await queue_model(services.store, models, body.model), idempotency_key
+    )
     # A job is queued whether or not a worker is live (it waits for one); this says which.
     headers = {"Location": f"/v1/jobs/{job.id}", READY_HEADER: "true" if models else "false"}
     if body.stream:

@@ -276,7 +276,9 @@ class AsyncBatchStore(FileRecords):
         if not lines:
             return []
         raw: dict[int, str] = {}
-        spilled = int(await self.redis.hget(self.keys.batch(batch_id), "spilled") or 0)
+        spilled = 0  # (none without artifacts: no read)
+        if self.artifacts is not None:
+            spilled = int(await self.redis.hget(self.keys.batch(batch_id), "spilled") or 0)
         for start in sorted({i - i % SPILL_LINES for i in lines if i < spilled}):
             raw |= await self._spilled(batch_id, start)
         if rest := [i for i in lines if i >= spilled]:
