@@ -192,7 +192,8 @@ class Cluster:
 @contextlib.contextmanager
 def waiting_request(api_url: str, prefix: str, path: str, body: dict[str, Any]) -> Iterator[str]:
     """A request that waits for its answer, sent on a raw socket that stays open while inside;
-    yields the id of its job once a worker runs it."""
+    yields the id of its job once a worker runs it and its API counts the request as a watcher
+    (a replica killed before that leaves nobody to wait for: the worker cancels the job at once)."""
     url = urlsplit(api_url)
     payload = json.dumps(body).encode()
     head = f"POST {path} HTTP/1.1\r\nHost: {url.netloc}\r\nContent-Type: application/json\r\n"
@@ -209,6 +210,8 @@ def waiting_request(api_url: str, prefix: str, path: str, body: dict[str, Any]) 
         sock.sendall(f"{head}Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
         wait_until(lambda: bool(started()), "the job running", 30)
         [job_id] = started()
+        watchers = Keys(prefix).job_watchers(job_id)
+        wait_until(lambda: r.zcard(watchers) > 0, "the request counted as the job's watcher", 30)
         yield job_id
 
 
