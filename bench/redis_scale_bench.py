@@ -3,10 +3,11 @@
 On a private redis-server, or on a private Redis Cluster of 1, 2 or more masters (``--shards``:
 the job data on the cluster in SPOOL_REDIS_BUCKETS=24 buckets, the broker on a standalone Redis
 apart, as docs/operations.md says), ``--workers`` worker processes each take a batch of ``--batch`` jobs
-(the API's create script, then the worker's take) and write ``--steps`` engine steps at ``--rate``
-steps a second, as the worker's writer thread does (``prepare_appends`` then
-``SyncJobStore.append_batch``, one token per job and step, the last with its ``done``), without a
-model: each token's text is the time it was written. ``--apis`` real ``spool api`` processes
+(the API's create script, then the worker's take) and make ``--steps`` engine steps at ``--rate``
+steps a second, which a writer thread writes as the worker's does (``prepare_appends``, then
+``drain`` and ``Publisher.send``: one token per job and step, the last with its ``done``; a writer
+behind Redis writes the steps that wait in one call, and the steps wait once ``OUTBOX_STEPS``
+do), without a model: each token's text is the time it was made. ``--apis`` real ``spool api`` processes
 relay the jobs' events to SSE clients (one reader process per API, a stream per job, spread
 over the APIs), which take each token's relay latency from its text (one machine, one clock).
 
@@ -21,7 +22,10 @@ flowing (the sweeps, the batch feeder's leases, heartbeats: a cluster's buckets 
 the CPU per token is printed whole and over that idle share. A capacity figure is the offered rate
 at which carried falls behind offered or p99 passes 50 ms; where the machine is too small to offer
 that, "tokens/s at 80% of the busiest master" says at what rate a master's core would be the limit
-(its idle share plus its CPU per token over idle). ``--repeats`` runs the layouts in turn that many times
+(its idle share plus its CPU per token over idle). Or ``--redis-cpu`` holds each master (or the
+standalone server) to a share of one core with a cgroup, so that a small machine can offer more
+than the layout carries: carried tokens/s is then the capacity at that share, the steps per write
+call show how far the writers fell behind, and each master's throttled time shows it was the limit. ``--repeats`` runs the layouts in turn that many times
 (alternated, so the machine's load falls on each alike) and prints each layout's medians. Speed
 is never asserted.
 """
@@ -30,11 +34,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import multiprocessing as mp
+import os
+import queue
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -50,10 +58,11 @@ if str(REPO_ROOT) not in sys.path:  # this tree's store, whatever is installed
 from common.buckets import CLUSTER_BUCKETS
 from common.schemas.requests import JobRequest
 from common.settings import Settings
-from common.store import Appended, AsyncJobStore, SyncJobStore
+from common.store import AsyncJobStore, SyncJobStore
 from spool_cli import procs as harness
 from workers.appends import JobCursor, prepare_appends
 from workers.engine import Delta, FinishReason
+from workers.publisher import OUTBOX_STEPS, Outbox, Publisher, drain
 
 PREFIX = "scalebench"
 SETUP_TIMEOUT_S = 120.0
@@ -97,11 +106,30 @@ async def create_jobs(settings: Settings, n: int) -> list[str]:
 def worker(
     placed: dict[str, Any], name: str, ids: list[str], rate: float, steps: int, ready: Any, go: Any, out: Any
 ) -> None:
-    """A simulated worker: its batch's steps at ``rate`` a second; reports its CPU and lag."""
+    """A simulated worker, its two threads as a worker's (workers/runtime.py): the engine's makes
+    its batch's steps at ``rate`` a second into an outbox of ``OUTBOX_STEPS`` and waits once that
+    many wait; the writer's writes what waits in one call (``drain``, ``Publisher``), so behind a
+    busy Redis it sends fewer, larger calls. Reports its CPU, its lag and its calls."""
     store = SyncJobStore.from_settings(settings_for(placed))
     cursors = {j: JobCursor(j, store.take_job(j, name, "bench").attempt, 1, 0) for j in ids}
+    outbox: Outbox = queue.Queue(maxsize=OUTBOX_STEPS)
+    publisher = Publisher(store, threading.Event())
+    calls = 0
+
+    def write() -> None:
+        nonlocal calls
+        last = False
+        while not last:
+            appends, last = drain(outbox)
+            if appends:
+                sent = publisher.send(appends)
+                calls += 1
+                assert not sent.lost and not sent.gaps, sent
+
     ready.put(name)
     go.wait()
+    writer = threading.Thread(target=write)
+    writer.start()
     start, cpu0, late = time.perf_counter(), time.process_time(), 0.0
     for step in range(1, steps + 1):
         due = start + (step - 1) / rate
@@ -112,9 +140,10 @@ def worker(
         reason = FinishReason.LENGTH if step == steps else None
         text = f" {time.time():.6f}"
         deltas = [Delta(j, (1000 + step,), text, reason, 16, step) for j in ids]
-        replies = store.append_batch(prepare_appends(deltas, cursors))
-        assert replies == [Appended.WRITTEN] * len(ids), replies
-    out.put({"cpu_s": time.process_time() - cpu0, "max_late_s": late})
+        outbox.put(prepare_appends(deltas, cursors))  # waits while the writer is OUTBOX_STEPS behind
+    outbox.put(None)
+    writer.join()
+    out.put({"cpu_s": time.process_time() - cpu0, "max_late_s": late, "calls": calls})
     store.close()
 
 
@@ -176,6 +205,45 @@ def start_redis_layout(shards: int, log_dir: Path) -> tuple[list[harness.Proc], 
     return [*procs, broker], urls, broker_url
 
 
+class CpuCap:
+    """A cgroup that holds its processes to ``share`` of one core (a CPU quota per period): cgroup
+    v1's cpu controller where it is mounted, else v2's ``cpu.max``. Needs write access to the
+    cgroup tree (root)."""
+
+    PERIOD_US = 10_000  # short, so a Redis out of quota waits at most about this long
+    LEAST_QUOTA_US = 1_000  # the kernel's
+
+    def __init__(self, name: str, share: float) -> None:
+        period = max(self.PERIOD_US, round(self.LEAST_QUOTA_US / share))
+        quota = round(share * period)
+        v1, v2 = Path("/sys/fs/cgroup/cpu"), Path("/sys/fs/cgroup")
+        self.v1 = (v1 / "cpu.cfs_quota_us").exists()
+        self.dir = (v1 if self.v1 else v2) / name
+        try:
+            self.dir.mkdir()
+            if self.v1:
+                (self.dir / "cpu.cfs_period_us").write_text(str(period))
+                (self.dir / "cpu.cfs_quota_us").write_text(str(quota))
+            else:
+                (self.dir / "cpu.max").write_text(f"{quota} {period}")
+        except OSError as e:
+            raise SystemExit(
+                f"--redis-cpu needs a writable cgroup tree with the cpu controller: {e}"
+            ) from None
+
+    def add(self, pid: int) -> None:
+        (self.dir / "cgroup.procs").write_text(str(pid))
+
+    def throttled_s(self) -> float:
+        """Seconds its processes waited for quota, so far."""
+        stat = dict(line.split() for line in (self.dir / "cpu.stat").read_text().splitlines())
+        return int(stat["throttled_time"]) / 1e9 if self.v1 else int(stat["throttled_usec"]) / 1e6
+
+    def remove(self) -> None:
+        with contextlib.suppress(OSError):  # its processes must have ended
+            self.dir.rmdir()
+
+
 def redis_cpus(masters: Sequence[redis.Redis]) -> list[float]:
     return [redis_cpu(m) for m in masters]
 
@@ -185,9 +253,14 @@ def run(args: argparse.Namespace, shards: int, log_dir: Path) -> dict[str, Any]:
     procs: list[harness.Proc] = []
     children: list[Any] = []
     masters: list[redis.Redis] = []
+    caps: list[CpuCap] = []
     log_dir.mkdir(parents=True, exist_ok=True)
     try:
         procs, urls, broker_url = start_redis_layout(shards, log_dir)
+        if args.redis_cpu:  # the masters come first, one per URL (the broker is not held)
+            for i, proc in enumerate(procs[: len(urls)]):
+                caps.append(CpuCap(f"spool-redis-scale-{os.getpid()}-{i}", args.redis_cpu))
+                caps[-1].add(proc.pid)
         placed = data_settings(shards, urls[0], broker_url)
         settings = settings_for(placed)
         masters = [redis.Redis.from_url(u, decode_responses=True) for u in urls]
@@ -229,13 +302,15 @@ def run(args: argparse.Namespace, shards: int, log_dir: Path) -> dict[str, Any]:
         for m in masters:
             m.config_resetstat()
         cpu0, t0 = redis_cpus(masters), time.time()
+        throttled0 = [c.throttled_s() for c in caps]
         go.set()
         reads = [out.get(timeout=args.steps / args.rate + SETUP_TIMEOUT_S) for _ in apis]
         writers = [wout.get(timeout=SETUP_TIMEOUT_S) for _ in range(args.workers)]
         t1 = max(r["done_at"] for r in reads)
         used = [c1 - c0 for c0, c1 in zip(cpu0, redis_cpus(masters), strict=True)]
+        throttled = [c.throttled_s() - t for c, t in zip(caps, throttled0, strict=True)]
         per_master = [
-            {k.removeprefix("cmdstat_"): v["calls"] for k, v in m.info("commandstats").items()}
+            {k.removeprefix("cmdstat_"): (v["calls"], v["usec"]) for k, v in m.info("commandstats").items()}
             for m in masters
         ]
     finally:
@@ -245,16 +320,20 @@ def run(args: argparse.Namespace, shards: int, log_dir: Path) -> dict[str, Any]:
             if p.is_alive():
                 p.terminate()
         harness.stop_all(procs)
+        for c in caps:
+            c.remove()
     latencies = sorted(x for r in reads for x in r["latencies"])
     generated = n * args.steps
     seconds = t1 - t0
     ours = ("config|resetstat", "info", "config", "pubsub|shardnumsub")
     calls: dict[str, int] = {}
+    usec: dict[str, int] = {}  # a script's time includes the commands it calls
     for stats in per_master:
-        for k, v in stats.items():
+        for k, (v, u) in stats.items():
             if k not in ours:
                 calls[k] = calls.get(k, 0) + v
-    master_calls = [sum(v for k, v in stats.items() if k not in ours) for stats in per_master]
+                usec[k] = usec.get(k, 0) + u
+    master_calls = [sum(v for k, (v, _) in stats.items() if k not in ours) for stats in per_master]
     # Each master's CPU per token over what it spends idle: what grows with the tokens.
     marginal = [max(0.0, u - i * seconds) * 1e6 / generated for u, i in zip(used, idle, strict=True)]
     return {
@@ -287,7 +366,13 @@ def run(args: argparse.Namespace, shards: int, log_dir: Path) -> dict[str, Any]:
         ),
         "commands_per_token": sum(calls.values()) / generated,
         "worker_max_late_s": max(w["max_late_s"] for w in writers),
+        # how many steps a writer's call carried: above 1 where it fell behind (coalescing)
+        "steps_per_write": args.workers * args.steps / sum(w["calls"] for w in writers),
+        "redis_cpu_cap": args.redis_cpu,
+        # each held master's time waiting for its quota, a share of the run: the masters were the limit
+        "master_throttled_share": [t / seconds for t in throttled],
         "commands": dict(sorted(calls.items(), key=lambda kv: -kv[1])),
+        "command_us_per_call": {k: usec[k] / calls[k] for k in calls},
     }
 
 
@@ -376,7 +461,15 @@ def print_table(by_layout: dict[int, list[dict[str, Any]]]) -> None:
             "workers late, ms at most",
             [spread(rs, "worker_max_late_s", 1000) for rs in by_layout.values()],
         ),
+        ("steps per write call", [spread(rs, "steps_per_write", fmt=".2f") for rs in by_layout.values()]),
     ]
+    if base[0]["redis_cpu_cap"]:
+        rows.append(
+            (
+                "per master: % of the run throttled",
+                [per_master(rs, "master_throttled_share", 100, ".0f") for rs in by_layout.values()],
+            )
+        )
     heads = [f"{rs[0]['layout']} (x{len(rs)})" for rs in by_layout.values()]
     first = max(len(r[0]) for r in rows)
     widths = [max(len(h), *(len(r[1][i]) for r in rows)) for i, h in enumerate(heads)]
@@ -405,6 +498,15 @@ def main(argv: Sequence[str] | None = None) -> None:
         default=[STANDALONE],
         help="layouts to compare, comma-separated: 'standalone' (one redis-server, the default) "
         "or a number of cluster masters, e.g. standalone,1,2,3",
+    )
+    p.add_argument(
+        "--redis-cpu",
+        type=float,
+        default=None,
+        metavar="SHARE",
+        help="hold each Redis of the job data (the standalone server, each master) to this share of "
+        "one core (a cgroup's CPU quota; root), so that a layout's capacity can be reached on a small "
+        "machine: offer more than it carries (--rate) and read carried tokens/s; default: no limit",
     )
     p.add_argument("--repeats", type=int, default=1, help="runs of each layout, alternated; default 1")
     p.add_argument("--json", action="store_true", help="print every run as JSON")
@@ -439,10 +541,16 @@ def print_run(r: dict[str, Any]) -> None:
         f"{100 * r['redis_cpu_share']:.0f}% of a core, {r['redis_cpu_us_per_token']:.1f} us/token{masters} "
         f"({100 * r['redis_idle_share']:.1f}% idle, {r['redis_marginal_us_per_token']:.1f} us/token over it); "
         f"{r['commands_per_token']:.2f} commands/token; workers late by {r['worker_max_late_s'] * 1000:.0f} ms "
-        "at most"
+        f"at most; {r['steps_per_write']:.2f} steps per write call"
     )
+    if r["redis_cpu_cap"]:
+        held = ", ".join(f"{100 * t:.0f}%" for t in r["master_throttled_share"])
+        print(f"  each master held to {r['redis_cpu_cap']:.2f} of a core: throttled {held} of the run")
     per_token = {k: round(v / r["tokens_generated"], 3) for k, v in r["commands"].items()}
     print("  commands per token:", per_token, flush=True)
+    if not r["redis_cpu_cap"]:  # Redis times a command by the clock, which a quota stops mid-command
+        cost = {k: round(r["command_us_per_call"][k], 2) for k in r["commands"]}
+        print("  us per call (Redis's commandstats; a script's includes its commands):", cost, flush=True)
 
 
 if __name__ == "__main__":

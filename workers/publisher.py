@@ -8,7 +8,9 @@ docs/internals.md#redis-names-from-commonkeyspy-only-prefix-spool_redis_prefix.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import queue
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -19,6 +21,20 @@ from common.store import Append, Appended, SyncJobStore
 log = logging.getLogger(__name__)
 
 RETRY_MAX_S = 2.0  # longest pause between two tries while Redis is unreachable or refuses writes
+OUTBOX_STEPS = 2  # steps whose entries may wait for the writer before the engine thread waits too
+
+Outbox = queue.Queue[list[Append] | None]  # each step's appends; None after the last
+
+
+def drain(outbox: Outbox) -> tuple[list[Append], bool]:
+    """The appends of the next step and of every step waiting behind it, for one round trip (a
+    writer that fell behind catches up in fewer, larger calls: a call's fixed cost is most of
+    what a token costs Redis, docs/benchmarks.md); and whether the last step came (None)."""
+    steps = [outbox.get()]
+    with contextlib.suppress(queue.Empty):
+        while True:
+            steps.append(outbox.get_nowait())
+    return [a for step in steps if step is not None for a in step], None in steps
 
 
 @dataclass(frozen=True)

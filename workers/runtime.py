@@ -16,7 +16,6 @@ docs/internals.md#the-path-of-one-token.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import queue
 import threading
@@ -41,7 +40,7 @@ from workers.job import Job, compile_guide, new_job, prompt_of, timeout_error
 from workers.liveness import HeldJob, Liveness
 from workers.loader import load_engine, tool_parser_of
 from workers.metrics import WorkerMetrics, job_sets, per_job
-from workers.publisher import Publisher
+from workers.publisher import OUTBOX_STEPS, Outbox, Publisher, drain
 from workers.reaper import Requeue
 from workers.task_common import Outcome
 from workers.tenant_intake import TenantIntake
@@ -50,7 +49,6 @@ from workers.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
 
-OUTBOX_STEPS = 2  # steps whose entries may wait for the writer before the engine thread waits too
 INTAKE_S = 0.02  # how often a worker holding batch lines looks for queued interactive jobs
 
 
@@ -96,7 +94,7 @@ class EngineRuntime:
         self._stop = threading.Event()
         self._inbox: queue.SimpleQueue[_Add | _Abort | _Drop | object] = queue.SimpleQueue()
         # One list of log entries per step; None after the last.
-        self._outbox: queue.Queue[list[Append] | None] = queue.Queue(maxsize=OUTBOX_STEPS)
+        self._outbox: Outbox = queue.Queue(maxsize=OUTBOX_STEPS)
         self._jobs: dict[str, Job] = {}
         self._lock = threading.Lock()  # guards _jobs: task threads add, the engine thread removes
         self._stats: dict[str, Any] = engine.stats()  # engine thread writes, heartbeat reads
@@ -334,12 +332,7 @@ class EngineRuntime:
         """Write the steps' entries in order, ending after the engine thread's last."""
         last = False
         while not last:
-            steps = [self._outbox.get()]
-            with contextlib.suppress(queue.Empty):  # what else waits goes in the same round trip
-                while True:
-                    steps.append(self._outbox.get_nowait())
-            last = None in steps
-            appends = [a for step in steps if step is not None for a in step]
+            appends, last = drain(self._outbox)
             if appends:
                 self._write(appends)
 
