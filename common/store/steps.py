@@ -3,7 +3,9 @@
 A step of 32 jobs spreads over most of a cluster's buckets; a call per bucket would cost each
 master some eight script calls (and round trips) per step instead of one, and a call's fixed cost
 is most of what a token costs Redis (docs/benchmarks.md, "One call per master"). The script's flag lets one call span the slots of one master, so the writer groups the
-step's jobs by the master that serves their bucket and sends each group to its master. Where the
+step's jobs by the master that serves their bucket and sends each group to its master, all of them
+in one pipeline (each call sent before any answer is read: a step waits for its slowest master,
+not for each in turn; 0.92 against 1.30 ms a step of 32 jobs on 3 masters). Where the
 slot map moved under it (a failover, a resharding: MOVED, ASK, TRYAGAIN, CLUSTERDOWN) or the master
 cannot be reached, that group goes again as one call per bucket, which the cluster client routes
 and retries as any command: the script is safe to run twice (an append already written answers 2).
@@ -11,7 +13,7 @@ and retries as any command: the script is safe to run twice (an append already w
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Any, TypeVar
 
 import redis
@@ -20,6 +22,7 @@ from redis.exceptions import (
     ConnectionError,
     NoScriptError,
     RedisClusterException,
+    RedisError,
     ResponseError,
     TimeoutError,
 )
@@ -72,9 +75,28 @@ class StepWriter:
                 cluster.nodes_manager.get_node_from_slot(self._slots[self.keys.bucket_of(a.job_id)]).name
             )
 
-        return _by_group(
-            appends, master, lambda name, some: self._call(cluster.get_node(node_name=name), some, ttl_s, now)
-        )
+        groups = _grouped(appends, master)
+        nodes = [cluster.get_node(node_name=name) for name in groups]
+        parts = [[appends[i] for i in indexes] for indexes in groups.values()]
+        if len(parts) == 1:
+            return self._call(nodes[0], appends, ttl_s, now)
+        # The masters' calls in one pipeline: each is sent before any answer is read, so a step
+        # waits for its slowest master rather than for each in turn.
+        pipe = cluster.pipeline(transaction=False)
+        for node, part in zip(nodes, parts, strict=True):
+            keys, args = append_step_args(self.keys, part, ttl_s, now)
+            pipe.execute_command("EVALSHA", self.script.sha, 0, len(keys), *keys, *args, target_nodes=node)
+        try:
+            answers: list[Any] = pipe.execute(raise_on_error=False)
+        except RedisError as e:  # a master gone, the slot map changed: each goes again on its own
+            answers = [e] * len(parts)
+        # One that failed (the script not loaded there, a slot moved, a master unreachable) goes
+        # again as one call, with its remedies; the script is safe to run twice.
+        answers = [
+            self._call(node, part, ttl_s, now) if isinstance(answer, Exception) else answer
+            for node, part, answer in zip(nodes, parts, answers, strict=True)
+        ]
+        return _in_order(len(appends), groups.values(), answers)
 
     def _call(self, node: ClusterNode, appends: Sequence[Append], ttl_s: int, now: float) -> list[Any]:
         keys, args = append_step_args(self.keys, appends, ttl_s, now)
@@ -95,24 +117,26 @@ class StepWriter:
         return list(reply)
 
     def _per_bucket(self, appends: Sequence[Append], ttl_s: int, now: float) -> list[Any]:
-        return _by_group(
-            appends,
-            lambda a: self.keys.bucket_of(a.job_id),
-            lambda _, some: self.script(*append_step_args(self.keys, some, ttl_s, now)),
-        )
+        groups = _grouped(appends, lambda a: self.keys.bucket_of(a.job_id))
+        answers = [
+            self.script(*append_step_args(self.keys, [appends[i] for i in indexes], ttl_s, now))
+            for indexes in groups.values()
+        ]
+        return _in_order(len(appends), groups.values(), answers)
 
 
-def _by_group(
-    appends: Sequence[Append],
-    group_of: Callable[[Append], G],
-    call: Callable[[G, list[Append]], Sequence[Any]],
-) -> list[Any]:
-    """One ``call`` per group of ``appends``; the answers in the order of ``appends``."""
+def _grouped(appends: Sequence[Append], group_of: Callable[[Append], G]) -> dict[G, list[int]]:
+    """The indexes of ``appends`` by group, in order."""
     groups: dict[G, list[int]] = {}
     for i, a in enumerate(appends):
         groups.setdefault(group_of(a), []).append(i)
-    replies: list[Any] = [None] * len(appends)
-    for group, indexes in groups.items():
-        for i, reply in zip(indexes, call(group, [appends[i] for i in indexes]), strict=True):
+    return groups
+
+
+def _in_order(n: int, groups: Iterable[list[int]], answers: Iterable[Sequence[Any]]) -> list[Any]:
+    """The answers of the groups' calls, in the order of the ``n`` appends they were made of."""
+    replies: list[Any] = [None] * n
+    for indexes, answer in zip(groups, answers, strict=True):
+        for i, reply in zip(indexes, answer, strict=True):
             replies[i] = reply
     return replies
