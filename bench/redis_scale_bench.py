@@ -7,8 +7,8 @@ apart, as docs/operations.md says), ``--workers`` worker processes each take a b
 steps a second, which a writer thread writes as the worker's does (``prepare_appends``, then
 ``drain`` and ``Publisher.send``: one token per job and step, the last with its ``done``; a writer
 behind Redis writes the steps that wait in one call, and the steps wait once ``OUTBOX_STEPS``
-do), without a model: each token's text is the time it was made. ``--apis`` real ``spool api`` processes
-relay the jobs' events to SSE clients (one reader process per API, a stream per job, spread
+do), without a model: each token's text is the time it was made. ``--apis`` real ``spool api``
+processes relay the jobs' events to SSE clients (one reader process per API, a stream per job, spread
 over the APIs), which take each token's relay latency from its text (one machine, one clock).
 
 Printed: tokens per second carried to the clients (and offered), the relay latency's p50 and p99
@@ -25,9 +25,9 @@ that, "tokens/s at 80% of the busiest master" says at what rate a master's core 
 (its idle share plus its CPU per token over idle). Or ``--redis-cpu`` holds each master (or the
 standalone server) to a share of one core with a cgroup, so that a small machine can offer more
 than the layout carries: carried tokens/s is then the capacity at that share, the steps per write
-call show how far the writers fell behind, and each master's throttled time shows it was the limit. ``--repeats`` runs the layouts in turn that many times
-(alternated, so the machine's load falls on each alike) and prints each layout's medians. Speed
-is never asserted.
+call show how far the writers fell behind, and each master's throttled time shows it was the
+limit. ``--repeats`` runs the layouts in turn that many times (alternated, so the machine's load
+falls on each alike) and prints each layout's medians. Speed is never asserted.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ master some eight script calls (and round trips) per step instead of one, and a 
 is most of what a token costs Redis (docs/benchmarks.md, "One call per master"). The script's flag lets one call span the slots of one master, so the writer groups the
 step's jobs by the master that serves their bucket and sends each group to its master, all of them
 in one pipeline (each call sent before any answer is read: a step waits for its slowest master,
-not for each in turn; 0.92 against 1.30 ms a step of 32 jobs on 3 masters). Where the
+not for each in turn; 0.95 against 1.35 ms a step of 32 jobs on 3 masters). Where the
 slot map moved under it (a failover, a resharding: MOVED, ASK, TRYAGAIN, CLUSTERDOWN) or the master
 cannot be reached, that group goes again as one call per bucket, which the cluster client routes
 and retries as any command: the script is safe to run twice (an append already written answers 2).
