@@ -69,6 +69,10 @@ class Service:
     def log_tail(self) -> str:
         return self.handle.log_tail()
 
+    def log(self) -> str:
+        """The whole log, to look for a line in (a tail can start inside one)."""
+        return self.log_path.read_text(errors="replace")
+
     def stop(self) -> None:
         self.handle.stop()
         if self in running:

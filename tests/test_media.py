@@ -397,7 +397,7 @@ def test_an_abandoned_foreground_job_is_cancelled_by_its_text_parts_worker(
     assert events[: len(seen)] == seen
     assert [e.data["status"] for e in events if e.event == "part" and e.data["part"] == 1][-1] == image_ends
     assert events[-1].event == "done" and events[-1].data["status"] == "cancelled"
-    assert f"cancelling foreground job {job_id} of part" in text.log_tail()
+    assert f"cancelling foreground job {job_id} of part" in text.log()
     # Its slot is free: the next text part runs to its end.
     nxt = submit(client, m, [{"type": "text", "prompt": "Hi", "max_tokens": 4}])
     assert finished_job(client, m.url, nxt, timeout=30)["status"] == "succeeded"
@@ -621,7 +621,7 @@ def test_a_media_worker_whose_pipeline_does_not_load_exits_78(prefixes: Prefixes
     try:
         wait_until(lambda: not worker.alive(), "the media worker to exit", 120)
         assert worker.proc.returncode == 78
-        assert "/nonexistent/pipeline" in worker.log_tail()
+        assert "/nonexistent/pipeline" in worker.log()
     finally:
         worker.stop()
 
@@ -665,7 +665,7 @@ def test_an_image_part_whose_message_was_lost_is_sent_again(client: httpx.Client
     job = finished_job(client, bare.url, job_id, timeout=60)
     assert job["status"] == "succeeded"
     assert r.hget(bare.keys.job(f"{job_id}:part:0"), "requeued_at")
-    assert "message lost" in bare.workers[0].log_tail()
+    assert "message lost" in bare.workers[0].log()
     assert r.zcard(bare.keys.queued_media(0)) == 0
 
 
@@ -677,7 +677,7 @@ def test_a_media_worker_whose_pipeline_step_stalls_exits_70(client: httpx.Client
     job_id = submit(client, bare, [{"type": "image", "prompt": "stall", "size": "32x32", "steps": 2}])
     wait_until(lambda: not stuck.alive(), "the stalled media worker to exit", 60)
     assert stuck.proc.returncode == 70
-    assert "engine step running for over SPOOL_ENGINE_STALL_S" in stuck.log_tail()
+    assert "engine step running for over SPOOL_ENGINE_STALL_S" in stuck.log()
     assert not r.exists(bare.keys.worker(f"{bare.prefix}-stuck"))  # not ready any more
     # Its part passes to the next media worker.
     bare.start_media_worker("m2")

@@ -282,7 +282,7 @@ def test_with_api_keys_a_key_works_and_none_says_so(
     assert shown(page)[1] == token_events(client, keyed_api.url, job_id)
     page.wait_for_selector(f"#jobs a[title='{job_id}']")
     # The key is sent as a header, never in a URL the server or the history would keep.
-    assert KEY not in page.url and KEY not in keyed_api.log_tail()
+    assert KEY not in page.url and KEY not in keyed_api.log()
     page.screenshot(path=tmp_path / "with-key.png")
 
 
@@ -552,7 +552,7 @@ def test_with_api_keys_an_image_is_read_with_the_key(
     assert client.get(url).status_code == 401  # an <img src> without the header would get this
     png = client.get(url, headers={"Authorization": f"Bearer {KEY}"})
     assert png.status_code == 200 and image_bytes(page, 0) == png.content
-    assert KEY not in page.url and KEY not in keyed_api.log_tail()
+    assert KEY not in page.url and KEY not in keyed_api.log()
     page.screenshot(path=tmp_path / "image-with-key.png")
 
 

@@ -166,7 +166,7 @@ def test_frozen_worker_is_fenced_out(
         worker_pool.kill(holder, signal.SIGCONT)
     check_job(client, crash_api.url, watch, stream.join(120), greedy_reference(LONG_PROMPT, MAX_TOKENS))
     # It woke up, found the job gone (a refused append or a refused lease renewal) and dropped it.
-    poll(lambda: watch.id in worker_pool.procs[holder].log_tail(), "the woken worker to log its lost job", 30)
+    poll(lambda: watch.id in worker_pool.procs[holder].log(), "the woken worker to log its lost job", 30)
     assert worker_pool.procs[holder].alive()
     assert watch.field("worker") != worker_pool.full_name(holder)
     figures["frozen_workers_fenced_out"] = 1
@@ -248,8 +248,8 @@ def test_worker_whose_engine_step_stalls_exits_and_its_job_goes_on_elsewhere(
         stream, watch = start_long_job(client, api.url, r, pool.prefix)
         poll(lambda: not stuck.alive(), "the stalled worker to exit", 60)
         assert stuck.proc.returncode == 70
-        assert "engine step running for over SPOOL_ENGINE_STALL_S" in stuck.log_tail()
-        assert "in step" in stuck.log_tail()  # the engine thread's stack is in the log
+        assert "engine step running for over SPOOL_ENGINE_STALL_S" in stuck.log()
+        assert "in step" in stuck.log()  # the engine thread's stack is in the log
         assert not r.exists(Keys(pool.prefix).worker(pool.full_name("stuck")))  # not ready any more
         exited_at = time.monotonic()
         pool.start("healthy")

@@ -80,9 +80,9 @@ def test_a_worker_refuses_a_name_that_a_live_worker_holds(
         second = start_unwatched(prefix, log_dir, "same-again", **named)
         wait_until(lambda: not second.alive(), "the second worker to exit", 120, (holder,))
         assert second.proc.returncode == 78  # EX_CONFIG (workers/tasks.py)
-        [line] = [x for x in second.log_tail().splitlines() if "held by a live worker" in x]
+        [line] = [x for x in second.log().splitlines() if "held by a live worker" in x]
         assert f"SPOOL_WORKER_NAME='{prefix}-same'" in line and f"pid {holder.proc.pid}" in line
-        assert "ready." not in second.log_tail()
+        assert "ready." not in second.log()
         assert holder.alive()
         assert json.loads(redis_client.get(key) or "{}")["pid"] == holder.proc.pid  # untouched
     finally:

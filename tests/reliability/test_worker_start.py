@@ -63,9 +63,9 @@ def test_a_worker_whose_model_does_not_load_exits_with_the_reason_before_taking_
         wait_until(lambda: not worker.alive(), "the worker to exit", 120)
 
         assert worker.proc.returncode == 78  # EX_CONFIG (workers/tasks.py)
-        [line] = [x for x in worker.log_tail().splitlines() if "did not load" in x]
+        [line] = [x for x in worker.log().splitlines() if "did not load" in x]
         assert f"SPOOL_MODEL='{BAD_MODEL}'" in line and "OSError" in line
-        assert "ready." not in worker.log_tail()  # Celery's consumer never started
+        assert "ready." not in worker.log()  # Celery's consumer never started
         assert not r.exists(keys.worker(f"{prefix}-bad"))  # never beat: never counted as ready
         assert client.get(f"{api.url}/v1/jobs/{job_id}").json()["status"] == "queued"
         assert r.hget(keys.job(job_id), "attempt") == "0"  # no worker took it
