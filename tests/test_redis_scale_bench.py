@@ -30,6 +30,7 @@ def cgroups_writable() -> bool:
 def test_redis_scale_bench_smoke_run() -> None:
     sizes = ["--workers", "1", "--batch", "4", "--steps", "20", "--rate", "200", "--apis", "1"]
     held = ["--redis-cpu", "0.5"] if cgroups_writable() else []
+    before = set(CGROUP_V1.glob("spool-redis-scale-*"))
     argv = [sys.executable, str(BENCH), "--shards", "1", *sizes, *held, "--json"]
     result = subprocess.run(argv, capture_output=True, text=True, timeout=300, check=False)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
@@ -40,4 +41,4 @@ def test_redis_scale_bench_smoke_run() -> None:
     assert r["steps_per_write"] >= 1
     assert len(r["master_throttled_share"]) == (1 if held else 0)
     if held:
-        assert not list(CGROUP_V1.glob("spool-redis-scale-*"))
+        assert set(CGROUP_V1.glob("spool-redis-scale-*")) == before
