@@ -5,7 +5,7 @@ the job data on the cluster in SPOOL_REDIS_BUCKETS=24 buckets, the broker on a s
 apart, as docs/operations.md says), ``--workers`` worker processes each take a batch of ``--batch`` jobs
 (the API's create script, then the worker's take) and make ``--steps`` engine steps at ``--rate``
 steps a second, which a writer thread writes as the worker's does (``prepare_appends``, then
-``drain`` and ``Publisher.send``: one token per job and step, the last with its ``done``; a writer
+``write_steps`` and ``Publisher.send``: one token per job and step, the last with its ``done``; a writer
 behind Redis writes the steps that wait in one call, and the steps wait once ``OUTBOX_STEPS``
 do), without a model: each token's text is the time it was made. ``--apis`` real ``spool api``
 processes relay the jobs' events to SSE clients (one reader process per API, a stream per job, spread
@@ -58,11 +58,11 @@ if str(REPO_ROOT) not in sys.path:  # this tree's store, whatever is installed
 from common.buckets import CLUSTER_BUCKETS
 from common.schemas.requests import JobRequest
 from common.settings import Settings
-from common.store import AsyncJobStore, SyncJobStore
+from common.store import Append, AsyncJobStore, SyncJobStore
 from spool_cli import procs as harness
 from workers.appends import JobCursor, prepare_appends
 from workers.engine import Delta, FinishReason
-from workers.publisher import OUTBOX_STEPS, Outbox, Publisher, drain
+from workers.publisher import OUTBOX_STEPS, Outbox, Publisher, write_steps
 
 PREFIX = "scalebench"
 SETUP_TIMEOUT_S = 120.0
@@ -108,7 +108,7 @@ def worker(
 ) -> None:
     """A simulated worker, its two threads as a worker's (workers/runtime.py): the engine's makes
     its batch's steps at ``rate`` a second into an outbox of ``OUTBOX_STEPS`` and waits once that
-    many wait; the writer's writes what waits in one call (``drain``, ``Publisher``), so behind a
+    many wait; the writer's writes what waits in one call (``write_steps``, ``Publisher``), so behind a
     busy Redis it sends fewer, larger calls. Reports its CPU, its lag and its calls."""
     store = SyncJobStore.from_settings(settings_for(placed))
     cursors = {j: JobCursor(j, store.take_job(j, name, "bench").attempt, 1, 0) for j in ids}
@@ -116,19 +116,15 @@ def worker(
     publisher = Publisher(store, threading.Event())
     calls = 0
 
-    def write() -> None:
+    def send(appends: list[Append]) -> None:
         nonlocal calls
-        last = False
-        while not last:
-            appends, last = drain(outbox)
-            if appends:
-                sent = publisher.send(appends)
-                calls += 1
-                assert not sent.lost and not sent.gaps, sent
+        sent = publisher.send(appends)
+        calls += 1
+        assert not sent.lost and not sent.gaps, sent
 
     ready.put(name)
     go.wait()
-    writer = threading.Thread(target=write)
+    writer = threading.Thread(target=write_steps, args=(outbox, send))
     writer.start()
     start, cpu0, late = time.perf_counter(), time.process_time(), 0.0
     for step in range(1, steps + 1):

@@ -12,7 +12,7 @@ import contextlib
 import logging
 import queue
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from common.redis_errors import TRANSIENT, WRITE_REFUSED
@@ -35,6 +35,15 @@ def drain(outbox: Outbox) -> tuple[list[Append], bool]:
         while True:
             steps.append(outbox.get_nowait())
     return [a for step in steps if step is not None for a in step], None in steps
+
+
+def write_steps(outbox: Outbox, write: Callable[[list[Append]], object]) -> None:
+    """Hand ``write`` the steps' appends in order, what waits in one call, until the last step."""
+    last = False
+    while not last:
+        appends, last = drain(outbox)
+        if appends:
+            write(appends)
 
 
 @dataclass(frozen=True)

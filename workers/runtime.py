@@ -40,7 +40,7 @@ from workers.job import Job, compile_guide, new_job, prompt_of, timeout_error
 from workers.liveness import HeldJob, Liveness
 from workers.loader import load_engine, tool_parser_of
 from workers.metrics import WorkerMetrics, job_sets, per_job
-from workers.publisher import OUTBOX_STEPS, Outbox, Publisher, drain
+from workers.publisher import OUTBOX_STEPS, Outbox, Publisher, write_steps
 from workers.reaper import Requeue
 from workers.task_common import Outcome
 from workers.tenant_intake import TenantIntake
@@ -330,11 +330,7 @@ class EngineRuntime:
 
     def _write_loop(self) -> None:
         """Write the steps' entries in order, ending after the engine thread's last."""
-        last = False
-        while not last:
-            appends, last = drain(self._outbox)
-            if appends:
-                self._write(appends)
+        write_steps(self._outbox, self._write)
 
     def _write(self, appends: list[Append]) -> None:
         try:
