@@ -25,21 +25,21 @@
 -- the script, so nobody sees it. A script's writes are refused as a whole (out of memory or a
 -- read-only replica refuse its first write), never halfway.
 --#include hook_event
-local keys, argv = KEYS, ARGV
-if #KEYS == 0 then  -- the keys of several slots, in ARGV
-  local n = tonumber(ARGV[1])
-  keys, argv = {}, {}
-  for i = 2, n + 1 do keys[#keys + 1] = ARGV[i] end
-  for i = n + 2, #ARGV do argv[#argv + 1] = ARGV[i] end
+-- The i-th key is keys[ko + i] and the i-th argument above ARGV[o + i]: in the spanning form both
+-- lie in ARGV, read at an offset rather than copied out (a copy cost a fifth of the script's time).
+local keys, ko, nkeys, o = KEYS, 0, #KEYS, 0
+if nkeys == 0 then  -- the keys of several slots, in ARGV
+  nkeys = tonumber(ARGV[1])
+  keys, ko, o = ARGV, 1, nkeys + 1
 end
-local ttl, finished_at, groups = argv[1], argv[2], tonumber(argv[3])
+local ttl, finished_at, groups = ARGV[o + 1], ARGV[o + 2], tonumber(ARGV[o + 3])
 
 -- An append's fields in ARGV, by their offset from its first (``a``, its attempt).
 local GROUP, ATTEMPT, FIRST_SEQ, PROMPT_TOKENS, COMPLETION_TOKENS, STATUS, FINISH_REASON, ERROR, ID,
       CHECKPOINT, TEXT, N, ENTRIES = 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12
 
 local function push(log, expected_len, from, to)
-  local len = redis.call('RPUSH', log, unpack(argv, from, to))
+  local len = redis.call('RPUSH', log, unpack(ARGV, from, to))
   if len == expected_len then return 1 end
   local before = len - (to - from + 1)
   if before == 0 then redis.call('DEL', log) else redis.call('LTRIM', log, 0, before - 1) end
@@ -48,33 +48,33 @@ local function push(log, expected_len, from, to)
 end
 
 local function append(running, attempts, job, log, channel, text, a, held)
-  local n = tonumber(argv[a + N])
+  local n = tonumber(ARGV[a + N])
   if not held then held = redis.call('HGET', job, 'attempt') end
-  if held ~= argv[a + ATTEMPT] then return 0 end
-  local last = tonumber(argv[a + FIRST_SEQ]) - 1 + n
+  if held ~= ARGV[a + ATTEMPT] then return 0 end
+  local last = tonumber(ARGV[a + FIRST_SEQ]) - 1 + n
   local first_entry, last_entry = a + ENTRIES, a + ENTRIES - 1 + n
   local pushed = push(log, last, first_entry, last_entry)
   if pushed == -1 then return -1 end
   if pushed == 1 then
-    for i = first_entry, last_entry do redis.call('SPUBLISH', channel, argv[i]) end
+    for i = first_entry, last_entry do redis.call('SPUBLISH', channel, ARGV[i]) end
   -- Written by an earlier try: the whole append, or its entries only (a call spanning slots
   -- cut short at a key a live resharding had moved). The rest of it is written now.
   elseif tonumber(redis.call('HGET', job, 'text_seq') or 0) >= last then
     return 2
   end
-  local status = argv[a + STATUS]
+  local status = ARGV[a + STATUS]
   local final = status ~= ''
-  if argv[a + CHECKPOINT] == '' and not final then return 1 end
-  local fields = {'prompt_tokens', argv[a + PROMPT_TOKENS], 'completion_tokens', argv[a + COMPLETION_TOKENS],
-                  'text_seq', last, 'text_len', redis.call('APPEND', text, argv[a + TEXT])}
+  if ARGV[a + CHECKPOINT] == '' and not final then return 1 end
+  local fields = {'prompt_tokens', ARGV[a + PROMPT_TOKENS], 'completion_tokens', ARGV[a + COMPLETION_TOKENS],
+                  'text_seq', last, 'text_len', redis.call('APPEND', text, ARGV[a + TEXT])}
   if final then
-    for _, v in ipairs({'status', status, 'finish_reason', argv[a + FINISH_REASON], 'finished_at', finished_at,
-                        'error', argv[a + ERROR]}) do fields[#fields + 1] = v end
+    for _, v in ipairs({'status', status, 'finish_reason', ARGV[a + FINISH_REASON], 'finished_at', finished_at,
+                        'error', ARGV[a + ERROR]}) do fields[#fields + 1] = v end
   end
   redis.call('HSET', job, unpack(fields))
   if final then
-    redis.call('ZREM', running, argv[a + ID])
-    redis.call('HDEL', attempts, argv[a + ID])
+    redis.call('ZREM', running, ARGV[a + ID])
+    redis.call('HDEL', attempts, ARGV[a + ID])
     redis.call('EXPIRE', job, ttl)
     redis.call('EXPIRE', log, ttl)
     redis.call('EXPIRE', text, ttl)
@@ -84,23 +84,23 @@ local function append(running, attempts, job, log, channel, text, a, held)
 end
 
 -- Each append's first ARGV index, and the ids of each group's appends.
-local firsts, ids, a = {}, {}, 4
-for _ = 2 * groups + 1, #keys, 4 do
-  local g = tonumber(argv[a + GROUP])
+local firsts, ids, a = {}, {}, o + 4
+for _ = 2 * groups + 1, nkeys, 4 do
+  local g = tonumber(ARGV[a + GROUP])
   firsts[#firsts + 1] = a
   ids[g] = ids[g] or {}
-  ids[g][#ids[g] + 1] = argv[a + ID]
-  a = a + ENTRIES + tonumber(argv[a + N])
+  ids[g][#ids[g] + 1] = ARGV[a + ID]
+  a = a + ENTRIES + tonumber(ARGV[a + N])
 end
 local held = {}
 for g, group_ids in pairs(ids) do
-  local attempts = redis.call('HMGET', keys[2 * g], unpack(group_ids))
+  local attempts = redis.call('HMGET', keys[ko + 2 * g], unpack(group_ids))
   for i, id in ipairs(group_ids) do held[id] = attempts[i] end
 end
 local answers = {}
 for j, first in ipairs(firsts) do
-  local g, k = tonumber(argv[first + GROUP]), 2 * groups + 4 * j - 3
-  answers[j] = append(keys[2 * g - 1], keys[2 * g], keys[k], keys[k + 1], keys[k + 2], keys[k + 3], first,
-                      held[argv[first + ID]])
+  local g, k = tonumber(ARGV[first + GROUP]), ko + 2 * groups + 4 * j - 3
+  answers[j] = append(keys[ko + 2 * g - 1], keys[ko + 2 * g], keys[k], keys[k + 1], keys[k + 2], keys[k + 3], first,
+                      held[ARGV[first + ID]])
 end
 return answers
