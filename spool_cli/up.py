@@ -65,8 +65,11 @@ def up() -> int:
         )
         return 1
     url, redis_server = found
-    # SIGTERM (a service manager's stop) takes the same path as Ctrl-C: children are stopped, not orphaned.
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    # SIGTERM (a service manager's stop) takes the same path as Ctrl-C: children are stopped, not
+    # orphaned. SIGINT's handler is set too: a shell's background job (`spool up &` in a script)
+    # starts with SIGINT ignored, and Python then leaves it so.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.default_int_handler)
     # Celery's task events on unless set: Flower and `celery inspect` see the workers and tasks.
     env = {"SPOOL_TASK_EVENTS": "true", **os.environ, "SPOOL_REDIS_URL": url}
     spool = [sys.executable, "-m", "spool_cli.main"]

@@ -22,8 +22,8 @@ from procs import (
     pid_gone,
     spool_env,
     spool_up_children,
+    start,
     start_api,
-    start_spool_up,
     wait_until,
 )
 
@@ -203,7 +203,9 @@ def jobs_with_prompt(client: redis.Redis, prefix: str, prompt: str) -> int:
 def test_up_runs_worker_and_api_and_stops_on_ctrl_c(prefixes, tiny_model: Path, log_dir: Path) -> None:  # type: ignore[no-untyped-def]
     port = free_port()
     env = spool_env(prefixes.new(), model=tiny_model, port=port, heartbeat_s=0.5)
-    up = start_spool_up("spool-up", env, log_dir)
+    # Started as a script's background job is (`spool up &`): SIGINT ignored, which exec keeps.
+    ignoring_sigint = "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); os.execv(sys.argv[1], sys.argv[1:])"
+    up = start("spool-up", [sys.executable, "-c", ignoring_sigint, SPOOL, "up"], env, log_dir)
     try:
         children = spool_up_children(up)
         ready = f"http://127.0.0.1:{port}/readyz"
