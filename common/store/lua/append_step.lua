@@ -25,7 +25,7 @@
 -- the script, so nobody sees it. A script's writes are refused as a whole (out of memory or a
 -- read-only replica refuse its first write), never halfway.
 --#include hook_event
--- The i-th key is keys[ko + i] and the i-th argument above ARGV[o + i]: in the spanning form both
+-- The contract's KEYS[i] is keys[ko + i] and its ARGV[i] is ARGV[o + i]: in the spanning form both
 -- lie in ARGV, read at an offset rather than copied out (a copy cost a fifth of the script's time).
 local keys, ko, nkeys, o = KEYS, 0, #KEYS, 0
 if nkeys == 0 then  -- the keys of several slots, in ARGV
