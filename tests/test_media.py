@@ -285,8 +285,12 @@ def test_an_abandoned_foreground_job_is_cancelled_by_its_media_worker(
 ) -> None:
     """Its API process stopped while its only client streamed it: nobody checks it there, so its
     media worker cancels the job once nobody has watched it for the grace, and is free again."""
-    api = start_api(media.prefix, media.log_dir, detach_grace_s=MEDIA_GRACE_S, shutdown_timeout_s=0)
-    body = {"parts": [{"type": "image", "prompt": "long", "size": "64x64", "steps": 60}]}
+    # Long enough to outlast the grace and its check on a fast machine (60 steps took 2 s there).
+    steps = 600
+    api = start_api(
+        media.prefix, media.log_dir, detach_grace_s=MEDIA_GRACE_S, shutdown_timeout_s=0, max_image_steps=steps
+    )
+    body = {"parts": [{"type": "image", "prompt": "long", "size": "64x64", "steps": steps}]}
     seen: list[Event] = []
     with client.stream("POST", f"{api.url}/v1/jobs", json={**body, "background": False, "stream": True}) as r:
         assert r.status_code == 200, r.read()
@@ -303,8 +307,8 @@ def test_an_abandoned_foreground_job_is_cancelled_by_its_media_worker(
     check_full_stream(events)
     assert events[:3] == seen
     assert events[-1].event == "done" and events[-1].data["status"] == "cancelled"
-    steps = [e.data["step"] for e in events if e.event == "progress"]
-    assert steps[-1] < 60  # stopped, not run to the end
+    done = [e.data["step"] for e in events if e.event == "progress"]
+    assert done[-1] < steps  # stopped, not run to the end
     # The whole log: the worker goes on logging after the cancel, past a failure's tail.
     wait_until(
         lambda: any("cancelling foreground job" in w.handle.log_tail(10**7) for w in media.workers),
