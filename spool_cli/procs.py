@@ -56,13 +56,17 @@ class Proc:
         except ChildProcessError:  # reaped meanwhile
             return False
 
-    def log_tail(self, chars: int = LOG_TAIL_CHARS) -> str:
+    def log(self) -> str:
+        """Its whole log ('' without one), to look for a line in: a tail can start inside one."""
         if self.log_path is None:
             return ""
         try:
-            return self.log_path.read_text(errors="replace")[-chars:]
+            return self.log_path.read_text(errors="replace")
         except OSError:
             return ""
+
+    def log_tail(self, chars: int = LOG_TAIL_CHARS) -> str:
+        return self.log()[-chars:]
 
     def signal(self, sig: signal.Signals) -> None:
         """``sig`` to the whole group (no-op once it is gone)."""

@@ -70,8 +70,7 @@ class Service:
         return self.handle.log_tail()
 
     def log(self) -> str:
-        """The whole log, to look for a line in (a tail can start inside one)."""
-        return self.log_path.read_text(errors="replace")
+        return self.handle.log()
 
     def stop(self) -> None:
         self.handle.stop()

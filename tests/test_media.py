@@ -311,7 +311,7 @@ def test_an_abandoned_foreground_job_is_cancelled_by_its_media_worker(
     assert done[-1] < steps  # stopped, not run to the end
     # The whole log: the worker goes on logging after the cancel, past a failure's tail.
     wait_until(
-        lambda: any("cancelling foreground job" in w.handle.log_tail(10**7) for w in media.workers),
+        lambda: any("cancelling foreground job" in w.log() for w in media.workers),
         "the media worker's cancel line",
         30,
     )

@@ -51,7 +51,7 @@ def test_no_ready_when_the_text_worker_exits_at_start(
         assert up.proc.wait(180) == 1
     finally:
         up.stop()
-    log = up.handle.log_tail(10**7)
+    log = up.log()
     assert "worker (pid" in log and "exited with status 78" in log
     assert "spool: ready" not in log
 
@@ -67,6 +67,6 @@ def test_ctrl_c_during_the_start_says_one_line_and_no_traceback(
         assert up.proc.wait(120) == 0
     finally:
         up.stop()
-    log = up.handle.log_tail(10**7)
+    log = up.log()
     assert "spool: stopping the API and the workers (Ctrl-C again kills them)" in log
     assert "Traceback" not in log and "spool: ready" not in log

@@ -51,7 +51,7 @@ class Stack:
         return Keys(self.up.prefix)
 
     def output(self) -> str:
-        return self.up.handle.log_tail(10**7)
+        return self.up.log()
 
 
 @pytest.fixture(scope="module")
