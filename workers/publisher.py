@@ -28,8 +28,8 @@ Outbox = queue.Queue[list[Append] | None]  # each step's appends; None after the
 
 def drain(outbox: Outbox) -> tuple[list[Append], bool]:
     """The appends of the next step and of every step waiting behind it, for one round trip (a
-    writer that fell behind catches up in fewer, larger calls: a call's fixed cost is most of
-    what a token costs Redis, docs/benchmarks.md); and whether the last step came (None)."""
+    writer that fell behind catches up in fewer, larger calls); and whether the last step came
+    (None)."""
     steps = [outbox.get()]
     with contextlib.suppress(queue.Empty):
         while True:

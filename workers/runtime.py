@@ -105,7 +105,9 @@ class EngineRuntime:
         self._intaking: set[str] = set()  # jobs the intake thread found queued, being taken (under _lock)
         self._threads = [
             NamedThread(target=self._engine_loop, name="spool-engine", daemon=True),
-            NamedThread(target=self._write_loop, name="spool-writer", daemon=True),
+            NamedThread(
+                target=write_steps, args=(self._outbox, self._write), name="spool-writer", daemon=True
+            ),
             NamedThread(target=self._intake_loop, name="spool-intake", daemon=True),
         ]
         # Celery's task threads (its concurrency): while all are busy, one more thread runs the
@@ -327,10 +329,6 @@ class EngineRuntime:
             self._core.abort(self._job(job.cursor.job_id), timeout_error(job))  # None: released meanwhile
 
     # -- the writer thread -----------------------------------------------------------------------
-
-    def _write_loop(self) -> None:
-        """Write the steps' entries in order, ending after the engine thread's last."""
-        write_steps(self._outbox, self._write)
 
     def _write(self, appends: list[Append]) -> None:
         try:

@@ -84,8 +84,9 @@ class StepWriter:
         # waits for its slowest master rather than for each in turn.
         pipe = cluster.pipeline(transaction=False)
         for node, part in zip(nodes, parts, strict=True):
-            keys, args = append_step_args(self.keys, part, ttl_s, now)
-            pipe.execute_command("EVALSHA", self.script.sha, 0, len(keys), *keys, *args, target_nodes=node)
+            pipe.execute_command(
+                "EVALSHA", self.script.sha, *_spanning(self.keys, part, ttl_s, now), target_nodes=node
+            )
         try:
             answers: list[Any] = pipe.execute(raise_on_error=False)
         except RedisError as e:  # a master gone, the slot map changed: each goes again on its own
@@ -99,10 +100,10 @@ class StepWriter:
         return _in_order(len(appends), groups.values(), answers)
 
     def _call(self, node: ClusterNode, appends: Sequence[Append], ttl_s: int, now: float) -> list[Any]:
-        keys, args = append_step_args(self.keys, appends, ttl_s, now)
         if len({self.keys.bucket_of(a.job_id) for a in appends}) == 1:
-            return list(self.script(keys, args))  # EVALSHA, routed by its keys; loads the script on NOSCRIPT
-        spanning = [0, len(keys), *keys, *args]  # the keys of several slots in ARGV: no key declared
+            # EVALSHA, routed by its keys; loads the script on NOSCRIPT
+            return list(self.script(*append_step_args(self.keys, appends, ttl_s, now)))
+        spanning = _spanning(self.keys, appends, ttl_s, now)
         try:
             try:
                 reply = self.client.execute_command("EVALSHA", self.script.sha, *spanning, target_nodes=node)
@@ -123,6 +124,13 @@ class StepWriter:
             for indexes in groups.values()
         ]
         return _in_order(len(appends), groups.values(), answers)
+
+
+def _spanning(keys: Keys, appends: Sequence[Append], ttl_s: int, now: float) -> list[Any]:
+    """EVALSHA's arguments after the sha for ``appends`` of several slots of one master: no key
+    declared, the keys in ARGV after their count (append_step.lua)."""
+    script_keys, args = append_step_args(keys, appends, ttl_s, now)
+    return [0, len(script_keys), *script_keys, *args]
 
 
 def _grouped(appends: Sequence[Append], group_of: Callable[[Append], G]) -> dict[G, list[int]]:
