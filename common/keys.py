@@ -301,6 +301,17 @@ class Keys:
             self.broker_list(q, JOB_PRIORITY) for q in consumed
         )
 
+    def waiting_lists(self, queue: str) -> tuple[str, ...]:
+        """Every broker list in which messages wait for the workers of ``queue`` (a model's queue,
+        the media queue or the hooks queue): ``queue_lists`` and, for a model's queue, its batch
+        lines' list (BATCH_PRIORITY); the hooks queue's messages carry no priority, so it has one
+        list. What an autoscaler counts (``spool queues``, deploy/kubernetes); messages a worker
+        has taken (its running jobs) are in none of them."""
+        if queue == self.queue_hooks:
+            return (queue,)
+        lists = self.queue_lists(queue)
+        return lists if queue == self.queue_media else (*lists, self.broker_list(queue, BATCH_PRIORITY))
+
     @staticmethod
     def tenant_queue(queue: str, tenant: str) -> str:
         """The tenant queue of a model's ``queue`` that ``tenant``'s interactive messages go to

@@ -88,6 +88,43 @@ def add_server_commands(sub: Any) -> None:
     p.add_argument("--api-keys", help="comma-separated keys the API accepts (SPOOL_API_KEYS)")
     p.set_defaults(func=cmd_up)
 
+    p = command(
+        sub,
+        "queues",
+        "print, as JSON, the Celery queue and broker lists each kind of worker consumes",
+        "For the settings in the environment, without Redis: the text worker's model queue "
+        "({prefix}.llm.{slug}.{digest}, from SPOOL_SERVED_MODEL_NAME, else SPOOL_MODEL, else "
+        "spool-default), the media and the hooks queue, and for each the broker lists in which its "
+        "messages wait (requeues, interactive jobs and their tenant queues, batch lines; kombu names "
+        "a priority's list with \\x06\\x16 and the step, which JSON writes \\u0006\\u0016). What an "
+        "autoscaler counts: docs/kubernetes.md.",
+        "Settings: SPOOL_REDIS_PREFIX, SPOOL_MODEL, SPOOL_SERVED_MODEL_NAME.",
+        "SPOOL_MODEL=Qwen/Qwen2.5-0.5B-Instruct spool queues --kind text",
+    )
+    p.add_argument("--kind", choices=["text", "media", "hooks"], help="one kind only (default: all three)")
+    p.set_defaults(func=cmd_queues)
+
+
+def worker_queues(settings: Settings) -> dict[str, dict[str, Any]]:
+    """Each kind of worker's queue and the broker lists its messages wait in (``Keys.waiting_lists``)."""
+    keys = settings.keys
+    queues = {
+        "text": keys.model_queue(settings.served_model),
+        "media": keys.queue_media,
+        "hooks": keys.queue_hooks,
+    }
+    return {
+        kind: {"queue": queue, "lists": list(keys.waiting_lists(queue))} for kind, queue in queues.items()
+    }
+
+
+def cmd_queues(args: argparse.Namespace) -> int:
+    import json
+
+    queues = worker_queues(get_settings())
+    print(json.dumps(queues[args.kind] if args.kind else queues, indent=2))
+    return 0
+
 
 def add_model_commands(sub: Any) -> None:
     """tiny-model and tiny-image-model."""
