@@ -336,3 +336,41 @@ def test_spool_queues_prints_the_scaled_objects_lists(
     }
     assert {kind: q["lists"] for kind, q in printed.items()} == by_kind
     assert printed["text"]["queue"] == Keys().model_queue(settings_of(objects).model)
+
+
+def test_waiting_lists_are_kombus_lists_of_the_queues_each_worker_consumes() -> None:
+    # Without kubectl: the lists the ScaledObjects are checked against are named as kombu names them.
+    from types import SimpleNamespace
+
+    from kombu.transport.redis import Channel
+
+    channel = SimpleNamespace(sep=Channel.sep, priority_steps=Channel.priority_steps)
+    channel.priority = lambda n: Channel.priority(channel, n)
+    settings = Settings(model="org/some-model", redis_prefix="p1")
+    for kind, queues in consumed(settings).items():
+        kombus = {Channel._q_for_pri(channel, q, p) for q in queues for p in Channel.priority_steps}
+        lists = settings.keys.waiting_lists(queues[0])
+        assert set(lists) <= kombus and len(set(lists)) == len(lists), kind
+        assert {queue_of(x) for x in lists} == set(queues), kind
+
+
+def test_spool_queues_prints_each_kinds_lists(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from common.settings import get_settings
+
+    monkeypatch.setenv("SPOOL_REDIS_PREFIX", "p1")
+    monkeypatch.setenv("SPOOL_SERVED_MODEL_NAME", "served")
+    get_settings.cache_clear()
+    try:
+        assert main(["queues"]) == 0
+        everything = json.loads(capsys.readouterr().out)
+        assert main(["queues", "--kind", "text"]) == 0
+        text = json.loads(capsys.readouterr().out)
+    finally:
+        get_settings.cache_clear()
+    keys = Keys("p1")
+    assert text == everything["text"] and text["queue"] == keys.model_queue("served")
+    assert everything["media"] == {"queue": "p1.media", "lists": ["p1.media", "p1.media\x06\x163"]}
+    assert everything["hooks"] == {"queue": "p1.hooks", "lists": ["p1.hooks"]}
+    assert text["lists"] == [*keys.queue_lists(text["queue"]), f"{text['queue']}\x06\x166"]
