@@ -32,6 +32,7 @@ COMMANDS = (
     "cancel",
     "workers",
     "chat",
+    "queues",
     "tiny-model",
 )
 JOB_ID = re.compile(r"job ([0-9a-f]{32})")
