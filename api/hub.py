@@ -42,10 +42,10 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from common.asyncio_tasks import cancel_until_done
 from common.buckets import CLUSTER_SLOTS, key_slot
 from common.keys import Keys
 from common.schemas.events import LogEntry
-from common.tasks import cancel_until_done
 
 log = logging.getLogger(__name__)
 
