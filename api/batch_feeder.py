@@ -29,7 +29,7 @@ from api.batch_lines import (
     parse_line,
     refused,
 )
-from api.context import ContextCheck
+from api.context_length import ContextCheck
 from api.enqueue import Enqueuer
 from api.errors import ApiError
 from api.served import ServedModels, queue_model

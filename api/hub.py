@@ -82,7 +82,7 @@ SLOTS_TIMEOUT_S = 2.0  # connect and answer, per node asked for the slot map
 
 
 @dataclass(eq=False)
-class _Job:
+class _JobStreams:
     """The streams of this process that watch one job."""
 
     channel: str
@@ -104,15 +104,15 @@ class Hub:
         # Each connection's client is named so an operator (or a test) can find it in CLIENT LIST.
         self._client_name = client_name
         self.cluster = cluster
-        self._jobs: dict[str, _Job] = {}
-        self._by_channel: dict[bytes, _Job] = {}  # the same jobs by their channel, as messages name it
+        self._jobs: dict[str, _JobStreams] = {}
+        self._by_channel: dict[bytes, _JobStreams] = {}  # the same jobs by their channel, as messages name it
         self._links: dict[Address | None, _Link] = {}  # by node; one, under None, on a standalone Redis
         # Cluster only: each slot's master (None until the first map), when the map was taken, and
         # the jobs watched before it came (they go to their node's connection once it does).
         self._slots: list[Address | None] = [None] * CLUSTER_SLOTS
         self._slots_at = -math.inf
         self._slots_lock = asyncio.Lock()
-        self._unplaced: set[_Job] = set()
+        self._unplaced: set[_JobStreams] = set()
         self._options: dict[str, Any] = dict(parse_url(redis_url)) if cluster else {}
         self._task: asyncio.Task[None] | None = None  # cluster: the first slot map's
         self.connected = asyncio.Event()  # set while every connection is subscribed
@@ -145,7 +145,7 @@ class Hub:
         first = job is None
         if job is None:
             channel = self._keys.job_events(job_id)
-            job = self._jobs[job_id] = self._by_channel[channel.encode()] = _Job(channel)
+            job = self._jobs[job_id] = self._by_channel[channel.encode()] = _JobStreams(channel)
         job.inboxes.add(inbox)
         try:
             if first:
@@ -165,7 +165,7 @@ class Hub:
                     link.jobs.discard(job)
                     await link.send(job, "sunsubscribe")
 
-    async def _place(self, job: _Job, resync: bool) -> None:
+    async def _place(self, job: _JobStreams, resync: bool) -> None:
         """Subscribe the job on the connection of its channel's node (RESYNC once confirmed if
         ``resync``: it may have missed messages while it moved)."""
         link = self._link_for(job.channel)
@@ -177,7 +177,7 @@ class Hub:
         link.jobs.add(job)
         await link.send(job, "ssubscribe", resync)
 
-    async def _move(self, jobs: Iterable[_Job]) -> None:
+    async def _move(self, jobs: Iterable[_JobStreams]) -> None:
         """Place these jobs again, by the current slot map, each with RESYNC once subscribed.
         Their old connection has lost them already (dropped, or the server unsubscribed them)."""
         for job in list(jobs):
@@ -317,12 +317,12 @@ class Hub:
         for inbox in job.inboxes:
             _put(inbox, item)
 
-    def resync(self, jobs: Iterable[_Job]) -> None:
+    def resync(self, jobs: Iterable[_JobStreams]) -> None:
         for job in jobs:
             for inbox in job.inboxes:
                 _put(inbox, RESYNC)
 
-    def by_channel(self, channel: str) -> _Job | None:
+    def by_channel(self, channel: str) -> _JobStreams | None:
         return self._by_channel.get(channel.encode())
 
 
@@ -381,7 +381,7 @@ class _Link:
         self.where = "Redis" if address is None else f"Redis node {address[0]}:{address[1]}"  # (for logs)
         # Its own client, so the subscription's connection is never shared with commands.
         self.redis = hub.client(address, hub._client_name)
-        self.jobs: set[_Job] = set()
+        self.jobs: set[_JobStreams] = set()
         # Always subscribed: it keeps the connection listening when no job is watched, and its
         # confirmation after a (re)connection says every job channel asked with it is in place.
         self.own_channel = hub.own_channel(None) if address is None else ""
@@ -389,7 +389,7 @@ class _Link:
         # Per channel, the subscriptions asked on this connection and not yet confirmed, oldest
         # first (Redis confirms a connection's SSUBSCRIBEs in the order they were sent), each
         # with whether its streams get RESYNC once it is.
-        self.unconfirmed: dict[str, deque[tuple[_Job, bool]]] = {}
+        self.unconfirmed: dict[str, deque[tuple[_JobStreams, bool]]] = {}
         # Per channel, the SUNSUBSCRIBEs sent and not yet answered: an answer beyond them is the
         # server's own, for a channel whose slot left this node.
         self.unsubscribing: Counter[str] = Counter()
@@ -402,7 +402,7 @@ class _Link:
         if self.address is not None:
             await self.redis.connection_pool.disconnect()
 
-    async def send(self, job: _Job, command: str, resync: bool = False) -> None:
+    async def send(self, job: _JobStreams, command: str, resync: bool = False) -> None:
         # NOTE: the command is written before this first yields to the loop, so commands reach
         # Redis in the order they were asked, however the streams interleave (an SUNSUBSCRIBE by
         # one stream's end, then an SSUBSCRIBE by a new stream of the same job, stays subscribed).
@@ -466,7 +466,7 @@ class _Link:
     async def _subscribe_all(self, pubsub: PubSub) -> None:
         """Every job of this connection, and last its own channel: once that is confirmed, so are
         the others, and anything published from then on reaches us."""
-        groups: dict[int, list[_Job]] = {}
+        groups: dict[int, list[_JobStreams]] = {}
         for job in self.jobs:
             # On a cluster one SSUBSCRIBE may name the channels of one slot only.
             groups.setdefault(key_slot(job.channel) if self.address else 0, []).append(job)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from fastapi import FastAPI
 
 from api.batch_feeder import BatchFeeder
-from api.context import ContextCheck
+from api.context_length import ContextCheck
 from api.enqueue import Enqueuer
 from api.hub import Hub, Inbox
 from api.metrics import Metrics
