@@ -1,6 +1,7 @@
-"""The README says what the code does: its settings table is the Settings object's, and the parts
-example's events are ones its request can produce. (Every README command and snippet runs against
-a live `spool up` in test_readme_runs.py.)"""
+"""The docs say what the code does: the README's settings table is the Settings object's, its parts
+example's events are ones its request can produce, the docs' links and named sections exist, and
+docs/internals.md's glossary stays short and its thread table names every text worker thread.
+(Every README command and snippet runs against a live `spool up` in test_readme_runs.py.)"""
 
 from __future__ import annotations
 
