@@ -29,10 +29,11 @@ from api.batch_lines import (
     parse_line,
     refused,
 )
-from api.context import ContextCheck
+from api.context_length import ContextCheck
 from api.enqueue import Enqueuer
 from api.errors import ApiError
 from api.served import ServedModels, queue_model
+from common.asyncio_tasks import cancel_until_done
 from common.keys import BATCH_PRIORITY, Keys
 from common.schemas.views import JobStatus
 from common.settings import Settings
@@ -47,7 +48,6 @@ from common.store import (
     LineResult,
     new_job_id,
 )
-from common.tasks import cancel_until_done
 
 log = logging.getLogger(__name__)
 

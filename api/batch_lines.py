@@ -20,7 +20,7 @@ from typing import Any
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
-from api.context import ContextCheck
+from api.context_length import ContextCheck
 from api.errors import ApiError, body_errors, error_body, validation_error
 from api.openai_compat.batches import error_line, response_line
 from api.openai_compat.chunks import View, failure

@@ -1,4 +1,5 @@
-"""Limits on what a client may make the API process read, enforced before the app sees a request.
+"""Limits on what a client may make the API process read: the request head, the time it takes to
+send it, the number of connections and the size of the body.
 
 uvicorn reads any request head (a 100 MB header took 13 s and 276 MB of memory, before
 authentication), waits forever for a head or a body that trickles in, and takes any number of
@@ -11,6 +12,11 @@ connections. ``spool api`` therefore runs uvicorn's httptools protocol with thes
 - ``SPOOL_BODY_TIMEOUT_S``: a request body not received in full this long after its head is
   answered 408 (or, once the app has begun answering, cut).
 - ``SPOOL_MAX_CONNECTIONS``: a connection past this many open ones is answered 503 and closed.
+
+These act before the app sees a request. The body's size, ``SPOOL_MAX_BODY_BYTES``, is checked
+inside the app instead, by ``BodyLimitMiddleware`` (a 413 with the error envelope). FastAPI's own
+``max_body_size`` answers a declared-too-large body with a plain-text 413 from outside the
+exception handlers, so the envelope would be lost.
 
 Nothing limits how long a response takes: an SSE stream, or a request waiting for its job,
 has sent its whole request and is only being written to.
@@ -26,6 +32,10 @@ from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
 
+from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException
+from starlette.responses import JSONResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from api.errors import error_body
@@ -191,3 +201,39 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
 def protocol_class(limits: HttpLimits) -> type[LimitedHttpToolsProtocol]:
     """The protocol class for uvicorn's ``http`` option (uvicorn builds it with its own arguments)."""
     return type("LimitedHttpToolsProtocol", (LimitedHttpToolsProtocol,), {"limits": limits})
+
+
+class BodyLimitMiddleware:
+    """SPOOL_MAX_BODY_BYTES, answered with the error envelope (a middleware inside the app)."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int, exempt: tuple[str, ...] = ()) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+        self.exempt = exempt  # paths whose routes limit their bodies themselves
+
+    def _too_large(self) -> str:
+        return f"Request body is larger than {self.max_bytes} bytes (SPOOL_MAX_BODY_BYTES)"
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in self.exempt:
+            await self.app(scope, receive, send)
+            return
+        declared = Headers(scope=scope).get("content-length", "")
+        if declared.isdigit() and int(declared) > self.max_bytes:
+            # Refuse before reading a byte of it.
+            response = JSONResponse(error_body(413, self._too_large(), code="body_too_large"), 413)
+            await response(scope, receive, send)
+            return
+        received = 0
+
+        async def counted() -> Message:
+            # A chunked body declares no length: count what arrives. HTTPException is the one
+            # error FastAPI lets out of body parsing unchanged, so the handlers render it.
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > self.max_bytes:
+                raise HTTPException(413, self._too_large())
+            return message
+
+        await self.app(scope, counted, send)

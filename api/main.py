@@ -8,7 +8,7 @@ from fastapi_offline import FastAPIOffline
 
 from api.auth import AuthMiddleware
 from api.errors import install_error_handlers
-from api.limits import BodyLimitMiddleware
+from api.http_limits import BodyLimitMiddleware
 from api.metrics import RequestMetricsMiddleware
 from api.routes import batches, console, files, health, jobs, openai, responses, webhooks
 from api.services import lifespan

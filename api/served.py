@@ -3,7 +3,7 @@
 The API loads no model, so it learns the model's facts (its name, whether it has a chat
 template, its max_model_len, the tokenizer spec the worker stored) from the heartbeats and
 refuses what the model cannot serve before a job is queued (a request too long for its
-context: api/context.py).
+context: api/context_length.py).
 """
 
 from __future__ import annotations
@@ -169,4 +169,4 @@ def check_servable(request: JobRequest, worker: WorkerHeartbeat) -> None:
             param="tools",
             code="tools_not_supported",
         )
-    # Whether the request fits the model's context is api/context.py's check (it counts tokens).
+    # Whether the request fits the model's context is api/context_length.py's check (it counts tokens).

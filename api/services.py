@@ -12,19 +12,19 @@ from dataclasses import dataclass
 from fastapi import FastAPI
 
 from api.batch_feeder import BatchFeeder
-from api.context import ContextCheck
+from api.context_length import ContextCheck
 from api.enqueue import Enqueuer
 from api.hub import Hub, Inbox
 from api.metrics import Metrics
 from api.served import ServedModels
 from api.watchers import Watchers
+from common.asyncio_tasks import cancel_until_done
 from common.process import freeze_startup_objects
 from common.redis_errors import UNREACHABLE
 from common.redis_policy import check_layout_async, check_redis_async
 from common.settings import Settings
 from common.store import AsyncBatchStore, AsyncJobStore
 from common.store.clients import on_cluster
-from common.tasks import cancel_until_done
 
 log = logging.getLogger(__name__)
 

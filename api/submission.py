@@ -22,12 +22,12 @@ from api.enqueue import message_priority
 from api.errors import ApiError
 from api.services import Services
 from api.sse import AsyncRender, Chunk, Render, event_stream, relay, rendered
+from common.asyncio_tasks import cancel_until_done
 from common.schemas.events import LogEntry
 from common.schemas.requests import JobRequest
 from common.schemas.views import Job
 from common.store import IdempotencyConflict, QueueFull
 from common.store.hooks import AsyncHookStore
-from common.tasks import cancel_until_done
 from common.tenants import tenant_of
 from common.webhooks import BadDestination, check_destination
 

@@ -31,8 +31,8 @@ from typing import Any
 
 from redis.exceptions import RedisError
 
+from common.asyncio_tasks import cancel_until_done
 from common.store import AsyncJobStore, StoreError
-from common.tasks import cancel_until_done
 
 log = logging.getLogger(__name__)
 

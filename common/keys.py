@@ -139,9 +139,6 @@ class Keys:
         the name of its artifact."""
         return f"{self._of(part_id)}:job:{part_id}:content"
 
-    def job_id_from_channel(self, channel: str) -> str:
-        return channel.partition(":job:")[2].removesuffix(":events")
-
     def tokenizer(self, digest: str) -> str:
         """String: what the API needs to count a model's prompt tokens (common/prompt_tokens.py),
         by the digest a worker's heartbeat names (a model's tokenizer may change under its name)."""
@@ -287,10 +284,6 @@ class Keys:
         """List: seconds from take to end of the latest text jobs of a model's queue, newest
         first (common/store/service_times.py), for a queued job's ``estimated_start_s``."""
         return f"{self.prefix}:service_s:{queue}"
-
-    def model_queues(self) -> str:
-        """Pattern of every model's queue list (for tests and tools that clean a prefix up)."""
-        return f"{self.prefix}.llm.*"
 
     def queue_lists(self, queue: str) -> tuple[str, ...]:
         """The broker's lists behind a queue: requeued messages, then first messages (a model's

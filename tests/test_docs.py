@@ -1,6 +1,7 @@
-"""The README says what the code does: its settings table is the Settings object's, and the parts
-example's events are ones its request can produce. (Every README command and snippet runs against
-a live `spool up` in test_readme_runs.py.)"""
+"""The docs say what the code does: the README's settings table is the Settings object's, its parts
+example's events are ones its request can produce, the docs' links and named sections exist, and
+docs/internals.md's glossary stays short and its thread table names every text worker thread.
+(Every README command and snippet runs against a live `spool up` in test_readme_runs.py.)"""
 
 from __future__ import annotations
 
@@ -100,3 +101,25 @@ def test_sections_named_in_docs_and_code_are_in_the_doc_they_name() -> None:
             assert " ".join(title.split()) in doc, (source.name, name, title)
         for name, fragment in re.findall(r"docs/([\w.-]+\.md)#([\w-]+)", text):
             assert fragment in anchors(ROOT / "docs" / name), (source.name, name, fragment)
+
+
+def internals_section(title: str) -> str:
+    """The text of docs/internals.md's ``## title`` section, up to the next ``## `` heading."""
+    text = (ROOT / "docs" / "internals.md").read_text()
+    return text.split(f"\n## {title}\n", 1)[1].split("\n## ", 1)[0]
+
+
+def test_the_glossary_names_at_most_20_concepts() -> None:
+    rows = re.findall(r"^\| (?!concept \||---)([^|]+) \|", internals_section("Glossary"), re.M)
+    assert 0 < len(rows) <= 20, rows
+
+
+def test_the_thread_table_names_every_thread_of_the_text_worker() -> None:
+    # The text worker's modules are workers/*.py (the media and hook workers' are in their folders).
+    names = {
+        n
+        for p in (ROOT / "workers").glob("*.py")
+        for n in re.findall(r'name="(spool-[\w-]+)"', p.read_text())
+    }
+    table = internals_section("The text worker's threads")
+    assert names and {n for n in names if f"`{n}`" not in table} == set()

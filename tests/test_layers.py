@@ -57,3 +57,31 @@ def test_the_media_worker_loads_no_text_engine() -> None:
 
 def test_the_api_loads_no_torch() -> None:
     assert loaded("api.main", ("torch", "transformers", "diffusers", "xgrammar", "workers")) == []
+
+
+def imports_of(path: Path) -> set[str]:
+    """The modules a file names in its imports (``from m import n`` counts as m and m.n)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found |= {node.module, *(f"{node.module}.{a.name}" for a in node.names)}
+        elif isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+    return found
+
+
+def test_no_two_modules_import_each_other() -> None:
+    # Two modules that import each other are one concept in two files (a package and its own
+    # modules excepted).
+    imports: dict[str, set[str]] = {}
+    for package in ("api", "common", "workers", "spool_cli"):
+        for path in (ROOT / package).rglob("*.py"):
+            name = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+            imports[name] = imports_of(path)
+    circles = [
+        (a, b)
+        for a, deps in imports.items()
+        for b in deps
+        if a < b and a in imports.get(b, ()) and not (a.startswith(b + ".") or b.startswith(a + "."))
+    ]
+    assert circles == []

@@ -130,7 +130,7 @@ def test_api_counts_routes_refusals_and_resumes(stack: Stack, client: httpx.Clie
     assert grew("spool_jobs_rejected_total", reason="invalid_request") == 2
     assert grew("spool_jobs_rejected_total", reason="json_too_deep") == 1
     assert grew("spool_jobs_rejected_total", reason="other") == 0
-    # past the cap and the model's context: the one 400 says the context (api/context.py)
+    # past the cap and the model's context: the one 400 says the context (api/context_length.py)
     assert grew("spool_jobs_rejected_total", reason="context_length_exceeded") == 1
     assert grew("spool_jobs_rejected_total", reason="invalid_json") == 1
     assert grew("spool_jobs_submitted_total") == 1

@@ -1,10 +1,11 @@
 """Prometheus metrics of one worker process: request latencies, token counts, engine gauges.
 
-Names follow vLLM's (``docs/design/metrics.md``) with Spool's prefix, each with a ``model_name``
-label. The ``spool_tenant_*`` ones also have a ``tenant`` label, a short hash of the API key and
-never the key (common/tenants.py), or "anonymous" without keys. Every figure is taken on the
-engine thread from what it already has: the job's ``created_at`` (read when the job was taken),
-the engine's deltas and ``engine.stats()``. There is no Redis round trip of its own.
+Names follow vLLM's (its metrics design: https://docs.vllm.ai/en/latest/design/metrics.html) with
+Spool's prefix, each with a ``model_name`` label; docs/metrics.md lists them. The
+``spool_tenant_*`` ones also have a ``tenant`` label, a short hash of the API key and never the key
+(common/tenants.py), or "anonymous" without keys. Every figure is taken on the engine thread from
+what it already has: the job's ``created_at`` (read when the job was taken), the engine's deltas
+and ``engine.stats()``. There is no Redis round trip of its own.
 ``SPOOL_WORKER_METRICS_PORT`` serves them with prometheus_client's HTTP server (``serve``).
 
 A job's created_at is the API's clock (unix seconds), so queue time, TTFT and end to end latency

@@ -91,9 +91,10 @@ def start_or_exit(settings: Settings, start: Callable[[str], Runtime]) -> Runtim
     return runtime
 
 
-class WorkerRuntime(Generic[Closes]):
-    """The one runtime of a worker process: started by ``worker_init`` (``start_or_exit``) when
-    the worker is ``app``'s, closed at ``worker_shutdown``; a task reaches it with ``get``."""
+class RuntimeHolder(Generic[Closes]):
+    """Holds the one runtime of a worker process (an EngineRuntime, MediaRuntime or HookRuntime):
+    started by ``worker_init`` (``start_or_exit``) when the worker is ``app``'s, closed at
+    ``worker_shutdown``; a task reaches it with ``get``."""
 
     def __init__(self, app: Celery, settings: Settings, start: Callable[[str], Closes], kind: str) -> None:
         self.app = app

@@ -14,7 +14,7 @@ from common.keys import GENERATE_TASK, REQUEUE_PRIORITY
 from common.settings import get_settings
 from workers.celery_app import app, worker_concurrency
 from workers.runtime import EngineRuntime
-from workers.task_common import RETRY_MARGIN_S, TASK_OPTIONS, Outcome, WorkerRuntime
+from workers.task_common import RETRY_MARGIN_S, TASK_OPTIONS, Outcome, RuntimeHolder
 
 
 def requeue(job_id: str) -> None:
@@ -26,7 +26,7 @@ def requeue(job_id: str) -> None:
 
 
 _settings = get_settings()
-_runtime = WorkerRuntime(
+_runtime = RuntimeHolder(
     app,
     _settings,
     lambda name: EngineRuntime.from_settings(_settings, name, requeue, worker_concurrency(_settings)),

@@ -126,8 +126,8 @@ def test_a_replica_with_queued_and_refused_requests_stops_on_sigterm(
     prefixes: Prefixes, log_dir: Path, client: httpx.Client
 ) -> None:
     """Its shutdown ends the batch feeder, the hub and the watchers' renewals even when a cancel
-    lands inside a Redis command (redis-py can swallow it: common/tasks.py). Before, about two
-    stops in three waited out the grace and were killed."""
+    lands inside a Redis command (redis-py can swallow it: common/asyncio_tasks.py). Before, about
+    two stops in three waited out the grace and were killed."""
     for _ in range(4):
         api = start_api(prefixes.new(), log_dir, ready=False)
         assert client.post(f"{api.url}/v1/jobs", json={"prompt": PROMPT, "max_tokens": 2}).status_code == 202

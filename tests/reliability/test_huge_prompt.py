@@ -20,7 +20,7 @@ import httpx
 import pytest
 from procs import Cluster, Service, start_api
 
-from api.context import MAX_CHARS_PER_TOKEN
+from api.context_length import MAX_CHARS_PER_TOKEN
 
 LIMIT = 512  # the tiny model's context
 HUGE = ("The quick brown fox jumps over the lazy dog. " * 20_000)[:900_000]

@@ -25,6 +25,7 @@ from urllib.parse import urlsplit, urlunsplit
 import httpx
 from redis.exceptions import RedisError
 
+from common.asyncio_tasks import cancel_until_done
 from common.process import NamedThread
 from common.schemas.views import batch_object
 from common.settings import Settings
@@ -32,7 +33,6 @@ from common.store import AsyncBatchStore, AsyncJobStore, JobNotFound, SyncJobSto
 from common.store.clients import async_data_client
 from common.store.hooks import AsyncHookStore, Begun
 from common.store.responses import RESPONSE_PREFIX
-from common.tasks import cancel_until_done
 from common.webhooks import (
     BadDestination,
     envelope,

@@ -13,7 +13,7 @@ from common.keys import HOOK_TASK
 from common.settings import get_settings
 from workers.celery_app import make_app
 from workers.hooks.runtime import HookRuntime
-from workers.task_common import TASK_OPTIONS, WorkerRuntime
+from workers.task_common import TASK_OPTIONS, RuntimeHolder
 
 HOOK_TASK_THREADS = 16  # task threads; each waits on the runtime's loop while it delivers
 
@@ -25,7 +25,7 @@ def send(key: str) -> None:
     app.send_task(HOOK_TASK, args=[key], queue=_settings.keys.queue_hooks)
 
 
-_runtime = WorkerRuntime(app, _settings, lambda name: HookRuntime.start(_settings, name, send), "hook")
+_runtime = RuntimeHolder(app, _settings, lambda name: HookRuntime.start(_settings, name, send), "hook")
 
 
 @app.task(name=HOOK_TASK, **TASK_OPTIONS)  # type: ignore[untyped-decorator]  # celery has no types

@@ -13,7 +13,7 @@ from common.keys import MEDIA_TASK, REQUEUE_PRIORITY
 from common.settings import get_settings
 from workers.celery_app import make_app
 from workers.media.runtime import MediaRuntime
-from workers.task_common import RETRY_MARGIN_S, TASK_OPTIONS, Outcome, WorkerRuntime
+from workers.task_common import RETRY_MARGIN_S, TASK_OPTIONS, Outcome, RuntimeHolder
 
 _settings = get_settings()
 app = make_app(_settings, include=(), queue=_settings.keys.queue_media, concurrency=1)
@@ -24,7 +24,7 @@ def requeue(part_id: str) -> None:
     app.send_task(MEDIA_TASK, args=[part_id], queue=_settings.keys.queue_media, priority=REQUEUE_PRIORITY)
 
 
-_runtime = WorkerRuntime(
+_runtime = RuntimeHolder(
     app, _settings, lambda name: MediaRuntime.from_settings(_settings, name, requeue), "media"
 )
 

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from common.tasks import cancel_until_done
+from common.asyncio_tasks import cancel_until_done
 
 
 async def stubborn(swallowed: asyncio.Event) -> None:
