@@ -41,7 +41,14 @@ from common.store.calls import (
     part_take_args,
     take_args,
 )
-from common.store.errors import Conflict, IdempotencyConflict, JobNotFound, QueueFull, StoreError
+from common.store.errors import (
+    Conflict,
+    IdempotencyConflict,
+    JobNotFound,
+    KeyQueueFull,
+    QueueFull,
+    StoreError,
+)
 from common.store.files import NO_BYTES_LEFT, NO_FILE_LEFT, RESERVED, FenceLost, Reservation, Usage
 from common.store.parts import as_part_entry, own_events, part_reads, with_parts
 from common.store.records import (
@@ -101,6 +108,7 @@ __all__ = [
     "MediaMessageFor",
     "MessageFor",
     "QueueFull",
+    "KeyQueueFull",
     "QueueMessage",
     "ScriptCall",
     "StoreError",
