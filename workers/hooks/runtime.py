@@ -183,7 +183,8 @@ class HookRuntime:
         finally:
             self._in_flight -= 1
             slots.release()
-        self.metrics.attempt_time.observe(took)
+        if not refused:  # no request was made
+            self.metrics.attempt_time.observe(took)
         attempts = [*record.get("attempts", []), {"at": now, "status_code": code, "error": error}]
         record.update(attempts=attempts, next_attempt_at=None)
         retry_at: float | None = None
