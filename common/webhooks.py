@@ -76,15 +76,19 @@ _V6_REFUSED = tuple(
     )
 )
 # IPv6 forms that carry an IPv4 address in their low 32 bits: checked as that address.
-_NAT64 = ipaddress.IPv6Network("64:ff9b::/96")  # the well-known prefix (RFC 6052)
+_LOW_32 = (
+    ipaddress.IPv6Network("64:ff9b::/96"),  # NAT64's well-known prefix (RFC 6052)
+    ipaddress.IPv6Network("::ffff:0:0:0/96"),  # IPv4-translated (SIIT, RFC 6145)
+)
 
 
 def embedded_ipv4(ip: ipaddress.IPv6Address) -> ipaddress.IPv4Address | None:
     """The IPv4 address an IPv6 address stands for: IPv4-mapped (``::ffff:a.b.c.d``), NAT64
-    (``64:ff9b::a.b.c.d``) or 6to4 (``2002:AABB:CCDD::``); None for the others."""
+    (``64:ff9b::a.b.c.d``), IPv4-translated (``::ffff:0:a.b.c.d``) or 6to4
+    (``2002:AABB:CCDD::``); None for the others."""
     if ip.ipv4_mapped is not None:
         return ip.ipv4_mapped
-    if ip in _NAT64:
+    if any(ip in net for net in _LOW_32):
         return ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)
     return ip.sixtofour
 

@@ -47,6 +47,7 @@ DISGUISED = [
     "2001:0:4136:e378:8000:63bf:3fff:fdd2",  # Teredo
     "::ffff:169.254.169.254",
     "2002:c0a8:101::1",  # 6to4 of 192.168.1.1
+    "::ffff:0:7f00:1",  # IPv4-translated 127.0.0.1
 ]
 # The same forms around a global IPv4 address stay allowed (an IPv6-only network's DNS64 answers
 # 64:ff9b::a.b.c.d for an IPv4-only receiver).
