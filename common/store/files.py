@@ -174,13 +174,6 @@ class FileRecords:
         """The owner's files, newest first; forgets the ids of files that expired."""
         return await self._listed(self.keys.owner_files(owner), self.keys.file)
 
-    async def usage(self, owner: str) -> Usage:
-        """The owner's stored files and their bytes (for its quota); forgets those that expired."""
-        k = self.keys
-        keys = [k.owner_file_bytes(owner), k.owner_file_expiry(owner), k.owner_files(owner)]
-        files, size = await self._scripts["file_usage"](keys, [repr(time.time())])
-        return Usage(int(files), int(size))
-
     async def read_lines(self, file_id: str, start: int, count: int) -> list[str]:
         """Lines ``start`` to ``start + count - 1`` of the file (fewer past its end)."""
         if self.artifacts is not None:

@@ -397,7 +397,6 @@ async def _api_calls(client: Any, settings: Settings) -> None:
             "purpose": "batch",
         }
         await batches.commit_file(file)
-        await batches.usage("o")
         fence = await batches.claim_feeder("feeder", 30.0, k.owner_bucket("o"))
         batch = {
             "id": batch_1,

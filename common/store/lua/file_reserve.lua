@@ -8,7 +8,7 @@
 -- each later one raises its bytes to ``size`` (refused past max_bytes with the others' bytes).
 -- Concurrent uploads so share the quota: what they reserve is never more than it. file_commit.lua
 -- turns the entry into the file's; an upload that fails drops it (FileRecords.abort_upload).
--- The files expired by now (at most 1,000 a call) are forgotten first, as file_usage.lua does.
+-- The files expired by now (at most 1,000 a call) are forgotten first.
 -- Returns {status, files, bytes}: status 1 (reserved), -1 (no file left), -2 (no bytes left);
 -- files and bytes: the owner's others (stored files and uploads in progress).
 local owner_bytes, owner_expiry, owner_files = unpack(KEYS)
