@@ -21,7 +21,9 @@ from starlette.datastructures import Headers
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from api.errors import error_body
+from api.errors import ApiError, error_body
+from common.settings import Settings
+from common.tenants import tenant_of
 
 _owner: ContextVar[str] = ContextVar("spool_owner", default="")
 _JOB_PATH = re.compile(r"^/v1/jobs/([^/]+)")
@@ -41,6 +43,19 @@ def bearer_owner(headers: Headers) -> str:
 def current_owner() -> str:
     """The owner of the request being served (empty without API keys)."""
     return _owner.get()
+
+
+def check_priority(settings: Settings, owner: str, priority: int) -> None:
+    """403 for a priority below what the owner's key may ask for: a request's, or a batch line's
+    (the same refusal either way)."""
+    if priority < (floor := settings.priority_floor_of(tenant_of(owner))):
+        raise ApiError(
+            403,
+            f"priority {priority} is below what this API key may ask for ({floor}; "
+            "SPOOL_PRIORITY_FLOOR, SPOOL_TENANT_PRIORITY_FLOORS)",
+            param="priority",
+            code="priority_not_allowed",
+        )
 
 
 class AuthMiddleware:

@@ -289,7 +289,9 @@ class BatchFeeder:
                 continue
             job_id = new_job_id(self.settings.keys, self.settings.keys.bucket_of(batch_id))
             try:
-                request = await line_request(b["endpoint"], line["body"], self.settings, models, self.context)
+                request = await line_request(
+                    b["endpoint"], line["body"], self.settings, models, self.context, b.get("owner", "")
+                )
             except ApiError as e:
                 rejected.append(refused(i, line["custom_id"], e, job_id))
                 continue

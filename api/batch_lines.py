@@ -20,6 +20,7 @@ from typing import Any
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
+from api.auth import check_priority
 from api.context_length import ContextCheck
 from api.errors import ApiError, body_errors, error_body, validation_error
 from api.openai_compat.batches import error_line, response_line
@@ -112,8 +113,10 @@ async def line_request(
     settings: Settings,
     models: Mapping[str, WorkerHeartbeat],
     context: ContextCheck,
+    owner: str,
 ) -> JobRequest:
-    """The job a line's body asks for, as its endpoint would accept it; ApiError as it would refuse.
+    """The job a line's body asks for, as its endpoint would accept it from the batch's ``owner``;
+    ApiError as it would refuse (a priority below the key's floor included).
 
     A batch line runs in the background (nobody waits on it) and is never streamed. While no
     worker is live its model is not checked: the line is queued, as a request would be.
@@ -142,6 +145,7 @@ async def line_request(
         raise validation_error(body_errors(e), openai=endpoint != "/v1/jobs") from None
     except RequestValidationError as e:
         raise validation_error(e, openai=endpoint != "/v1/jobs") from None
+    check_priority(settings, owner, request.priority)
     return request.model_copy(update={"background": True, "stream": False})
 
 

@@ -82,12 +82,21 @@ StreamStateDep = Annotated[StreamState, Depends(_stream_state)]
 async def _cursor(
     state: StreamStateDep,
     services: ServicesDep,
-    last_event_id: Annotated[int | None, Header(ge=0)] = None,
+    last_event_id: Annotated[str | None, Header()] = None,
     after: Annotated[int | None, Query(ge=0)] = None,
 ) -> int:
     # A browser's EventSource reconnects to the same URL and adds Last-Event-ID, so the header
-    # is the fresher cursor when both are present.
-    cursor = last_event_id if last_event_id is not None else (after or 0)
+    # is the fresher cursor when both are present. An empty one names no event (the SSE spec's
+    # "no last event id"): as if absent.
+    header = (last_event_id or "").strip()
+    if header and not (header.isascii() and header.isdigit() and len(header) <= 18):
+        raise ApiError(
+            400,
+            f"Last-Event-ID must be an event id (an integer, 0 or more), not {header[:40]!r}",
+            param="Last-Event-ID",
+            code="invalid_cursor",
+        )
+    cursor = int(header) if header else (after or 0)
     if cursor > state.log_length:
         # Ids come from the log, so a larger one was never sent; honouring it would hang.
         raise ApiError(

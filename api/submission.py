@@ -17,7 +17,7 @@ from contextlib import aclosing
 from fastapi import Request
 from fastapi.sse import EventSourceResponse
 
-from api.auth import current_owner
+from api.auth import check_priority, current_owner
 from api.enqueue import message_priority
 from api.errors import ApiError
 from api.services import Services
@@ -44,14 +44,7 @@ async def submit_job(
     if body.webhook is not None:
         await check_webhook(services, body.webhook)
     owner, settings = current_owner(), services.settings
-    if body.priority < (floor := settings.priority_floor_of(tenant_of(owner))):
-        raise ApiError(
-            403,
-            f"priority {body.priority} is below what this API key may ask for ({floor}; "
-            "SPOOL_PRIORITY_FLOOR, SPOOL_TENANT_PRIORITY_FLOORS)",
-            param="priority",
-            code="priority_not_allowed",
-        )
+    check_priority(settings, owner, body.priority)
     queue, priority, tenant = settings.keys.model_queue(model), message_priority(body), tenant_of(owner)
     body.with_endpoints(await AsyncHookStore(services.store.redis, settings).endpoints(owner))
     try:

@@ -5,7 +5,9 @@ python-multipart's push parser calls back with each piece of a part; the ``file`
 split into lines (each kept with its newline), and a page of lines goes to Redis after each chunk
 of the request that completed one. A line is at most ``SPOOL_MAX_BODY_BYTES`` (a batch line is a
 request body), the file at most ``SPOOL_MAX_FILE_BYTES`` and ``SPOOL_BATCH_MAX_LINES`` lines, and
-within the room left of its API key's quota (``SPOOL_MAX_FILE_BYTES_PER_KEY``). The form holds
+within the room left of its API key's quota (``SPOOL_MAX_FILE_BYTES_PER_KEY``): the bytes read are
+reserved in the quota (``AsyncBatchStore.reserve_upload``, atomic in Redis) before each page is
+stored and at the end, so concurrent uploads of one key never take more than it. The form holds
 one ``file`` part; its name is kept sanitized (``clean_filename``).
 """
 
@@ -19,7 +21,7 @@ from python_multipart.multipart import MultipartParser, parse_options_header
 
 from api.errors import ApiError
 from common.settings import Settings
-from common.store import AsyncBatchStore
+from common.store import RESERVED, AsyncBatchStore
 
 PAGE_BYTES = 256 * 1024  # lines sent to Redis together
 MAX_FIELD_BYTES = 1024  # a form field other than the file (purpose)
@@ -109,11 +111,8 @@ class _Reader:
                 param="file",
                 code="file_too_large",
             )
-        if self.upload.bytes > self.room:
-            raise quota_error(
-                f"The file would take this API key's stored files past "
-                f"{self.settings.max_file_bytes_per_key} bytes (SPOOL_MAX_FILE_BYTES_PER_KEY)"
-            )
+        if self.upload.bytes > self.room:  # known already; reserve() makes sure of the rest
+            raise bytes_quota_error(self.settings)
         while piece:
             newline = piece.find(b"\n")
             head, piece = (piece, b"") if newline < 0 else (piece[: newline + 1], piece[newline + 1 :])
@@ -160,16 +159,31 @@ def quota_error(message: str) -> ApiError:
     return ApiError(413, message, param="file", code="storage_quota_exceeded")
 
 
+def bytes_quota_error(settings: Settings) -> ApiError:
+    return quota_error(
+        f"The file would take this API key's stored files past "
+        f"{settings.max_file_bytes_per_key} bytes (SPOOL_MAX_FILE_BYTES_PER_KEY)"
+    )
+
+
+async def reserve(store: AsyncBatchStore, settings: Settings, owner: str, file_id: str, size: int) -> None:
+    """Reserve ``size`` bytes in the owner's quota for the upload (413 when they do not fit)."""
+    if (await store.reserve_upload(owner, file_id, size)).status != RESERVED:
+        raise bytes_quota_error(settings)
+
+
 async def receive_upload(
     content_type: str,
     body: AsyncIterator[bytes],
     file_id: str,
     store: AsyncBatchStore,
     settings: Settings,
+    owner: str,
     room: int,
 ) -> Upload:
-    """Parse the form from ``body``, storing its file's lines under ``file_id``'s upload list;
-    ``room``: the bytes left of the key's quota.
+    """Parse the form from ``body``, storing its file's lines under ``file_id``'s upload list,
+    their bytes reserved in ``owner``'s quota first; ``room``: the bytes left of it when the
+    upload began (``reserve_upload`` took its file).
 
     The caller commits the upload (``store.commit_file``) or aborts it."""
     kind, options = parse_options_header(content_type)
@@ -194,8 +208,10 @@ async def receive_upload(
     async for chunk in body:
         parser.write(chunk)
         if page := reader.take_page(at_end=False):
+            await reserve(store, settings, owner, file_id, reader.upload.bytes)
             await store.append_upload(file_id, page)
     parser.finalize()
+    await reserve(store, settings, owner, file_id, reader.upload.bytes)
     if page := reader.take_page(at_end=True):
         await store.append_upload(file_id, page)
     return reader.upload

@@ -310,10 +310,12 @@ def run_service(model: Path, args: argparse.Namespace) -> None:
 
 def service_mode(model: Path, url: str, fair: bool, args: argparse.Namespace, logs: Path) -> None:
     prefix = f"fairservice-{uuid.uuid4().hex[:8]}"
-    # The queue holds the whole flood (the default SPOOL_MAX_QUEUED_JOBS, 1,000, answers 429 past it).
+    # The queue holds the whole flood (the default SPOOL_MAX_QUEUED_JOBS, 1,000, answers 429 past
+    # it, and SPOOL_MAX_QUEUED_JOBS_PER_KEY, 500, past one key's share).
     settings: dict[str, object] = {
         "api_keys": ",".join(SERVICE_KEYS.values()),
         "max_queued_jobs": 10 * args.flood,
+        "max_queued_jobs_per_key": 10 * args.flood,
     }
     # NOTE: torch's default, a thread per core, leaves the API, Redis and the clients no core of
     # their own: each time they run, the step waits for the engine's preempted thread (on this

@@ -71,6 +71,7 @@ def main() -> None:
             settings: dict[str, object] = {
                 "api_keys": ",".join(KEYS.values()),
                 "max_queued_jobs": 2 * args.flood,
+                "max_queued_jobs_per_key": 2 * args.flood,  # one key floods on purpose
             }
             model = build_tiny_model(logs / "tiny", "llama")
             env = harness.spool_env(

@@ -164,6 +164,12 @@ class Keys:
         (common/store/records.py)."""
         return f"{self._at(bucket)}:owner:{owner or 'anonymous'}:jobs"
 
+    def owner_queued(self, owner: str, bucket: int) -> str:
+        """Sorted set of the ids of one owner's jobs queued in a bucket (score: created_at), for
+        SPOOL_MAX_QUEUED_JOBS_PER_KEY: create.lua adds a job, and forgets those no longer in the
+        bucket's queued set when it is full (so it never needs the take or cancel to write it)."""
+        return f"{self._at(bucket)}:owner:{owner or 'anonymous'}:queued"
+
     def layout(self) -> str:
         """String: the number of buckets (``Keys.buckets``) of this prefix's job data, set by the
         first process to start; one started with another number refuses to start

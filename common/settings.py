@@ -93,6 +93,11 @@ class Settings(BaseSettings):
 
     # Jobs (API)
     max_queued_jobs: int = Field(1000, ge=1)
+    # With API keys, the most jobs one key may have queued, so one key's flood gets its own 429s
+    # and leaves the rest of SPOOL_MAX_QUEUED_JOBS to the others; SPOOL_TENANT_MAX_QUEUED_JOBS
+    # (TENANT=N,...) sets it for some keys.
+    max_queued_jobs_per_key: int = Field(500, ge=1)
+    tenant_max_queued_jobs: str = ""
     max_tokens_cap: int = Field(4096, ge=1)  # largest max_tokens a request may ask for
     default_max_tokens: int = Field(DEFAULT_MAX_TOKENS, ge=1)
     job_ttl_s: int = Field(24 * 3600, ge=1)  # finished jobs expire after this
@@ -225,6 +230,13 @@ class Settings(BaseSettings):
         parse_tenant_values(v, int)
         return v
 
+    @field_validator("tenant_max_queued_jobs")
+    @classmethod
+    def _tenant_max_queued_jobs(cls, v: str) -> str:
+        if any(n < 1 for n in parse_tenant_values(v, int).values()):
+            raise ValueError("each TENANT=N must have N of 1 or more")
+        return v
+
     @field_validator("tool_parser")
     @classmethod
     def _tool_parser(cls, v: str) -> str:
@@ -288,6 +300,10 @@ class Settings(BaseSettings):
     def priority_floor_of(self, tenant: str) -> int:
         """The lowest priority this tenant's requests may give."""
         return parse_tenant_values(self.tenant_priority_floors, int).get(tenant, self.priority_floor)
+
+    def max_queued_of(self, tenant: str) -> int:
+        """The most jobs this tenant (API key) may have queued."""
+        return parse_tenant_values(self.tenant_max_queued_jobs, int).get(tenant, self.max_queued_jobs_per_key)
 
     @property
     def api_key_set(self) -> frozenset[str]:

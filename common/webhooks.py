@@ -35,6 +35,11 @@ class BadDestination(ValueError):
     """A webhook URL that is refused (its message says why)."""
 
 
+class RefusedAddress(BadDestination):
+    """A webhook host that resolves to an address the guard refuses (``address_refused``). At an
+    attempt it is a permanent failure: the delivery is not retried."""
+
+
 def check_events(events: Sequence[str]) -> list[str]:
     """The events in a stable order; ValueError naming any that is not one."""
     unknown = sorted(set(events) - set(JOB_EVENTS))
@@ -59,11 +64,45 @@ def check_url_form(url: str) -> str:
     return url
 
 
+# IPv6 ranges refused whatever Python calls them (3.11 calls most of them global): deprecated or
+# local ones, and a tunnel whose far end cannot be checked.
+_V6_REFUSED = tuple(
+    ipaddress.IPv6Network(n)
+    for n in (
+        "::/96",  # IPv4-compatible (RFC 4291, deprecated): ::127.0.0.1 is loopback in disguise
+        "64:ff9b:1::/48",  # NAT64 for local use (RFC 8215): a network's own translator
+        "fec0::/10",  # site-local (RFC 3879, deprecated): a private range
+        "2001::/32",  # Teredo (RFC 4380): a tunnel to an IPv4 address
+    )
+)
+# IPv6 forms that carry an IPv4 address in their low 32 bits: checked as that address.
+_LOW_32 = (
+    ipaddress.IPv6Network("64:ff9b::/96"),  # NAT64's well-known prefix (RFC 6052)
+    ipaddress.IPv6Network("::ffff:0:0:0/96"),  # IPv4-translated (SIIT, RFC 6145)
+)
+
+
+def embedded_ipv4(ip: ipaddress.IPv6Address) -> ipaddress.IPv4Address | None:
+    """The IPv4 address an IPv6 address stands for: IPv4-mapped (``::ffff:a.b.c.d``), NAT64
+    (``64:ff9b::a.b.c.d``), IPv4-translated (``::ffff:0:a.b.c.d``) or 6to4
+    (``2002:AABB:CCDD::``); None for the others."""
+    if ip.ipv4_mapped is not None:
+        return ip.ipv4_mapped
+    if any(ip in net for net in _LOW_32):
+        return ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)
+    return ip.sixtofour
+
+
 def address_refused(address: str) -> bool:
-    """Loopback, private, link-local (cloud metadata), multicast, reserved or unspecified."""
+    """Loopback, private, link-local (cloud metadata), multicast, reserved or unspecified, in
+    whatever form: an IPv6 address that embeds an IPv4 one is checked as that IPv4 address, and
+    the IPv6 ranges of ``_V6_REFUSED`` are refused outright."""
     ip = ipaddress.ip_address(address.split("%", 1)[0])
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
+    if isinstance(ip, ipaddress.IPv6Address):
+        if any(ip in net for net in _V6_REFUSED):
+            return True
+        if (v4 := embedded_ipv4(ip)) is not None:
+            return not v4.is_global or v4.is_multicast
     return not ip.is_global or ip.is_multicast
 
 
@@ -86,7 +125,7 @@ async def resolve_checked(host: str, port: int, allow: bool) -> list[str]:
         raise BadDestination(f"the webhook host {host!r} does not resolve")
     refused = [a for a in addresses if address_refused(a)]
     if refused and not allow:
-        raise BadDestination(
+        raise RefusedAddress(
             f"the webhook host {host!r} resolves to {refused[0]}, a loopback, private, link-local or "
             "multicast address (SPOOL_WEBHOOK_ALLOW_PRIVATE, SPOOL_WEBHOOK_ALLOW_HOSTS)"
         )

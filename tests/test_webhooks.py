@@ -312,9 +312,12 @@ def test_the_address_is_checked_again_at_connect(client: httpx.Client, hooks: Ho
     response = client.post(f"{hooks.api.url}/v1/jobs", json={"prompt": "x", "max_tokens": 2, "webhook": url})
     assert response.status_code == 202, response.text
     job_id = response.json()["id"]
-    wait_until(lambda: len(delivery(client, hooks, job_id)["attempts"]) >= 2, "two attempts", 30)
-    errors = {a["error"] for a in deliveries(client, hooks, job_id)[0]["attempts"]}
-    assert all("127.0.0.2" in e and "loopback" in e for e in errors), errors
+    # A refusal by the guard is permanent: one attempt, recorded, never retried.
+    wait_until(lambda: delivery(client, hooks, job_id)["status"] == "failed", "the delivery to fail", 30)
+    [refused] = deliveries(client, hooks, job_id)
+    assert refused["next_attempt_at"] is None
+    [attempt] = refused["attempts"]
+    assert "127.0.0.2" in attempt["error"] and "loopback" in attempt["error"], attempt
     assert hooks.receiver.at("/rebound") == []
 
 

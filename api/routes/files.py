@@ -24,8 +24,9 @@ from api.auth import current_owner
 from api.deps import ServicesDep, owned_file
 from api.errors import ApiError
 from api.openai_compat.batches import file_object, page
-from api.uploads import quota_error, receive_upload
+from api.uploads import bytes_quota_error, quota_error, receive_upload
 from common.keys import Keys
+from common.store import NO_BYTES_LEFT, NO_FILE_LEFT
 
 router = APIRouter(prefix="/v1/files", tags=["files"])
 
@@ -43,21 +44,26 @@ def new_file_id(keys: Keys, owner: str) -> str:
 async def create_file(request: Request, services: ServicesDep) -> dict[str, Any]:
     """Upload a JSONL file (multipart form: ``purpose=batch``, ``file``), within the key's quota."""
     settings, store, owner = services.settings, services.batches, current_owner()
-    usage = await store.usage(owner)
-    if usage.files >= settings.max_files_per_key:
-        raise quota_error(
-            f"This API key stores {usage.files} files, the most it may (SPOOL_MAX_FILES_PER_KEY): "
-            "delete some first"
-        )
     file_id = new_file_id(settings.keys, owner)
+    # One of the key's files is taken before the upload is read, atomically (file_reserve.lua), so
+    # concurrent uploads never store more than the quota; a failed upload gives it back.
+    reservation = await store.reserve_upload(owner, file_id, 0)
+    if reservation.status == NO_FILE_LEFT:
+        raise quota_error(
+            f"This API key stores {reservation.others.files} files (uploads in progress included), "
+            "the most it may (SPOOL_MAX_FILES_PER_KEY): delete some first"
+        )
     try:
+        if reservation.status == NO_BYTES_LEFT:
+            raise bytes_quota_error(settings)
         upload = await receive_upload(
             request.headers.get("content-type", ""),
             request.stream(),
             file_id,
             store,
             settings,
-            settings.max_file_bytes_per_key - usage.bytes,
+            owner,
+            settings.max_file_bytes_per_key - reservation.others.bytes,
         )
         if upload.filename is None:
             raise ApiError(400, "The form has no file part named 'file'", param="file", code="missing_file")
@@ -67,10 +73,10 @@ async def create_file(request: Request, services: ServicesDep) -> dict[str, Any]
                 400, f"purpose must be one of {', '.join(PURPOSES)}, not {purpose!r}", param="purpose"
             )
     except MultipartParseError as e:
-        await store.abort_upload(file_id)
+        await store.abort_upload(file_id, owner)
         raise ApiError(400, f"The multipart form is malformed: {e}", code="invalid_multipart") from None
     except BaseException:
-        await store.abort_upload(file_id)
+        await store.abort_upload(file_id, owner)
         raise
     now = time.time()
     fields = {
@@ -83,7 +89,11 @@ async def create_file(request: Request, services: ServicesDep) -> dict[str, Any]
         "lines": str(upload.lines),
         "owner": owner,
     }
-    await store.commit_file(fields)
+    try:
+        await store.commit_file(fields)
+    except BaseException:
+        await store.abort_upload(file_id, owner)
+        raise
     return file_object(fields)
 
 

@@ -41,8 +41,15 @@ from common.store.calls import (
     part_take_args,
     take_args,
 )
-from common.store.errors import Conflict, IdempotencyConflict, JobNotFound, QueueFull, StoreError
-from common.store.files import FenceLost, Usage
+from common.store.errors import (
+    Conflict,
+    IdempotencyConflict,
+    JobNotFound,
+    KeyQueueFull,
+    QueueFull,
+    StoreError,
+)
+from common.store.files import NO_BYTES_LEFT, NO_FILE_LEFT, RESERVED, FenceLost, Reservation, Usage
 from common.store.parts import as_part_entry, own_events, part_reads, with_parts
 from common.store.records import (
     JOB_ID_BYTES,
@@ -94,9 +101,14 @@ __all__ = [
     "LineResult",
     "FenceLost",
     "Usage",
+    "Reservation",
+    "NO_FILE_LEFT",
+    "NO_BYTES_LEFT",
+    "RESERVED",
     "MediaMessageFor",
     "MessageFor",
     "QueueFull",
+    "KeyQueueFull",
     "QueueMessage",
     "ScriptCall",
     "StoreError",

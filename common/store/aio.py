@@ -110,7 +110,8 @@ class AsyncJobStore(WatcherSets, ResponseRecords):
 
         With an ``idempotency_key`` that this owner used before (within SPOOL_JOB_TTL_S), no job
         is created: the earlier one is returned, or IdempotencyConflict raised when it was made
-        for another request. Raises QueueFull when SPOOL_MAX_QUEUED_JOBS jobs are queued.
+        for another request. Raises QueueFull when SPOOL_MAX_QUEUED_JOBS jobs are queued,
+        KeyQueueFull when the owner's SPOOL_MAX_QUEUED_JOBS_PER_KEY are.
         """
         if request.parts is not None:  # media_message_for: the message of an image part
             fields, (keys, args) = create_parts_call(
@@ -122,7 +123,11 @@ class AsyncJobStore(WatcherSets, ResponseRecords):
                 self.keys, self.settings, request, owner, message_for, idempotency_key
             )
             script = self._create
-        earlier = check_created(await script(keys, args), self.settings.max_queued_jobs)
+        earlier = check_created(
+            await script(keys, args),
+            self.settings.max_queued_jobs,
+            self.settings.max_queued_of(tenant_of(owner)),
+        )
         if earlier is not None:
             return check_replay(await self.get_record(earlier), request)
         await self.relay([self.keys.bucket_of(fields["id"])])

@@ -71,7 +71,7 @@ class BatchCounts:
 
 _SCRIPTS = (
     "file_commit",
-    "file_usage",
+    "file_reserve",
     "file_append_attempt",
     "feeder_claim",
     "batch_validated",

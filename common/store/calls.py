@@ -19,7 +19,7 @@ from common.keys import Keys, part_id, split_part_id
 from common.schemas.requests import ImagePart, JobRequest
 from common.schemas.views import Job
 from common.settings import Settings
-from common.store.errors import Conflict, IdempotencyConflict, JobNotFound, QueueFull
+from common.store.errors import Conflict, IdempotencyConflict, JobNotFound, KeyQueueFull, QueueFull
 from common.store.hooks import hook_field
 from common.store.parts import as_part_entry, held_parts, own_events
 from common.store.records import (
@@ -39,6 +39,7 @@ from common.store.records import (
     owner_index_age_s,
     record_from_hash,
 )
+from common.tenants import tenant_of
 
 
 def job_hook(keys: Keys, settings: Settings, job_id: str, request: JobRequest, owner: str) -> str:
@@ -60,6 +61,15 @@ def queued_limit(keys: Keys, settings: Settings) -> int:
     """How many jobs a bucket's queued set takes (create.lua): SPOOL_MAX_QUEUED_JOBS split evenly
     between the buckets, since a script sees its own bucket's set only."""
     return -(-settings.max_queued_jobs // keys.buckets)
+
+
+def owner_queued_limit(keys: Keys, settings: Settings, owner: str) -> int | str:
+    """How many of an owner's jobs a bucket's queued set takes (create.lua): its
+    SPOOL_MAX_QUEUED_JOBS_PER_KEY (or its tenant's) split evenly between the buckets, as
+    ``queued_limit``; '' without an owner (no API keys: one tenant, SPOOL_MAX_QUEUED_JOBS bounds it)."""
+    if not owner:
+        return ""
+    return -(-settings.max_queued_of(tenant_of(owner)) // keys.buckets)
 
 
 def _new_id(keys: Keys, owner: str, idempotency_key: str | None) -> tuple[str, int]:
@@ -87,7 +97,12 @@ def create_call(
     if message:
         fields["queue"] = message.queue
     flat = [x for kv in fields.items() for x in kv]
-    script_keys = [keys.queued_jobs(bucket), keys.job(job_id), keys.owner_jobs(owner, bucket)]
+    script_keys = [
+        keys.queued_jobs(bucket),
+        keys.job(job_id),
+        keys.owner_jobs(owner, bucket),
+        keys.owner_queued(owner, bucket),
+    ]
     script_keys += [message.list_key] if message else []
     # An idempotency key is remembered as long as a finished job (its job outlives it).
     idem_ttl: int | str = ""
@@ -98,7 +113,16 @@ def create_call(
     index = [owner_index_age_s(settings), OWNER_INDEX_MAX]
     return fields, (
         script_keys,
-        [queued_limit(keys, settings), job_id, repr(now), payload, idem_ttl, *index, *flat],
+        [
+            queued_limit(keys, settings),
+            owner_queued_limit(keys, settings, owner),
+            job_id,
+            repr(now),
+            payload,
+            idem_ttl,
+            *index,
+            *flat,
+        ],
     )
 
 
@@ -171,7 +195,12 @@ def create_parts_call(
                 "message": message.payload if message else "",
             }
         )
-    script_keys = [keys.queued_jobs(bucket), keys.job(job_id), keys.owner_jobs(owner, bucket)]
+    script_keys = [
+        keys.queued_jobs(bucket),
+        keys.job(job_id),
+        keys.owner_jobs(owner, bucket),
+        keys.owner_queued(owner, bucket),
+    ]
     idem_ttl: int | str = ""
     if idempotency_key is not None:
         script_keys.append(keys.idempotency(owner, idempotency_key))
@@ -179,6 +208,7 @@ def create_parts_call(
     index = [owner_index_age_s(settings), OWNER_INDEX_MAX]
     args = [
         queued_limit(keys, settings),
+        owner_queued_limit(keys, settings, owner),
         job_id,
         repr(now),
         idem_ttl,
@@ -347,10 +377,13 @@ def check_cancel(reply: str, job_id: str) -> None:
         raise Conflict(f"job {job_id!r} already finished with status {reply!r}")
 
 
-def check_created(reply: int | str, max_queued: int) -> str | None:
-    """None when the job was created; the id of the earlier job its idempotency key names."""
+def check_created(reply: int | str, max_queued: int, max_owner_queued: int = 0) -> str | None:
+    """None when the job was created; the id of the earlier job its idempotency key names.
+    QueueFull when the queue is full, KeyQueueFull when the owner's share of it is."""
     if isinstance(reply, str):
         return reply
+    if reply == -1:
+        raise KeyQueueFull(max_owner_queued)
     if not reply:
         raise QueueFull(max_queued)
     return None

@@ -27,3 +27,15 @@ class QueueFull(StoreError):
     def __init__(self, limit: int) -> None:
         super().__init__(f"the queue is full ({limit} jobs queued); retry later")
         self.limit = limit
+
+
+class KeyQueueFull(QueueFull):
+    """The owner (API key) has as many jobs queued as it may; the others' room is theirs."""
+
+    def __init__(self, limit: int) -> None:
+        StoreError.__init__(
+            self,
+            f"this API key has {limit} jobs queued, the most it may (SPOOL_MAX_QUEUED_JOBS_PER_KEY, "
+            "SPOOL_TENANT_MAX_QUEUED_JOBS); retry later",
+        )
+        self.limit = limit

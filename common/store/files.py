@@ -42,6 +42,19 @@ class Usage:
     bytes: int
 
 
+# file_reserve.lua's answers
+RESERVED, NO_FILE_LEFT, NO_BYTES_LEFT = 1, -1, -2
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """What ``reserve_upload`` answered: RESERVED, NO_FILE_LEFT or NO_BYTES_LEFT, and the owner's
+    other files (stored, and uploads in progress) with their bytes."""
+
+    status: int
+    others: Usage
+
+
 def hash_or_none(h: dict[Any, Any]) -> dict[str, str] | None:
     """A hash as read (the client decodes replies), None when it does not exist."""
     return {str(k): str(v) for k, v in h.items()} or None
@@ -82,10 +95,34 @@ class FileRecords:
             pipe.expire(key, UPLOAD_TTL_S)
             await pipe.execute()
 
-    async def abort_upload(self, file_id: str) -> None:
+    async def reserve_upload(self, owner: str, file_id: str, size: int) -> Reservation:
+        """Room in the owner's quota for the upload ``file_id``, of ``size`` bytes so far: its first
+        call takes one of the owner's files, each later one raises its bytes; concurrent uploads
+        share the quota (file_reserve.lua). ``commit_file`` keeps it, ``abort_upload`` drops it."""
+        k, s, now = self.keys, self.settings, time.time()
+        keys = [k.owner_file_bytes(owner), k.owner_file_expiry(owner), k.owner_files(owner)]
+        args: list[str | int] = [
+            repr(now),
+            file_id,
+            size,
+            s.max_files_per_key,
+            s.max_file_bytes_per_key,
+            repr(now + UPLOAD_TTL_S),
+            UPLOAD_TTL_S,
+        ]
+        status, files, others = await self._scripts["file_reserve"](keys, args)
+        return Reservation(int(status), Usage(int(files), int(others)))
+
+    async def abort_upload(self, file_id: str, owner: str) -> None:
+        """Drop an upload's lines and its reservation in its owner's quota."""
         if self.artifacts is not None:
             await asyncio.to_thread(self.artifacts.drop, file_name(file_id), UPLOAD_TAG)
-        await self.redis.delete(self.keys.file_upload(file_id))
+        k = self.keys
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.delete(k.file_upload(file_id))
+            pipe.hdel(k.owner_file_bytes(owner), file_id)
+            pipe.zrem(k.owner_file_expiry(owner), file_id)
+            await pipe.execute()
 
     async def commit_file(self, fields: dict[str, str]) -> None:
         """The upload's lines (``fields["lines"]`` of them) become the file ``fields["id"]``."""
@@ -136,13 +173,6 @@ class FileRecords:
     async def list_files(self, owner: str) -> list[dict[str, str]]:
         """The owner's files, newest first; forgets the ids of files that expired."""
         return await self._listed(self.keys.owner_files(owner), self.keys.file)
-
-    async def usage(self, owner: str) -> Usage:
-        """The owner's stored files and their bytes (for its quota); forgets those that expired."""
-        k = self.keys
-        keys = [k.owner_file_bytes(owner), k.owner_file_expiry(owner), k.owner_files(owner)]
-        files, size = await self._scripts["file_usage"](keys, [repr(time.time())])
-        return Usage(int(files), int(size))
 
     async def read_lines(self, file_id: str, start: int, count: int) -> list[str]:
         """Lines ``start`` to ``start + count - 1`` of the file (fewer past its end)."""

@@ -386,6 +386,7 @@ async def _api_calls(client: Any, settings: Settings) -> None:
         file_1, file_2, batch_1, batch_2 = (
             k.new_id(p, 4, k.owner_bucket("o")) for p in ("f1-", "f2-", "b1-", "b2-")
         )
+        await batches.reserve_upload("o", file_1, 40)
         await batches.append_upload(file_1, ['{"custom_id": "a"}', '{"custom_id": "b"}'])
         file = {
             "id": file_1,
@@ -396,7 +397,6 @@ async def _api_calls(client: Any, settings: Settings) -> None:
             "purpose": "batch",
         }
         await batches.commit_file(file)
-        await batches.usage("o")
         fence = await batches.claim_feeder("feeder", 30.0, k.owner_bucket("o"))
         batch = {
             "id": batch_1,

@@ -35,8 +35,16 @@ from common.webhooks import (
         ("fe80::1%eth0", True),
         ("::ffff:127.0.0.1", True),  # IPv4-mapped loopback
         ("fd00::1", True),
+        ("::127.0.0.1", True),  # IPv4-compatible
+        ("64:ff9b::169.254.169.254", True),  # NAT64 of the metadata address
+        ("64:ff9b:1::1", True),  # NAT64 for local use
+        ("2002:7f00:1::", True),  # 6to4 of 127.0.0.1
+        ("fec0::1", True),  # site-local
+        ("2001:0:4136:e378:8000:63bf:3fff:fdd2", True),  # Teredo
         ("8.8.8.8", False),
         ("2606:4700:4700::1111", False),
+        ("64:ff9b::8.8.8.8", False),  # NAT64 (DNS64) of a global address
+        ("2002:808:808::1", False),  # 6to4 of a global address
     ],
 )
 def test_refused_addresses(address: str, refused: bool) -> None:

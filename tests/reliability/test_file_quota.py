@@ -5,8 +5,11 @@ any file safely (RFC 6266), and a form with two file parts is refused."""
 from __future__ import annotations
 
 import re
+import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 from urllib.parse import unquote
 
 import httpx
@@ -134,3 +137,77 @@ def test_a_form_with_two_file_parts_is_refused(api: Service) -> None:
         assert r.status_code == 400
         assert r.json()["error"]["code"] == "invalid_multipart"
         assert "more than one file part" in r.json()["error"]["message"]
+
+
+# Issue #45, defect 4: 20 concurrent uploads against a 5-file, 20,000-byte quota stored 11 files
+# and 34,144 bytes (each read the usage, then stored). Now each upload reserves its file and bytes
+# in the quota atomically (file_reserve.lua) before it is accepted.
+RACE_KEYS = "key-e,key-f"
+RACE_QUOTA = {"max_files_per_key": 5, "max_file_bytes_per_key": 20_000}
+RACERS = 20
+
+
+def racing_uploads(api: Service, key: str, content: bytes) -> list[int | None]:
+    """RACERS uploads of ``content`` at once: each sends its head, then waits for the others to
+    have sent theirs (so every one has begun, its quota looked at, before any body arrives).
+    Their statuses; None where the server closed the connection without an answer read."""
+    barrier = threading.Barrier(RACERS)
+    boundary = b"spoolrace"
+    head = b"--" + boundary + b'\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n'
+    head += b"--" + boundary + b'\r\nContent-Disposition: form-data; name="file"; filename="r.jsonl"\r\n'
+    head += b"Content-Type: application/octet-stream\r\n\r\n"
+    tail = content + b"\r\n--" + boundary + b"--\r\n"
+    headers = {
+        "Content-Type": "multipart/form-data; boundary=" + boundary.decode(),
+        "Content-Length": str(len(head) + len(tail)),
+    }
+
+    def body() -> Iterator[bytes]:
+        barrier.wait(60)
+        yield head
+        yield tail
+
+    def one(_: int) -> int | None:
+        with client(api, key) as http:
+            try:
+                return http.post("/v1/files", content=body(), headers=headers).status_code
+            except httpx.TransportError:
+                return None
+
+    with ThreadPoolExecutor(RACERS) as pool:
+        return list(pool.map(one, range(RACERS)))
+
+
+@pytest.mark.parametrize(("key", "lines", "most"), [("key-e", 20, 5), ("key-f", 70, 3)])
+def test_concurrent_uploads_never_store_past_the_quota(
+    api: Service,
+    log_dir: Path,
+    redis_client: redis.Redis,
+    figures: dict[str, Any],
+    key: str,
+    lines: int,
+    most: int,
+) -> None:
+    """20 uploads at once: of 1,780 bytes each (the file count binds: 5), then of 6,230 bytes each
+    (the bytes bind: 3 fit in 20,000)."""
+    racing = start_api(api.prefix, log_dir, ready=False, api_keys=RACE_KEYS, **RACE_QUOTA)
+    try:
+        statuses = racing_uploads(racing, key, LINE * lines)
+        with client(racing, key) as http:
+            stored = http.get("/v1/files").json()["data"]
+        stored_bytes = sum(f["bytes"] for f in stored)
+        figures[f"file_quota_race_{key}"] = {
+            "uploads": RACERS,
+            "answered_200": statuses.count(200),
+            "answered_413": statuses.count(413),
+            "stored_files": len(stored),
+            "stored_bytes": stored_bytes,
+        }
+        assert set(statuses) <= {200, 413, None}, statuses
+        assert len(stored) == statuses.count(200) == most, statuses
+        assert stored_bytes <= RACE_QUOTA["max_file_bytes_per_key"]
+        # Nothing is left reserved by the refused uploads: the quota holds the stored files only.
+        keys = Keys(api.prefix)
+        assert redis_client.hlen(keys.owner_file_bytes(owner_of(key))) == len(stored)
+    finally:
+        racing.stop()

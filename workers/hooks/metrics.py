@@ -6,7 +6,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 
 # What became of an attempt: delivered (2xx), retried (another attempt is due), failed (given up
-# past SPOOL_WEBHOOK_HORIZON_S), disabled (410, or its URL disabled before).
+# past SPOOL_WEBHOOK_HORIZON_S, or at once for an address the guard refuses), disabled (410, or its
+# URL disabled before).
 OUTCOMES = ("delivered", "retried", "failed", "disabled")
 ATTEMPT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0)
 

@@ -35,6 +35,7 @@ from common.store.hooks import AsyncHookStore, Begun
 from common.store.responses import RESPONSE_PREFIX
 from common.webhooks import (
     BadDestination,
+    RefusedAddress,
     envelope,
     host_allowed,
     host_port,
@@ -172,13 +173,18 @@ class HookRuntime:
             await self.hooks.record(self.token, begun, record, now + SLOT_WAIT_S, now)
             return False
         self._in_flight += 1
+        refused = False
         try:
             body = begun.body or await self._render(begun)
-            code, error, took = await self._post(url, body, await self._secrets(owner), record["id"])
+            try:
+                code, error, took = await self._post(url, body, await self._secrets(owner), record["id"])
+            except RefusedAddress as e:  # the address guard's: no later attempt would pass it
+                code, error, took, refused = None, str(e), 0.0, True
         finally:
             self._in_flight -= 1
             slots.release()
-        self.metrics.attempt_time.observe(took)
+        if not refused:  # no request was made
+            self.metrics.attempt_time.observe(took)
         attempts = [*record.get("attempts", []), {"at": now, "status_code": code, "error": error}]
         record.update(attempts=attempts, next_attempt_at=None)
         retry_at: float | None = None
@@ -188,6 +194,8 @@ class HookRuntime:
         elif code == 410:
             await self.hooks.disable(owner, url)
             record["status"], outcome = "disabled", "disabled"
+        elif refused:  # a permanent failure, recorded with the guard's reason
+            record["status"], outcome = "failed", "failed"
         else:
             wait = retry_delay(len(attempts), self.settings.webhook_backoff_s)
             if now + wait > record["created_at"] + self.settings.webhook_horizon_s:
@@ -256,7 +264,9 @@ class HookRuntime:
                 finally:
                     await response.aclose()
                 return response.status_code, None, time.perf_counter() - started
-        except BadDestination as e:
+        except RefusedAddress:
+            raise  # _attempt's: a permanent failure
+        except BadDestination as e:  # the host does not resolve (now): retried
             return None, str(e), time.perf_counter() - started
         except TimeoutError:
             return (
