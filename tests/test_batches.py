@@ -59,7 +59,7 @@ def completion_line(i: int, max_tokens: int = 6) -> dict[str, Any]:
 def lines_queue(prefix: str, model: Path) -> str:
     """The broker list of batch lines in the queue of the model served from ``model``."""
     keys = Keys(prefix)
-    return keys.broker_list(keys.model_queue(str(model)), BATCH_PRIORITY)
+    return keys.broker_list(keys.model_queue(model.name), BATCH_PRIORITY)
 
 
 def upload(oai: openai.OpenAI, lines: list[dict[str, Any]] | bytes) -> str:
