@@ -74,7 +74,9 @@ def test_agents_sdk_takes_the_model_by_its_name(cluster: Cluster, model: str) ->
     set_tracing_disabled(True)
     provider = OpenAIProvider(base_url=f"{cluster.url}/v1", api_key="unused", use_responses=True)
     agent = Agent(name="judge", model=model, model_settings=ModelSettings(max_tokens=64), output_type=Verdict)
-    result = Runner.run_sync(agent, "Are you well?", max_turns=1, run_config=RunConfig(model_provider=provider))
+    result = Runner.run_sync(
+        agent, "Are you well?", max_turns=1, run_config=RunConfig(model_provider=provider)
+    )
     assert isinstance(result.final_output, Verdict)
 
 

@@ -59,7 +59,11 @@ def test_a_responses_stream_takes_stream_options_that_ask_for_nothing(cluster: C
         ("/v1/responses", {"reasoning": {"effort": "high"}}, "reasoning"),
         ("/v1/responses", {"top_logprobs": 3}, "top_logprobs"),
         ("/v1/responses", {"service_tier": "priority"}, "service_tier"),
-        ("/v1/responses", {"stream_options": {"include_obfuscation": True}}, "stream_options.include_obfuscation"),
+        (
+            "/v1/responses",
+            {"stream_options": {"include_obfuscation": True}},
+            "stream_options.include_obfuscation",
+        ),
         ("/v1/chat/completions", {"reasoning": {"effort": "low"}}, "reasoning"),
         ("/v1/completions", {"include": ["x"]}, "include"),
         ("/v1/chat/completions", {"stream": True, "stream_options": {"sample": 1}}, "stream_options.sample"),
@@ -106,9 +110,7 @@ def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(cluster: Clu
     with httpx.stream("POST", f"{cluster.url}/v1/chat/completions", json=body, timeout=60) as got:
         assert got.status_code == 200
         chunks = [
-            json.loads(line.removeprefix("data: "))
-            for line in got.iter_lines()
-            if line.startswith("data: {")
+            json.loads(line.removeprefix("data: ")) for line in got.iter_lines() if line.startswith("data: {")
         ]
     usages = [c["usage"] for c in chunks]
     assert all(u is not None for u in usages)
