@@ -49,7 +49,7 @@ def add_server_commands(sub: Any) -> None:
     p.add_argument(
         "--quiet",
         action="store_true",
-        help="no Celery banner at start (spool up starts its workers so)",
+        help="no Celery banner nor its start-up lines at start (spool up starts its workers so)",
     )
     p.set_defaults(func=cmd_worker)
 
@@ -183,6 +183,9 @@ def cmd_worker(args: argparse.Namespace) -> int:
     # Liveness is Spool's own heartbeat key; gossip and mingle only slow the start. Celery's
     # heartbeat events are sent with the task events (SPOOL_TASK_EVENTS), for Flower.
     events = ["--task-events"] if settings.task_events else ["--without-heartbeat"]
+    if args.quiet:  # "Connected to redis://..." and "... ready.", after spool up's ready line
+        for name in ("celery.worker.consumer.connection", "celery.apps.worker"):
+            logging.getLogger(name).setLevel(logging.WARNING)
     app.worker_main(
         [
             *(["--quiet"] if args.quiet else []),  # Celery's own: no banner
