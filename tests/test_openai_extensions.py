@@ -8,6 +8,7 @@ for something Spool does not do are a 400 naming them. docs/openai.md has the ta
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -120,3 +121,36 @@ def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(cluster: Clu
     counts = [u["completion_tokens"] for u in usages]
     assert counts == sorted(counts) and counts[0] <= 1
     assert all(u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"] for u in usages)
+
+
+def test_a_resumed_stream_goes_on_counting_the_usage(cluster: Cluster) -> None:
+    body = {
+        **BODIES["/v1/chat/completions"],
+        "max_tokens": 8,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"continuous_usage_stats": True},
+    }
+    with httpx.stream("POST", f"{cluster.url}/v1/chat/completions", json=body, timeout=60) as got:
+        job_id = got.headers["X-Spool-Job-Id"]
+        whole = [(e, json.loads(d)) for e, d in _events(got.iter_lines())]
+    middle = whole[len(whole) // 2][0]
+    resumed_url = f"{cluster.url}/v1/jobs/{job_id}/events?format=openai"
+    with httpx.stream("GET", resumed_url, headers={"Last-Event-ID": middle}, timeout=60) as got:
+        resumed = [json.loads(d) for _, d in _events(got.iter_lines())]
+    after = [chunk for sid, chunk in whole if int(sid) > int(middle)]
+    assert [c["usage"] for c in resumed] == [c["usage"] for c in after] != []
+
+
+def _events(lines: Iterator[str]) -> Iterator[tuple[str, str]]:
+    """(id, data) of each SSE event with JSON data (its fields in any order)."""
+    sid = data = ""
+    for line in lines:
+        if line.startswith("id:"):
+            sid = line.removeprefix("id:").strip()
+        elif line.startswith("data:"):
+            data = line.removeprefix("data:").strip()
+        elif not line:
+            if data.startswith("{"):
+                yield sid, data
+            sid = data = ""
