@@ -66,11 +66,12 @@ class ContextCheck:
         self._counters: OrderedDict[str, PromptCounter] = OrderedDict()
         self._lock = asyncio.Lock()  # one load at a time (a burst waits for it, not loads too)
 
-    async def check(self, request: JobRequest, worker: WorkerHeartbeat) -> None:
-        """ApiError 400 when the request cannot fit the model the worker serves."""
+    async def check(self, request: JobRequest, worker: WorkerHeartbeat) -> int | None:
+        """ApiError 400 when the request cannot fit the model the worker serves; else its prompt's
+        tokens, when they were counted."""
         limit = worker.max_model_len
         if limit is None:
-            return
+            return None
         if (chars := prompt_chars(request)) > limit * MAX_CHARS_PER_TOKEN:
             raise ApiError(
                 400,
@@ -80,14 +81,20 @@ class ContextCheck:
                 param=prompt_field(request),
                 code=CODE,
             )
-        counter = await self._counter(worker.tokenizer) if worker.tokenizer else None
-        prompt_tokens = await self._count(counter, request) if counter else None
+        prompt_tokens = await self.count(request, worker)
         if prompt_tokens is None:
             if request.max_tokens >= limit:  # no room for a prompt of a single token
                 raise too_long(limit, request.max_tokens, None, "")
-            return
+            return None
         if prompt_tokens + request.max_tokens > limit:  # the worker's condition (workers/engine)
             raise too_long(limit, request.max_tokens, prompt_tokens, prompt_field(request))
+        return prompt_tokens
+
+    async def count(self, request: JobRequest, worker: WorkerHeartbeat) -> int | None:
+        """The request's prompt tokens as the worker will count them; None without the worker's
+        tokenizer spec."""
+        counter = await self._counter(worker.tokenizer) if worker.tokenizer else None
+        return await self._count(counter, request) if counter else None
 
     async def check_live(self, request: JobRequest, models: Mapping[str, WorkerHeartbeat]) -> None:
         """``check`` against the job's model, when a live worker says what it is (a job queued

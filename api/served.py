@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping
 from api.errors import ApiError
 from common.schemas.requests import JobRequest
 from common.schemas.views import WorkerHeartbeat
+from common.settings import model_name
 from common.store import AsyncJobStore
 
 NO_WORKER_RETRY_S = 2
@@ -84,6 +85,15 @@ class ServedModels:
                 self._until = time.monotonic() + self._ttl_s
 
 
+def served_name(models: Mapping[str, WorkerHeartbeat], requested: str) -> str:
+    """The name ``requested`` is served under: itself, or for the path of a model directory
+    (the id such a model had before it was named by its directory) that directory's name."""
+    if requested in models:
+        return requested
+    name = model_name(requested)
+    return name if name in models else requested
+
+
 def resolve_model(models: Mapping[str, WorkerHeartbeat], requested: str | None) -> WorkerHeartbeat:
     """The served model a request names (or the one served, when it names none)."""
     if not models:
@@ -95,6 +105,7 @@ def resolve_model(models: Mapping[str, WorkerHeartbeat], requested: str | None) 
         )
     if requested is None:
         return models[min(models)]
+    requested = served_name(models, requested)
     if requested not in models:
         raise ApiError(
             404,
@@ -116,7 +127,7 @@ async def queue_model(
     so the job waits where the workers will look; with none served in that time, this server's
     (SPOOL_SERVED_MODEL_NAME, else SPOOL_MODEL)."""
     if requested is not None:
-        return requested
+        return served_name(models, requested)
     if models:
         return min(models)
     return min(await store.recent_models(), default=store.settings.served_model)

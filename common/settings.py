@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from functools import lru_cache
+from pathlib import Path
 from typing import Literal, TypeVar
 
 from pydantic import Field, ValidationError, field_validator, model_validator
@@ -29,6 +30,21 @@ DEFAULT_SERVED_MODEL = "spool-default"  # the embedded default model's name (SPO
 
 class SettingsError(RuntimeError):
     """Raised at start when the environment holds an unknown or invalid SPOOL_* value."""
+
+
+def model_name(model: str) -> str:
+    """The name a model is served under: a hub id as given (``Qwen/Qwen2.5-0.5B-Instruct``), a
+    directory by its own name (``/models/tiny-llama``: ``tiny-llama``).
+
+    NOTE: clients take a path for a provider prefix (the OpenAI Agents SDK's ``Unknown prefix``),
+    and a path tells other machines nothing. A relative path counts as one when it names a
+    directory here, or starts with ``.`` or ``~``."""
+    if not model:
+        return model
+    path = Path(model).expanduser()
+    if path.is_absolute() or model.startswith((".", "~")) or path.is_dir():
+        return Path(os.path.abspath(path)).name or model
+    return model
 
 
 class Settings(BaseSettings):
@@ -283,7 +299,7 @@ class Settings(BaseSettings):
     @property
     def served_model(self) -> str:
         """The model's name in /v1/models: a worker's, or the API's default while no worker is live."""
-        return self.served_model_name or self.model or DEFAULT_SERVED_MODEL
+        return self.served_model_name or model_name(self.model) or DEFAULT_SERVED_MODEL
 
     @property
     def cors_origin_list(self) -> list[str]:

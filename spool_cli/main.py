@@ -9,6 +9,7 @@ what each command does, which settings it reads, and gives an example.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
@@ -49,7 +50,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     args = parser().parse_args(argv)
     try:
-        return int(args.func(args))
+        code = int(args.func(args))
+        sys.stdout.flush()  # here, where a reader that went away is caught, not at exit
+        return code
     except (SettingsError, UnsafeRedis) as e:
         print(f"spool: {e}", file=sys.stderr)
         return SETTINGS_EXIT
@@ -59,6 +62,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(file=sys.stderr)  # the shell's prompt on a line of its own
         return 130
+    except BrokenPipeError:
+        # The reader went away (`spool jobs | head`): stop quietly. NOTE: stdout to /dev/null
+        # first, or the interpreter's final flush of the lines still buffered raises again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # as a shell's command killed by SIGPIPE
 
 
 if __name__ == "__main__":

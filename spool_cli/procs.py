@@ -3,11 +3,13 @@ the tests and the benchmarks.
 
 Each child leads its own process group (a worker's threads and any children go with it), and
 its output goes to a log file, or to this process's own output when no log is given. Readiness
-is polled with a deadline; a stop is SIGTERM to the group, then SIGKILL after a grace.
+is polled with a deadline; a stop is SIGTERM to the group, then SIGKILL after a grace. The children
+still running when this process exits (a test run stopped with Ctrl-C) are stopped then.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import random
@@ -26,6 +28,7 @@ import httpx
 import redis
 
 STOP_GRACE_S = 15.0  # how long a child gets to stop on SIGTERM before SIGKILL
+EXIT_GRACE_S = 5.0  # the same, for the children still running when this process exits
 POLL_S = 0.05
 LOG_TAIL_CHARS = 6000
 
@@ -109,7 +112,22 @@ def start(
         )
     if cpus is not None:
         os.sched_setaffinity(popen.pid, cpus)  # it has just exec'd: one thread so far
-    return Proc(name, popen, log_path)
+    proc = Proc(name, popen, log_path)
+    _started[:] = [p for p in _started if p.popen.returncode is None]
+    _started.append(proc)
+    return proc
+
+
+# Every child started here that was not yet seen to end, stopped when this process exits.
+# NOTE: each child leads a session of its own, so the terminal's Ctrl-C never reaches it; a caller
+# interrupted before it could stop its children (pytest stopped during a fixture's start, when no
+# teardown runs) would otherwise leave them running.
+_started: list[Proc] = []
+
+
+@atexit.register
+def _stop_started() -> None:
+    stop_all(_started, EXIT_GRACE_S)
 
 
 def stop_all(procs: Iterable[Proc], grace_s: float = STOP_GRACE_S) -> None:

@@ -1,5 +1,6 @@
 """What ``spool up`` says while it starts: which workers are up, a line every ``NOTE_S`` while the
-text worker loads and compiles its model, and ``ready at URL`` once a text worker serves the model.
+text worker loads and compiles its model, and ``ready at URL`` once a text worker serves the model
+and the media worker beats (or ``MEDIA_WAIT_S`` later), so that it is the last line until a request.
 
 Ready means a text worker beats (its first heartbeat comes after its model loaded and its forward
 compiled) and ``/readyz`` answers 200. A media worker alone is not ready, since a job's text runs
@@ -21,6 +22,9 @@ from common.settings import Settings
 POLL_S = 0.25
 NOTE_S = 15.0  # a line this often while the text worker is not up yet
 KINDS = {"text", "media"}  # the workers spool up starts
+# How long ready waits, once the text worker serves, for the media worker to beat too: the ready
+# line is then the last one until a request comes. A media worker later than that gets its own line.
+MEDIA_WAIT_S = 60.0
 
 
 def local_url(settings: Settings) -> str:
@@ -66,11 +70,16 @@ def _up(kinds: dict[str, list[str]]) -> str:
 
 
 def watch(
-    settings: Settings, children_alive: Callable[[], bool], done: threading.Event, say: Callable[[str], None]
+    settings: Settings,
+    children_alive: Callable[[], bool],
+    done: threading.Event,
+    say: Callable[[str], None],
+    announce: Callable[[str], None] | None = None,
 ) -> bool:
-    """Say what is up until a text worker serves and /readyz answers, then ``ready at``, then a
-    line for a media worker that comes up later; stop quietly once ``done`` is set or a child
-    exited. True once ready was said."""
+    """Say what is up until a text worker serves and /readyz answers and the media worker beats
+    (or ``MEDIA_WAIT_S`` passed), then ``ready at`` (with ``announce``: a line that stands out),
+    then a line for a media worker that comes up later; stop quietly once ``done`` is set or a
+    child exited. True once ready was said."""
     url = local_url(settings)
     model = settings.model or "the embedded default model"
     compiling = settings.compile if settings.compile is not None else settings.device == "cpu"
@@ -82,25 +91,30 @@ def watch(
     next_note = started + NOTE_S
     seen: set[str] = set()
     ready = False
+    serving: float | None = None  # when the text worker was first seen serving
     while not done.is_set() and children_alive() and not (ready and seen >= KINDS):
         workers = live_workers(url)
         kinds = _by_kind(workers or [])
-        if not ready and "text" in kinds and _status(f"{url}/readyz") == 200:
+        if not ready and serving is None and "text" in kinds and _status(f"{url}/readyz") == 200:
+            serving = time.monotonic()
+        if (
+            not ready
+            and serving is not None
+            and (set(kinds) >= KINDS or time.monotonic() - serving >= MEDIA_WAIT_S)
+        ):
             if done.is_set() or not children_alive():
                 break
             ready = True
-            say(
+            (announce or say)(
                 f"ready at {url} (docs: {url}/docs): {_up(kinds)} up; "
                 f'try: scripts/spool generate "ROMEO:"  (served by {kinds["text"][0]})'
             )
             seen |= set(kinds)
         for kind in sorted(set(kinds) - seen - {"text"}):
-            say(
-                f"{kind} worker up ({', '.join(kinds[kind])})"
-                + ("" if ready else "; waiting for the text worker")
-            )
+            waiting = "; waiting for the text worker" if not ready and serving is None else ""
+            say(f"{_up({kind: kinds[kind]})} up{waiting}")
         seen |= set(kinds)
-        if not ready and time.monotonic() >= next_note:
+        if serving is None and time.monotonic() >= next_note:
             next_note += NOTE_S
             doing = "loading and compiling" if compiling else "loading"
             say(

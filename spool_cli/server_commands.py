@@ -7,6 +7,7 @@ do.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import socket
 import sys
@@ -44,6 +45,11 @@ def add_server_commands(sub: Any) -> None:
         choices=["text", "media", "hooks"],
         default="text",
         help="the jobs it runs (default: text); hooks: webhook deliveries",
+    )
+    p.add_argument(
+        "--quiet",
+        action="store_true",
+        help="no Celery banner nor its start-up lines at start (spool up starts its workers so)",
     )
     p.set_defaults(func=cmd_worker)
 
@@ -214,8 +220,12 @@ def cmd_worker(args: argparse.Namespace) -> int:
     # Liveness is Spool's own heartbeat key; gossip and mingle only slow the start. Celery's
     # heartbeat events are sent with the task events (SPOOL_TASK_EVENTS), for Flower.
     events = ["--task-events"] if settings.task_events else ["--without-heartbeat"]
+    if args.quiet:  # "Connected to redis://..." and "... ready.", after spool up's ready line
+        for name in ("celery.worker.consumer.connection", "celery.apps.worker"):
+            logging.getLogger(name).setLevel(logging.WARNING)
     app.worker_main(
         [
+            *(["--quiet"] if args.quiet else []),  # Celery's own: no banner
             "worker",
             "--pool=threads",
             f"--concurrency={concurrency}",
@@ -256,8 +266,16 @@ def cmd_api(args: argparse.Namespace) -> int:
         # compose file's api service run this command too).
         http=protocol_class(HttpLimits.of(settings)),
     )
+    logging.getLogger("uvicorn.access").addFilter(_no_console_polls)
     uvicorn.Server(config).run(sockets=[sock])
     return 0
+
+
+def _no_console_polls(record: logging.LogRecord) -> bool:
+    """Leave out of the access log the polls of /console-status (the web console's, and `spool
+    up`'s while it starts): a line every quarter second that tells an operator nothing."""
+    args = record.args
+    return not (isinstance(args, tuple) and len(args) > 2 and str(args[2]).split("?")[0] == "/console-status")
 
 
 def listening_socket(host: str, port: int) -> socket.socket:

@@ -10,7 +10,8 @@ so that an image part's denoising delays no text part's first token (docs/benchm
 ``SPOOL_WORKER_METRICS_PORT`` set, the media worker serves its metrics on the port after the text
 worker's, and the hook worker on the one after that. Celery's task events are on for Flower
 (``SPOOL_TASK_EVENTS``, unless set).
-It says ``ready at URL`` once a text worker serves the model (spool_cli/ready.py), and never after
+It says ``ready at URL`` once a text worker serves the model and the media worker beats
+(spool_cli/ready.py), and never after
 a child exited. Running Spool beyond one machine: docs/operations.md#the-processes.
 """
 
@@ -31,8 +32,21 @@ EXIT_CHILD_DIED = 1
 MEDIA_NICE = 10  # the media worker's SPOOL_IMAGE_NICE unless the caller set one
 
 
+BOLD, GREEN, PLAIN = "\033[1m", "\033[1;32m", "\033[0m"
+
+
 def say(message: str) -> None:
-    print(f"spool: {message}", file=sys.stderr, flush=True)
+    """A stage line, in bold on a terminal, so that it stands out of the children's logs."""
+    bold, plain = (BOLD, PLAIN) if sys.stderr.isatty() else ("", "")
+    print(f"{bold}spool: {message}{plain}", file=sys.stderr, flush=True)
+
+
+def announce(message: str) -> None:
+    """The ready line: on a terminal in green, between blank lines."""
+    if not sys.stderr.isatty():
+        say(message)
+        return
+    print(f"\n{GREEN}spool: {message}{PLAIN}\n", file=sys.stderr, flush=True)
 
 
 def find_redis() -> tuple[str, harness.Proc | None] | None:
@@ -78,7 +92,7 @@ def up() -> int:
     status = 0
     try:
         worker_env = {**env, "SPOOL_TORCH_THREADS": worker_torch_threads(env)}
-        children.append(harness.start("worker", [*spool, "worker"], env=worker_env))
+        children.append(harness.start("worker", [*spool, "worker", "--quiet"], env=worker_env))
         # Its own name: a SPOOL_WORKER_NAME given for the pair would make them one heartbeat.
         named = env.get("SPOOL_WORKER_NAME")
         media_env = {**worker_env, "SPOOL_IMAGE_NICE": env.get("SPOOL_IMAGE_NICE") or str(MEDIA_NICE)}
@@ -86,16 +100,20 @@ def up() -> int:
             media_env["SPOOL_WORKER_NAME"] = f"{named}-media"
         if env.get("SPOOL_WORKER_METRICS_PORT"):  # one port per process: the media worker's is the next
             media_env["SPOOL_WORKER_METRICS_PORT"] = str(int(env["SPOOL_WORKER_METRICS_PORT"]) + 1)
-        children.append(harness.start("media worker", [*spool, "worker", "--kind", "media"], env=media_env))
+        children.append(
+            harness.start("media worker", [*spool, "worker", "--kind", "media", "--quiet"], env=media_env)
+        )
         hooks_env = {**env, "SPOOL_WORKER_NAME": f"{named}-hooks"} if named else dict(env)
         if env.get("SPOOL_WORKER_METRICS_PORT"):  # the hook worker's: the one after the media worker's
             hooks_env["SPOOL_WORKER_METRICS_PORT"] = str(int(env["SPOOL_WORKER_METRICS_PORT"]) + 2)
-        children.append(harness.start("hook worker", [*spool, "worker", "--kind", "hooks"], env=hooks_env))
+        children.append(
+            harness.start("hook worker", [*spool, "worker", "--kind", "hooks", "--quiet"], env=hooks_env)
+        )
         children.append(harness.start("api", [*spool, "api"], env=env))
         say(", ".join(f"{p.name} (pid {p.pid})" for p in children) + " started")
         watcher = threading.Thread(
             target=watch,
-            args=(get_settings(), lambda: all(p.running() for p in children), done, say),
+            args=(get_settings(), lambda: all(p.running() for p in children), done, say, announce),
             daemon=True,
         )
         watcher.start()

@@ -56,7 +56,8 @@ def chat_ids(
 
 
 def test_models(oai: openai.OpenAI, model: str, tiny_model: Path) -> None:
-    assert model == str(tiny_model)  # SPOOL_MODEL names it when SPOOL_SERVED_MODEL_NAME is unset
+    # SPOOL_MODEL names it when SPOOL_SERVED_MODEL_NAME is unset: a directory by its own name
+    assert model == tiny_model.name
     got = oai.models.retrieve(model)
     assert got.id == model and got.object == "model" and got.owned_by == "spool"
     with pytest.raises(openai.NotFoundError, match="no-such-model"):

@@ -45,7 +45,7 @@ def test_the_estimate_is_positive_behind_others_and_null_without_a_live_worker(
         # One job ends: the model's first service time.
         first = submit(client, api.url, {"prompt": "x", "max_tokens": 16, "temperature": 0})
         assert finished_job(client, api.url, first)["status"] == "succeeded"
-        samples = keys.service_times(keys.model_queue(str(tiny_model)))
+        samples = keys.service_times(keys.model_queue(tiny_model.name))
         wait_until(lambda: r.llen(samples) == 1, "the first job's service time", 30)
         # One slot: long jobs fill it and the worker's spare task threads; the last ones wait.
         ids = [submit(client, api.url, LONG) for _ in range(10)]

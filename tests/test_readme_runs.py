@@ -136,7 +136,7 @@ class Stack:
 
     def substitute(self, text: str) -> str:
         port = self.metrics_port
-        text = text.replace(README_URL, self.url)
+        text = text.replace(README_URL, self.url).replace("/tmp/", f"{self.work}/")  # files it writes
         return text.replace("127.0.0.1:9400", f"127.0.0.1:{port}").replace(
             "127.0.0.1:9401", f"127.0.0.1:{port + 1}"
         )
@@ -341,6 +341,23 @@ def write_prompts(stack: Stack, cmd: Command) -> None:
     assert ran.rc == 0, ran.err
     lines = [json.loads(line) for line in (stack.work / "prompts.jsonl").read_text().splitlines()]
     assert [line["prompt"] for line in lines] == ["ROMEO:", "JULIET:"]
+
+
+def assigned_job_id(stack: Stack, cmd: Command) -> str:
+    """The job id a ``JOB_ID=$(...)`` line sets."""
+    ran = run(stack, f'{cmd.text}\necho "$JOB_ID"')
+    assert ran.rc == 0 and re.fullmatch(r"[0-9a-f]{32}\n", ran.out), (ran.out, ran.err)
+    return ran.out.strip()
+
+
+def job_id_of_newest(stack: Stack, cmd: Command) -> None:
+    newest = stack.http().get("/v1/jobs", params={"limit": 1}).json()["data"][0]["id"]
+    assert assigned_job_id(stack, cmd) == newest
+
+
+def job_id_of_submit(stack: Stack, cmd: Command) -> None:
+    job_id = assigned_job_id(stack, cmd)
+    assert stack.http().get(f"/v1/jobs/{job_id}").status_code == 200  # a job this submit made
 
 
 def batch(stack: Stack, cmd: Command) -> None:
@@ -622,16 +639,18 @@ SPECS = [
     Spec(r'^scripts/spool generate "ROMEO:"', generate),
     Spec(r"^echo .* \| scripts/spool generate - --chat", generate_chat),
     Spec(r"^scripts/spool chat ", chat),
-    Spec(r"^printf .*> prompts\.jsonl$", write_prompts),
-    Spec(r"^scripts/spool batch prompts\.jsonl", batch),
+    Spec(r"^printf .*> /tmp/prompts\.jsonl$", write_prompts),
+    Spec(r"^scripts/spool batch /tmp/prompts\.jsonl", batch),
     Spec(r"^scripts/spool batches ", batches),
     Spec(r"^scripts/spool jobs ", jobs),
+    Spec(r"^JOB_ID=\$\(scripts/spool jobs ", job_id_of_newest),
     Spec(r"^scripts/spool job \$JOB_ID --follow", follow),
     Spec(r"^scripts/spool cancel \$JOB_ID", cancel),
     Spec(r"^scripts/spool workers ", workers),
     Spec(r"^scripts/spool --version$", version),
     Spec(r'^curl -si \S+/v1/jobs -H .*\n.*"seed": 7', submit),
     Spec(r"^curl -si \S+/v1/jobs .*\n.*Idempotency-Key", idempotent_submit),
+    Spec(r"^JOB_ID=\$\(curl -s \S+/v1/jobs ", job_id_of_submit),
     Spec(r"^curl -s \S+/v1/jobs/\$JOB_ID$", poll),
     Spec(r"^curl -N \S+/v1/jobs/\$JOB_ID/events$", events),  # the Jobs block's (run first)
     Spec(r"^curl -N \S+/v1/jobs/\$JOB_ID/events -H 'Last-Event-ID: 12'$", resume),
@@ -640,7 +659,7 @@ SPECS = [
     Spec(r"^curl -s '\S+/v1/jobs\?limit=20'$", list_jobs),
     Spec(r"^curl -s \S+/v1/jobs .*\n.*\"background\": false", wait_result),
     Spec(r'^curl -s \S+/v1/jobs .*"parts"', parts_submit),
-    Spec(r"^curl -s \S+/v1/jobs/\$JOB_ID/parts/1/content -o lighthouse\.png$", parts_content),
+    Spec(r"^curl -s \S+/v1/jobs/\$JOB_ID/parts/1/content -o /tmp/lighthouse\.png$", parts_content),
     Spec(r"^curl -s \S+/v1/models$", models),
     Spec(r"^curl -s \S+/v1/completions ", completions),
     Spec(r"^curl -iN \S+/v1/chat/completions ", chat_stream),
@@ -674,7 +693,7 @@ def run_openai_snippets(stack: Stack, capsys: pytest.CaptureFixture[str]) -> Non
     assert printed.strip(), "the completion and the streamed chat reply"
     client = namespace["client"]
     try:
-        exec(images_block.text, namespace)  # noqa: S102
+        exec(stack.substitute(images_block.text), namespace)  # noqa: S102
         assert png_size((stack.work / "lighthouse.png").read_bytes()) == (128, 128)
 
         lines = [

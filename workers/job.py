@@ -80,6 +80,7 @@ def sampling_params(
         presence_penalty=r.presence_penalty,
         repetition_penalty=r.repetition_penalty,
         min_tokens=r.min_tokens,
+        ignore_eos=r.ignore_eos,
         logit_bias=tuple((r.logit_bias or {}).items()),
         logprobs=r.logprobs,
     )

@@ -43,6 +43,26 @@ def failure(error: JobError, param: str | None = None) -> ApiError:
     )
 
 
+@dataclass
+class UsageSoFar:
+    """A stream's usage as its chunks go (vLLM's ``stream_options.continuous_usage_stats``): the
+    prompt's tokens as the API counted them, the tokens of the entries rendered so far, and the
+    job's own figures from its terminal entry on."""
+
+    prompt_tokens: int
+    completion_tokens: int = 0
+
+    def count(self, entry: LogEntry) -> None:
+        if entry.type == "token":
+            self.completion_tokens += len(entry.data.get("token_ids", ()))
+        elif entry.type == "done":
+            usage = Usage.model_validate(entry.data["usage"])
+            self.prompt_tokens, self.completion_tokens = usage.prompt_tokens, usage.completion_tokens
+
+    def usage(self) -> dict[str, Any]:
+        return Usage.of(self.prompt_tokens, self.completion_tokens).model_dump()
+
+
 @dataclass(frozen=True)
 class View:
     """How one job looks in the OpenAI format."""
@@ -57,11 +77,19 @@ class View:
     job_id: str = ""
     tool_parser: str | None = None  # calls are read from the text (common/tool_calls.py); None: none
     single_call: bool = False  # parallel_tool_calls false: the first call only
+    running_usage: UsageSoFar | None = None  # every chunk carries the usage so far; None: the last only
 
     @classmethod
     def of(
-        cls, job_id: str, created_at: float, request: JobRequest, model: str, tool_parser: str | None = None
+        cls,
+        job_id: str,
+        created_at: float,
+        request: JobRequest,
+        model: str,
+        tool_parser: str | None = None,
+        prompt_tokens: int | None = None,
     ) -> View:
+        """``prompt_tokens``: the prompt's count, for a stream with continuous usage (0 unknown)."""
         chat = request.messages is not None
         return cls(
             chat=chat,
@@ -74,6 +102,7 @@ class View:
             job_id=job_id,
             tool_parser=tool_parser if request.tools_on else None,
             single_call=not request.parallel_tool_calls,
+            running_usage=UsageSoFar(prompt_tokens or 0) if request.stream_continuous_usage else None,
         )
 
     def tool_stream(self) -> ToolStream | None:
@@ -152,6 +181,8 @@ class View:
     def render(self, entry: LogEntry) -> list[ServerSentEvent]:
         """The stream chunks of one log entry (``api.sse.relay``'s ``render``)."""
         sid = str(entry.seq)
+        if self.running_usage is not None:
+            self.running_usage.count(entry)
         if entry.type == "token":
             # The first token entry opens the assistant's turn, as OpenAI's first chunk does
             # (with n > 1 every choice's: a stream resumed later has them all from seq 1 on).
@@ -225,7 +256,9 @@ class View:
                 }
             ],
         }
-        if self.include_usage:
+        if self.running_usage is not None:
+            body["usage"] = self.running_usage.usage()
+        elif self.include_usage:
             body["usage"] = None  # only the last chunk carries it
         return _event(sid, body)
 
@@ -280,14 +313,16 @@ class ToolStream:
 
     def render(self, entry: LogEntry) -> list[ServerSentEvent]:
         view, sid = self._view, str(entry.seq)
+        if entry.type == "error":
+            return view.render(entry)
+        if view.running_usage is not None:
+            view.running_usage.count(entry)
         if entry.type == "token":
             first = entry.data["index"] == 0
             chunks = self._pieces(sid, self._calls.feed(entry.data["text"]), first)
             return chunks or (
                 [view.part_chunk(sid, {"delta": {"role": "assistant", "content": ""}}, None)] if first else []
             )
-        if entry.type == "error":
-            return view.render(entry)
         chunks = self._pieces(sid, self._calls.end(), entry.seq == 1)
         reason = entry.data["finish_reason"]
         reason = "tool_calls" if self._count and reason == "stop" else reason

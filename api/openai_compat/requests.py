@@ -17,14 +17,22 @@ from common.schemas.checks import MAX_LOGPROBS, SERVICE_TIERS, TOO_DEEP, too_dee
 from common.schemas.requests import JobRequest
 from common.settings import Settings
 
-# Values of unsupported parameters that change nothing, so a client sending them is served.
+# Values of unsupported parameters that change nothing, so a client sending them is served
+# (the clients' defaults: docs/openai.md, "Values that ask for nothing").
 _NEUTRAL: dict[str, object] = {
     "echo": False,
     "best_of": 1,
     "functions": [],
     "store": False,
     "metadata": {},
+    "include": [],  # the OpenAI Agents SDK sends it on every Responses call
+    "top_logprobs": 0,  # (Responses and completions: chat has its own)
+    "prompt_cache_retention": "in_memory",
+    "include_obfuscation": False,  # stream_options': Spool pads no stream event
 }
+# Parameters whose value is an object that asks for nothing when every field in it is null:
+# `"reasoning": {}` or `{"effort": null, "summary": null}` (a model that does not reason).
+_EMPTY_OBJECTS = frozenset({"reasoning"})
 COMPLETION_MAX_LOGPROBS = 5  # OpenAI's limit for /v1/completions' logprobs
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 
@@ -32,6 +40,8 @@ _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant"
 def _neutral(name: str, value: object) -> bool:
     if value is None:
         return True
+    if name in _EMPTY_OBJECTS:
+        return isinstance(value, dict) and all(v is None for v in value.values())
     if name not in _NEUTRAL:
         return False
     want = _NEUTRAL[name]
@@ -56,6 +66,7 @@ class _Open(BaseModel):
 
 class StreamOptions(_Open):
     include_usage: bool | None = None
+    continuous_usage_stats: bool | None = None  # vLLM's: usage on every chunk
 
 
 class TextPart(_Open):
@@ -100,6 +111,10 @@ class OpenAIRequest(_Open):
     webhook_events: list[str] | None = None
     service_tier: str | None = None  # OpenAI's: auto and default (interactive), flex (the batch tier)
     priority: int | None = None  # vLLM's: lower runs first
+    ignore_eos: bool | None = None  # vLLM's: generate to max_tokens past EOS (benchmarks)
+    # OpenAI's hint for its prompt cache; Spool's prefix cache finds shared prefixes by their
+    # tokens, so any key is served and changes nothing.
+    prompt_cache_key: str | None = None
 
     def prompt_fields(self) -> dict[str, Any]:
         raise NotImplementedError
@@ -115,7 +130,7 @@ class OpenAIRequest(_Open):
         """The job to run, with this server's ``settings`` (its default max_tokens and limits);
         ApiError 400 for what Spool refuses, RequestValidationError for bad values."""
         _refuse_extras(self.model_extra)
-        include_usage = False
+        include_usage = continuous_usage = False
         if self.stream_options is not None:
             if not self.stream:
                 raise ApiError(
@@ -123,6 +138,7 @@ class OpenAIRequest(_Open):
                 )
             _refuse_extras(self.stream_options.model_extra, "stream_options.")
             include_usage = bool(self.stream_options.include_usage)
+            continuous_usage = bool(self.stream_options.continuous_usage_stats)
         tokens_name, max_tokens = self.max_tokens_field()
         if self.min_tokens is not None and self.min_tokens > (
             limit := max_tokens or settings.default_max_tokens
@@ -145,6 +161,7 @@ class OpenAIRequest(_Open):
             "user": self.user,
             "background": self.background,
             "stream_include_usage": include_usage,
+            "stream_continuous_usage": continuous_usage,
             "frequency_penalty": self.frequency_penalty,
             "presence_penalty": self.presence_penalty,
             "repetition_penalty": self.repetition_penalty,
@@ -159,6 +176,7 @@ class OpenAIRequest(_Open):
             "webhook_events": self.webhook_events,
             "service_tier": self._service_tier(),
             "priority": self.priority,
+            "ignore_eos": self.ignore_eos,
         }
         try:
             return JobRequest.accept({k: v for k, v in fields.items() if v is not None}, settings)

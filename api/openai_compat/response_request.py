@@ -10,6 +10,7 @@ from pydantic import Field, ValidationError
 from api.errors import ApiError, body_errors
 from api.openai_compat.requests import _Open, _refuse_extras, tool_fields
 from api.openai_compat.response_record import ROLES, ResponseRecord, message_item
+from common.schemas.checks import SERVICE_TIERS
 from common.schemas.requests import JobRequest
 from common.settings import Settings
 
@@ -55,6 +56,10 @@ class ResponseRequest(_Open):
     webhook_events: list[str] | None = None
     tools: list[dict[str, Any]] | None = None  # function tools, {"type": "function", "name", ...}
     tool_choice: str | dict[str, Any] | None = None
+    service_tier: str | None = None  # as chat's: auto and default (interactive), flex (the batch tier)
+    prompt_cache_key: str | None = None  # as chat's: any key is served and changes nothing
+    # OpenAI's only stream option here is include_obfuscation; false (or absent) asks for nothing.
+    stream_options: dict[str, Any] | None = None
 
     def chat_tools(self) -> list[dict[str, Any]] | None:
         """The tools in chat's shape ({"type": "function", "function": {...}})."""
@@ -84,6 +89,14 @@ class ResponseRequest(_Open):
     def check(self) -> None:
         """Refuse what Spool does not implement, by name."""
         _refuse_extras(self.model_extra)
+        _refuse_extras(self.stream_options, "stream_options.")
+        if self.service_tier not in (None, *SERVICE_TIERS):
+            raise ApiError(
+                400,
+                f"service_tier {self.service_tier!r} is not served here; give one of {', '.join(SERVICE_TIERS)}",
+                param="service_tier",
+                code="unsupported_value",
+            )
         if self.truncation not in (None, "disabled"):
             raise ApiError(
                 400, "truncation 'auto' is not supported", param="truncation", code="unsupported_parameter"
@@ -166,6 +179,7 @@ class ResponseRequest(_Open):
             **tool_fields(self.chat_tools(), self.tool_choice, self.parallel_tool_calls, chat=False),
             "webhook": self.webhook,
             "webhook_events": self.webhook_events,
+            "service_tier": self.service_tier,
         }
         if self.webhook_events is not None and self.webhook_events != ["completed"]:
             raise ApiError(

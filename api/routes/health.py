@@ -21,6 +21,7 @@ router = APIRouter(tags=["operations"])
 
 
 @router.get("/healthz")
+@router.get("/health")  # vLLM's name for it, which benchmark tools (guidellm) probe
 async def healthz() -> dict[str, str]:
     """The process is up; says nothing about Redis or workers (that is /readyz)."""
     return {"status": "ok"}

@@ -170,8 +170,19 @@ async def _openai_render(services: Services, job: StreamState, cursor: int) -> R
     served = await served_models(services.store)
     model = job.model or job.request.model or min(served, default="")
     worker = served.get(model) or next(iter(served.values()), None)
-    view = View.of(job.job_id, job.created_at, job.request, model, worker.tool_parser if worker else None)
-    if (tools := view.tool_stream()) is None:
+    prompt_tokens = None
+    if job.request.stream_continuous_usage and worker is not None:
+        prompt_tokens = await services.context.count(job.request, worker)
+    view = View.of(
+        job.job_id, job.created_at, job.request, model, worker.tool_parser if worker else None, prompt_tokens
+    )
+    tools = view.tool_stream()
+    if tools is None and view.running_usage is None:
         return view.render
-    tools.prime([e for e in await services.store.read_log(job.job_id) if e.seq <= cursor])
+    had = [e for e in await services.store.read_log(job.job_id) if e.seq <= cursor]
+    if tools is None:
+        for entry in had:  # the usage so far counts the tokens the client already had
+            view.render(entry)
+        return view.render
+    tools.prime(had)
     return tools.render

@@ -117,9 +117,9 @@ async def _serve(body: OpenAIRequest, services: ServicesDep, http: Request) -> R
     async with _write_refused_first(services):
         worker = resolve_model(await services.served.get(), body.model)
     check_servable(request, worker)
-    await services.context.check(request, worker)
+    prompt_tokens = await services.context.check(request, worker)
     job = await submit_job(services, request, worker.model)
-    view = View.of(job.id, job.created_at, request, worker.model, worker.tool_parser)
+    view = View.of(job.id, job.created_at, request, worker.model, worker.tool_parser, prompt_tokens)
     headers = {JOB_ID_HEADER: job.id}
     if body.stream:
         render = tools.render if (tools := view.tool_stream()) else view.render

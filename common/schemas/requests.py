@@ -136,6 +136,8 @@ class JobRequest(TextParams):
     stream: bool = False  # POST /v1/jobs answers with the job's event stream instead of the job
     user: str | None = Field(None, max_length=256)  # the end user, as the OpenAI API's `user`; stored only
     stream_include_usage: bool = False  # OpenAI stream format: end with a usage chunk (stream_options)
+    # vLLM's stream_options.continuous_usage_stats: every chunk carries the usage so far.
+    stream_continuous_usage: bool = False
     # A multimodal job: its parts in order; each has its own status (common/store/records.py).
     parts: list[Part] | None = Field(None, min_length=1)
     # Choices: n sequences of the prompt in the batch, one job (docs/internals.md, "Choices").

@@ -55,6 +55,7 @@ class TextParams(BaseModel):
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0  # > 0; 1 changes nothing
     min_tokens: StrictInt = 0  # at most max_tokens
+    ignore_eos: bool = False  # vLLM's: EOS does not end the request (stop strings still do)
     logit_bias: dict[int, float] | None = None  # token id -> -100..100, added to its logit
     logprobs: StrictInt | None = None  # each token's logprob and the top this many (0..20); None: none
     response_format: ResponseFormat | None = None  # structured outputs (workers/engine/grammar.py)

@@ -51,7 +51,7 @@ class Workers:
     @property
     def queue(self) -> str:
         """The Celery queue of their model."""
-        return Keys(self.prefix).model_queue(str(self.model))
+        return Keys(self.prefix).model_queue(Path(self.model).name)
 
     def by_full_name(self, full: str) -> str:
         return full.removeprefix(f"{self.prefix}-")

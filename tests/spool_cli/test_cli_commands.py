@@ -227,6 +227,19 @@ def test_jobs_lists_any_clients_jobs_and_job_and_cancel_act_on_one(  # type: ign
     assert queued not in listed(spool("jobs", "--status", "queued", "--url", bare_api.url, env=env))
 
 
+def test_jobs_into_a_reader_that_went_away_exits_quietly(bare_api: Service, env: dict[str, str]) -> None:
+    """`spool jobs | head`: head exits after its lines, and spool's next write meets a closed pipe."""
+    httpx.post(f"{bare_api.url}/v1/jobs", json={"prompt": "x"}, timeout=30).raise_for_status()
+    listing = subprocess.Popen(
+        [SPOOL, "jobs", "--url", bare_api.url], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    assert listing.stdout is not None and listing.stderr is not None
+    listing.stdout.close()  # the reader is gone before the first line
+    err = listing.stderr.read().decode()
+    assert listing.wait(60) == 141  # as a shell's command that SIGPIPE ended
+    assert err == ""
+
+
 def test_jobs_pages_past_one_answer_and_lists_only_the_keys_own(  # type: ignore[no-untyped-def]
     prefixes, log_dir: Path, env: dict[str, str]
 ) -> None:
