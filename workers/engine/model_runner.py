@@ -113,7 +113,7 @@ class ModelRunner:
         # meet its sizes now rather than in the first burst's time to first token, and a model too
         # big for its activations fails here. What it writes, any later prefill overwrites first.
         budget = min(config.max_prefill_tokens_per_step, self.max_model_len)
-        largest = ([(slot, 0, 0) for slot in range(1, num_slots)], [(0, 0, [0] * budget, True)])
+        largest = ([(slot, 0, 0) for slot in range(1, num_slots)], [(0, 0, [0] * budget, 1)])
         self._compiled: Callable[..., torch.Tensor] | None = None
         if not config.compile:
             self.forward(*largest)
