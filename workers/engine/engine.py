@@ -15,6 +15,7 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import xgrammar
@@ -197,9 +198,7 @@ class Engine:
         if logits is not None:  # some request is due a token
             deltas += self._postprocess(due, *self._sample(due, logits))
         for request in scored_only:  # max_tokens 0: its prompt is scored, nothing is generated
-            deltas.append(
-                self._finish(request, FinishReason.LENGTH, prompt_logprobs=self._prompt_logprobs(request))
-            )
+            deltas.append(self._finish(request, FinishReason.LENGTH, prompt=self._prompt_logprobs(request)))
         return deltas
 
     def generate(
@@ -300,12 +299,16 @@ class Engine:
         k = request.params.prompt_logprobs or 0
         scored += self.logprobs.score(logits[first - 1 - start : last - start], prompt[first : last + 1], k)
 
-    def _prompt_logprobs(self, request: Request) -> tuple[TokenLogprobs | None, ...] | None:
-        """The prompt logprobs to deliver with the request's first delta (None once sent, or unasked)."""
+    def _prompt_logprobs(self, request: Request) -> dict[str, Any]:
+        """The prompt logprobs and tokens to deliver with the request's first delta (Delta's
+        fields; none once sent, or unasked)."""
         if request.params.prompt_logprobs is None or request.prompt_logprobs_sent:
-            return None
+            return {}
         request.prompt_logprobs_sent = True
-        return tuple(request.prompt_logprobs) or (None,)  # a one-token prompt: only its None
+        return {
+            "prompt_logprobs": tuple(request.prompt_logprobs) or (None,),  # a one-token prompt: its None
+            "prompt_tokens": tuple(self.logprobs.token_text(t) for t in request.prompt_token_ids),
+        }
 
     def _sample(
         self, due: list[Request], logits: torch.Tensor
@@ -350,9 +353,7 @@ class Engine:
             chosen = None if lp is None else (lp,)
             prompt = self._prompt_logprobs(request)
             if reason is None:
-                deltas.append(
-                    self._delta(request, (token_id,), text, logprobs=chosen, prompt_logprobs=prompt)
-                )
+                deltas.append(self._delta(request, (token_id,), text, logprobs=chosen, prompt=prompt))
             else:
                 deltas.append(
                     self._finish(
@@ -361,7 +362,7 @@ class Engine:
                         token_ids=(token_id,),
                         text=text,
                         logprobs=chosen,
-                        prompt_logprobs=prompt,
+                        prompt=prompt,
                     )
                 )
         return deltas
@@ -396,7 +397,7 @@ class Engine:
         error: str | None = None,
         error_type: str | None = None,
         logprobs: tuple[TokenLogprobs, ...] | None = None,
-        prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None,
+        prompt: dict[str, Any] | None = None,  # _prompt_logprobs'
     ) -> Delta:
         """Retire a request now: free its slot (keeping slots contiguous) and build its last delta."""
         # A failed forward may have left the slot half written: nothing of it is kept as a cache.
@@ -407,7 +408,7 @@ class Engine:
         self._generators.pop(request.request_id, None)
         self.processors.release(request.request_id)
         self._aborted.discard(request.request_id)  # it may have finished on its own meanwhile
-        return self._delta(request, token_ids, text, reason, error, error_type, logprobs, prompt_logprobs)
+        return self._delta(request, token_ids, text, reason, error, error_type, logprobs, prompt)
 
     def _delta(
         self,
@@ -418,7 +419,7 @@ class Engine:
         error: str | None = None,
         error_type: str | None = None,
         logprobs: tuple[TokenLogprobs, ...] | None = None,
-        prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None,
+        prompt: dict[str, Any] | None = None,  # _prompt_logprobs'
     ) -> Delta:
         return Delta(
             request_id=request.request_id,
@@ -430,5 +431,5 @@ class Engine:
             error=error,
             error_type=error_type,
             logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs,
+            **(prompt or {}),
         )

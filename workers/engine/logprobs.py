@@ -52,10 +52,14 @@ class LogprobReader:
 
     def _logprob(self, token_id: float, logprob: float) -> Logprob:
         tid = int(token_id)
-        text = self._token_texts.get(tid)
+        return Logprob(tid, self.token_text(tid), max(logprob, LOGPROB_FLOOR))
+
+    def token_text(self, token_id: int) -> str:
+        """The token alone, decoded (once per token id)."""
+        text = self._token_texts.get(token_id)
         if text is None:
-            text = self._token_texts[tid] = str(self.tokenizer.decode([tid]))
-        return Logprob(tid, text, max(logprob, LOGPROB_FLOOR))
+            text = self._token_texts[token_id] = str(self.tokenizer.decode([token_id]))
+        return text
 
     def score(
         self,

@@ -185,6 +185,7 @@ class Delta:
     # On a request's first delta, when it asked for prompt_logprobs: one per prompt token, None
     # for the first (nothing comes before it).
     prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None
+    prompt_tokens: tuple[str, ...] | None = None  # with prompt_logprobs: each prompt token alone, decoded
 
     @property
     def finished(self) -> bool:
