@@ -241,7 +241,8 @@ def choices_to_run(job: Job) -> tuple[list[Delta], list[Choice]]:
     """The deltas that end the choices an earlier attempt generated to ``max_tokens``, and the
     choices left for the engine. With none left, the deltas end the job."""
     max_tokens = job.request.max_tokens
-    done = [c for c in job.choices if len(c.resume_token_ids) >= max_tokens and not c.finished]
+    # (max_tokens 0 scores the prompt: its choices always run.)
+    done = [c for c in job.choices if 0 < max_tokens <= len(c.resume_token_ids) and not c.finished]
     todo = [c for c in job.choices if c not in done and not c.finished]
     ends = end_deltas(job, FinishReason.LENGTH, choices=done) if done else []
     if not todo and not done:  # every choice ended before the job's terminal event was written
