@@ -70,7 +70,10 @@ def test_echo_scores_the_prompt_in_openais_legacy_shape(
         for pos in range(1, len(ids)):
             assert abs(lp.token_logprobs[pos] - ref[pos - 1, ids[pos]].item()) < ATOL  # type: ignore[operator]
             top = ref[pos - 1].topk(2)
-            want_top = {tokenizer.decode([i]): v for i, v in zip(top.indices.tolist(), top.values.tolist())}
+            want_top = {
+                tokenizer.decode([i]): v
+                for i, v in zip(top.indices.tolist(), top.values.tolist(), strict=True)
+            }
             assert lp.top_logprobs[pos].keys() == want_top.keys()
             for token, v in want_top.items():
                 assert abs(lp.top_logprobs[pos][token] - v) < ATOL
