@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+from greedy import greedy
 from procs import Cluster
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -109,3 +110,48 @@ def test_lm_eval_local_completions_accuracy_equals_transformers(
     for sample, want in zip(samples, want_scores, strict=True):
         got = [resp[0][0] for resp in sample["resps"]]
         assert got == pytest.approx(want, abs=1e-3)
+
+
+def test_lm_eval_generate_until_with_token_id_prompts(
+    cluster: Cluster, model: str, tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # issue 50 item 2: generate_until with the harness's defaults (tokenized requests: lists of
+    # token-id prompts), each generation transformers' greedy one on the same ids.
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf-datasets"))
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    items = _items(8)
+    tasks = _task(tmp_path, items)
+    yaml = (tasks / f"{TASK}.yaml").read_text()
+    yaml = yaml.replace(f"task: {TASK}", "task: spool_gen").replace(
+        "output_type: multiple_choice", "output_type: generate_until"
+    )
+    yaml = yaml.replace(
+        "doc_to_choice: choices\ndoc_to_target: answer", 'doc_to_target: "{{choices[answer]}}"'
+    )
+    yaml = yaml.replace("  - metric: acc", "  - metric: exact_match")
+    yaml += 'generation_kwargs:\n  until: ["\\n\\n"]\n  max_gen_toks: 8\n  do_sample: false\n'
+    (tasks / f"{TASK}.yaml").unlink()
+    (tasks / "spool_gen.yaml").write_text(yaml)
+    results = lm_eval.simple_evaluate(
+        model="local-completions",
+        model_args=(
+            f"model={model},base_url={cluster.url}/v1/completions,tokenizer={tiny_model},"
+            "tokenizer_backend=huggingface,num_concurrent=1,max_retries=1,batch_size=4"
+        ),
+        tasks=["spool_gen"],
+        task_manager=TaskManager(include_path=str(tasks)),
+        log_samples=True,
+    )
+    assert results is not None and "exact_match,none" in results["results"]["spool_gen"]
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    samples = sorted(results["samples"]["spool_gen"], key=lambda s: s["doc_id"])
+    assert len(samples) == len(items)
+    wants = []
+    for sample, item in zip(samples, items, strict=True):
+        ids = tuple(tokenizer(item["question"], add_special_tokens=False).input_ids)
+        wants.append(greedy(tiny_model, ids, 8).text.split("\n\n")[0])
+        assert sample["resps"][0][0] == wants[-1]
+    assert any(wants)  # (not all empty: the comparison says something)
