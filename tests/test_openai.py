@@ -214,7 +214,6 @@ def test_chat_refuses_what_it_does_not_support(
 @pytest.mark.parametrize(
     "kwargs, param",
     [
-        ({"echo": True, "stream": True}, "echo"),
         ({"best_of": 3}, "best_of"),
         ({"suffix": "end"}, "suffix"),
         ({"prompt": []}, "prompt"),

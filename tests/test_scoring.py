@@ -98,6 +98,21 @@ def test_echo_puts_the_prompt_before_the_generated_text(
     plain = oai.completions.create(model=model, prompt=prompt, echo=True, max_tokens=2, temperature=0)
     assert plain.choices[0].text == prompt + greedy(tiny_model, prompt, 2).text
     assert plain.choices[0].logprobs is None
+    # Streamed: each choice's first chunk leads with its prompt (and its tokens' logprobs).
+    for max_tokens in (0, 4):
+        texts = ["", ""]
+        tokens: list[list[str]] = [[], []]
+        stream = oai.completions.create(
+            model=model, prompt=[prompt, "a lazy dog"], echo=True, logprobs=1, max_tokens=max_tokens,
+            temperature=0, stream=True,
+        )  # fmt: skip
+        for chunk in stream:
+            for c in chunk.choices:
+                texts[c.index] += c.text
+                tokens[c.index] += (c.logprobs.tokens or []) if c.logprobs else []
+        for i, p in enumerate([prompt, "a lazy dog"]):
+            assert texts[i] == p + (greedy(tiny_model, p, 4).text if max_tokens else "")
+            assert len(tokens[i]) == len(tokenizer(p).input_ids) + max_tokens
 
 
 def test_max_tokens_0_needs_something_to_score(oai: openai.OpenAI, model: str) -> None:

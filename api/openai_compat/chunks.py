@@ -181,9 +181,11 @@ class View:
             first = entry.data["index"] == 0
             choice = entry.data.get("choice") or 0
             opening = [self._chunk(sid, "", None, True, choice=k) for k in range(self.n) if k != choice]
+            # With echo, a choice's first event (the one with its prompt's tokens) leads with its prompt.
+            echoed = self._echoed(choice, [entry]) if "prompt_tokens" in entry.data else ""
             chunk = self._chunk(
                 sid,
-                entry.data["text"],
+                echoed + entry.data["text"],
                 entry.data.get("finish_reason"),  # n > 1: the choice's last event says why it ended
                 first=first,
                 logprobs=[entry],

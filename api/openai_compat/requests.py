@@ -230,13 +230,6 @@ class CompletionRequest(OpenAIRequest):
         return _at_most("logprobs", self.logprobs, COMPLETION_MAX_LOGPROBS)
 
     def echo_fields(self) -> dict[str, Any]:
-        if self.echo and self.stream:
-            raise ApiError(
-                400,
-                "echo is not supported with stream: true here; send the request without stream",
-                param="echo",
-                code="unsupported_parameter",
-            )
         return {"echo": True} if self.echo else {}
 
     def prompt_fields(self) -> dict[str, Any]:
