@@ -210,9 +210,14 @@ def job_result(
 
 
 def needs_view_log(endpoint: str, record: JobRecord) -> bool:
-    """Whether the line's result is built from its job's log (logprobs, or n > 1's choices)."""
+    """Whether the line's result is built from its job's log (logprobs, echo, or the choices of
+    n > 1 or of several prompts)."""
     r = record.request
-    return endpoint != "/v1/jobs" and isinstance(r, JobRequest) and (r.logprobs is not None or r.n > 1)
+    return (
+        endpoint != "/v1/jobs"
+        and isinstance(r, JobRequest)
+        and (r.logprobs is not None or r.num_choices > 1 or r.echo)
+    )
 
 
 def lost_result(line: int, custom_id: str, job_id: str) -> LineResult:

@@ -33,11 +33,14 @@ CODE = "context_length_exceeded"
 
 
 def prompt_chars(request: JobRequest) -> int:
-    return len(request.prompt or "") + sum(len(m.content or "") for m in request.messages or ())
+    # (Several prompts: the longest. A token-id prompt counts its ids, fewer than its characters.)
+    return max(map(len, request.prompt_list), default=0) + sum(
+        len(m.content or "") for m in request.messages or ()
+    )
 
 
 def prompt_field(request: JobRequest) -> str:
-    return "prompt" if request.prompt is not None else "messages"
+    return "messages" if request.messages is not None else "prompt"
 
 
 def too_long(limit: int, max_tokens: int, prompt_tokens: int | None, field: str) -> ApiError:

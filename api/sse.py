@@ -116,12 +116,16 @@ def job_event(entry: LogEntry) -> bytes:
     data = entry.data
     if entry.type == "token":
         # token_ids stay internal; the HTTP contract streams text (and a part's index, and in a
-        # job with n > 1 the choice, with its finish_reason on its last event).
+        # job with n > 1 the choice, with its finish_reason on its last event; and a scored
+        # prompt's logprobs and tokens on its choice's first event).
         shown = {"index": data["index"], "text": data["text"]}
         if "choice" in data:
             shown["choice"] = data["choice"]
             if "finish_reason" in data:
                 shown["finish_reason"] = data["finish_reason"]
+        if "prompt_logprobs" in data:
+            shown["prompt_logprobs"] = data["prompt_logprobs"]
+            shown["prompt_tokens"] = data.get("prompt_tokens")
         data = shown if "part" not in data else {"part": data["part"], **shown}
     return b"event: %s\ndata: %s\nid: %d\n\n" % (entry.type.encode(), json.dumps(data).encode(), entry.seq)
 

@@ -133,9 +133,12 @@ class PromptCounter:
         return self._encode(rendered, False)
 
     def count(self, request: JobRequest) -> int | None:
-        """The request's prompt tokens; None when they cannot be counted here (no template)."""
-        if request.prompt is not None:
-            return len(self.prompt_ids(request.prompt))
+        """The request's prompt tokens (its longest prompt's, with several); None when they cannot
+        be counted here (no template)."""
+        if request.messages is None:
+            return max(
+                len(p) if isinstance(p, list) else len(self.prompt_ids(p)) for p in request.prompt_list
+            )
         ids = self.messages_ids(*chat_inputs(request))
         return None if ids is None else len(ids)
 

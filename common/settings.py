@@ -120,6 +120,8 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(1 << 20, ge=1024)
     max_parts: int = Field(8, ge=1)  # parts per job
     max_n: int = Field(16, ge=1)  # choices (n) of one text request, each its own sequence in the batch
+    # Prompts of one /v1/completions request (a list), times n: its choices (docs/openai.md).
+    max_prompts: int = Field(64, ge=1)
     # Width x height of an image part. NOTE: 512x512 by default, the size whose denoising step a
     # CPU worker finishes well within SPOOL_ENGINE_STALL_S (the default pipeline's first step at
     # 1024x1024 ran past it, the watchdog ended the worker, and the next one took it: issue 33).

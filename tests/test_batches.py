@@ -45,6 +45,38 @@ def oai(batch_cluster: Cluster) -> Iterator[openai.OpenAI]:
         yield c
 
 
+def test_scoring_lines_answer_as_their_endpoint(oai: openai.OpenAI, batch_cluster: Cluster) -> None:
+    # What an evaluation harness's batch holds: echo with logprobs and max_tokens 0 over token-id
+    # prompts in lists, and a list of strings echoed before their completions (issue 47).
+    lines = [completion_line(0), completion_line(1)]
+    lines[0]["body"].update(prompt=[[5, 6, 7, 8], [9, 10]], echo=True, logprobs=1, max_tokens=0)
+    lines[1]["body"].update(prompt=["one", "two three"], echo=True, max_tokens=3)
+    batch = ended(oai, run_batch(oai, lines, "/v1/completions"))
+    assert batch.status == "completed" and batch.request_counts.completed == 2
+    for out in jsonl(oai, batch.output_file_id):
+        line = lines[int(out["custom_id"].split("-")[1])]
+        body = out["response"]["body"]
+        direct = httpx.post(f"{batch_cluster.url}/v1/completions", json=line["body"], timeout=30).json()
+        assert [c["index"] for c in body["choices"]] == [0, 1]
+        assert [c["text"] for c in body["choices"]] == [c["text"] for c in direct["choices"]]
+        for got, want in zip(body["choices"], direct["choices"], strict=True):
+            if line["body"].get("logprobs") is None:
+                assert got["logprobs"] is None
+                continue
+            assert got["logprobs"]["tokens"] == want["logprobs"]["tokens"]
+            assert got["logprobs"]["token_logprobs"][0] is None
+            pairs = zip(
+                got["logprobs"]["token_logprobs"][1:], want["logprobs"]["token_logprobs"][1:], strict=True
+            )
+            assert all(abs(a - b) < 1e-4 for a, b in pairs)
+        assert body["usage"] == direct["usage"]
+    texts = {out["custom_id"]: out["response"]["body"]["choices"] for out in jsonl(oai, batch.output_file_id)}
+    assert [c["text"][: len(p)] for c, p in zip(texts["cmpl-1"], ["one", "two three"], strict=True)] == [
+        "one",
+        "two three",
+    ]
+
+
 def chat_line(i: int, max_tokens: int = 6) -> dict[str, Any]:
     messages = [{"role": "user", "content": PROMPTS[i % len(PROMPTS)] + f" {i}"}]
     body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0}

@@ -77,6 +77,12 @@ def _token_logprob(lp: TokenLogprobs) -> TokenLogprob:
     return TokenLogprob(**_top(lp.chosen).model_dump(), top=[_top(t) for t in lp.top])
 
 
+def _prompt_logprobs(delta: Delta) -> list[TokenLogprob | None] | None:
+    if delta.prompt_logprobs is None:
+        return None
+    return [None if lp is None else _token_logprob(lp) for lp in delta.prompt_logprobs]
+
+
 def build_append(delta: Delta, cursor: JobCursor) -> Append | None:
     """The writes for one delta; advances the cursor. None when the delta carries nothing."""
     if cursor.choice_of:
@@ -84,11 +90,22 @@ def build_append(delta: Delta, cursor: JobCursor) -> Append | None:
     cursor.prompt_tokens = delta.num_prompt_tokens or cursor.prompt_tokens
     cursor.completion_tokens = max(cursor.completion_tokens, delta.num_generated_tokens)
     entries: list[LogEntry] = []
-    if delta.token_ids or delta.text:
+    if delta.token_ids or delta.text or delta.prompt_logprobs is not None:
         # NOTE: a token event may carry ids and no text yet (held back for a stop string or an
-        # unfinished UTF-8 sequence): the ids must be in the log for a resumed attempt.
+        # unfinished UTF-8 sequence): the ids must be in the log for a resumed attempt. One
+        # with max_tokens 0 carries only the prompt's logprobs.
         logprobs = None if delta.logprobs is None else [_token_logprob(lp) for lp in delta.logprobs]
-        entries.append(token_entry(cursor.next(), cursor.next_index, delta.text, delta.token_ids, logprobs))
+        entries.append(
+            token_entry(
+                cursor.next(),
+                cursor.next_index,
+                delta.text,
+                delta.token_ids,
+                logprobs,
+                prompt_logprobs=_prompt_logprobs(delta),
+                prompt_tokens=delta.prompt_tokens,
+            )
+        )
         cursor.next_index += 1
     final = None
     if delta.finished:
@@ -120,17 +137,26 @@ def _choice_append(delta: Delta, cursor: JobCursor, choice: int) -> Append | Non
     """One choice's writes in a job with n > 1: its token event (choice, and on its last one
     the choice's finish_reason); once no choice is left, the job's terminal event, usage summed
     over the choices (the prompt counted once, as OpenAI does)."""
-    cursor.prompt_tokens = delta.num_prompt_tokens or cursor.prompt_tokens
+    # Set at the add (every prompt's, summed), or from the record on a take-over.
+    cursor.prompt_tokens = cursor.prompt_tokens or delta.num_prompt_tokens
     cursor.generated[choice] = max(cursor.generated.get(choice, 0), delta.num_generated_tokens)
     cursor.completion_tokens = sum(cursor.generated.values())
     ends = delta.finished and choice in cursor.live
     entries: list[LogEntry] = []
-    if delta.token_ids or delta.text or ends:
+    if delta.token_ids or delta.text or ends or delta.prompt_logprobs is not None:
         reason = delta.finish_reason.value if ends and delta.finish_reason is not None else None
         logprobs = None if delta.logprobs is None else [_token_logprob(lp) for lp in delta.logprobs]
         entries.append(
             token_entry(
-                cursor.next(), cursor.next_index, delta.text, delta.token_ids, logprobs, choice, reason
+                cursor.next(),
+                cursor.next_index,
+                delta.text,
+                delta.token_ids,
+                logprobs,
+                choice,
+                reason,
+                _prompt_logprobs(delta),
+                delta.prompt_tokens,
             )
         )
         cursor.next_index += 1

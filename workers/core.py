@@ -26,7 +26,7 @@ from workers.job import (
     choice_seed,
     choices_to_run,
     end_deltas,
-    prompt_of,
+    prompts_of,
     refused,
     sampling_params,
 )
@@ -68,21 +68,31 @@ class JobCore:
         priority = BATCH_LINE_PRIORITY if job.batch_line else job.request.priority
         params = sampling_params(job.request, priority, tenant, weight)
         added: list[Choice] = []
+        n = job.request.n
         try:
-            prompt = prompt_of(job.request, self.engine.tokenizer)
+            prompts = prompts_of(job.request, self.engine.tokenizer)
+            lengths: dict[int, int] = {}  # prompt -> its tokens
             for c in todo:
-                # Choices share the prompt and the owner's salt: with prefix caching the first
-                # computes the prompt's blocks and the others copy them (one prefill).
-                job.cursor.prompt_tokens = self.engine.add_request(
+                # A prompt's choices share it and the owner's salt: with prefix caching the first
+                # computes the prompt's blocks and the others copy them (one prefill). Choice
+                # i * n + j is prompt i's j-th, seeded as the j-th of a request of prompt i alone.
+                # A choice resumed with tokens had its prompt scored by the attempt that logged them.
+                lengths[c.index // n] = self.engine.add_request(
                     c.engine_id,
-                    prompt,
-                    replace(params, seed=choice_seed(params.seed, c.index)),
+                    prompts[c.index // n],
+                    replace(
+                        params,
+                        seed=choice_seed(params.seed, c.index % n),
+                        prompt_logprobs=None if c.resume_token_ids else params.prompt_logprobs,
+                    ),
                     resume_token_ids=c.resume_token_ids,
                     resume_text=c.resume_text,
                     cache_salt=job.owner,
                     json_grammar=job.json_grammar,
                 )
                 added.append(c)
+            if len(lengths) == len(prompts):  # usage counts every prompt once, as OpenAI's
+                job.cursor.prompt_tokens = sum(lengths.values())
         except ValueError as e:
             kind = "request_too_long" if isinstance(e, RequestTooLongError) else "invalid_request"
             job.cursor.error = JobError(message=str(e), type=kind)

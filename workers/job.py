@@ -83,12 +83,24 @@ def sampling_params(
         ignore_eos=r.ignore_eos,
         logit_bias=tuple((r.logit_bias or {}).items()),
         logprobs=r.logprobs,
+        prompt_logprobs=r.scored_logprobs,
     )
 
 
+def prompts_of(request: JobRequest, tokenizer: Any) -> list[str | list[int]]:
+    """The job's prompts (choice k runs prompt ``k // n``): its prompt or prompts, or its
+    conversation rendered by the chat template."""
+    if request.messages is None:
+        return request.prompt_list
+    return [_chat_prompt(request, tokenizer)]
+
+
 def prompt_of(request: JobRequest, tokenizer: Any) -> str | list[int]:
-    if request.prompt is not None:
-        return request.prompt
+    """The prompt of a job of one prompt (its first, else): text or token ids."""
+    return prompts_of(request, tokenizer)[0]
+
+
+def _chat_prompt(request: JobRequest, tokenizer: Any) -> list[int]:
     if not tokenizer.chat_template:
         # NOTE: no made-up fallback format: the model was never trained on it.
         raise ValueError("the model has no chat template, so it cannot take messages; send a prompt")
@@ -128,7 +140,7 @@ def new_job(taken: TakeResult) -> Job:
     assert taken.record is not None
     record, tokens = taken.record, [e for e in taken.log if e.type == "token"]
     assert isinstance(record.request, JobRequest)  # an image part's hash holds an ImagePart
-    choices = choices_of(record.job.id, record.request.n, tokens, record.job.text)
+    choices = choices_of(record.job.id, record.request.num_choices, tokens, record.job.text)
     cursor = JobCursor(
         job_id=record.job.id,
         attempt=taken.attempt,
@@ -139,7 +151,7 @@ def new_job(taken: TakeResult) -> Job:
         unsaved=len(taken.log) - taken.text_seq,
         unsaved_text=job_text(taken.log[taken.text_seq :]),
     )
-    if record.request.n > 1:
+    if record.request.num_choices > 1:
         cursor.choice_of = {c.engine_id: c.index for c in choices}
         cursor.generated = {c.index: len(c.resume_token_ids) for c in choices}
         cursor.live = {c.index for c in choices if not c.finished}
@@ -230,7 +242,8 @@ def choices_to_run(job: Job) -> tuple[list[Delta], list[Choice]]:
     """The deltas that end the choices an earlier attempt generated to ``max_tokens``, and the
     choices left for the engine. With none left, the deltas end the job."""
     max_tokens = job.request.max_tokens
-    done = [c for c in job.choices if len(c.resume_token_ids) >= max_tokens and not c.finished]
+    # (max_tokens 0 scores the prompt: its choices always run.)
+    done = [c for c in job.choices if 0 < max_tokens <= len(c.resume_token_ids) and not c.finished]
     todo = [c for c in job.choices if c not in done and not c.finished]
     ends = end_deltas(job, FinishReason.LENGTH, choices=done) if done else []
     if not todo and not done:  # every choice ended before the job's terminal event was written

@@ -75,6 +75,12 @@ class View:
     logprobs: bool  # the request asked for logprobs: choices carry them
     n: int = 1  # choices: a job with n > 1 says in its token events which one each belongs to
     job_id: str = ""
+    # echo: each choice's text and logprobs start with its prompt's (prompt k // per_prompt):
+    # a string prompt's own text, a token-id prompt's (None here) its tokens' texts joined.
+    echo: bool = False
+    prompts: tuple[str | None, ...] = ()
+    per_prompt: int = 1  # the request's n: choices per prompt
+    prompt_logprobs: bool = False  # vLLM's prompt_logprobs: each choice (chat: the response) has them
     tool_parser: str | None = None  # calls are read from the text (common/tool_calls.py); None: none
     single_call: bool = False  # parallel_tool_calls false: the first call only
     running_usage: UsageSoFar | None = None  # every chunk carries the usage so far; None: the last only
@@ -98,8 +104,12 @@ class View:
             model=model,
             include_usage=request.stream_include_usage,
             logprobs=request.logprobs is not None,
-            n=request.n,
+            n=request.num_choices,
             job_id=job_id,
+            echo=request.echo,
+            prompts=tuple(p if isinstance(p, str) else None for p in request.prompt_list),
+            per_prompt=request.n,
+            prompt_logprobs=request.prompt_logprobs is not None,
             tool_parser=tool_parser if request.tools_on else None,
             single_call=not request.parallel_tool_calls,
             running_usage=UsageSoFar(prompt_tokens or 0) if request.stream_continuous_usage else None,
@@ -114,7 +124,7 @@ class View:
     @property
     def needs_log(self) -> bool:
         """The completion body is built from the job's log (logprobs, or n > 1's choices)."""
-        return self.logprobs or self.n > 1
+        return self.logprobs or self.n > 1 or self.echo or self.prompt_logprobs
 
     @property
     def prompt_param(self) -> str:
@@ -130,7 +140,7 @@ class View:
         the job's failure as an ApiError."""
         if job.error is not None:
             raise failure(job.error, self.prompt_param)
-        if self.n == 1:
+        if self.n == 1 and not self.echo and not self.prompt_logprobs:
             choices = [self._choice(0, job.text, log, job.finish_reason)]
         else:
             tokens = [e for e in log if e.type == "token"]
@@ -138,14 +148,25 @@ class View:
             for k in range(self.n):
                 mine = [e for e in tokens if (e.data.get("choice") or 0) == k]
                 reasons = [r for e in mine if (r := e.data.get("finish_reason"))]
-                text = "".join(e.data["text"] for e in mine)
+                text = self._echoed(k, mine) + "".join(e.data["text"] for e in mine)
                 choices.append(self._choice(k, text, mine, reasons[-1] if reasons else job.finish_reason))
-        return {
+        body = {
             **self._head("chat.completion" if self.chat else "text_completion"),
             "system_fingerprint": None,
             "choices": choices,
             "usage": job.usage.model_dump(),
         }
+        if self.chat and self.prompt_logprobs:  # vLLM's place for chat: the response's (one prompt)
+            body["prompt_logprobs"] = _vllm_prompt_logprobs(log)
+        return body
+
+    def _echoed(self, choice: int, entries: Sequence[LogEntry]) -> str:
+        """With echo, the text of the choice's prompt (else nothing)."""
+        if not self.echo:
+            return ""
+        if (text := self.prompts[choice // self.per_prompt]) is not None:
+            return text
+        return "".join(t for e in entries for t in e.data.get("prompt_tokens") or ())
 
     def calls(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
         """The message's content and tool calls (OpenAI's shape) from the generated text."""
@@ -174,6 +195,8 @@ class View:
             body: dict[str, Any] = {"message": message}
         else:
             body = {"text": text}
+            if self.prompt_logprobs:  # vLLM's place for completions: each choice's
+                body["prompt_logprobs"] = _vllm_prompt_logprobs(log)
         return {"index": index, **body, "logprobs": self._logprobs(log), "finish_reason": finish_reason}
 
     # -- streamed ---------------------------------------------------------------------------------
@@ -189,9 +212,11 @@ class View:
             first = entry.data["index"] == 0
             choice = entry.data.get("choice") or 0
             opening = [self._chunk(sid, "", None, True, choice=k) for k in range(self.n) if k != choice]
+            # With echo, a choice's first event (the one with its prompt's tokens) leads with its prompt.
+            echoed = self._echoed(choice, [entry]) if "prompt_tokens" in entry.data else ""
             chunk = self._chunk(
                 sid,
-                entry.data["text"],
+                echoed + entry.data["text"],
                 entry.data.get("finish_reason"),  # n > 1: the choice's last event says why it ended
                 first=first,
                 logprobs=[entry],
@@ -279,13 +304,43 @@ class View:
                 ],
                 "refusal": None,
             }
-        offsets = list(itertools.accumulate((len(t.token) for t in tokens), initial=0))[:-1]
+        # With echo the prompt's tokens come first: the first has no logprob (nor top ones).
+        prompt: list[tuple[str, TokenLogprob | None]] = []
+        for e in entries if self.echo else ():
+            scored = e.data.get("prompt_logprobs") or ()
+            for text, lp in zip(e.data.get("prompt_tokens") or (), scored, strict=True):
+                prompt.append((text, None if lp is None else TokenLogprob.model_validate(lp)))
+        texts = [text for text, _ in prompt] + [t.token for t in tokens]
+        offsets = list(itertools.accumulate((len(t) for t in texts), initial=0))[:-1]
         return {
-            "tokens": [t.token for t in tokens],
-            "token_logprobs": [t.logprob for t in tokens],
-            "top_logprobs": [{x.token: x.logprob for x in t.top} for t in tokens],
+            "tokens": texts,
+            "token_logprobs": [None if lp is None else lp.logprob for _, lp in prompt]
+            + [t.logprob for t in tokens],
+            "top_logprobs": [None if lp is None else {x.token: x.logprob for x in lp.top} for _, lp in prompt]
+            + [{x.token: x.logprob for x in t.top} for t in tokens],
             "text_offset": offsets,
         }
+
+
+def _vllm_prompt_logprobs(entries: Sequence[LogEntry]) -> list[dict[str, Any] | None] | None:
+    """vLLM's prompt_logprobs from the first entry that has them: per prompt token None (the
+    first) or {token id: {"logprob", "decoded_token"}} for the token and the top ones (no "rank")."""
+    for e in entries:
+        if (scored := e.data.get("prompt_logprobs")) is not None:
+            out: list[dict[str, Any] | None] = []
+            for raw in scored:
+                if raw is None:
+                    out.append(None)
+                    continue
+                lp = TokenLogprob.model_validate(raw)
+                out.append(
+                    {
+                        str(t.token_id): {"logprob": t.logprob, "decoded_token": t.token}
+                        for t in [*lp.top, lp]  # the token's own last: it wins a tie
+                    }
+                )
+            return out
+    return None
 
 
 def _chat_logprob(t: TopLogprob) -> dict[str, Any]:

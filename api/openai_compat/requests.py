@@ -20,7 +20,7 @@ from common.settings import Settings
 # Values of unsupported parameters that change nothing, so a client sending them is served
 # (the clients' defaults: docs/openai.md, "Values that ask for nothing").
 _NEUTRAL: dict[str, object] = {
-    "echo": False,
+    "echo": False,  # chat's (completions take echo)
     "best_of": 1,
     "functions": [],
     "store": False,
@@ -115,6 +115,9 @@ class OpenAIRequest(_Open):
     # OpenAI's hint for its prompt cache; Spool's prefix cache finds shared prefixes by their
     # tokens, so any key is served and changes nothing.
     prompt_cache_key: str | None = None
+    # vLLM's: each prompt token's logprob and the top this many (0..20), on /v1/jobs' events
+    # and the job's log (docs/openai.md "Scoring").
+    prompt_logprobs: StrictInt | None = None
 
     def prompt_fields(self) -> dict[str, Any]:
         raise NotImplementedError
@@ -125,6 +128,9 @@ class OpenAIRequest(_Open):
 
     def max_tokens_field(self) -> tuple[str, int | None]:
         return "max_tokens", self.max_tokens
+
+    def echo_fields(self) -> dict[str, Any]:
+        return {}
 
     def to_job_request(self, settings: Settings) -> JobRequest:
         """The job to run, with this server's ``settings`` (its default max_tokens and limits);
@@ -177,6 +183,8 @@ class OpenAIRequest(_Open):
             "service_tier": self._service_tier(),
             "priority": self.priority,
             "ignore_eos": self.ignore_eos,
+            "prompt_logprobs": self.prompt_logprobs,
+            **self.echo_fields(),
         }
         try:
             return JobRequest.accept({k: v for k, v in fields.items() if v is not None}, settings)
@@ -231,25 +239,28 @@ def _at_most(name: str, value: int | None, limit: int) -> int | None:
 
 
 class CompletionRequest(OpenAIRequest):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    # A string, a list of strings, a token-id list or a list of them: each prompt its n choices.
+    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
     logprobs: StrictInt | None = None  # top logprobs per token, 0 to 5 (OpenAI's legacy completions)
+    echo: bool | None = None  # the prompt first in each choice's text (and logprobs)
 
     def logprobs_field(self) -> int | None:
         return _at_most("logprobs", self.logprobs, COMPLETION_MAX_LOGPROBS)
 
+    def echo_fields(self) -> dict[str, Any]:
+        return {"echo": True} if self.echo else {}
+
     def prompt_fields(self) -> dict[str, Any]:
         prompt = self.prompt
-        if isinstance(prompt, list):
-            if len(prompt) != 1 or not isinstance(prompt[0], str):
-                raise ApiError(
-                    400,
-                    "prompt must be a string or a list of one string; "
-                    "batches and token-id prompts are not supported",
-                    param="prompt",
-                    code="unsupported_parameter",
-                )
-            prompt = prompt[0]
-        return {"prompt": prompt}
+        if isinstance(prompt, str):
+            return {"prompt": prompt}
+        if not prompt:
+            raise ApiError(400, "prompt is an empty list; give at least one prompt", param="prompt")
+        if all(isinstance(t, int) for t in prompt):  # one prompt of token ids
+            return {"prompts": [prompt]}
+        if len(prompt) == 1 and isinstance(prompt[0], str):
+            return {"prompt": prompt[0]}
+        return {"prompts": prompt}
 
 
 class ChatCompletionRequest(OpenAIRequest):

@@ -30,6 +30,10 @@ class TokenEvent(BaseModel):
     # may have no tokens) why that choice ended. Absent for n = 1.
     choice: int | None = None
     finish_reason: str | None = None
+    # On a choice's first event, when the request scores its prompt (prompt_logprobs, or echo):
+    # one per prompt token, null for the first. Absent else.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    prompt_tokens: list[str] | None = None  # with prompt_logprobs: each prompt token alone, decoded
 
 
 class DoneEvent(BaseModel):

@@ -211,6 +211,26 @@ class JobRequest(TextParams):
         )
         return v
 
+    @model_validator(mode="after")
+    def _prompts_limit(self, info: ValidationInfo) -> JobRequest:
+        if self.prompts is not None:
+            check_limit(
+                info,
+                len(self.prompts) * self.n,
+                lambda s: s.max_prompts,
+                "{prompts} prompts times n ({n}) is {choices} choices, above this server's limit of "
+                "{cap} (SPOOL_MAX_PROMPTS)",
+                prompts=len(self.prompts),
+                n=self.n,
+                choices=len(self.prompts) * self.n,
+            )
+        return self
+
+    @property
+    def num_choices(self) -> int:
+        """The job's sequences: n per prompt (docs/internals.md, "Choices")."""
+        return self.n * max(len(self.prompt_list), 1)
+
     @field_validator("user")
     @classmethod
     def _user(cls, v: Any) -> Any:
@@ -266,6 +286,10 @@ class JobRequest(TextParams):
         if self.n != 1:
             raise PydanticCustomError(INVALID_PART, "n is {n}; a job with parts takes n = 1", {"n": self.n})
         for i, part in enumerate(self.parts):
+            if isinstance(part, TextPart) and (part.prompts is not None or part.echo):
+                raise PydanticCustomError(
+                    INVALID_PART, "part {i}: a text part takes one prompt, without echo", {"i": i}
+                )
             if isinstance(part, ImagePart) and part.prompt_from is not None:
                 j = part.prompt_from
                 if j >= i:

@@ -30,6 +30,7 @@ _RANGES: dict[str, tuple[float, float]] = {
     "frequency_penalty": (-2, 2),
     "presence_penalty": (-2, 2),
     "logprobs": (0, MAX_LOGPROBS),
+    "prompt_logprobs": (0, MAX_LOGPROBS),
     "min_tokens": (0, math.inf),
 }
 
@@ -41,9 +42,19 @@ class TextParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     prompt: str | None = None
+    # Several prompts (strings or token-id lists), or one of token ids: n choices each, choice
+    # i * n + j of prompt i (OpenAI's /v1/completions with a list; docs/internals.md "Choices").
+    prompts: list[str | list[Annotated[StrictInt, Field(ge=0)]]] | None = Field(None, min_length=1)
     messages: list[ChatMessage] | None = Field(None, min_length=1)
-    # The server's SPOOL_DEFAULT_MAX_TOKENS when given its settings (_server_default).
-    max_tokens: StrictInt = Field(default_factory=lambda: DEFAULT_MAX_TOKENS, ge=1)
+    # Each prompt token's logprob (null for the first) and the top this many at its position
+    # (0..20), from the prefill's logits (vLLM's prompt_logprobs); None: none.
+    prompt_logprobs: StrictInt | None = None
+    # The prompt's text comes first in each choice's text, and with logprobs its tokens' logprobs
+    # first in the choice's (OpenAI's legacy completions' echo).
+    echo: bool = False
+    # The server's SPOOL_DEFAULT_MAX_TOKENS when given its settings (_server_default); 0 with
+    # echo or prompt_logprobs: the prompt is scored, nothing generated.
+    max_tokens: StrictInt = Field(default_factory=lambda: DEFAULT_MAX_TOKENS, ge=0)
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: StrictInt | None = Field(None, ge=1)
@@ -69,7 +80,7 @@ class TextParams(BaseModel):
     tool_choice: str = "auto"
     parallel_tool_calls: bool = True  # false: at most one call
 
-    @field_validator("frequency_penalty", "presence_penalty", "logprobs", "min_tokens")
+    @field_validator("frequency_penalty", "presence_penalty", "logprobs", "prompt_logprobs", "min_tokens")
     @classmethod
     def _in_range(cls, v: float | None, info: ValidationInfo) -> float | None:
         low, high = _RANGES[str(info.field_name)]
@@ -191,6 +202,8 @@ class TextParams(BaseModel):
     @field_validator("max_tokens")
     @classmethod
     def _max_tokens_cap(cls, v: int, info: ValidationInfo) -> int:
+        if v == 0 and info.data.get("prompt_logprobs") is None and not info.data.get("echo"):
+            raise ValueError("max_tokens must be at least 1, or 0 with echo or prompt_logprobs (score only)")
         # A well-formed request above a limit of this server: the API answers 400, not 422.
         check_limit(
             info,
@@ -237,9 +250,35 @@ class TextParams(BaseModel):
 
     @model_validator(mode="after")
     def _prompt_or_messages(self) -> Self:
-        if self._needs_prompt() and (self.prompt is None) == (self.messages is None):
-            raise ValueError("give exactly one of prompt or messages")
+        given = (self.prompt is not None) + (self.prompts is not None) + (self.messages is not None)
+        if self._needs_prompt() and given != 1:
+            raise ValueError("give exactly one of prompt, prompts or messages")
+        if self.echo and self.messages is not None:
+            raise ValueError("echo takes a prompt, not messages")
         return self
+
+    @field_validator("prompts")
+    @classmethod
+    def _prompts(cls, v: list[str | list[int]] | None) -> list[str | list[int]] | None:
+        if v is not None and not all(v):
+            raise ValueError("each prompt must be non-empty")
+        return encodable(v)
+
+    @property
+    def prompt_list(self) -> list[str | list[int]]:
+        """The prompts, each its n choices: ``prompts``, or ``[prompt]`` (empty for messages)."""
+        if self.prompts is not None:
+            return list(self.prompts)
+        return [] if self.prompt is None else [self.prompt]
+
+    @property
+    def scored_logprobs(self) -> int | None:
+        """How many top logprobs each prompt position gets (the worker's engine prompt_logprobs):
+        prompt_logprobs, else with echo logprobs' (0 without: echo's text of token-id prompts is
+        their tokens'); None: the prompt is not scored."""
+        if self.prompt_logprobs is not None:
+            return self.prompt_logprobs
+        return (self.logprobs or 0) if self.echo else None
 
     @model_validator(mode="after")
     def _server_default(self, info: ValidationInfo) -> Self:

@@ -322,6 +322,8 @@ def token_entry(
     logprobs: list[TokenLogprob] | None = None,
     choice: int | None = None,
     finish_reason: str | None = None,
+    prompt_logprobs: list[TokenLogprob | None] | None = None,
+    prompt_tokens: Sequence[str] | None = None,
 ) -> LogEntry:
     return LogEntry.token(
         seq,
@@ -332,5 +334,7 @@ def token_entry(
             logprobs=logprobs,
             choice=choice,
             finish_reason=finish_reason,
+            prompt_logprobs=prompt_logprobs,
+            prompt_tokens=None if prompt_tokens is None else list(prompt_tokens),
         ),
     )

@@ -38,6 +38,29 @@ def test_invalid_requests_are_refused(body: dict) -> None:
         JobRequest.accept(body, SERVER)
 
 
+def test_scoring_fields() -> None:
+    # max_tokens 0 scores the prompt: only with prompt_logprobs or echo.
+    for extra in ({"prompt_logprobs": 0}, {"echo": True}):
+        assert JobRequest.accept({"prompt": "a", "max_tokens": 0, **extra}, SERVER).max_tokens == 0
+    r = JobRequest.accept({"prompts": ["a", [1, 2]], "n": 3, "echo": True, "logprobs": 2}, SERVER)
+    assert (r.num_choices, r.prompt_list, r.scored_logprobs) == (6, ["a", [1, 2]], 2)
+    assert JobRequest.accept({"prompt": "a", "prompt_logprobs": 4}, SERVER).scored_logprobs == 4
+    assert JobRequest.accept({"prompt": "a"}, SERVER).scored_logprobs is None
+    refused: list[dict[str, object]] = [
+        {"prompts": ["a"], "prompt": "b"},
+        {"prompts": []},
+        {"prompts": [[]]},
+        {"prompts": [[-1]]},
+        {"prompts": ["a"] * 33, "n": 2},  # 66 choices: above SPOOL_MAX_PROMPTS (64)
+        {"messages": [{"role": "user", "content": "b"}], "echo": True},
+        {"prompt": "a", "prompt_logprobs": 21},
+        {"parts": [{"type": "text", "prompts": ["a", "b"]}]},
+    ]
+    for body in refused:
+        with pytest.raises(ValidationError):
+            JobRequest.accept(body, SERVER)
+
+
 def test_the_servers_settings_give_the_default_and_the_cap() -> None:
     server = Settings(max_tokens_cap=16, default_max_tokens=5)
     assert JobRequest.accept({"prompt": "a"}, server).max_tokens == 5

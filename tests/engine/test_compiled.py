@@ -64,6 +64,27 @@ def test_steps_of_every_shape_after_the_load_compile_nothing(engine: Engine, lla
     assert tail["0"] == greedy(llama_dir, "x " * 40, 2).token_ids
 
 
+def test_compiled_prompt_logprobs_equal_transformers(engine: Engine, llama_dir: Path) -> None:
+    # A scored chunk asks for every token's logits: a row count the export's dynamic rows take.
+    from transformers import AutoModelForCausalLM
+
+    ids = engine.tokenizer("rivers run to the sea " * 8).input_ids
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        [scored, other] = engine.generate(
+            [ids, "the quick brown fox"],
+            [SamplingParams(max_tokens=0, prompt_logprobs=2), SamplingParams(max_tokens=4, temperature=0)],
+        )
+    model = AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = model(torch.tensor([ids])).logits[0].log_softmax(-1)
+    assert scored.prompt_logprobs is not None and scored.prompt_logprobs[0] is None
+    for pos in range(1, len(ids)):
+        lp = scored.prompt_logprobs[pos]
+        assert lp is not None and abs(lp.chosen.logprob - ref[pos - 1, ids[pos]].item()) < 1e-4
+        assert abs(lp.top[0].logprob - ref[pos - 1].max().item()) < 1e-4
+    assert other.token_ids == greedy(llama_dir, "the quick brown fox", 4).token_ids
+
+
 def test_an_interrupted_compiled_step_is_dropped_and_the_next_runs_it_again(
     engine: Engine, llama_dir: Path
 ) -> None:

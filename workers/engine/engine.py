@@ -15,6 +15,7 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import xgrammar
@@ -182,7 +183,7 @@ class Engine:
         self._stats.peak_running = max(self._stats.peak_running, len(self.scheduler.running))
         try:
             self.runner.cache.apply(plan.cache_ops)
-            due, logits = self._run(plan)
+            due, logits, scored_only = self._run(plan)
         except StepInterrupted:
             self._stats.interrupted_steps += 1
             for request in plan.started:
@@ -196,6 +197,8 @@ class Engine:
             ]
         if logits is not None:  # some request is due a token
             deltas += self._postprocess(due, *self._sample(due, logits))
+        for request in scored_only:  # max_tokens 0: its prompt is scored, nothing is generated
+            deltas.append(self._finish(request, FinishReason.LENGTH, prompt=self._prompt_logprobs(request)))
         return deltas
 
     def generate(
@@ -214,6 +217,8 @@ class Engine:
                 out.token_ids += d.token_ids
                 out.text += d.text
                 out.logprobs += d.logprobs or ()
+                if d.prompt_logprobs is not None:
+                    out.prompt_logprobs = list(d.prompt_logprobs)
                 if d.finished:
                     out.finish_reason, out.error = d.finish_reason, d.error
         return list(outputs.values())
@@ -237,20 +242,19 @@ class Engine:
                 ids.update(source)
         return frozenset(ids)
 
-    def _run(self, plan: SchedulerOutput) -> tuple[list[Request], torch.Tensor | None]:
-        """Run the plan as one packed forward; return the requests due a token and their logits [n, V]."""
+    def _run(self, plan: SchedulerOutput) -> tuple[list[Request], torch.Tensor | None, list[Request]]:
+        """Run the plan as one packed forward; return the requests due a token and their logits
+        [n, V], and those whose prompt is done that generate nothing (max_tokens 0). The chunks
+        of a request scoring its prompt get every token's logits, scored here (``_score``)."""
         decode = [(r.running_slot, r.num_computed, r.last_token_id) for r in plan.decodes]
+        wanted = [c.length if c.request.scores_prompt else int(c.completes_prompt) for c in plan.prefills]
         prefills = [
-            (
-                c.request.running_slot,
-                c.start,
-                c.request.tokens(c.start, c.start + c.length),
-                c.completes_prompt,
-            )
-            for c in plan.prefills
+            (c.request.running_slot, c.start, c.request.tokens(c.start, c.start + c.length), w)
+            for c, w in zip(plan.prefills, wanted, strict=True)
         ]
-        # Logits come for the decode rows, then for each chunk that completes its prompt: `due`'s order.
-        due = plan.decodes + [c.request for c in plan.prefills if c.completes_prompt]
+        # Logits come for the decode rows, then each chunk's wanted rows (the last one, when it
+        # completes its prompt, is the row to sample from): `due`'s order.
+        completing = plan.decodes + [c.request for c in plan.prefills if c.completes_prompt]
         rows = plan.decodes + [c.request for c in plan.prefills]
         floor = min(r.params.priority for r in rows)  # the step's highest priority
 
@@ -259,6 +263,14 @@ class Engine:
             return arriving is not None and arriving < floor
 
         logits = self.runner.forward(decode, prefills, stop)
+        due_rows = list(range(len(plan.decodes)))
+        row = len(plan.decodes)
+        for chunk, w in zip(plan.prefills, wanted, strict=True):
+            if chunk.request.scores_prompt:
+                self._score(chunk.request, chunk.start, logits[row : row + w])
+            if chunk.completes_prompt:
+                due_rows.append(row + w - 1)
+            row += w
         for r in plan.decodes:
             # A prompt's last token takes this path when chunking left it alone.
             self._stats.prompt_tokens += r.num_computed < len(r.prompt_token_ids)
@@ -266,8 +278,37 @@ class Engine:
         for chunk in plan.prefills:
             chunk.request.num_computed += chunk.length
             self._stats.prompt_tokens += chunk.length
+        keep = [i for i, r in enumerate(completing) if r.params.max_tokens > 0]
+        due = [completing[i] for i in keep]
+        scored_only = [r for r in completing if r.params.max_tokens == 0]
+        if len(keep) < logits.shape[0]:  # rows scored, or of requests that generate nothing
+            logits = logits[[due_rows[i] for i in keep]]
         self._stats.peak_batch_size = max(self._stats.peak_batch_size, len(due))
-        return due, (logits if due else None)
+        return due, (logits if due else None), scored_only
+
+    def _score(self, request: Request, start: int, logits: torch.Tensor) -> None:
+        """Score the prompt tokens that follow a chunk's positions [start, start + len(logits))
+        (the logits there, raw) and are not scored yet (a preempted request's recompute)."""
+        scored, prompt = request.prompt_logprobs, request.prompt_token_ids
+        if not scored:
+            scored.append(None)  # the first token: nothing comes before it
+        first, last = max(len(scored), start + 1), min(start + logits.shape[0], len(prompt) - 1)
+        if first > last:
+            return
+        assert first == len(scored), "a scored prompt is computed from its start (no cached prefix)"
+        k = request.params.prompt_logprobs or 0
+        scored += self.logprobs.score(logits[first - 1 - start : last - start], prompt[first : last + 1], k)
+
+    def _prompt_logprobs(self, request: Request) -> dict[str, Any]:
+        """The prompt logprobs and tokens to deliver with the request's first delta (Delta's
+        fields; none once sent, or unasked)."""
+        if request.params.prompt_logprobs is None or request.prompt_logprobs_sent:
+            return {}
+        request.prompt_logprobs_sent = True
+        return {
+            "prompt_logprobs": tuple(request.prompt_logprobs) or (None,),  # a one-token prompt: its None
+            "prompt_tokens": tuple(self.logprobs.token_text(t) for t in request.prompt_token_ids),
+        }
 
     def _sample(
         self, due: list[Request], logits: torch.Tensor
@@ -310,11 +351,19 @@ class Engine:
             )
             reason = self._stop_reason(request, token_id)
             chosen = None if lp is None else (lp,)
+            prompt = self._prompt_logprobs(request)
             if reason is None:
-                deltas.append(self._delta(request, (token_id,), text, logprobs=chosen))
+                deltas.append(self._delta(request, (token_id,), text, logprobs=chosen, prompt=prompt))
             else:
                 deltas.append(
-                    self._finish(request, reason, token_ids=(token_id,), text=text, logprobs=chosen)
+                    self._finish(
+                        request,
+                        reason,
+                        token_ids=(token_id,),
+                        text=text,
+                        logprobs=chosen,
+                        prompt=prompt,
+                    )
                 )
         return deltas
 
@@ -348,6 +397,7 @@ class Engine:
         error: str | None = None,
         error_type: str | None = None,
         logprobs: tuple[TokenLogprobs, ...] | None = None,
+        prompt: dict[str, Any] | None = None,  # _prompt_logprobs'
     ) -> Delta:
         """Retire a request now: free its slot (keeping slots contiguous) and build its last delta."""
         # A failed forward may have left the slot half written: nothing of it is kept as a cache.
@@ -358,7 +408,7 @@ class Engine:
         self._generators.pop(request.request_id, None)
         self.processors.release(request.request_id)
         self._aborted.discard(request.request_id)  # it may have finished on its own meanwhile
-        return self._delta(request, token_ids, text, reason, error, error_type, logprobs)
+        return self._delta(request, token_ids, text, reason, error, error_type, logprobs, prompt)
 
     def _delta(
         self,
@@ -369,6 +419,7 @@ class Engine:
         error: str | None = None,
         error_type: str | None = None,
         logprobs: tuple[TokenLogprobs, ...] | None = None,
+        prompt: dict[str, Any] | None = None,  # _prompt_logprobs'
     ) -> Delta:
         return Delta(
             request_id=request.request_id,
@@ -380,4 +431,5 @@ class Engine:
             error=error,
             error_type=error_type,
             logprobs=logprobs,
+            **(prompt or {}),
         )

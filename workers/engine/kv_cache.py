@@ -89,14 +89,15 @@ class SlotKVCache:
     def begin(
         self,
         decode: Sequence[tuple[int, int, int]],
-        prefills: Sequence[tuple[int, int, list[int], bool]],
+        prefills: Sequence[tuple[int, int, list[int], int]],
         stop: Callable[[], bool] | None = None,
         pad: Callable[[int], int] | None = None,
     ) -> PackedBatch:
         """Lay out one packed forward: ``decode`` is (slot, position, token id) per decoding
-        request, ``prefills`` is (slot, start, token ids, wants logits) per prefill chunk; the
-        packed tokens come in that order. Logits are wanted for every decode row, and for the
-        last token of each chunk that wants them.
+        request, ``prefills`` is (slot, start, token ids, wanted) per prefill chunk; the packed
+        tokens come in that order. Logits are wanted for every decode row, and for the last
+        ``wanted`` tokens of each chunk (0: none; 1 (or True): its last, to sample; all of them:
+        a prompt scored, for its prompt logprobs).
 
         Everything here is known on the host, so it goes to the device in one copy and nothing
         reads back from it. ``stop``, asked before each layer writes, raises ``StepInterrupted``
@@ -110,13 +111,12 @@ class SlotKVCache:
         positions = [p for _, p, _ in decode]
         rows = list(range(len(decode)))
         segments = []
-        for slot, start, chunk, wants_logits in prefills:
+        for slot, start, chunk, wanted in prefills:
             offset, length = len(tokens), len(chunk)
             tokens += chunk
             slots += [slot] * length
             positions += range(start, start + length)
-            if wants_logits:
-                rows.append(len(tokens) - 1)
+            rows += range(len(tokens) - int(wanted), len(tokens))
             mask = None
             if start:
                 query_pos = self._positions[start : start + length]

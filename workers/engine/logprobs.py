@@ -16,6 +16,9 @@ from workers.engine.types import Logprob, SamplingParams, TokenLogprobs
 
 # A token a mask or min_tokens ruled out has -inf: JSON has no such number (vLLM's floor).
 LOGPROB_FLOOR = -9999.0
+# Prompt positions whose log_softmax is taken at once: a long chunk's logits are scored in pieces
+# of this many rows, so no [chunk, V] float32 copy (a bfloat16 model's) nor softmax is made whole.
+PROMPT_LOGPROB_ROWS = 128
 
 
 class LogprobReader:
@@ -49,7 +52,37 @@ class LogprobReader:
 
     def _logprob(self, token_id: float, logprob: float) -> Logprob:
         tid = int(token_id)
-        text = self._token_texts.get(tid)
+        return Logprob(tid, self.token_text(tid), max(logprob, LOGPROB_FLOOR))
+
+    def token_text(self, token_id: int) -> str:
+        """The token alone, decoded (once per token id)."""
+        text = self._token_texts.get(token_id)
         if text is None:
-            text = self._token_texts[tid] = str(self.tokenizer.decode([tid]))
-        return Logprob(tid, text, max(logprob, LOGPROB_FLOOR))
+            text = self._token_texts[token_id] = str(self.tokenizer.decode([token_id]))
+        return text
+
+    def score(
+        self,
+        logits: torch.Tensor,  # [m, V]: the raw logits at m consecutive prompt positions
+        targets: Sequence[int],  # [m]: the prompt token that follows each of those positions
+        k: int,  # top logprobs per position
+    ) -> list[TokenLogprobs]:
+        """Each target's logprob under the distribution at the position before it (the model's
+        log_softmax at temperature 1, no logits processing) and the top ``k`` there: prompt
+        logprobs. Taken ``PROMPT_LOGPROB_ROWS`` rows at a time, read back in one transfer."""
+        index = torch.tensor(list(targets), dtype=torch.long, device=logits.device)[:, None]
+        parts = []
+        for start in range(0, logits.shape[0], PROMPT_LOGPROB_ROWS):
+            piece = logits[start : start + PROMPT_LOGPROB_ROWS]
+            lp = torch.log_softmax(piece.float(), dim=-1)  # [rows, V]
+            values, ids = lp.topk(k, dim=-1)  # k == 0 gives [rows, 0]
+            chosen = lp.gather(1, index[start : start + PROMPT_LOGPROB_ROWS])
+            parts.append(torch.cat([chosen.double(), ids.double(), values.double()], dim=1))
+        host = torch.cat(parts).tolist()
+        return [
+            TokenLogprobs(
+                self._logprob(t, row[0]),
+                tuple(self._logprob(i, v) for i, v in zip(row[1 : 1 + k], row[1 + k :], strict=True)),
+            )
+            for t, row in zip(targets, host, strict=True)
+        ]

@@ -113,7 +113,7 @@ class ModelRunner:
         # meet its sizes now rather than in the first burst's time to first token, and a model too
         # big for its activations fails here. What it writes, any later prefill overwrites first.
         budget = min(config.max_prefill_tokens_per_step, self.max_model_len)
-        largest = ([(slot, 0, 0) for slot in range(1, num_slots)], [(0, 0, [0] * budget, True)])
+        largest = ([(slot, 0, 0) for slot in range(1, num_slots)], [(0, 0, [0] * budget, 1)])
         self._compiled: Callable[..., torch.Tensor] | None = None
         if not config.compile:
             self.forward(*largest)
@@ -221,15 +221,16 @@ class ModelRunner:
     def forward(
         self,
         decode: list[tuple[int, int, int]],
-        prefills: list[tuple[int, int, list[int], bool]],
+        prefills: list[tuple[int, int, list[int], int]],
         stop: Callable[[], bool] | None = None,
     ) -> torch.Tensor:
         """One packed forward over every token of a step.
 
         ``decode``: (slot, position, token id) per decoding request; ``prefills``: (slot, start,
-        token ids, wants logits) per prefill chunk. Returns logits [rows, V]: one row per decode
-        row, then one per chunk that wants them (its last token's; a chunk that does not end its
-        prompt needs none, and the output layer skips it). ``stop``: asked before each layer;
+        token ids, wanted) per prefill chunk. Returns logits [rows, V]: one row per decode row,
+        then the chunks' last ``wanted`` tokens' (1: the last token's, for a chunk that ends its
+        prompt; 0 for one that does not, and the output layer skips it; every token's for a
+        prompt scored, at most a chunk's: prompt logprobs). ``stop``: asked before each layer;
         true raises ``kv_cache.StepInterrupted`` (the step is dropped).
         """
         if self._compiled is not None:

@@ -6,7 +6,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from workers.engine.types import FinishReason, SamplingParams
+from workers.engine.types import FinishReason, SamplingParams, TokenLogprobs
 
 if TYPE_CHECKING:
     import xgrammar
@@ -33,7 +33,7 @@ def check_request(
         )
     if any(not 0 <= t < vocab_size for t, _ in params.logit_bias):
         raise ValueError(f"logit_bias token ids must be in [0, {vocab_size})")
-    if resumed >= params.max_tokens:
+    if resumed and resumed >= params.max_tokens:
         raise ValueError(f"{resumed} resumed tokens leave nothing of max_tokens {params.max_tokens}")
 
 
@@ -65,6 +65,18 @@ class Request:
     # steps out (scheduler.py, "Priority steps").
     starting: bool = False
     num_preemptions: int = 0  # times its slot went to a request of a higher priority (scheduler.py)
+    # prompt_logprobs: one per prompt position scored so far (None for the first), kept across a
+    # preemption (its positions are not scored twice); delivered with the first delta.
+    prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    prompt_logprobs_sent: bool = False
+
+    @property
+    def scores_prompt(self) -> bool:
+        """It asked for prompt logprobs and some prompt position is still to be scored: its chunks
+        need the logits of every token, so it computes its prompt rather than copy cached blocks."""
+        return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < len(
+            self.prompt_token_ids
+        )
 
     @property
     def num_tokens(self) -> int:

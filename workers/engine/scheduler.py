@@ -141,7 +141,7 @@ class Scheduler:
             if top is not None and request.params.priority > top:
                 out.skipped.append(request)
                 continue
-            if self.prefix_caching and not request.is_decoding:
+            if self.prefix_caching and not request.is_decoding and not request.scores_prompt:
                 out.cache_ops += self._copy_cached(request)
                 if not request.is_decoding and self._computed_by_another(request, computing):
                     continue  # next step copies the block instead of computing it twice
@@ -247,7 +247,9 @@ class Scheduler:
         self.prefix_cache_queries += request.num_tokens
         wanted = prefix_cache.known_blocks(request)
         best, best_blocks = None, 0
-        for free in range(slot, self.num_slots):  # slot first: taking it over copies nothing
+        # A request scoring its prompt computes it all: a cached block has no logits to score.
+        for free in range(slot, self.num_slots) if not request.scores_prompt else ():
+            # (slot first: taking it over copies nothing)
             entry = self.cached[free]
             n = prefix_cache.common_blocks(wanted, entry.blocks) if entry is not None else 0
             if n > best_blocks:

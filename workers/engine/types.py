@@ -36,7 +36,7 @@ class TokenWeights:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    max_tokens: int = 16  # new tokens to generate at most
+    max_tokens: int = 16  # new tokens to generate at most; 0: score the prompt only (prompt_logprobs)
     temperature: float = 1.0  # below GREEDY_TEMPERATURE (0 included) means greedy
     top_p: float = 1.0  # nucleus sampling mass, (0, 1]
     top_k: int | None = None  # keep the k most likely tokens; None keeps all
@@ -57,10 +57,13 @@ class SamplingParams:
     min_tokens: int = 0  # EOS, stop token ids and stop strings count only once this many are generated
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit) pairs
     logprobs: int | None = None  # also return the sampled token's logprob and the top this many; None: none
+    # Also return each prompt token's logprob (the first's is None) and the top this many at its
+    # position, from the prefill's own logits at temperature 1 (vLLM's prompt_logprobs); None: none.
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.max_tokens < 0:
+            raise ValueError(f"max_tokens must be at least 0, got {self.max_tokens}")
         if not self.temperature >= 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
@@ -75,6 +78,8 @@ class SamplingParams:
             raise ValueError(f"tenant_weight must be > 0, got {self.tenant_weight}")
         if self.logprobs is not None and self.logprobs < 0:
             raise ValueError(f"logprobs must be >= 0 or None, got {self.logprobs}")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
+            raise ValueError(f"prompt_logprobs must be >= 0 or None, got {self.prompt_logprobs}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must not be empty")
         # Accept lists from callers, keep the dataclass hashable.
@@ -177,6 +182,10 @@ class Delta:
     # None: the job's error type is engine_error.
     error_type: str | None = None
     logprobs: tuple[TokenLogprobs, ...] | None = None  # one per token id, when the request asked for them
+    # On a request's first delta, when it asked for prompt_logprobs: one per prompt token, None
+    # for the first (nothing comes before it).
+    prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None
+    prompt_tokens: tuple[str, ...] | None = None  # with prompt_logprobs: each prompt token alone, decoded
 
     @property
     def finished(self) -> bool:
@@ -194,3 +203,4 @@ class CompletionOutput:
     finish_reason: FinishReason | None = None
     error: str | None = None
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per token, when asked for
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # one per prompt token, when asked for
