@@ -191,7 +191,7 @@ class AsyncJobStore(WatcherSets, ResponseRecords):
 
         Raises JobNotFound, or Conflict if the job already finished otherwise than cancelled.
         """
-        keys, args = cancel_args(self.keys, job_id, self.settings.job_ttl_s, time.time())
+        keys, args = cancel_args(self.keys, job_id, self.settings.job_ttl_s)
         check_cancel(await self._cancel(keys, args), job_id)
         return await self.get_job(job_id)
 

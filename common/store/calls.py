@@ -200,7 +200,7 @@ def take_args(keys: Keys, job_id: str, worker: str, model: str, now: float, leas
             keys.job_text(job_id),
             keys.attempts(bucket),
         ],
-        [job_id, worker, model, repr(now), repr(now + lease_s)],
+        [job_id, worker, model, repr(now + lease_s)],
     )
 
 
@@ -219,7 +219,7 @@ def part_take_args(keys: Keys, pid: str, worker: str, model: str, now: float, le
             keys.job_events(job_id),
             keys.queued_media(bucket),
         ],
-        [pid, worker, model, repr(now), repr(now + lease_s), index],
+        [pid, worker, model, repr(now + lease_s), index],
     )
 
 
@@ -244,7 +244,7 @@ def _pairs(flat: list[str]) -> dict[str, str]:
     return dict(zip(flat[::2], flat[1::2], strict=True))
 
 
-def part_append_args(keys: Keys, a: Append, ttl_s: int, now: float) -> ScriptCall:
+def part_append_args(keys: Keys, a: Append, ttl_s: int) -> ScriptCall:
     split = split_part_id(a.job_id)
     assert split is not None
     job_id, index = split
@@ -272,7 +272,6 @@ def part_append_args(keys: Keys, a: Append, ttl_s: int, now: float) -> ScriptCal
             a.completion_tokens,
             final.status.value if final else "",
             (final.finish_reason or "") if final else "",
-            repr(now),
             final.error.model_dump_json() if final and final.error else "",
             ttl_s,
             a.job_id,
@@ -285,7 +284,7 @@ def part_append_args(keys: Keys, a: Append, ttl_s: int, now: float) -> ScriptCal
     )
 
 
-def append_step_args(keys: Keys, appends: Sequence[Append], ttl_s: int, now: float) -> ScriptCall:
+def append_step_args(keys: Keys, appends: Sequence[Append], ttl_s: int) -> ScriptCall:
     """append_step.lua's call: every append of a step (or of several steps, in order) of these
     jobs at once, in as many groups as they have buckets (on a Redis Cluster the caller passes
     jobs whose buckets lie on one master: common/store/steps.py)."""
@@ -303,7 +302,7 @@ def append_step_args(keys: Keys, appends: Sequence[Append], ttl_s: int, now: flo
         ]
         job_args += [group, *_append_args(a)]
     bucket_keys = [k for b in groups for k in (keys.running_jobs(b), keys.attempts(b))]
-    return bucket_keys + job_keys, [ttl_s, repr(now), len(groups), *job_args]
+    return bucket_keys + job_keys, [ttl_s, len(groups), *job_args]
 
 
 def _append_args(a: Append) -> list[Any]:
@@ -324,7 +323,7 @@ def _append_args(a: Append) -> list[Any]:
     ]
 
 
-def cancel_args(keys: Keys, job_id: str, ttl_s: int, now: float) -> ScriptCall:
+def cancel_args(keys: Keys, job_id: str, ttl_s: int) -> ScriptCall:
     bucket = keys.bucket_of(job_id)
     return (
         [
@@ -336,7 +335,7 @@ def cancel_args(keys: Keys, job_id: str, ttl_s: int, now: float) -> ScriptCall:
             keys.queued_media(bucket),
             keys.held_media(bucket),
         ],
-        [job_id, repr(now), ttl_s, cancelled_done_entry().encode(), keys.cancelled()],
+        [job_id, ttl_s, cancelled_done_entry().encode(), keys.cancelled()],
     )
 
 

@@ -110,11 +110,11 @@ class SyncJobStore:
         now, ttl = time.time(), self.settings.job_ttl_s
         results: list[Appended | None] = [None] * len(appends)
         jobs = [i for i, a in enumerate(appends) if not split_part_id(a.job_id)]
-        for i, reply in zip(jobs, self._steps.write([appends[i] for i in jobs], ttl, now), strict=True):
+        for i, reply in zip(jobs, self._steps.write([appends[i] for i in jobs], ttl), strict=True):
             results[i] = Appended.of(reply)
         for i, a in enumerate(appends):
             if results[i] is None:  # a part's, in order (several steps of one part stay in order)
-                keys, args = part_append_args(self.keys, self._stored_content(a, now), ttl, now)
+                keys, args = part_append_args(self.keys, self._stored_content(a, now), ttl)
                 results[i] = Appended.of(self._part_append(keys, args))
         ended = [appends[i].job_id for i in jobs if appends[i].final and results[i] is Appended.WRITTEN]
         record_service_times(self.redis, self.keys, ended)
@@ -358,7 +358,7 @@ class SyncJobStore:
     def cancel_job(self, job_id: str) -> None:
         """Cancel a job as the API's cancel does (cancel.lua): a job with parts cancels its queued
         parts at once and asks their workers to end the running ones. A job already ended stays so."""
-        keys, args = cancel_args(self.keys, job_id, self.settings.job_ttl_s, time.time())
+        keys, args = cancel_args(self.keys, job_id, self.settings.job_ttl_s)
         self._cancel(keys, args)
 
     def beat(self, heartbeat: WorkerHeartbeat, tokenizer: TokenizerSpec | None = None) -> None:
