@@ -16,8 +16,9 @@ from typing import Any
 from pydantic_core import to_json
 
 from common.keys import Keys, part_id, split_part_id
+from common.schemas.events import ErrorEvent, LogEntry
 from common.schemas.requests import ImagePart, JobRequest
-from common.schemas.views import Job
+from common.schemas.views import Job, JobError
 from common.settings import Settings
 from common.store.errors import Conflict, IdempotencyConflict, JobNotFound, QueueFull
 from common.store.hooks import hook_field
@@ -336,6 +337,21 @@ def cancel_args(keys: Keys, job_id: str, ttl_s: int) -> ScriptCall:
             keys.held_media(bucket),
         ],
         [job_id, ttl_s, cancelled_done_entry().encode(), keys.cancelled()],
+    )
+
+
+MODEL_NOT_SERVED = "model_not_served"  # the error type of a job failed for want of its model's workers
+
+
+def unserved_args(keys: Keys, job_id: str, queue: str, to: str, ttl_s: int, message: str) -> ScriptCall:
+    """unserved.lua's call: move a queued job of ``queue`` to the queue ``to``, or ('' ) fail it
+    with ``model_not_served`` and ``message``."""
+    bucket = keys.bucket_of(job_id)
+    error = JobError(message=message, type=MODEL_NOT_SERVED)
+    entry = LogEntry.error(1, ErrorEvent(message=message, type=MODEL_NOT_SERVED))
+    return (
+        [keys.job(job_id), keys.job_log(job_id), keys.job_events(job_id), keys.queued_jobs(bucket)],
+        [job_id, queue, to, ttl_s, entry.encode(), error.model_dump_json()],
     )
 
 

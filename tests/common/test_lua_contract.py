@@ -306,6 +306,9 @@ def test_the_worker_store_passes_what_its_scripts_declare(settings: Settings) ->
         store.claim_requeue(other.id, time.time(), 0.0)
         store.release_leases("w")
         store.request_cancel(other.id)
+        for to in (queue, ""):  # a job queued for a model nobody serves: moved, then failed
+            unserved = store.create_job(request, "o", lambda i: QueueMessage(queue, f"msg {i}", queue))
+            store.unserved(unserved.id, queue, to, "gone")
         cursor = 0
         while True:
             cursor, _ = store.drop_stale_attempts(cursor, 100)
