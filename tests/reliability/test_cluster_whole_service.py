@@ -96,10 +96,7 @@ def whole(
             wait_until(
                 lambda k=kind: bool(stack.data.exists(key(f"{stack.prefix}-{k}"))), kind, 120, (service,)
             )
-        apis = [
-            start_api(stack.prefix, log_dir, sse_ping_s=1, model=tiny_model, **common)
-            for _ in range(2)
-        ]
+        apis = [start_api(stack.prefix, log_dir, sse_ping_s=1, model=tiny_model, **common) for _ in range(2)]
         try:
             yield stack, apis, receiver
         finally:
