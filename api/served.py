@@ -123,14 +123,41 @@ async def queue_model(
 
     It is the model the request names. Otherwise it is the one ``resolve_model`` picks among
     ``models``, the live workers'. With none live (they restart, or Redis did and their heartbeats
-    are not back yet), it is the one it picked among the models served within ``WORKER_FORGET_S``,
-    so the job waits where the workers will look; with none served in that time, this server's
-    (SPOOL_SERVED_MODEL_NAME, else SPOOL_MODEL)."""
+    are not back yet), it is the one served last within ``WORKER_FORGET_S``, so the job waits where
+    the workers will look; with none served in that time, this server's (SPOOL_SERVED_MODEL_NAME,
+    else SPOOL_MODEL). A job left queued for a model whose workers do not come back is moved or
+    failed by a live worker's sweep after SPOOL_UNSERVED_GRACE_S (workers/reaper.py)."""
     if requested is not None:
         return served_name(models, requested)
     if models:
         return min(models)
-    return min(await store.recent_models(), default=store.settings.served_model)
+    # NOTE: the one served last, not the first in order: a model whose workers left long ago
+    # must not win over one whose worker beat a moment ago (it restarts, or its beat is late).
+    stamps = await store.served_stamps()
+    return max(stamps, key=lambda m: (stamps[m], m)) if stamps else store.settings.served_model
+
+
+async def waiting_reason(
+    store: AsyncJobStore, models: Mapping[str, WorkerHeartbeat], job_id: str
+) -> str | None:
+    """Why a queued text job waits when no live worker serves the model it is queued for (None
+    when one does: it waits its turn, ``queue_position``)."""
+    keys = store.settings.keys
+    queue, named = await store.queued_for(job_id)
+    if not queue or queue == keys.queue_media or queue in {keys.model_queue(m) for m in models}:
+        return None
+    names = {keys.model_queue(m): m for m in [*await store.recent_models(), store.settings.served_model]}
+    model = names.get(queue, named)
+    then = (
+        "it then fails with model_not_served"
+        if named is not None
+        else "it named no model, so it then moves to a model a live worker serves"
+    )
+    grace = store.settings.unserved_grace_s
+    return (
+        f"No live worker serves the model {model!r} this job is queued for; it waits for one, for "
+        f"{grace:g} s after that model's last heartbeat at most (SPOOL_UNSERVED_GRACE_S): {then}"
+    )
 
 
 async def queued_models(store: AsyncJobStore) -> set[str]:

@@ -165,6 +165,14 @@ class Settings(BaseSettings):
     # A worker whose engine step runs longer than this exits (a hung kernel, a deadlock): its jobs'
     # leases lapse and other workers (or this one, restarted by its supervisor) take them over.
     engine_stall_s: float = Field(300.0, gt=0)
+    # A worker told to stop (SIGTERM: Celery's warm shutdown) finishes its running jobs first;
+    # while Redis stays unreachable this long it cannot, and it exits with status 75 instead
+    # (workers/task_common.py StopBound): its jobs' leases lapse and other workers take them over.
+    stop_timeout_s: float = Field(30.0, gt=0)
+    # A job queued for a model that no live worker has served for this long (its workers left) is
+    # moved to a live model's queue by a live text worker's sweep when its request named no model,
+    # and failed with model_not_served when it named one (workers/reaper.py).
+    unserved_grace_s: float = Field(600.0, gt=0)
     # Takes of a job (or part) at most: its first run and the takeovers after its worker died
     # (killed, or ended by the watchdog) or lost it; the next take fails it (too_many_attempts).
     max_attempts: int = Field(3, ge=1)

@@ -4,7 +4,6 @@ builders, so the store (common/store/) stays the only code that defines a Redis 
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -77,7 +76,7 @@ class StoreForTests(SyncJobStore):
         return decode_log(self.redis.lrange(self.keys.job_log(job_id), after, -1))
 
     def request_cancel(self, job_id: str) -> Job:
-        keys, args = cancel_args(self.keys, job_id, self.settings.job_ttl_s, time.time())
+        keys, args = cancel_args(self.keys, job_id, self.settings.job_ttl_s)
         check_cancel(self._cancel(keys, args), job_id)
         return self.get_job(job_id)
 

@@ -32,7 +32,7 @@ ATTEMPTS_PAGE = 200  # fields of {p}:attempts read (HSCAN's COUNT) and checked p
 @dataclass(frozen=True)
 class Requeued:
     job_id: str
-    reason: str  # "lease lapsed" | "message lost"
+    reason: str  # "lease lapsed" | "message lost" | "model not served"
     previous_worker: str  # the worker whose lease lapsed; empty for a queued job
 
 
@@ -47,6 +47,7 @@ class Reaper:
         self.text = queue != store.settings.keys.queue_media
         self.settings = store.settings
         self._deliveries_swept = 0.0  # monotonic time of the last drop_ended_deliveries
+        self._unserved_swept = 0.0  # monotonic time of the last look for jobs of unserved models
         self._attempts_cursor = 0  # HSCAN cursor of the pass over {p}:attempts; 0: between passes
         self._attempts_pass = 0.0  # monotonic time the last pass began
 
@@ -77,11 +78,47 @@ class Reaper:
             for job_id in self.store.stale_queued(now - self.settings.lease_s, self.queue):
                 done += self._requeue(job_id, now, "message lost", "")
         if others_too and self.text:
+            if time.monotonic() - self._unserved_swept >= min(
+                self.settings.lease_s, self.settings.unserved_grace_s
+            ):
+                self._unserved_swept = time.monotonic()
+                done += self.unserved(now)
             if time.monotonic() - self._deliveries_swept >= self.settings.lease_s:
                 self._deliveries_swept = time.monotonic()
                 self.drop_ended_deliveries()
         if self.text:
             self.drop_stale_attempts()
+        return done
+
+    def unserved(self, now: float) -> list[Requeued]:
+        """The queued jobs of models no live worker has served for ``SPOOL_UNSERVED_GRACE_S`` (from
+        their model's last heartbeat, or their creation, whichever is later): one whose request
+        named no model moves to this worker's queue and is sent there; one that named its model
+        fails with ``model_not_served``. Only a live text worker looks, so while no worker at all
+        is live (they restart) every job waits."""
+        grace, keys = self.settings.unserved_grace_s, self.settings.keys
+        live = {keys.model_queue(m) for m in self.store.live_text_models()} | {self.queue}
+        stamps = self.store.served_stamps()
+        model_of = {keys.model_queue(m): m for m in stamps}
+        done: list[Requeued] = []
+        for job_id, queue, named in self.store.unserved_queued(live, now - grace):
+            model = model_of.get(queue)
+            if model is not None and stamps[model] > now - grace:
+                continue  # its workers beat within the grace: they restart
+            if named is None:
+                if self.store.unserved(job_id, queue, self.queue, "") == "moved":
+                    self.requeue(job_id)
+                    log.warning(
+                        "moved job %s from %s, which no live worker serves, to %s", job_id, queue, self.queue
+                    )
+                    done.append(Requeued(job_id, "model not served", ""))
+                continue
+            message = (
+                f"No live worker has served the model {named!r} for {grace:g} s (SPOOL_UNSERVED_GRACE_S); "
+                "the job was not run"
+            )
+            if self.store.unserved(job_id, queue, "", message) == "failed":
+                log.warning("failed job %s: no live worker serves its model %r", job_id, named)
         return done
 
     def drop_stale_attempts(self) -> int:

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import enum
 import logging
+import os
+import threading
+import time
 from collections.abc import Callable
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -18,12 +21,15 @@ from redis.exceptions import RedisError
 from common.process import freeze_startup_objects
 from common.settings import Settings
 from common.store import SyncJobStore
+from common.store.clients import answers
 from workers.identity import NameHeld, claim_name, default_worker_name
 
 log = logging.getLogger(__name__)
 
 RETRY_MARGIN_S = 0.5  # a task that met the worker's shutdown runs again this long past its lease
 EXIT_CANNOT_SERVE = 78  # EX_CONFIG: its model does not load, or its name is another live worker's
+EXIT_STOPPED_WITHOUT_REDIS = 75  # EX_TEMPFAIL: told to stop, Redis unreachable for SPOOL_STOP_TIMEOUT_S
+STOP_PING_S = 0.5  # how often a stopping worker asks whether Redis answers (and a ping's timeout)
 
 # NOTE: a Redis error (e.g. while taking the job) must not drop the message: the job would
 # stay queued forever. Retry with backoff instead.
@@ -103,7 +109,12 @@ class RuntimeHolder(Generic[Closes]):
         self._start = start
         self._runtime: Closes | None = None
         signals.worker_init.connect(self._on_init, weak=False)
+        signals.worker_shutting_down.connect(self._on_shutting_down, weak=False)
         signals.worker_shutdown.connect(self._on_shutdown, weak=False)
+
+    def _on_shutting_down(self, **_: Any) -> None:
+        if self._runtime is not None:
+            StopBound(self._settings).start()
 
     def _on_init(self, sender: Any, **_: Any) -> None:
         if sender.app is self.app:  # a process that imported another kind's tasks starts only its own
@@ -119,3 +130,45 @@ class RuntimeHolder(Generic[Closes]):
                 f"the {self.kind} runtime starts with the worker (worker_init); none is running"
             )
         return self._runtime
+
+
+class StopBound:
+    """Bounds a worker's stop while Redis is unreachable.
+
+    Told to stop (SIGTERM: Celery's warm shutdown), a worker finishes its running jobs before it
+    exits. Their ends are writes to Redis, so with Redis unreachable it would wait for good (a
+    task thread on its job, the writer retrying). A thread started at the signal asks Redis every
+    ``STOP_PING_S``; once no answer came for ``SPOOL_STOP_TIMEOUT_S`` (from the signal, or from the
+    last answer), it says so in the log and ends the process with ``EXIT_STOPPED_WITHOUT_REDIS``.
+    Nothing is lost: the jobs' leases lapse in Redis, and another worker (or this one, restarted)
+    takes them over from their logged tokens once Redis is back. While Redis answers, the stop
+    waits for the jobs as before.
+    """
+
+    def __init__(self, settings: Settings) -> None:
+        self._settings = settings
+        self._urls = sorted({settings.redis_url, settings.broker_redis_url})  # either one gone stops it
+
+    def start(self) -> None:
+        threading.Thread(target=self._run, name="spool-stop-bound", daemon=True).start()
+
+    def _run(self) -> None:
+        limit = self._settings.stop_timeout_s
+        answered = time.monotonic()
+        while True:
+            if all(answers(url, STOP_PING_S) for url in self._urls):
+                answered = time.monotonic()
+            elif time.monotonic() - answered >= limit:
+                break
+            time.sleep(STOP_PING_S)  # a poll's pace, not a wait for a condition
+        log.critical(
+            "told to stop with Redis unreachable for %.0f s (SPOOL_STOP_TIMEOUT_S): exiting with "
+            "status %d without finishing the running jobs; their leases lapse and other workers "
+            "take them over once Redis is back",
+            limit,
+            EXIT_STOPPED_WITHOUT_REDIS,
+        )
+        logging.shutdown()
+        os._exit(
+            EXIT_STOPPED_WITHOUT_REDIS
+        )  # Celery's stop waits on the jobs' threads: nothing can join them

@@ -25,7 +25,13 @@ from api.deps import (
 from api.errors import ApiError
 from api.openai_compat.chunks import View
 from api.openai_compat.images import ImageStreamView
-from api.served import check_media_workers, check_with_live_workers, queue_model, served_models
+from api.served import (
+    check_media_workers,
+    check_with_live_workers,
+    queue_model,
+    served_models,
+    waiting_reason,
+)
 from api.services import Services
 from api.sse import AsyncRender, Render, event_stream, rendered, to_sse_list
 from api.submission import streamed_submit, submit_job, wait_for_job
@@ -97,12 +103,16 @@ async def list_jobs(
 
 
 @router.get("/{job_id}")
-async def get_job(job: JobDep, store: StoreDep) -> Job:
+async def get_job(job: JobDep, services: ServicesDep) -> Job:
     if job.status is not JobStatus.QUEUED:
         return job
+    store = services.store
     position = await store.queue_position(job.id)
     estimate = await store.estimated_start_s(job.id, position) if position is not None else None
-    return job.model_copy(update={"queue_position": position, "estimated_start_s": estimate})
+    reason = await waiting_reason(store, await services.served.get(), job.id)
+    return job.model_copy(
+        update={"queue_position": position, "estimated_start_s": estimate, "waiting_reason": reason}
+    )
 
 
 @router.post("/{job_id}/cancel")

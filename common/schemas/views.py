@@ -69,6 +69,9 @@ class Job(JobSummary):
     # Queued: seconds until it can be expected to start; None without a basis (no live worker of
     # its model, or none of its jobs ended yet): AsyncJobStore.estimated_start_s.
     estimated_start_s: float | None = None
+    # Queued for a model no live worker serves: why it waits, and what becomes of it after
+    # SPOOL_UNSERVED_GRACE_S (api/served.py waiting_reason); None otherwise.
+    waiting_reason: str | None = None
 
 
 class JobList(BaseModel):

@@ -6,9 +6,11 @@ Every key it writes: docs/internals.md#redis-names-from-commonkeyspy-only-prefix
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections import Counter
 from collections.abc import Iterable
+from typing import Any
 
 import redis.asyncio as aredis
 from redis.client import NEVER_DECODE
@@ -196,7 +198,7 @@ class AsyncJobStore(WatcherSets, ResponseRecords):
 
         Raises JobNotFound, or Conflict if the job already finished otherwise than cancelled.
         """
-        keys, args = cancel_args(self.keys, job_id, self.settings.job_ttl_s, time.time())
+        keys, args = cancel_args(self.keys, job_id, self.settings.job_ttl_s)
         check_cancel(await self._cancel(keys, args), job_id)
         return await self.get_job(job_id)
 
@@ -374,6 +376,18 @@ class AsyncJobStore(WatcherSets, ResponseRecords):
         """The tokenizer spec a heartbeat names (common/prompt_tokens.py), None if not stored."""
         spec = await self.redis.get(self.keys.tokenizer(digest))
         return None if spec is None else str(spec)  # (decode_responses: a str already)
+
+    async def queued_for(self, job_id: str) -> tuple[str, str | None]:
+        """A job's queue (its hash's ``queue``; '' for none) and the model its request named (None)."""
+        queue, request = await self.redis.hmget(self.keys.job(job_id), ["queue", "request"])
+        return str(queue or ""), (json.loads(request).get("model") if request else None)
+
+    async def served_stamps(self) -> dict[str, float]:
+        """Each text model served within ``WORKER_FORGET_S`` -> its last heartbeat's time."""
+        stamps: list[Any] = await self.redis.zrangebyscore(
+            self.keys.served_models(), time.time() - WORKER_FORGET_S, "+inf", withscores=True
+        )
+        return {str(m): float(t) for m, t in stamps}
 
     async def recent_models(self) -> list[str]:
         """The text models a worker served within ``WORKER_FORGET_S``, live or not."""

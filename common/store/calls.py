@@ -16,8 +16,9 @@ from typing import Any
 from pydantic_core import to_json
 
 from common.keys import Keys, part_id, split_part_id
+from common.schemas.events import ErrorEvent, LogEntry
 from common.schemas.requests import ImagePart, JobRequest
-from common.schemas.views import Job
+from common.schemas.views import Job, JobError
 from common.settings import Settings
 from common.store.errors import Conflict, IdempotencyConflict, JobNotFound, KeyQueueFull, QueueFull
 from common.store.hooks import hook_field
@@ -230,7 +231,7 @@ def take_args(keys: Keys, job_id: str, worker: str, model: str, now: float, leas
             keys.job_text(job_id),
             keys.attempts(bucket),
         ],
-        [job_id, worker, model, repr(now), repr(now + lease_s)],
+        [job_id, worker, model, repr(now + lease_s)],
     )
 
 
@@ -249,7 +250,7 @@ def part_take_args(keys: Keys, pid: str, worker: str, model: str, now: float, le
             keys.job_events(job_id),
             keys.queued_media(bucket),
         ],
-        [pid, worker, model, repr(now), repr(now + lease_s), index],
+        [pid, worker, model, repr(now + lease_s), index],
     )
 
 
@@ -274,7 +275,7 @@ def _pairs(flat: list[str]) -> dict[str, str]:
     return dict(zip(flat[::2], flat[1::2], strict=True))
 
 
-def part_append_args(keys: Keys, a: Append, ttl_s: int, now: float) -> ScriptCall:
+def part_append_args(keys: Keys, a: Append, ttl_s: int) -> ScriptCall:
     split = split_part_id(a.job_id)
     assert split is not None
     job_id, index = split
@@ -302,7 +303,6 @@ def part_append_args(keys: Keys, a: Append, ttl_s: int, now: float) -> ScriptCal
             a.completion_tokens,
             final.status.value if final else "",
             (final.finish_reason or "") if final else "",
-            repr(now),
             final.error.model_dump_json() if final and final.error else "",
             ttl_s,
             a.job_id,
@@ -315,7 +315,7 @@ def part_append_args(keys: Keys, a: Append, ttl_s: int, now: float) -> ScriptCal
     )
 
 
-def append_step_args(keys: Keys, appends: Sequence[Append], ttl_s: int, now: float) -> ScriptCall:
+def append_step_args(keys: Keys, appends: Sequence[Append], ttl_s: int) -> ScriptCall:
     """append_step.lua's call: every append of a step (or of several steps, in order) of these
     jobs at once, in as many groups as they have buckets (on a Redis Cluster the caller passes
     jobs whose buckets lie on one master: common/store/steps.py)."""
@@ -333,7 +333,7 @@ def append_step_args(keys: Keys, appends: Sequence[Append], ttl_s: int, now: flo
         ]
         job_args += [group, *_append_args(a)]
     bucket_keys = [k for b in groups for k in (keys.running_jobs(b), keys.attempts(b))]
-    return bucket_keys + job_keys, [ttl_s, repr(now), len(groups), *job_args]
+    return bucket_keys + job_keys, [ttl_s, len(groups), *job_args]
 
 
 def _append_args(a: Append) -> list[Any]:
@@ -354,7 +354,7 @@ def _append_args(a: Append) -> list[Any]:
     ]
 
 
-def cancel_args(keys: Keys, job_id: str, ttl_s: int, now: float) -> ScriptCall:
+def cancel_args(keys: Keys, job_id: str, ttl_s: int) -> ScriptCall:
     bucket = keys.bucket_of(job_id)
     return (
         [
@@ -366,7 +366,22 @@ def cancel_args(keys: Keys, job_id: str, ttl_s: int, now: float) -> ScriptCall:
             keys.queued_media(bucket),
             keys.held_media(bucket),
         ],
-        [job_id, repr(now), ttl_s, cancelled_done_entry().encode(), keys.cancelled()],
+        [job_id, ttl_s, cancelled_done_entry().encode(), keys.cancelled()],
+    )
+
+
+MODEL_NOT_SERVED = "model_not_served"  # the error type of a job failed for want of its model's workers
+
+
+def unserved_args(keys: Keys, job_id: str, queue: str, to: str, ttl_s: int, message: str) -> ScriptCall:
+    """unserved.lua's call: move a queued job of ``queue`` to the queue ``to``, or ('' ) fail it
+    with ``model_not_served`` and ``message``."""
+    bucket = keys.bucket_of(job_id)
+    error = JobError(message=message, type=MODEL_NOT_SERVED)
+    entry = LogEntry.error(1, ErrorEvent(message=message, type=MODEL_NOT_SERVED))
+    return (
+        [keys.job(job_id), keys.job_log(job_id), keys.job_events(job_id), keys.queued_jobs(bucket)],
+        [job_id, queue, to, ttl_s, entry.encode(), error.model_dump_json()],
     )
 
 

@@ -136,3 +136,15 @@ def async_client(url: str) -> aredis.Redis:
         **REDIS_TIMEOUTS,
     )
     return aredis.Redis.from_pool(pool)  # the client owns the pool: aclose() closes it
+
+
+def answers(url: str, timeout_s: float) -> bool:
+    """Whether the Redis at ``url`` answers a PING within ``timeout_s`` (one try, no retry): for a
+    process that must tell a Redis gone from a slow one (workers/task_common.py StopBound)."""
+    client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+    try:
+        return bool(client.ping())
+    except (redis.RedisError, OSError):
+        return False
+    finally:
+        client.close()

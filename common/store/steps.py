@@ -62,12 +62,12 @@ class StepWriter:
         self._cluster = isinstance(client, redis.RedisCluster)
         self._slots = [key_slot(keys.running_jobs(b)) for b in keys.bucket_range()]
 
-    def write(self, appends: Sequence[Append], ttl_s: int, now: float) -> list[Any]:
+    def write(self, appends: Sequence[Append], ttl_s: int) -> list[Any]:
         """The script's answers to ``appends`` (jobs, not parts), in their order."""
         if not appends:
             return []
         if not self._cluster:
-            return list(self.script(*append_step_args(self.keys, appends, ttl_s, now)))
+            return list(self.script(*append_step_args(self.keys, appends, ttl_s)))
         cluster: redis.RedisCluster = self.client  # type: ignore[assignment]
 
         def master(a: Append) -> str:
@@ -79,13 +79,13 @@ class StepWriter:
         nodes = [cluster.get_node(node_name=name) for name in groups]
         parts = [[appends[i] for i in indexes] for indexes in groups.values()]
         if len(parts) == 1:
-            return self._call(nodes[0], appends, ttl_s, now)
+            return self._call(nodes[0], appends, ttl_s)
         # The masters' calls in one pipeline: each is sent before any answer is read, so a step
         # waits for its slowest master rather than for each in turn.
         pipe = cluster.pipeline(transaction=False)
         for node, part in zip(nodes, parts, strict=True):
             pipe.execute_command(
-                "EVALSHA", self.script.sha, *_spanning(self.keys, part, ttl_s, now), target_nodes=node
+                "EVALSHA", self.script.sha, *_spanning(self.keys, part, ttl_s), target_nodes=node
             )
         try:
             answers: list[Any] = pipe.execute(raise_on_error=False)
@@ -94,42 +94,42 @@ class StepWriter:
         # One that failed (the script not loaded there, a slot moved, a master unreachable) goes
         # again as one call, with its remedies; the script is safe to run twice.
         answers = [
-            self._call(node, part, ttl_s, now) if isinstance(answer, Exception) else answer
+            self._call(node, part, ttl_s) if isinstance(answer, Exception) else answer
             for node, part, answer in zip(nodes, parts, answers, strict=True)
         ]
         return _in_order(len(appends), groups.values(), answers)
 
-    def _call(self, node: ClusterNode, appends: Sequence[Append], ttl_s: int, now: float) -> list[Any]:
+    def _call(self, node: ClusterNode, appends: Sequence[Append], ttl_s: int) -> list[Any]:
         if len({self.keys.bucket_of(a.job_id) for a in appends}) == 1:
             # EVALSHA, routed by its keys; loads the script on NOSCRIPT
-            return list(self.script(*append_step_args(self.keys, appends, ttl_s, now)))
-        spanning = _spanning(self.keys, appends, ttl_s, now)
+            return list(self.script(*append_step_args(self.keys, appends, ttl_s)))
+        spanning = _spanning(self.keys, appends, ttl_s)
         try:
             try:
                 reply = self.client.execute_command("EVALSHA", self.script.sha, *spanning, target_nodes=node)
             except NoScriptError:  # a restarted or new master: EVAL caches it there
                 reply = self.client.execute_command("EVAL", self.script.script, *spanning, target_nodes=node)
         except _REROUTE:
-            return self._per_bucket(appends, ttl_s, now)
+            return self._per_bucket(appends, ttl_s)
         except ResponseError as e:
             if not any(m in str(e) for m in _NOT_HERE):
                 raise
-            return self._per_bucket(appends, ttl_s, now)
+            return self._per_bucket(appends, ttl_s)
         return list(reply)
 
-    def _per_bucket(self, appends: Sequence[Append], ttl_s: int, now: float) -> list[Any]:
+    def _per_bucket(self, appends: Sequence[Append], ttl_s: int) -> list[Any]:
         groups = _grouped(appends, lambda a: self.keys.bucket_of(a.job_id))
         answers = [
-            self.script(*append_step_args(self.keys, [appends[i] for i in indexes], ttl_s, now))
+            self.script(*append_step_args(self.keys, [appends[i] for i in indexes], ttl_s))
             for indexes in groups.values()
         ]
         return _in_order(len(appends), groups.values(), answers)
 
 
-def _spanning(keys: Keys, appends: Sequence[Append], ttl_s: int, now: float) -> list[Any]:
+def _spanning(keys: Keys, appends: Sequence[Append], ttl_s: int) -> list[Any]:
     """EVALSHA's arguments after the sha for ``appends`` of several slots of one master: no key
     declared, the keys in ARGV after their count (append_step.lua)."""
-    script_keys, args = append_step_args(keys, appends, ttl_s, now)
+    script_keys, args = append_step_args(keys, appends, ttl_s)
     return [0, len(script_keys), *script_keys, *args]
 
 

@@ -6,9 +6,10 @@ Every key it writes: docs/internals.md#redis-names-from-commonkeyspy-only-prefix
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Self
 
 import redis
@@ -23,6 +24,7 @@ from common.store.calls import (
     part_append_args,
     part_take_args,
     take_args,
+    unserved_args,
 )
 from common.store.clients import data_client, sync_client
 from common.store.files import UPLOAD_TTL_S
@@ -35,6 +37,7 @@ from common.store.records import (
     heartbeats_from,
     oldest_of,
     oldest_page,
+    worker_keys,
 )
 from common.store.scripts import source
 from common.store.service_times import record_service_times
@@ -73,6 +76,7 @@ class SyncJobStore:
         self._part_append = client.register_script(source("part_append"))
         self._renew = client.register_script(source("renew"))
         self._requeue = client.register_script(source("requeue"))
+        self._unserved = client.register_script(source("unserved"))
         self._cancel = client.register_script(source("cancel"))
         self._drop_attempts = client.register_script(source("drop_attempts"))
         self._release_held = client.register_script(source("release_held"))
@@ -110,11 +114,11 @@ class SyncJobStore:
         now, ttl = time.time(), self.settings.job_ttl_s
         results: list[Appended | None] = [None] * len(appends)
         jobs = [i for i, a in enumerate(appends) if not split_part_id(a.job_id)]
-        for i, reply in zip(jobs, self._steps.write([appends[i] for i in jobs], ttl, now), strict=True):
+        for i, reply in zip(jobs, self._steps.write([appends[i] for i in jobs], ttl), strict=True):
             results[i] = Appended.of(reply)
         for i, a in enumerate(appends):
             if results[i] is None:  # a part's, in order (several steps of one part stay in order)
-                keys, args = part_append_args(self.keys, self._stored_content(a, now), ttl, now)
+                keys, args = part_append_args(self.keys, self._stored_content(a, now), ttl)
                 results[i] = Appended.of(self._part_append(keys, args))
         ended = [appends[i].job_id for i in jobs if appends[i].final and results[i] is Appended.WRITTEN]
         record_service_times(self.redis, self.keys, ended)
@@ -269,6 +273,51 @@ class SyncJobStore:
         replies = zip(ids, pipe.execute(), strict=True)
         return [str(j) for j, (q, tier) in replies if q == queue and not (interactive and tier)]
 
+    def unserved_queued(
+        self, live_queues: Collection[str], queued_before: float
+    ) -> list[tuple[str, str, str | None]]:
+        """The jobs queued since before ``queued_before`` (among the oldest ``QUEUED_PAGE`` of each
+        bucket) whose queue is a text queue none of ``live_queues``: (id, queue, the model their
+        request named, None for none). Parts are left out (their job's parts run together)."""
+        pipe = self.redis.pipeline(transaction=False)
+        for b in self.keys.bucket_range():
+            pipe.zrangebyscore(self.keys.queued_jobs(b), "-inf", queued_before, start=0, num=QUEUED_PAGE)
+        ids = [str(j) for page in pipe.execute() for j in page if not split_part_id(str(j))]
+        if not ids:
+            return []
+        pipe = self.redis.pipeline(transaction=False)
+        for job_id in ids:
+            pipe.hget(self.keys.job(job_id), "queue")
+        found = [(j, str(q)) for j, q in zip(ids, pipe.execute(), strict=True) if q and q not in live_queues]
+        pipe = self.redis.pipeline(transaction=False)
+        for job_id, _ in found:
+            pipe.hget(self.keys.job(job_id), "request")
+        requests = pipe.execute() if found else []
+        return [
+            (j, q, json.loads(r).get("model") if r else None)
+            for (j, q), r in zip(found, requests, strict=True)
+        ]
+
+    def unserved(self, job_id: str, queue: str, to: str, message: str) -> str:
+        """Move a job still queued for ``queue`` to the live queue ``to`` (the caller sends its
+        message there), or, with ``to`` empty, fail it with ``model_not_served`` and ``message``
+        (unserved.lua); returns 'moved', 'failed' or 'left' (no longer queued there)."""
+        keys, args = unserved_args(self.keys, job_id, queue, to, self.settings.job_ttl_s, message)
+        return str(self._unserved(keys, args))
+
+    def live_text_models(self) -> set[str]:
+        """The models of the text workers with a live heartbeat."""
+        names = [str(n) for n in self.redis.zrange(self.keys.workers(), 0, -1)]
+        pipe = self.redis.pipeline(transaction=False)
+        for key in worker_keys(self.keys, names):
+            pipe.get(key)
+        return {w.model for w in heartbeats_from(pipe.execute() if names else []) if w.kind == "text"}
+
+    def served_stamps(self) -> dict[str, float]:
+        """Each text model served within ``WORKER_FORGET_S`` -> its last heartbeat's time."""
+        stamps: list[Any] = self.redis.zrange(self.keys.served_models(), 0, -1, withscores=True)
+        return {str(m): float(t) for m, t in stamps}
+
     def live_workers(self, names: Iterable[str]) -> set[str]:
         """Which of these workers have a live heartbeat."""
         names = sorted(set(names))
@@ -358,7 +407,7 @@ class SyncJobStore:
     def cancel_job(self, job_id: str) -> None:
         """Cancel a job as the API's cancel does (cancel.lua): a job with parts cancels its queued
         parts at once and asks their workers to end the running ones. A job already ended stays so."""
-        keys, args = cancel_args(self.keys, job_id, self.settings.job_ttl_s, time.time())
+        keys, args = cancel_args(self.keys, job_id, self.settings.job_ttl_s)
         self._cancel(keys, args)
 
     def beat(self, heartbeat: WorkerHeartbeat, tokenizer: TokenizerSpec | None = None) -> None:

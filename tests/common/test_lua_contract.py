@@ -242,12 +242,12 @@ def test_the_builders_pass_what_their_scripts_declare(settings: Settings) -> Non
         ),
     ]
     for some in (appends[:1], appends, [*appends, Append(d, 1, _entries(1, 1), 2, 1)]):
-        checked("append_step", append_step_args(keys, some, 60, now))
+        checked("append_step", append_step_args(keys, some, 60))
     for a in (Append(part_id("j", 0), 1, _entries(1, 2), 2, 2), Append(part_id("j", 1), 1, [], 0, 0)):
-        checked("part_append", part_append_args(keys, a, 60, now))
+        checked("part_append", part_append_args(keys, a, 60))
     final = Append(part_id("j", 0), 1, [_done(3)], 2, 2, Final(JobStatus.SUCCEEDED, "length"), b"png")
-    checked("part_append", part_append_args(keys, final, 60, now))
-    checked("cancel", cancel_args(keys, "j", 60, now))
+    checked("part_append", part_append_args(keys, final, 60))
+    checked("cancel", cancel_args(keys, "j", 60))
     # A wrong count is caught.
     keys_, args = take_args(keys, "j", "w", "m", now, 30.0)
     with pytest.raises(AssertionError):
@@ -306,6 +306,9 @@ def test_the_worker_store_passes_what_its_scripts_declare(settings: Settings) ->
         store.claim_requeue(other.id, time.time(), 0.0)
         store.release_leases("w")
         store.request_cancel(other.id)
+        for to in (queue, ""):  # a job queued for a model nobody serves: moved, then failed
+            unserved = store.create_job(request, "o", lambda i: QueueMessage(queue, f"msg {i}", queue))
+            store.unserved(unserved.id, queue, to, "gone")
         cursor = 0
         while True:
             cursor, _ = store.drop_stale_attempts(cursor, 100)

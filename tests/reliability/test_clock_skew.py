@@ -1,13 +1,17 @@
-"""A worker whose clock runs 90 s ahead of the API's keeps the foreground requests whose clients wait.
+"""A worker whose clock runs 90 s ahead of the API's keeps the foreground requests whose clients
+wait, and stores its jobs' times and webhook events on Redis's clock.
 
 The worker runs under libfaketime (Debian's ``faketime``; the test skips without it). It cancels
 a foreground job that nobody has watched for ``SPOOL_DETACH_GRACE_S``; the watchers' leases are
 written by the API. Were they scored with the API's clock and read with the worker's, every
 lease would look 90 s lapsed and the worker would cancel requests whose clients still read.
+Were a job's ``started_at`` and ``finished_at`` the worker's clock, they would lie 90 s in the
+future, and its webhook deliveries (due when recorded) would come due 90 s late.
 """
 
 from __future__ import annotations
 
+import json
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,6 +35,7 @@ from procs import (
 )
 
 from common.keys import Keys
+from common.webhooks import new_secret
 from workers.liveness import FIRST_WATCHER_S
 
 SKEW = "+90s"
@@ -77,7 +82,14 @@ def skewed(prefixes: Prefixes, endless_model: Path, log_dir: Path) -> Iterator[t
     worker = start(f"worker-{prefix}-ahead", ["faketime", "-f", SKEW, SPOOL, "worker"], env, log_dir)
     r = redis.Redis.from_url(REDIS_URL)
     wait_until(lambda: bool(heartbeats(r, Keys(prefix))), "the skewed worker's heartbeat", 120, (worker,))
-    api = start_api(prefix, log_dir, detach_grace_s=GRACE_S, max_tokens_cap=MAX_MODEL_LEN)
+    api = start_api(
+        prefix,
+        log_dir,
+        detach_grace_s=GRACE_S,
+        max_tokens_cap=MAX_MODEL_LEN,
+        webhook_secret=new_secret(),
+        webhook_allow_hosts="127.0.0.1",  # no hook worker runs: the deliveries stay due
+    )
     yield worker, api
     api.stop()
     worker.stop()
@@ -116,3 +128,40 @@ def test_a_worker_ahead_keeps_a_foreground_stream_whose_client_reads(
     assert worker.alive()
     figures["clock_skew_worker_ahead"] = SKEW
     figures["clock_skew_tokens_read_before_check"] = read
+
+
+def test_a_worker_ahead_stores_times_and_webhooks_on_redis_clock(
+    skewed: tuple[Service, Service], client: httpx.Client, redis_client: redis.Redis, figures: dict[str, Any]
+) -> None:
+    _, api = skewed
+    keys = Keys(api.prefix)
+    before = redis_now(redis_client)
+    body = {
+        "prompt": "hello",
+        "max_tokens": 3,
+        "webhook": "http://127.0.0.1:9/hook",
+        "webhook_events": ["start", "completed"],
+    }
+    submitted = client.post(f"{api.url}/v1/jobs", json=body)
+    assert submitted.status_code == 202, submitted.text
+    job_id = submitted.json()["id"]
+    job = finished_job(client, api.url, job_id)
+    after = redis_now(redis_client)
+    assert job["status"] == "succeeded", job
+    # Within Redis's clock around the job (a second's slack for rounding), not 90 s ahead.
+    off = [job["started_at"] - after, job["finished_at"] - after]
+    assert before - 1 <= job["started_at"] <= job["finished_at"] <= after + 1, (before, job, after)
+    hooks = keys.hooks("job", job_id)
+    due = redis_client.zscore(keys.hooks_due_of(hooks), hooks)
+    assert due is not None and due <= after + 1, (due, after)  # due now, not 90 s from now
+    created = [
+        json.loads(v)["created_at"] for f, v in redis_client.hgetall(hooks).items() if f.startswith(b"d")
+    ]
+    assert len(created) == 2 and all(before - 1 <= c <= after + 1 for c in created), (created, before, after)
+    figures["clock_skew_stored_times_ahead_of_redis_s"] = round(max(off), 3)
+    figures["clock_skew_webhook_due_ahead_of_redis_s"] = round(due - after, 3)
+
+
+def redis_now(r: redis.Redis) -> float:
+    seconds, micros = r.time()
+    return seconds + micros / 1e6

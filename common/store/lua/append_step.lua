@@ -2,7 +2,7 @@
 -- One engine step's writes, for every job in it (several steps' when the writer fell behind)
 -- (common/store/calls.py append_step_args).
 -- KEYS: (running attempts)[groups] (job log channel text)*
--- ARGV: ttl finished_at groups (group attempt first_seq prompt_tokens completion_tokens status finish_reason error id checkpoint text n entry[n])*
+-- ARGV: ttl groups (group attempt first_seq prompt_tokens completion_tokens status finish_reason error id checkpoint text n entry[n])*
 -- n >= 1: every append has an entry (an append of none could not tell a retry from a first try).
 -- The jobs may lie in several buckets (groups: each bucket's running set and attempts hash,
 -- and each job's group, 1-based). One group of KEYS and of ARGV per append. On a Redis Cluster a
@@ -24,6 +24,7 @@
 -- per token fewer); a push that finds the log elsewhere than expected is undone at once, inside
 -- the script, so nobody sees it. A script's writes are refused as a whole (out of memory or a
 -- read-only replica refuse its first write), never halfway.
+--#include redis_now
 --#include hook_event
 -- The contract's KEYS[i] is keys[ko + i] and its ARGV[i] is ARGV[o + i]: in the spanning form both
 -- lie in ARGV, read at an offset rather than copied out (a copy cost a fifth of the script's time).
@@ -32,7 +33,8 @@ if nkeys == 0 then  -- the keys of several slots, in ARGV
   nkeys = tonumber(ARGV[1])
   keys, ko, o = ARGV, 1, nkeys + 1
 end
-local ttl, finished_at, groups = ARGV[o + 1], ARGV[o + 2], tonumber(ARGV[o + 3])
+local ttl, groups = ARGV[o + 1], tonumber(ARGV[o + 2])
+local finished_at = redis_now()  -- Redis's clock, not the worker's (a worker's may be off)
 
 -- An append's fields in ARGV, by their offset from its first (``a``, its attempt).
 local GROUP, ATTEMPT, FIRST_SEQ, PROMPT_TOKENS, COMPLETION_TOKENS, STATUS, FINISH_REASON, ERROR, ID,
@@ -84,7 +86,7 @@ local function append(running, attempts, job, log, channel, text, a, held)
 end
 
 -- Each append's first ARGV index, and the ids of each group's appends.
-local firsts, ids, a = {}, {}, o + 4
+local firsts, ids, a = {}, {}, o + 3
 for _ = 2 * groups + 1, nkeys, 4 do
   local g = tonumber(ARGV[a + GROUP])
   firsts[#firsts + 1] = a

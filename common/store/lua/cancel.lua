@@ -1,6 +1,6 @@
 -- Cancel a job: at once if queued, at its worker's next step if running (common/store/calls.py cancel_args).
 -- KEYS: job log channel queued text queued_media held_media
--- ARGV: id now ttl done cancelled
+-- ARGV: id ttl done cancelled
 -- channel: the job's events (a shard channel, SPUBLISH: on a cluster only its slot's node
 -- carries it); cancelled: the cancel channel the workers listen on (plain PUBLISH: on a cluster
 -- that reaches every node, and a worker may listen on any; not a key, so in ARGV); done: the
@@ -8,9 +8,11 @@
 -- A job with parts: each queued part is cancelled at once (its part event), each running one is
 -- told (as a running job is); the job ends once its last part has.
 -- Returns 'cancelled', 'requested', 'missing' or the status of a job that ended already.
+--#include redis_now
 --#include parts
 local job, log, channel, queued, text, queued_media, held_media = unpack(KEYS)
-local id, now, ttl, done, cancelled = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
+local id, ttl, done, cancelled = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
+local now = redis_now()  -- finished_at: Redis's clock, not the caller's
 
 local status = redis.call('HGET', job, 'status')
 if not status then return 'missing' end

@@ -1,6 +1,6 @@
 -- A part's writes for one engine step (common/store/calls.py part_append_args).
 -- KEYS: part log channel running part_text job text content queued_media held_media
--- ARGV: attempt first_seq prompt_tokens completion_tokens status finish_reason now error ttl id entries_text summary content index entry*
+-- ARGV: attempt first_seq prompt_tokens completion_tokens status finish_reason error ttl id entries_text summary content index entry*
 -- log, channel, job, text: the job's; part_text, content, id, index: the part's. first_seq: the
 -- part's own count of events; status: the final status ('' if not final); error: JSON ('' for
 -- none); summary: the last entry's data (JSON, when final); content: '' for none.
@@ -9,11 +9,13 @@
 -- token, or its end) counts toward sending its job's held image parts. The part's last append
 -- stores its summary and content, starts or fails the parts that take their prompt from it, and
 -- ends the job when no part is left. Returns 1 written, 2 written before, 0 fenced or -1 a gap.
+--#include redis_now
 --#include parts
 local part, log, channel, running, part_text, job, text, content_key, queued_media, held_media = unpack(KEYS)
-local attempt, first_seq, prompt_tokens, completion_tokens, status, finish_reason, now, error_json, ttl, id,
-      entries_text, summary, content, index = unpack(ARGV, 1, 14)
-local ENTRIES = 15
+local attempt, first_seq, prompt_tokens, completion_tokens, status, finish_reason, error_json, ttl, id,
+      entries_text, summary, content, index = unpack(ARGV, 1, 13)
+local ENTRIES = 14
+local now = redis_now()  -- finished_at and the events' times: Redis's clock, not the worker's
 
 if redis.call('HGET', part, 'attempt') ~= attempt then return 0 end
 local n = #ARGV - ENTRIES + 1
