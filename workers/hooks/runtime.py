@@ -56,7 +56,7 @@ from workers.liveness import HeldJob, Liveness
 log = logging.getLogger(__name__)
 
 MAX_ANSWER_BYTES = 64 * 1024  # of a receiver's answer body, read and dropped
-SLOT_WAIT_S = 1.0  # a delivery that finds its destination's (or key's) slots taken is due again this much later
+SLOT_WAIT_S = 1.0  # the longest wait for slots; a delivery that gets none is due again this much later
 T = TypeVar("T")
 Send = Callable[[str], None]  # a hooks hash -> its message sent on {p}.hooks
 Destination = tuple[str, str, int]  # a URL's scheme, host and port: what a slot is counted per
