@@ -208,7 +208,9 @@ class Settings(BaseSettings):
     webhook_backoff_s: float = Field(2.0, gt=0)  # the first retry's delay; doubled each time, jittered
     webhook_horizon_s: float = Field(24 * 3600.0, gt=0)  # retried until this long after the event
     webhook_max_bytes: int = Field(256 * 1024, ge=1024)  # a larger job is sent without its text
-    webhook_max_per_host: int = Field(4, ge=1)  # deliveries in flight to one host, per hook worker
+    # Attempts in flight per hook worker to one destination (scheme, host, port), and for one API key.
+    webhook_max_per_host: int = Field(4, ge=1)
+    webhook_max_per_key: int = Field(32, ge=1)
     webhook_sweep_s: float = Field(0.5, gt=0)  # how often a hook worker looks for due deliveries
 
     # API process

@@ -19,7 +19,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from common.schemas.checks import INVALID_SCHEMA, encodable, guide_size
+from common.schemas.checks import INVALID_SCHEMA, encodable, guide_size, stored
 
 
 class FunctionCall(BaseModel):
@@ -110,6 +110,8 @@ class JsonSchemaFormat(BaseModel):
     @field_validator("schema_")
     @classmethod
     def _is_a_schema(cls, v: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        if stored(info):  # checked when it was accepted
+            return v
         guide_size(
             "the JSON schema",
             len(json.dumps(v, separators=(",", ":"), ensure_ascii=False)),

@@ -25,6 +25,7 @@ from common.schemas.checks import (
     MAX_PRIORITY,
     OUT_OF_RANGE,
     SERVER_SETTINGS,
+    STORED_CONTEXT,
     TOO_DEEP,
     ServiceTier,
     check_limit,
@@ -316,7 +317,7 @@ class JobRequest(TextParams):
         if isinstance(part, ImagePart):
             return part.model_copy(update={"timeout_s": timeout})
         fields = part.model_dump(exclude={"type"}, exclude_unset=True)
-        return JobRequest.model_validate(
+        return JobRequest.model_validate(  # the part's fields were checked as a part's
             {
                 **fields,
                 "max_tokens": part.max_tokens,
@@ -324,7 +325,8 @@ class JobRequest(TextParams):
                 "background": self.background,
                 "service_tier": self.service_tier,
                 "priority": self.priority,
-            }
+            },
+            context=STORED_CONTEXT,
         )
 
     @classmethod

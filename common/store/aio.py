@@ -17,6 +17,7 @@ from redis.client import NEVER_DECODE
 
 from common.artifacts import Artifacts
 from common.keys import BATCH_PRIORITY, REQUEUE_PRIORITY, Keys, part_id
+from common.schemas.checks import STORED_CONTEXT
 from common.schemas.events import LogEntry
 from common.schemas.requests import JobRequest
 from common.schemas.views import Job, JobList, JobStatus, JobSummary, WorkerHeartbeat
@@ -175,7 +176,7 @@ class AsyncJobStore(WatcherSets, ResponseRecords):
         return StreamState(
             job_id,
             JobStatus(status),
-            JobRequest.model_validate_json(request),
+            JobRequest.model_validate_json(request, context=STORED_CONTEXT),
             float(created_at),
             model or None,
             int(length),

@@ -17,6 +17,7 @@ import redis
 import redis.asyncio as aredis
 
 from common.keys import Keys
+from common.schemas.checks import STORED_CONTEXT
 from common.schemas.events import DoneEvent, LogEntry, TokenEvent, TokenLogprob
 from common.schemas.requests import ImagePart, JobRequest
 from common.schemas.views import Job, JobError, JobStatus, JobSummary, Usage, WorkerHeartbeat
@@ -278,7 +279,7 @@ def record_from_hash(h: dict[str, str], text: str) -> JobRecord:
     request: JobRequest | ImagePart = (
         ImagePart.model_validate_json(h["request"])
         if h.get("type") == "image"
-        else JobRequest.model_validate_json(h["request"])
+        else JobRequest.model_validate_json(h["request"], context=STORED_CONTEXT)
     )
     return JobRecord(
         job=job,

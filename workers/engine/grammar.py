@@ -1,8 +1,10 @@
 """Structured outputs: the grammars of a request's guide (xgrammar) and the token masks they give
 each step.
 
-``Grammars`` compiles a guide once, on any thread, so the worker compiles it on the job's task
-thread and a new schema never stalls the running batch. ``Masks.apply`` sets the disallowed
+``Grammars`` compiles a guide once, on a compile thread of its own at a lower CPU priority (nice
+10 on Linux, and so the compiler's one thread it starts), whatever thread asks for it: the asking
+thread (the job's task thread) waits, the engine thread does not, and compiles take at most one
+core however many schemas arrive, so a new schema never stalls the running batch. ``Masks.apply`` sets the disallowed
 logits of the constrained rows to -inf before sampling. With a budget per step, each row's mask
 is filled on a thread pool and a fill past the budget ends its request, because some short
 regexes cost hundreds of milliseconds a step and would stall the whole batch.
@@ -14,6 +16,8 @@ docs/internals.md#engine-api-workersengine ("Structured outputs").
 from __future__ import annotations
 
 import json
+import os
+import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -34,6 +38,18 @@ ANY_OBJECT = '{"type": "object"}'
 MASK_POLL_SHARE = 0.1
 # The error type of a request ended for its mask's cost (Delta.error_type).
 GUIDE_TOO_EXPENSIVE = "guide_too_expensive"
+# The compile thread's nice value (Linux: per thread, inherited by the threads it starts). Not 19:
+# a thread that holds the GIL (between xgrammar's calls) must not wait long for a core.
+COMPILE_NICE = 10
+
+
+def _lowest_priority() -> None:
+    """The compile thread's initializer: a lower CPU priority, for it and its compiler's thread."""
+    if sys.platform == "linux":  # elsewhere a thread's id is no process id for setpriority
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), COMPILE_NICE)
+        except OSError:  # a sandbox that refuses it: compiles at the engine's priority
+            pass
 
 
 class GrammarError(ValueError):
@@ -41,13 +57,16 @@ class GrammarError(ValueError):
 
 
 class Grammars:
-    """Compiled JSON grammars for one tokenizer, cached by schema. Thread-safe."""
+    """Compiled JSON grammars for one tokenizer, cached by schema, each compiled once on the
+    compile thread (concurrent asks for one schema wait for the same compile). Thread-safe."""
 
     def __init__(self, tokenizer: Any, vocab_size: int) -> None:
         self.vocab_size = vocab_size
         self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
-        self._compiler = xgr.GrammarCompiler(self.info, max_threads=2, cache_enabled=False)
+        self._compiler = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
         self._cache: dict[str, xgr.CompiledGrammar] = {}
+        self._compiling: dict[str, Future[xgr.CompiledGrammar]] = {}
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="spool-grammar", initializer=_lowest_priority)
         self._lock = threading.Lock()
         self.compiled = 0  # schemas compiled (cache misses)
         self.hits = 0
@@ -99,12 +118,23 @@ class Grammars:
             if (hit := self._cache.get(key)) is not None:
                 self.hits += 1
                 return hit
+            future, mine = self._compiling.get(key), False
+            if future is None:
+                future = self._compiling[key] = self._pool.submit(compile)
+                mine = True
+            else:  # its compile is under way: waited for, not done twice
+                self.hits += 1
         try:
-            grammar = compile()
+            grammar = future.result()
         except RuntimeError as e:  # xgrammar's C++ errors: "...: Unsupported type "integer2""
+            if mine:
+                with self._lock:
+                    del self._compiling[key]
             raise GrammarError(f"the {what} cannot be used: {str(e).split(': ', 1)[-1].strip()}") from None
         with self._lock:
-            self.compiled += 1
+            if mine:
+                self.compiled += 1
+                del self._compiling[key]
             return self._cache.setdefault(key, grammar)
 
 

@@ -1,10 +1,15 @@
 """The hook worker's runtime: webhook deliveries on an asyncio loop of its own, liveness as any worker.
 
-Celery task threads hand it a hooks hash (``deliver``); the loop delivers that object's deliveries
-in order through the store's lock (common/store/hooks.py), each attempt a POST signed as
+Celery task threads hand it a hooks hash (``deliver``) and return: the loop delivers that object's
+deliveries in order through the store's lock (common/store/hooks.py), each attempt a POST signed as
 Standard Webhooks to an address checked when it is resolved, for the connect (no redirects, a
 bounded read of the answer, ``SPOOL_WEBHOOK_TIMEOUT_S``). A sweep on the same loop sends a
 message for each hooks hash due. No torch, no model: ``spool worker --kind hooks``.
+
+Fair: at most ``SPOOL_WEBHOOK_MAX_PER_HOST`` attempts in flight per destination (scheme, host,
+port) and ``SPOOL_WEBHOOK_MAX_PER_KEY`` per API key. A delivery waits for its slots on the loop
+(no thread) for at most ``SLOT_WAIT_S``, then is due again ``SLOT_WAIT_S`` later without an
+attempt; no task thread ever waits for a receiver, so a hanging one delays no other destination.
 
 What a receiver sees: docs/webhooks.md. The keys and scripts:
 docs/internals.md#redis-names-from-commonkeyspy-only-prefix-spool_redis_prefix.
@@ -52,9 +57,15 @@ from workers.liveness import HeldJob, Liveness
 log = logging.getLogger(__name__)
 
 MAX_ANSWER_BYTES = 64 * 1024  # of a receiver's answer body, read and dropped
-SLOT_WAIT_S = 1.0  # a delivery that finds its host's slots taken is due again this much later
+SLOT_WAIT_S = 1.0  # the longest wait for slots; a delivery that gets none is due again this much later
 T = TypeVar("T")
 Send = Callable[[str], None]  # a hooks hash -> its message sent on {p}.hooks
+Destination = tuple[str, str, int]  # a URL's scheme, host and port: what a slot is counted per
+
+
+def destination(url: str) -> Destination:
+    """Where a URL's deliveries go, as the in-flight caps count them: its scheme, host and port."""
+    return (urlsplit(url).scheme, *host_port(url))
 
 
 def claim_s(settings: Settings) -> float:
@@ -72,7 +83,9 @@ class HookRuntime:
         self._stop = threading.Event()
         self._loop = asyncio.new_event_loop()
         self._thread = NamedThread(target=self._loop.run_forever, name="spool-hooks-loop", daemon=True)
-        self._slots: dict[str, asyncio.Semaphore] = {}  # per host: deliveries in flight
+        self._slots: dict[Destination, asyncio.Semaphore] = {}  # per destination: attempts in flight
+        self._key_slots: dict[str, asyncio.Semaphore] = {}  # per API key (owner): attempts in flight
+        self._delivering: set[asyncio.Task[None]] = set()  # the loop's deliveries, one per hooks hash
         self._in_flight = 0
         self._delivered = 0
         self._me = asdict(this_process())  # the heartbeat's host, pid, pid_ns and instance
@@ -114,6 +127,8 @@ class HookRuntime:
     async def _close(self) -> None:
         if self._sweeper is not None:  # before its clients close under it
             await cancel_until_done([self._sweeper])
+        # Deliveries cut here stay locked until their claims end; then another worker sends them.
+        await cancel_until_done(list(self._delivering))
         await self.http.aclose()
         await self.hooks.redis.aclose()
 
@@ -147,14 +162,47 @@ class HookRuntime:
             await asyncio.sleep(self.settings.webhook_sweep_s)
 
     def deliver(self, key: str) -> None:
-        """A task thread's: deliver this hooks hash's deliveries due, in order."""
-        self._run(self._deliver(key))
+        """A task thread's: start delivering this hooks hash's deliveries due, in order, on the
+        loop, and return at once (the thread never waits for a receiver or a slot)."""
+        self._run(self._start_delivery(key))
+
+    async def _start_delivery(self, key: str) -> None:
+        task = asyncio.create_task(self._deliver(key))
+        self._delivering.add(task)
+        task.add_done_callback(self._delivering.discard)
 
     async def _deliver(self, key: str) -> None:
-        while not self._stop.is_set():
-            begun = await self.hooks.begin(key, self.token, time.time(), claim_s(self.settings))
-            if begun is None or not await self._attempt(begun):
-                return
+        """Its hash's deliveries due, in order. A failure leaves the hash locked until its claim
+        ends, and due: a sweep then sends it again."""
+        try:
+            while not self._stop.is_set():
+                begun = await self.hooks.begin(key, self.token, time.time(), claim_s(self.settings))
+                if begun is None or not await self._attempt(begun):
+                    return
+        except (RedisError, OSError) as e:
+            log.warning("webhook delivery of %s failed: %s", key, e)
+        except Exception:
+            log.exception("webhook delivery of %s failed", key)
+
+    async def _take_slots(self, url: str, owner: str) -> list[asyncio.Semaphore] | None:
+        """The slots of an attempt to ``url`` for ``owner`` (its destination's and its key's),
+        waited for on the loop for at most SLOT_WAIT_S in all; None: not within that time."""
+        settings = self.settings
+        wanted = [
+            self._key_slots.setdefault(owner, asyncio.Semaphore(settings.webhook_max_per_key)),
+            self._slots.setdefault(destination(url), asyncio.Semaphore(settings.webhook_max_per_host)),
+        ]
+        taken: list[asyncio.Semaphore] = []
+        try:
+            async with asyncio.timeout(SLOT_WAIT_S):
+                for slots in wanted:
+                    await slots.acquire()
+                    taken.append(slots)
+        except TimeoutError:
+            for slots in taken:
+                slots.release()
+            return None
+        return taken
 
     async def _attempt(self, begun: Begun) -> bool:
         """One attempt of the delivery; True when it is done (the next one may go)."""
@@ -165,12 +213,10 @@ class HookRuntime:
             record.update(status="disabled", next_attempt_at=None)
             self.metrics.outcome("disabled")
             return await self.hooks.record(self.token, begun, record, None, now)
-        host = host_port(url)[0]
-        slots = self._slots.setdefault(host, asyncio.Semaphore(self.settings.webhook_max_per_host))
-        try:
-            await asyncio.wait_for(slots.acquire(), SLOT_WAIT_S)
-        except TimeoutError:  # its host has enough in flight: due again soon, no attempt counted
-            await self.hooks.record(self.token, begun, record, now + SLOT_WAIT_S, now)
+        taken = await self._take_slots(url, owner)
+        if taken is None:  # its destination or key has enough in flight: due again soon, no attempt
+            later = time.time()
+            await self.hooks.record(self.token, begun, record, later + SLOT_WAIT_S, later)
             return False
         self._in_flight += 1
         refused = False
@@ -182,7 +228,8 @@ class HookRuntime:
                 code, error, took, refused = None, str(e), 0.0, True
         finally:
             self._in_flight -= 1
-            slots.release()
+            for slots in taken:
+                slots.release()
         if not refused:  # no request was made
             self.metrics.attempt_time.observe(took)
         attempts = [*record.get("attempts", []), {"at": now, "status_code": code, "error": error}]

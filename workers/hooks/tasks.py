@@ -15,7 +15,7 @@ from workers.celery_app import make_app
 from workers.hooks.runtime import HookRuntime
 from workers.task_common import TASK_OPTIONS, RuntimeHolder
 
-HOOK_TASK_THREADS = 16  # task threads; each waits on the runtime's loop while it delivers
+HOOK_TASK_THREADS = 16  # task threads; each hands a hash to the runtime's loop and returns
 
 _settings = get_settings()
 app = make_app(_settings, include=(), queue=_settings.keys.queue_hooks, concurrency=HOOK_TASK_THREADS)
