@@ -69,7 +69,7 @@ class ContextCheck:
     async def check(self, request: JobRequest, worker: WorkerHeartbeat) -> None:
         """ApiError 400 when the request cannot fit the model the worker serves."""
         limit = worker.max_model_len
-        if limit is None:
+        if limit is None or request.embed is not None:  # an input too long fails its job (400 too)
             return
         if (chars := prompt_chars(request)) > limit * MAX_CHARS_PER_TOKEN:
             raise ApiError(

@@ -34,6 +34,7 @@ from common.schemas.checks import (
     server_settings,
     too_deep_message,
 )
+from common.schemas.embeddings import EmbedParams
 from common.schemas.text import TextParams, TextPart
 from common.settings import Settings
 from common.webhooks import check_events, check_url_form
@@ -138,6 +139,9 @@ class JobRequest(TextParams):
     stream_include_usage: bool = False  # OpenAI stream format: end with a usage chunk (stream_options)
     # A multimodal job: its parts in order; each has its own status (common/store/records.py).
     parts: list[Part] | None = Field(None, min_length=1)
+    # An embedding job (/v1/embeddings): its inputs, embedded by a worker whose model embeds; it
+    # generates nothing, and its terminal event carries the vectors (common/schemas/embeddings.py).
+    embed: EmbedParams | None = None
     # Choices: n sequences of the prompt in the batch, one job (docs/internals.md, "Choices").
     n: StrictInt = 1
     # Where to POST the job's events (docs/webhooks.md), and which: start, part, completed.
@@ -215,7 +219,7 @@ class JobRequest(TextParams):
         return encodable(v)
 
     def _needs_prompt(self) -> bool:
-        return self.parts is None
+        return self.parts is None and self.embed is None
 
     @field_validator("parts")
     @classmethod

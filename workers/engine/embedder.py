@@ -20,11 +20,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoConfig, AutoModel, AutoTokenizer, PreTrainedTokenizerBase
+import xgrammar
+from transformers import AutoConfig, AutoModel, AutoTokenizer
 
 from workers.engine.engine import Engine
 from workers.engine.grammar import Grammars
-from workers.engine.types import Delta
+from workers.engine.types import Delta, SamplingParams
 
 POOLINGS = ("mean", "cls", "last")
 # sentence-transformers' Pooling config keys, by the pooling they switch on.
@@ -78,7 +79,9 @@ def read_pooling(model_dir: str | Path) -> ModelPooling | None:
             on = [name for key, name in _ST_POOLING.items() if cfg.get(key)]
             if len(on) != 1:
                 keys = sorted(k for k, v in cfg.items() if k.startswith("pooling_mode") and v)
-                raise NotAnEmbeddingModel(f"{model_dir}: unsupported pooling {keys}; Spool pools by one of {POOLINGS}")
+                raise NotAnEmbeddingModel(
+                    f"{model_dir}: unsupported pooling {keys}; Spool pools by one of {POOLINGS}"
+                )
             pooling = on[0]
         elif kind.endswith(".Normalize"):
             normalize = True
@@ -112,7 +115,7 @@ class Embedder:
             raise ValueError(f"unknown pooling {pooling!r}; choose one of {', '.join(POOLINGS)}")
         self.pooling = pooling
         self.device = torch.device(config.device)
-        self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(config.model)
+        self.tokenizer = AutoTokenizer.from_pretrained(config.model)
         hf_config = AutoConfig.from_pretrained(config.model)
         dtype = getattr(torch, config.dtype)
         self.model = AutoModel.from_pretrained(config.model, dtype=dtype).to(self.device).eval()
@@ -129,30 +132,43 @@ class Embedder:
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text)["input_ids"])
 
-    @torch.inference_mode()
-    def embed(self, inputs: Sequence[Sequence[int]], dimensions: int | None = None) -> torch.Tensor:
-        """The L2-normalised embeddings ``[len(inputs), dimensions or size]`` (float32, on the CPU)
-        of token-id inputs, in forwards of at most ``max_batch_tokens`` padded tokens each
-        (inputs of similar lengths together). A truncation keeps the first ``dimensions`` of
-        the pooled vector and normalises those, as OpenAI's and sentence-transformers' do."""
+    def check(self, inputs: Sequence[Sequence[int]]) -> None:
+        """ValueError naming the first input that is empty or longer than ``max_len``."""
         for i, ids in enumerate(inputs):
             if not ids:
                 raise ValueError(f"input {i} is empty")
             if len(ids) > self.max_len:
-                raise ValueError(f"input {i} has {len(ids)} tokens, above this model's limit of {self.max_len}")
-        out = torch.empty(len(inputs), dimensions or self.size, dtype=torch.float32)
+                raise ValueError(
+                    f"input {i} has {len(ids)} tokens, above this model's limit of {self.max_len} tokens"
+                )
+
+    def embed(self, inputs: Sequence[Sequence[int]], dimensions: int | None = None) -> torch.Tensor:
+        """The L2-normalised embeddings ``[len(inputs), dimensions or size]`` of token-id inputs."""
+        self.check(inputs)
+        return normalized(self.pooled(inputs), dimensions)
+
+    @torch.inference_mode()
+    def pooled(self, inputs: Sequence[Sequence[int]]) -> torch.Tensor:
+        """The pooled (not yet normalised) vectors ``[len(inputs), size]`` (float32, on the CPU),
+        in forwards of at most ``max_batch_tokens`` padded tokens each, inputs of similar lengths
+        together. Inputs must pass ``check``."""
+        out = torch.empty(len(inputs), self.size, dtype=torch.float32)
         order = sorted(range(len(inputs)), key=lambda i: len(inputs[i]))
         start = 0
         while start < len(order):
             end = start + 1
-            while end < len(order) and len(inputs[order[end]]) * (end + 1 - start) <= self.config.max_batch_tokens:
+            # Sorted by length: the batch's width is its last input's.
+            while (
+                end < len(order)
+                and len(inputs[order[end]]) * (end + 1 - start) <= self.config.max_batch_tokens
+            ):
                 end += 1
             rows = order[start:end]
-            out[rows] = self._forward([inputs[i] for i in rows], dimensions)
+            out[rows] = self._forward([inputs[i] for i in rows])
             start = end
         return out
 
-    def _forward(self, inputs: Sequence[Sequence[int]], dimensions: int | None) -> torch.Tensor:
+    def _forward(self, inputs: Sequence[Sequence[int]]) -> torch.Tensor:
         width = max(len(ids) for ids in inputs)
         ids = torch.full((len(inputs), width), self.pad_id, dtype=torch.long)
         mask = torch.zeros((len(inputs), width), dtype=torch.long)
@@ -160,7 +176,7 @@ class Embedder:
             ids[row, : len(seq)] = torch.tensor(seq, dtype=torch.long)
             mask[row, : len(seq)] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
-        hidden = self.model(input_ids=ids, attention_mask=mask).last_hidden_state.float()
+        hidden: torch.Tensor = self.model(input_ids=ids, attention_mask=mask).last_hidden_state.float()
         if self.pooling == "cls":
             pooled = hidden[:, 0]
         elif self.pooling == "last":
@@ -168,9 +184,15 @@ class Embedder:
         else:
             m = mask.unsqueeze(-1).to(hidden.dtype)
             pooled = (hidden * m).sum(1) / m.sum(1).clamp(min=1e-9)
-        if dimensions is not None:
-            pooled = pooled[:, :dimensions]
-        return torch.nn.functional.normalize(pooled, p=2, dim=1).cpu()
+        result: torch.Tensor = pooled.cpu()
+        return result
+
+
+def normalized(pooled: torch.Tensor, dimensions: int | None = None) -> torch.Tensor:
+    """The first ``dimensions`` of each pooled vector (all: None), L2-normalised, as OpenAI's
+    and sentence-transformers' truncations are."""
+    kept = pooled if dimensions is None else pooled[:, :dimensions]
+    return torch.nn.functional.normalize(kept, p=2, dim=1)
 
 
 def _positions(config: Any) -> int | None:
@@ -182,7 +204,7 @@ class EmbeddingEngine(Engine):
     """A worker's engine when its model embeds: no generation (nothing is ever running, and
     ``add_request`` refuses), and ``embedder`` for the embedding jobs."""
 
-    def __init__(self, config: EmbeddingConfig, name: str) -> None:  # noqa: D107
+    def __init__(self, config: EmbeddingConfig, name: str) -> None:
         # NOTE: Engine.__init__ is not called: it loads a causal LM, its cache and sampler. The
         # methods the worker's runtime calls are the ones overridden here.
         self.embedder = Embedder(config)
@@ -193,7 +215,17 @@ class EmbeddingEngine(Engine):
         # A guided request compiles on its task thread before add_request refuses it.
         self.grammars = Grammars(self.tokenizer, len(self.tokenizer))
 
-    def add_request(self, request_id: str, prompt: str | list[int], *args: Any, **kwargs: Any) -> int:
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        params: SamplingParams,
+        *,
+        resume_token_ids: Sequence[int] = (),
+        resume_text: str = "",
+        cache_salt: str = "",
+        json_grammar: xgrammar.CompiledGrammar | None = None,
+    ) -> int:
         raise ValueError(f"the model {self.name} embeds and does not generate text; use /v1/embeddings")
 
     def abort(self, request_id: str) -> None:

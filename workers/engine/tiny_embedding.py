@@ -62,8 +62,17 @@ def build_tiny_embedding_model(
     torch.manual_seed(seed)
     BertModel(config).save_pretrained(out)
     tokenizer.save_pretrained(out)
-    mode = {"mean": "pooling_mode_mean_tokens", "cls": "pooling_mode_cls_token", "last": "pooling_mode_lasttoken"}
-    pool = {**_POOLING, "word_embedding_dimension": hidden_size, "pooling_mode_mean_tokens": False, mode[pooling]: True}
+    mode = {
+        "mean": "pooling_mode_mean_tokens",
+        "cls": "pooling_mode_cls_token",
+        "last": "pooling_mode_lasttoken",
+    }
+    pool = {
+        **_POOLING,
+        "word_embedding_dimension": hidden_size,
+        "pooling_mode_mean_tokens": False,
+        mode[pooling]: True,
+    }
     (out / "1_Pooling").mkdir(exist_ok=True)
     (out / "2_Normalize").mkdir(exist_ok=True)
     (out / "1_Pooling" / "config.json").write_text(json.dumps(pool, indent=2) + "\n")
