@@ -65,7 +65,9 @@ def as_tensor(vectors: list[list[float]]) -> torch.Tensor:
     return torch.tensor(vectors, dtype=torch.float32)
 
 
-def test_vectors_equal_sentence_transformers(oai: openai.OpenAI, embedding_model: Path, st: SentenceTransformer) -> None:
+def test_vectors_equal_sentence_transformers(
+    oai: openai.OpenAI, embedding_model: Path, st: SentenceTransformer
+) -> None:
     model = str(embedding_model)
     # The client asks for base64 and decodes it itself, unless told a format.
     for fmt in ("float", None):
@@ -78,10 +80,14 @@ def test_vectors_equal_sentence_transformers(oai: openai.OpenAI, embedding_model
         tokens = sum(len(ids) for ids in st.tokenizer(TEXTS)["input_ids"])
         assert got.usage.prompt_tokens == tokens and got.usage.total_tokens == tokens
     one = oai.embeddings.create(model=model, input=TEXTS[0], encoding_format="float")
-    torch.testing.assert_close(as_tensor([one.data[0].embedding]), reference(st, TEXTS[:1]), atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        as_tensor([one.data[0].embedding]), reference(st, TEXTS[:1]), atol=1e-5, rtol=0
+    )
 
 
-def test_base64_is_little_endian_float32(oai: openai.OpenAI, embedding_model: Path, st: SentenceTransformer) -> None:
+def test_base64_is_little_endian_float32(
+    oai: openai.OpenAI, embedding_model: Path, st: SentenceTransformer
+) -> None:
     got = oai.embeddings.create(model=str(embedding_model), input=TEXTS, encoding_format="base64")
     decoded = []
     for d in got.data:
@@ -98,7 +104,9 @@ def test_token_ids_and_dimensions(oai: openai.OpenAI, embedding_model: Path, st:
         as_tensor([d.embedding for d in lists.data]), reference(st, TEXTS), atol=1e-5, rtol=0
     )
     single = oai.embeddings.create(model=model, input=ids[1], encoding_format="float")
-    torch.testing.assert_close(as_tensor([single.data[0].embedding]), reference(st, TEXTS)[1:2], atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        as_tensor([single.data[0].embedding]), reference(st, TEXTS)[1:2], atol=1e-5, rtol=0
+    )
     for dims in (16, 32, 64):
         got = oai.embeddings.create(model=model, input=TEXTS, dimensions=dims, encoding_format="float")
         assert all(len(d.embedding) == dims for d in got.data)
@@ -127,7 +135,9 @@ def test_refusals(oai: openai.OpenAI, embedding_model: Path, tiny_model: Path) -
     assert "input 1" in err["message"] and "limit of 256 tokens" in err["message"], err
     assert err["code"] == "context_length_exceeded"
     err = refusal(oai, model=str(tiny_model), input="hello")
-    assert err["param"] == "model" and str(tiny_model) in err["message"] and "does not embed" in err["message"]
+    assert (
+        err["param"] == "model" and str(tiny_model) in err["message"] and "does not embed" in err["message"]
+    )
     with pytest.raises(openai.BadRequestError) as e:
         oai.completions.create(model=model, prompt="hello", max_tokens=2)
     assert "embeds and does not generate" in str(e.value)
@@ -155,7 +165,12 @@ def test_batch_of_embedding_lines(oai: openai.OpenAI, embedding_model: Path, st:
         }
         for i in range(10)
     ]
-    bad = {"custom_id": "bad", "method": "POST", "url": "/v1/embeddings", "body": {"model": model, "input": []}}
+    bad = {
+        "custom_id": "bad",
+        "method": "POST",
+        "url": "/v1/embeddings",
+        "body": {"model": model, "input": []},
+    }
     content = "".join(json.dumps(x) + "\n" for x in [*lines, bad]).encode()
     file_id = oai.files.create(file=("input.jsonl", content), purpose="batch").id
     batch_id = oai.batches.create(

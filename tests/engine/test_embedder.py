@@ -23,7 +23,9 @@ TEXTS = [
 
 @pytest.fixture(scope="module", params=["mean", "cls", "last"])
 def model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_embedding_model(tmp_path_factory.mktemp(f"embed-{request.param}"), pooling=request.param)
+    return build_tiny_embedding_model(
+        tmp_path_factory.mktemp(f"embed-{request.param}"), pooling=request.param
+    )
 
 
 def reference(model_dir: Path, texts: list[str], truncate_dim: int | None = None) -> torch.Tensor:
