@@ -7,9 +7,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, StrictInt, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 
-from api.errors import ApiError, body_errors
+from api.errors import ApiError
 from api.openai_compat.chunks import failure
 from common.schemas.embeddings import decode_vector
 from common.schemas.events import LogEntry
@@ -29,7 +29,7 @@ class EmbeddingRequest(BaseModel):
     model: str
     input: str | list[str] | list[StrictInt] | list[list[StrictInt]]
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: StrictInt | None = None
+    dimensions: StrictInt | None = Field(None, ge=1)
     user: str | None = None
 
     def inputs(self) -> list[str] | list[list[int]]:
@@ -58,7 +58,11 @@ class EmbeddingRequest(BaseModel):
         try:
             return JobRequest.accept({k: v for k, v in fields.items() if v is not None}, settings)
         except ValidationError as e:
-            raise body_errors(e, {"embed": "input"}) from None
+            # The job's ``embed`` holds the request's input, dimensions and encoding_format.
+            first = e.errors()[0]
+            loc = [str(p) for p in first["loc"]]
+            param = loc[1] if loc[:1] == ["embed"] and len(loc) > 1 else ".".join(loc) or None
+            raise ApiError(400, f"{param or 'body'}: {first['msg']}", param=param) from None
 
 
 def embedding_response(job: Job, request: JobRequest, model: str, log: Sequence[LogEntry]) -> dict[str, Any]:
