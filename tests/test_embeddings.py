@@ -134,6 +134,8 @@ def test_refusals(oai: openai.OpenAI, embedding_model: Path, tiny_model: Path) -
     err = refusal(oai, model=model, input=["hello", "word " * 300])
     assert "input 1" in err["message"] and "limit of 256 tokens" in err["message"], err
     assert err["code"] == "context_length_exceeded"
+    err = refusal(oai, model=model, input=[[1, 2], [1, 99_999]])
+    assert err["param"] == "input" and "outside the model's vocabulary" in err["message"], err
     err = refusal(oai, model=str(tiny_model), input="hello")
     assert (
         err["param"] == "model" and str(tiny_model) in err["message"] and "does not embed" in err["message"]

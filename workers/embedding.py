@@ -75,7 +75,7 @@ class EmbeddingJobs:
         inputs = [list(ids) for ids in embedder.tokenizer(texts)["input_ids"]] if texts else []
         if not texts:
             inputs = [list(t) for t in embed.input if isinstance(t, list)]
-        vocab = len(embedder.tokenizer)
+        vocab = embedder.vocab_size
         try:
             embedder.check(inputs)
         except ValueError as e:

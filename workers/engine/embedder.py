@@ -128,6 +128,7 @@ class Embedder:
         # What a request's ``dimensions`` may ask for: the full size first.
         self.dimensions = (self.size, *sorted(set(config.dimensions) - {self.size}, reverse=True))
         self.pad_id = int(self.tokenizer.pad_token_id or 0)
+        self.vocab_size = int(self.model.get_input_embeddings().num_embeddings)  # token ids below it
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text)["input_ids"])
@@ -241,7 +242,7 @@ class EmbeddingEngine(Engine):
         return [], []
 
     def stats(self) -> dict[str, int | float]:
-        return {"running": 0, "waiting": 0}
+        return {"running": 0, "waiting": 0, "slots": 0, "max_model_len": self.max_model_len}
 
     def step(self) -> list[Delta]:
         return []
