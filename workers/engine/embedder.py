@@ -129,6 +129,8 @@ class Embedder:
         self.dimensions = (self.size, *sorted(set(config.dimensions) - {self.size}, reverse=True))
         self.pad_id = int(self.tokenizer.pad_token_id or 0)
         self.vocab_size = int(self.model.get_input_embeddings().num_embeddings)  # token ids below it
+        self.forwards = 0  # forwards run, and the inputs embedded in them (the worker's stats)
+        self.embedded = 0
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text)["input_ids"])
@@ -177,6 +179,8 @@ class Embedder:
             ids[row, : len(seq)] = torch.tensor(seq, dtype=torch.long)
             mask[row, : len(seq)] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
+        self.forwards += 1
+        self.embedded += len(inputs)
         hidden: torch.Tensor = self.model(input_ids=ids, attention_mask=mask).last_hidden_state.float()
         if self.pooling == "cls":
             pooled = hidden[:, 0]
@@ -242,7 +246,14 @@ class EmbeddingEngine(Engine):
         return [], []
 
     def stats(self) -> dict[str, int | float]:
-        return {"running": 0, "waiting": 0, "slots": 0, "max_model_len": self.max_model_len}
+        return {
+            "running": 0,
+            "waiting": 0,
+            "slots": 0,
+            "max_model_len": self.max_model_len,
+            "embedding_forwards": self.embedder.forwards,
+            "embedded_inputs": self.embedder.embedded,
+        }
 
     def step(self) -> list[Delta]:
         return []
