@@ -262,6 +262,15 @@ class JobRequest(TextParams):
         return self
 
     @model_validator(mode="after")
+    def _embed_alone(self) -> JobRequest:
+        if self.embed is not None:
+            given = [f for f in ("prompt", "messages", "parts", "tools") if getattr(self, f) is not None]
+            if given or self.n != 1:
+                names = ", ".join(given or ["n"])
+                raise ValueError(f"an embedding job (embed) takes no {names}: its inputs are embed.input")
+        return self
+
+    @model_validator(mode="after")
     def _parts(self) -> JobRequest:
         if self.parts is None:
             return self

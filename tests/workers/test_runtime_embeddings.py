@@ -110,3 +110,17 @@ def test_runtime_runs_embedding_jobs(settings: Settings, store: StoreForTests) -
         assert "limit of 256 tokens" in too_long.error.message
     finally:
         runtime.close()
+
+
+def test_embedding_with_no_model_named_is_the_tiny_embedding_model(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from workers.loader import load_engine
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # built into this cache, then loaded from it
+    settings = load_settings(embedding=True)
+    assert settings.served_model == "spool-tiny-embedding"
+    for _ in range(2):
+        engine = load_engine(settings)
+        assert isinstance(engine, EmbeddingEngine) and engine.embedder.pooling == "mean"
+    assert (tmp_path / "spool" / "spool-tiny-embedding" / "modules.json").is_file()
