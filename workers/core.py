@@ -40,7 +40,7 @@ BATCH_LINE_PRIORITY = MAX_PRIORITY + 1
 
 
 class JobCore:
-    def __init__(self, engine: Engine, settings: Settings, metrics: WorkerMetrics, model: str = "") -> None:
+    def __init__(self, engine: Engine, settings: Settings, metrics: WorkerMetrics, model: str) -> None:
         self.engine = engine
         self.settings = settings
         self.metrics = metrics

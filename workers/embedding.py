@@ -10,6 +10,7 @@ input, a model that does not embed) ends as a generation job that fails: a last 
 from __future__ import annotations
 
 import base64
+import logging
 
 import torch
 
@@ -19,6 +20,8 @@ from common.store import Append, Final
 from workers.engine import Delta, Engine, FinishReason
 from workers.engine.embedder import EmbeddingEngine, normalized
 from workers.job import Job, end_delta
+
+log = logging.getLogger(__name__)
 
 
 class EmbeddingJobs:
@@ -51,7 +54,15 @@ class EmbeddingJobs:
             return [], ends
         assert isinstance(self.engine, EmbeddingEngine)  # else _inputs refused them
         embedder = self.engine.embedder
-        pooled = embedder.pooled([ids for _, inputs in todo for ids in inputs])
+        try:
+            pooled = embedder.pooled([ids for _, inputs in todo for ids in inputs])
+        except Exception as e:  # the forward failed (out of memory, ...): so do its jobs, saying why
+            log.exception("embedding %d jobs failed", len(todo))
+            message = f"the embedding forward failed: {type(e).__name__}: {e}"
+            for job, _ in todo:
+                job.cursor.error = JobError(message=message, type="engine_error")
+                ends.append(end_delta(job, FinishReason.ERROR, message))
+            return [], ends
         appends, row = [], 0
         for job, inputs in todo:
             assert job.request.embed is not None
