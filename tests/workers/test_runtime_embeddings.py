@@ -96,6 +96,19 @@ def test_runtime_runs_embedding_jobs(settings: Settings, store: StoreForTests) -
         assert got.status is JobStatus.SUCCEEDED and got.usage.prompt_tokens > 0
         done = store.read_log(job.id)[-1]
         assert done.type == "done" and vectors(done.data).shape == (len(TEXTS), 64)
+        # A job whose worker died after taking it (its lease lapsed) is taken over and embedded.
+        orphan = store.create_job(JobRequest(embed={"input": TEXTS[:2]}))  # type: ignore[arg-type]
+        dead = SyncJobStore.from_settings(settings)
+        try:
+            assert dead.take_job(orphan.id, "dead-worker", "m").record is not None
+            dead.lapse_leases({orphan.id: 1})
+        finally:
+            dead.close()
+        assert runtime.run_job(orphan.id) is Outcome.FINISHED
+        taken_over = store.get_job(orphan.id)
+        assert taken_over.status is JobStatus.SUCCEEDED
+        assert int(store.redis.hget(store.keys.job(orphan.id), "attempt")) == 2  # type: ignore[arg-type]
+        assert vectors(store.read_log(orphan.id)[-1].data).shape == (2, 64)
         # A generation job on a model that embeds fails, saying so.
         text = store.create_job(JobRequest(prompt="hello", max_tokens=2))
         assert runtime.run_job(text.id) is Outcome.FINISHED
