@@ -35,7 +35,7 @@ _ST_POOLING = {
     "pooling_mode_lasttoken": "last",
 }
 # Tokens in one forward at most: a larger job is embedded in several, each a batch of inputs.
-MAX_BATCH_TOKENS = 16384
+MAX_BATCH_TOKENS = 2048  # as the engine's prefill budget; larger forwards ran slower on a CPU
 
 
 class NotAnEmbeddingModel(ValueError):
