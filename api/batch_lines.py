@@ -25,6 +25,7 @@ from api.context_length import ContextCheck
 from api.errors import ApiError, body_errors, error_body, validation_error
 from api.openai_compat.batches import error_line, response_line
 from api.openai_compat.chunks import View, failure
+from api.openai_compat.embeddings import EMBEDDINGS, EmbeddingRequest, embedding_response
 from api.openai_compat.requests import ChatCompletionRequest, CompletionRequest, OpenAIRequest
 from api.openai_compat.response_request import ResponseRequest
 from api.openai_compat.responses import ResponseView
@@ -127,7 +128,12 @@ async def line_request(
         )
     model = _OPENAI.get(endpoint)
     try:
-        if model is None and endpoint != RESPONSES:
+        if endpoint == EMBEDDINGS:
+            embedding = EmbeddingRequest.model_validate(body)
+            request = embedding.to_job_request(settings)
+            if models:
+                check_servable(request, resolve_model(models, embedding.model, embed=True))
+        elif model is None and endpoint != RESPONSES:
             request = JobRequest.accept(body, settings)
             check_with_live_workers(models, request)
             await context.check_live(request, models)
@@ -193,6 +199,12 @@ def job_result(
         kind = "completed" if job.status is JobStatus.SUCCEEDED else "failed"
         return LineResult(line, kind, response_line(job.id, custom_id, 200, body), job.id)
     assert isinstance(record.request, JobRequest)  # a line is a text job, never an image part
+    if endpoint == EMBEDDINGS:
+        try:
+            body = embedding_response(job, record.request, job.model or model, log)
+        except ApiError as e:
+            return LineResult(line, "failed", refused(line, custom_id, e, job.id).result, job.id)
+        return LineResult(line, "completed", response_line(job.id, custom_id, 200, body), job.id)
     if endpoint == RESPONSES:
         if job.error is not None:
             return LineResult(
@@ -210,13 +222,13 @@ def job_result(
 
 
 def needs_view_log(endpoint: str, record: JobRecord) -> bool:
-    """Whether the line's result is built from its job's log (logprobs, echo, or the choices of
-    n > 1 or of several prompts)."""
+    """Whether the line's result is built from its job's log (logprobs, echo, the choices of n > 1
+    or of several prompts, or an embedding job's vectors)."""
     r = record.request
     return (
         endpoint != "/v1/jobs"
         and isinstance(r, JobRequest)
-        and (r.logprobs is not None or r.num_choices > 1 or r.echo)
+        and (r.logprobs is not None or r.num_choices > 1 or r.echo or r.embed is not None)
     )
 
 

@@ -73,7 +73,7 @@ class ContextCheck:
         """ApiError 400 when the request cannot fit the model the worker serves; else its prompt's
         tokens, when they were counted."""
         limit = worker.max_model_len
-        if limit is None:
+        if limit is None or request.embed is not None:  # an input too long fails its job (400 too)
             return None
         if (chars := prompt_chars(request)) > limit * MAX_CHARS_PER_TOKEN:
             raise ApiError(

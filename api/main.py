@@ -10,7 +10,7 @@ from api.auth import AuthMiddleware
 from api.errors import install_error_handlers
 from api.http_limits import BodyLimitMiddleware
 from api.metrics import RequestMetricsMiddleware
-from api.routes import batches, console, files, health, jobs, openai, responses, webhooks
+from api.routes import batches, console, embeddings, files, health, jobs, openai, responses, webhooks
 from api.services import lifespan
 from common.settings import Settings, check_api_settings, get_settings
 
@@ -47,6 +47,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(jobs.router)
     app.include_router(health.router)
     app.include_router(openai.router)
+    app.include_router(embeddings.router)
     app.include_router(responses.router)
     app.include_router(console.router)
     app.include_router(files.router)

@@ -85,7 +85,9 @@ BATCH_STATUSES = (
     "cancelled",
 )
 BATCH_LIVE = ("validating", "in_progress", "finalizing", "cancelling")  # the batches whose lines count
-SUBMIT_PATHS = frozenset({"/v1/jobs", "/v1/completions", "/v1/chat/completions", "/v1/responses"})
+SUBMIT_PATHS = frozenset(
+    {"/v1/jobs", "/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/responses"}
+)
 
 
 class _Heartbeats(Collector):

@@ -94,8 +94,11 @@ def served_name(models: Mapping[str, WorkerHeartbeat], requested: str) -> str:
     return name if name in models else requested
 
 
-def resolve_model(models: Mapping[str, WorkerHeartbeat], requested: str | None) -> WorkerHeartbeat:
-    """The served model a request names (or the one served, when it names none)."""
+def resolve_model(
+    models: Mapping[str, WorkerHeartbeat], requested: str | None, embed: bool = False
+) -> WorkerHeartbeat:
+    """The served model a request names; when it names none, the first in order of those that
+    generate (``embed``: that embed), else of all."""
     if not models:
         raise ApiError(
             503,
@@ -104,7 +107,8 @@ def resolve_model(models: Mapping[str, WorkerHeartbeat], requested: str | None) 
             headers={"Retry-After": str(NO_WORKER_RETRY_S)},
         )
     if requested is None:
-        return models[min(models)]
+        fit = [m for m, w in models.items() if (w.embedding_dimensions is not None) == embed]
+        return models[min(fit or models)]
     requested = served_name(models, requested)
     if requested not in models:
         raise ApiError(
@@ -117,7 +121,7 @@ def resolve_model(models: Mapping[str, WorkerHeartbeat], requested: str | None) 
 
 
 async def queue_model(
-    store: AsyncJobStore, models: Mapping[str, WorkerHeartbeat], requested: str | None
+    store: AsyncJobStore, models: Mapping[str, WorkerHeartbeat], requested: str | None, embed: bool = False
 ) -> str:
     """The model a job is queued for; its messages go to that model's queue (Keys.model_queue).
 
@@ -130,7 +134,7 @@ async def queue_model(
     if requested is not None:
         return served_name(models, requested)
     if models:
-        return min(models)
+        return resolve_model(models, None, embed).model
     # NOTE: the one served last, not the first in order: a model whose workers left long ago
     # must not win over one whose worker beat a moment ago (it restarts, or its beat is late).
     stamps = await store.served_stamps()
@@ -168,7 +172,7 @@ async def queued_models(store: AsyncJobStore) -> set[str]:
 def live_worker(models: Mapping[str, WorkerHeartbeat], request: JobRequest) -> WorkerHeartbeat | None:
     """A live worker of the model a job runs on (``resolve_model``: 404 for a model no live worker
     serves); None while no worker is live (the job is queued for the model it names, or the default)."""
-    return resolve_model(models, request.model) if models else None
+    return resolve_model(models, request.model, request.embed is not None) if models else None
 
 
 def check_with_live_workers(models: Mapping[str, WorkerHeartbeat], request: JobRequest) -> None:
@@ -191,6 +195,7 @@ def text_requests(request: JobRequest) -> list[JobRequest]:
 
 def check_servable(request: JobRequest, worker: WorkerHeartbeat) -> None:
     """Refuse, before queueing, what the served model cannot take."""
+    check_embeds(request, worker)
     if request.messages is not None and worker.chat_template is False:
         raise ApiError(
             400,
@@ -208,3 +213,36 @@ def check_servable(request: JobRequest, worker: WorkerHeartbeat) -> None:
             code="tools_not_supported",
         )
     # Whether the request fits the model's context is api/context_length.py's check (it counts tokens).
+
+
+def check_embeds(request: JobRequest, worker: WorkerHeartbeat) -> None:
+    """An embedding job needs a model that embeds, in a size it gives; a model that embeds
+    generates nothing."""
+    sizes = worker.embedding_dimensions
+    if request.embed is None:
+        if sizes is not None:
+            raise ApiError(
+                400,
+                f"The model {worker.model!r} embeds and does not generate text; use /v1/embeddings",
+                param="model",
+                code="model_not_generative",
+            )
+        return
+    if sizes is None:
+        raise ApiError(
+            400,
+            f"The model {worker.model!r} does not embed; it generates text (/v1/models lists what each "
+            "model does)",
+            param="model",
+            code="model_not_embedding",
+        )
+    dims = request.embed.dimensions
+    if dims is not None and dims not in sizes:
+        given = ", ".join(map(str, sizes))
+        raise ApiError(
+            400,
+            f"dimensions {dims} is not one the model {worker.model!r} gives: {given} (a truncation "
+            "needs a model trained for it; the worker's SPOOL_EMBEDDING_DIMENSIONS)",
+            param="dimensions",
+            code="unsupported_dimensions",
+        )

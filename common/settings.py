@@ -26,6 +26,9 @@ DEFAULT_MAX_TOKENS = 128  # a request's max_tokens when it gives none (SPOOL_DEF
 ENV_PREFIX = "SPOOL_"
 _N = TypeVar("_N", int, float)
 DEFAULT_SERVED_MODEL = "spool-default"  # the embedded default model's name (SPOOL_SERVED_MODEL_NAME)
+TINY_EMBEDDING_MODEL = (
+    "spool-tiny-embedding"  # the tiny embedding model's name (SPOOL_EMBEDDING, no SPOOL_MODEL)
+)
 
 
 class SettingsError(RuntimeError):
@@ -92,6 +95,16 @@ class Settings(BaseSettings):
     # How tool calls are read from the output (common/tool_calls.py PARSERS) when the chat
     # template does not say (one that writes <tool_call> gets hermes); empty: tools are refused.
     tool_parser: str = ""
+    # Embeddings (workers/engine/embedder.py): the worker's model embeds (/v1/embeddings) instead
+    # of generating. A model saved in sentence-transformers' layout (modules.json) always does;
+    # with SPOOL_MODEL unset, SPOOL_EMBEDDING=true embeds with the tiny embedding model.
+    embedding: bool = False
+    # How it pools (mean, cls or last), for a model whose files do not say; set, it also makes
+    # the worker embed. Empty: the model's own (sentence-transformers' Pooling config).
+    embedding_pooling: Literal["", "mean", "cls", "last"] = ""
+    # Sizes a request's `dimensions` may truncate to (comma-separated, e.g. "256,128"): a
+    # Matryoshka-trained model's. Empty: only the model's full size.
+    embedding_dimensions: str = Field("", pattern=r"^\s*([0-9]+\s*(,\s*[0-9]+\s*)*)?$")
 
     # Media worker (image parts): one diffusers pipeline, loaded with DiffusionPipeline.from_pretrained
     image_model: str = ""  # hub id or directory; empty: a tiny random pipeline built on first use
@@ -311,7 +324,13 @@ class Settings(BaseSettings):
     @property
     def served_model(self) -> str:
         """The model's name in /v1/models: a worker's, or the API's default while no worker is live."""
+        if not self.served_model_name and not self.model and self.embedding:
+            return TINY_EMBEDDING_MODEL
         return self.served_model_name or model_name(self.model) or DEFAULT_SERVED_MODEL
+
+    @property
+    def embedding_dimension_list(self) -> tuple[int, ...]:
+        return tuple(int(d) for d in self.embedding_dimensions.split(",") if d.strip())
 
     @property
     def cors_origin_list(self) -> list[str]:

@@ -133,7 +133,7 @@ def cmd_queues(args: argparse.Namespace) -> int:
 
 
 def add_model_commands(sub: Any) -> None:
-    """tiny-model and tiny-image-model."""
+    """tiny-model, tiny-image-model and tiny-embedding-model."""
     p = command(
         sub,
         "tiny-model",
@@ -161,6 +161,21 @@ def add_model_commands(sub: Any) -> None:
     )
     p.add_argument("dir", type=Path, help="where to write it (created if missing)")
     p.set_defaults(func=cmd_tiny_image_model)
+
+    p = command(
+        sub,
+        "tiny-embedding-model",
+        "write a tiny random embedding model (BERT, sentence-transformers layout) to DIR, and print its path",
+        "A random BERT encoder with the tiny models' tokenizer and sentence-transformers' pooling "
+        "and Normalize modules: a worker with SPOOL_MODEL=DIR embeds with it (/v1/embeddings), and "
+        "sentence-transformers loads it as it is. For tests and demos; a worker with "
+        "SPOOL_EMBEDDING=true and SPOOL_MODEL unset builds one into its cache.",
+        "Settings: none.",
+        "spool tiny-embedding-model /tmp/tiny-embed && SPOOL_MODEL=/tmp/tiny-embed spool worker",
+    )
+    p.add_argument("dir", type=Path, help="where to write it (created if missing)")
+    p.add_argument("--pooling", choices=["mean", "cls", "last"], default="mean", help="default: mean")
+    p.set_defaults(func=cmd_tiny_embedding_model)
 
 
 def check_redis_at_start(settings: Settings) -> None:
@@ -314,6 +329,13 @@ def cmd_tiny_model(args: argparse.Namespace) -> int:
     from workers.engine.tiny import build_tiny_model
 
     print(build_tiny_model(args.dir, args.arch))
+    return 0
+
+
+def cmd_tiny_embedding_model(args: argparse.Namespace) -> int:
+    from workers.engine.tiny_embedding import build_tiny_embedding_model
+
+    print(build_tiny_embedding_model(args.dir, pooling=args.pooling))
     return 0
 
 

@@ -19,6 +19,7 @@ from common.schemas.views import JobError
 from common.settings import Settings
 from common.tenants import tenant_of
 from workers.appends import JobCursor
+from workers.embedding import EmbeddingJobs
 from workers.engine import Delta, Engine, FinishReason, RequestTooLongError
 from workers.job import (
     Choice,
@@ -39,15 +40,16 @@ BATCH_LINE_PRIORITY = MAX_PRIORITY + 1
 
 
 class JobCore:
-    def __init__(self, engine: Engine, settings: Settings, metrics: WorkerMetrics) -> None:
+    def __init__(self, engine: Engine, settings: Settings, metrics: WorkerMetrics, model: str) -> None:
         self.engine = engine
         self.settings = settings
         self.metrics = metrics
         self._tenant_weights = settings.tenant_weight_map  # SPOOL_TENANT_WEIGHTS
         self._pending: list[Delta] = []  # ends made outside engine.step(), written with the next step
+        self.embeddings = EmbeddingJobs(engine, model)  # embedding jobs, embedded together (run)
 
     def has_pending(self) -> bool:
-        return bool(self._pending)
+        return bool(self._pending) or self.embeddings.has_waiting()
 
     def take_pending(self) -> list[Delta]:
         pending, self._pending = self._pending, []
@@ -56,6 +58,9 @@ class JobCore:
     def add(self, job: Job) -> None:
         """Add the job's choices left to run, or end it at once (a last delta in the next step)."""
         ends = refused(job, time.time(), too_many_attempts(job.cursor.attempt, self.settings))
+        if ends is None and job.request.embed is not None:
+            self.embeddings.add(job)  # embedded with the others collected, after the inbox
+            return
         if ends is None:
             ends, todo = choices_to_run(job)
         else:

@@ -19,7 +19,9 @@ import torch
 from common.settings import Settings
 from common.tool_calls import parser_for, renders_tools
 from workers.engine import Engine, EngineConfig, TokenWeights
+from workers.engine.embedder import EmbeddingConfig, EmbeddingEngine, embeds
 from workers.engine.tiny import default_model_path
+from workers.engine.tiny_embedding import default_embedding_model_path
 from workers.task_common import ModelLoadError
 
 log = logging.getLogger(__name__)
@@ -55,9 +57,11 @@ def _user_cache_dir() -> Path:
 
 def load_engine(settings: Settings) -> Engine:
     """The engine of ``SPOOL_MODEL`` (default: the tiny model); ModelLoadError if it does not load."""
-    path = settings.model or str(default_model_path())
     if settings.torch_threads is not None:
         torch.set_num_threads(settings.torch_threads)  # before the engine's first op
+    if settings.embedding or settings.embedding_pooling or (settings.model and embeds(settings.model)):
+        return _load_embedder(settings)
+    path = settings.model or str(default_model_path())
     config = engine_config(settings, path)
     if settings.quantization == "int8" and importlib.util.find_spec("torchao") is None:
         raise ModelLoadError(
@@ -69,6 +73,25 @@ def load_engine(settings: Settings) -> Engine:
     except Exception as e:
         model = repr(settings.model) if settings.model else f"unset (the default model, {path})"
         raise ModelLoadError(f"SPOOL_MODEL={model} did not load: {type(e).__name__}: {e}") from e
+
+
+def _load_embedder(settings: Settings) -> EmbeddingEngine:
+    """The engine of a model that embeds (docs/openai.md, "Embeddings")."""
+    path = settings.model or str(default_embedding_model_path())
+    config = EmbeddingConfig(
+        model=path,
+        device=settings.device,
+        dtype=settings.dtype,
+        pooling=settings.embedding_pooling or None,
+        dimensions=settings.embedding_dimension_list,
+    )
+    try:
+        return EmbeddingEngine(config, settings.served_model)
+    except Exception as e:
+        model = repr(settings.model) if settings.model else f"unset (the tiny embedding model, {path})"
+        raise ModelLoadError(
+            f"SPOOL_MODEL={model} did not load as an embedding model: {type(e).__name__}: {e}"
+        ) from e
 
 
 def _load(config: EngineConfig, fall_back: bool) -> Engine:

@@ -35,6 +35,7 @@ from common.tenants import tenant_of
 from workers.appends import prepare_appends
 from workers.core import JobCore
 from workers.engine import Delta, Engine
+from workers.engine.embedder import EmbeddingEngine
 from workers.identity import this_process
 from workers.job import Job, compile_guide, new_job, prompt_of, timeout_error
 from workers.liveness import HeldJob, Liveness
@@ -98,7 +99,7 @@ class EngineRuntime:
         self._jobs: dict[str, Job] = {}
         self._lock = threading.Lock()  # guards _jobs: task threads add, the engine thread removes
         self._stats: dict[str, Any] = engine.stats()  # engine thread writes, heartbeat reads
-        self._core = JobCore(engine, settings, self.metrics)  # called on the engine thread only
+        self._core = JobCore(engine, settings, self.metrics, model)  # called on the engine thread only
         self._publisher = Publisher(store, self._stop)
         self.liveness = Liveness(store, settings, name, self, self._stop, requeue, self.queue)
         self._watchdog = Watchdog(settings.engine_stall_s, self._stop, self.liveness.forget_heartbeat)
@@ -262,6 +263,10 @@ class EngineRuntime:
             "chat_template": bool(self.engine.tokenizer.chat_template),
             "tool_parser": self._tool_parser,
             "max_model_len": self.engine.max_model_len,
+            # The sizes its embeddings come in (the full size first); None: it generates text.
+            "embedding_dimensions": (
+                list(self.engine.embedder.dimensions) if isinstance(self.engine, EmbeddingEngine) else None
+            ),
             **asdict(this_process()),
         }
 
@@ -273,12 +278,15 @@ class EngineRuntime:
                 self._expire()
                 started = time.time()
                 stepped = self._step() if self.engine.has_unfinished() else []
-                deltas = self._core.take_pending() + stepped  # after the step: kept if it raised
+                embedded, ended = (
+                    self._core.embeddings.run() if self._core.embeddings.has_waiting() else ([], [])
+                )
+                deltas = ended + self._core.take_pending() + stepped  # after the step: kept if it raised
                 self._stats = self.engine.stats()
                 with self._lock:
                     cursors = {eid: j.cursor for j in self._jobs.values() for eid in j.engine_ids}
                 self._core.end_siblings(deltas, cursors, self._job)
-                appends = prepare_appends(deltas, cursors)
+                appends = embedded + prepare_appends(deltas, cursors)
                 jobs_running, jobs_waiting = job_sets(*self.engine.request_ids(), cursors)
                 counts = {"running": len(jobs_running), "waiting": len(jobs_waiting)}
                 self.metrics.step(

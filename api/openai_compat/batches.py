@@ -6,7 +6,7 @@ from typing import Any
 
 from common.schemas.views import int_or_none
 
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/jobs")
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses", "/v1/jobs")
 COMPLETION_WINDOWS = {"24h": 24 * 3600}
 
 

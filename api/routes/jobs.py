@@ -75,7 +75,10 @@ async def create_job(
     await services.context.check_live(body, models)
     await check_media_workers(services.served, body)
     job = await submit_job(
-        services, body, await queue_model(services.store, models, body.model), idempotency_key
+        services,
+        body,
+        await queue_model(services.store, models, body.model, body.embed is not None),
+        idempotency_key,
     )
     # A job is queued whether or not a worker is live (it waits for one); this says which.
     headers = {"Location": f"/v1/jobs/{job.id}", READY_HEADER: "true" if models else "false"}

@@ -109,7 +109,17 @@ def _model(worker: WorkerHeartbeat, workers: list[WorkerHeartbeat]) -> dict[str,
         "owned_by": "spool",
         "max_model_len": worker.max_model_len,
         "workers": sum(w.kind == "text" and w.model == worker.model for w in workers),
+        # What it serves: ["embeddings"] (/v1/embeddings, in these sizes), else ["completions",
+        # "chat.completions"] (the chat only with a chat template).
+        "capabilities": _capabilities(worker),
+        "embedding_dimensions": worker.embedding_dimensions,
     }
+
+
+def _capabilities(worker: WorkerHeartbeat) -> list[str]:
+    if worker.embedding_dimensions is not None:
+        return ["embeddings"]
+    return ["completions"] + ([] if worker.chat_template is False else ["chat.completions"])
 
 
 async def _serve(body: OpenAIRequest, services: ServicesDep, http: Request) -> Response:

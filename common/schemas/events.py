@@ -40,6 +40,9 @@ class DoneEvent(BaseModel):
     status: JobStatus  # succeeded | cancelled
     finish_reason: str | None  # stop | length | cancelled
     usage: Usage
+    # An embedding job's vectors, one per input in order (base64 of little-endian float32);
+    # absent for any other job.
+    embeddings: list[str] | None = None
 
 
 class ErrorEvent(BaseModel):
@@ -75,7 +78,11 @@ class LogEntry(BaseModel):
 
     @classmethod
     def done(cls, seq: int, event: DoneEvent) -> LogEntry:
-        return cls(seq=seq, type="done", data=event.model_dump(mode="json"))
+        return cls(
+            seq=seq,
+            type="done",
+            data=event.model_dump(mode="json", exclude={"embeddings"} if event.embeddings is None else None),
+        )
 
     @classmethod
     def error(cls, seq: int, event: ErrorEvent) -> LogEntry:

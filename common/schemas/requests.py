@@ -35,6 +35,7 @@ from common.schemas.checks import (
     server_settings,
     too_deep_message,
 )
+from common.schemas.embeddings import EmbedParams
 from common.schemas.text import TextParams, TextPart
 from common.settings import Settings
 from common.webhooks import check_events, check_url_form
@@ -141,6 +142,9 @@ class JobRequest(TextParams):
     stream_continuous_usage: bool = False
     # A multimodal job: its parts in order; each has its own status (common/store/records.py).
     parts: list[Part] | None = Field(None, min_length=1)
+    # An embedding job (/v1/embeddings): its inputs, embedded by a worker whose model embeds; it
+    # generates nothing, and its terminal event carries the vectors (common/schemas/embeddings.py).
+    embed: EmbedParams | None = None
     # Choices: n sequences of the prompt in the batch, one job (docs/internals.md, "Choices").
     n: StrictInt = 1
     # Where to POST the job's events (docs/webhooks.md), and which: start, part, completed.
@@ -238,7 +242,7 @@ class JobRequest(TextParams):
         return encodable(v)
 
     def _needs_prompt(self) -> bool:
-        return self.parts is None
+        return self.parts is None and self.embed is None
 
     @field_validator("parts")
     @classmethod
@@ -278,6 +282,15 @@ class JobRequest(TextParams):
     def _tools_n(self) -> JobRequest:
         if self.tools is not None and self.n != 1:
             raise ValueError("tools take n = 1")
+        return self
+
+    @model_validator(mode="after")
+    def _embed_alone(self) -> JobRequest:
+        if self.embed is not None:
+            given = [f for f in ("prompt", "messages", "parts", "tools") if getattr(self, f) is not None]
+            if given or self.n != 1:
+                names = ", ".join(given or ["n"])
+                raise ValueError(f"an embedding job (embed) takes no {names}: its inputs are embed.input")
         return self
 
     @model_validator(mode="after")

@@ -93,7 +93,10 @@ class WorkerHeartbeat(BaseModel):
     kind: Literal["text", "media", "hooks"] = "text"
     chat_template: bool | None = None  # the tokenizer has one (messages can be rendered); None: not said
     tool_parser: str | None = None  # how tool calls are read from its output; None: no tools
-    max_model_len: int | None = None  # prompt + generated tokens per request
+    max_model_len: int | None = None  # prompt + generated tokens per request (an embedding input's tokens)
+    # A model that embeds (/v1/embeddings): the sizes a request's `dimensions` may ask for, its
+    # full size first. None: the model generates text.
+    embedding_dimensions: list[int] | None = None
     tokenizer: str | None = None  # digest of its tokenizer spec in Redis (Keys.tokenizer); None: none stored
     # The worker process (workers/identity.py): tells a live holder of the name from an earlier run.
     host: str | None = None
