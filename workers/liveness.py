@@ -88,6 +88,7 @@ class Liveness:
         stop: threading.Event,
         requeue: Requeue | None,
         queue: str,
+        embeds: bool = False,
     ) -> None:
         self.store = store
         self.settings = settings
@@ -96,7 +97,8 @@ class Liveness:
         self.stop = stop  # set when the worker stops
         # requeue sends a job's message again (the Celery app's send_task), and None means no sweep.
         # queue is the Celery queue of the jobs it sweeps for (its model's, or the media queue).
-        self._reaper = Reaper(store, name, requeue, queue) if requeue is not None else None
+        # embeds: its model embeds (the sweep moves an unserved model's jobs only to its own kind).
+        self._reaper = Reaper(store, name, requeue, queue, embeds) if requeue is not None else None
         self._connected_since: float | None = None  # start of the current run of successful beats
         self._tokenizer: TokenizerSpec | None = None  # named by the heartbeats (start)
         self._held_since: dict[str, float] = {}  # job id -> monotonic time a beat first saw it held

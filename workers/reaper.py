@@ -37,7 +37,9 @@ class Requeued:
 
 
 class Reaper:
-    def __init__(self, store: SyncJobStore, name: str, requeue: Requeue, queue: str) -> None:
+    def __init__(
+        self, store: SyncJobStore, name: str, requeue: Requeue, queue: str, embeds: bool = False
+    ) -> None:
         self.store = store
         self.name = name  # this worker's name, as in the job hashes' `worker`
         self.requeue = requeue
@@ -45,6 +47,7 @@ class Reaper:
         # worker's sweep leaves text jobs to text workers, and a text worker's other models' jobs.
         self.queue = queue
         self.text = queue != store.settings.keys.queue_media
+        self.embeds = embeds  # its model embeds: it takes in only the embedding jobs of unserved models
         self.settings = store.settings
         self._deliveries_swept = 0.0  # monotonic time of the last drop_ended_deliveries
         self._unserved_swept = 0.0  # monotonic time of the last look for jobs of unserved models
@@ -93,7 +96,8 @@ class Reaper:
     def unserved(self, now: float) -> list[Requeued]:
         """The queued jobs of models no live worker has served for ``SPOOL_UNSERVED_GRACE_S`` (from
         their model's last heartbeat, or their creation, whichever is later): one whose request
-        named no model moves to this worker's queue and is sent there; one that named its model
+        named no model moves to this worker's queue and is sent there, if it is of the worker's kind
+        (an embedding job to a worker whose model embeds, else one that generates); one that named its model
         fails with ``model_not_served``. Only a live text worker looks, so while no worker at all
         is live (they restart) every job waits."""
         grace, keys = self.settings.unserved_grace_s, self.settings.keys
@@ -101,11 +105,13 @@ class Reaper:
         stamps = self.store.served_stamps()
         model_of = {keys.model_queue(m): m for m in stamps}
         done: list[Requeued] = []
-        for job_id, queue, named in self.store.unserved_queued(live, now - grace):
+        for job_id, queue, named, embeds in self.store.unserved_queued(live, now - grace):
             model = model_of.get(queue)
             if model is not None and stamps[model] > now - grace:
                 continue  # its workers beat within the grace: they restart
             if named is None:
+                if embeds != self.embeds:
+                    continue  # NOTE: a worker of the other kind (generate, embed) moves it
                 if self.store.unserved(job_id, queue, self.queue, "") == "moved":
                     self.requeue(job_id)
                     log.warning(

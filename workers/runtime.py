@@ -101,7 +101,9 @@ class EngineRuntime:
         self._stats: dict[str, Any] = engine.stats()  # engine thread writes, heartbeat reads
         self._core = JobCore(engine, settings, self.metrics, model)  # called on the engine thread only
         self._publisher = Publisher(store, self._stop)
-        self.liveness = Liveness(store, settings, name, self, self._stop, requeue, self.queue)
+        self.liveness = Liveness(
+            store, settings, name, self, self._stop, requeue, self.queue, isinstance(engine, EmbeddingEngine)
+        )
         self._watchdog = Watchdog(settings.engine_stall_s, self._stop, self.liveness.forget_heartbeat)
         self._intaking: set[str] = set()  # jobs the intake thread found queued, being taken (under _lock)
         self._threads = [

@@ -275,10 +275,11 @@ class SyncJobStore:
 
     def unserved_queued(
         self, live_queues: Collection[str], queued_before: float
-    ) -> list[tuple[str, str, str | None]]:
+    ) -> list[tuple[str, str, str | None, bool]]:
         """The jobs queued since before ``queued_before`` (among the oldest ``QUEUED_PAGE`` of each
         bucket) whose queue is a text queue none of ``live_queues``: (id, queue, the model their
-        request named, None for none). Parts are left out (their job's parts run together)."""
+        request named, None for none, whether it is an embedding job). Parts are left out (their
+        job's parts run together)."""
         pipe = self.redis.pipeline(transaction=False)
         for b in self.keys.bucket_range():
             pipe.zrangebyscore(self.keys.queued_jobs(b), "-inf", queued_before, start=0, num=QUEUED_PAGE)
@@ -293,9 +294,10 @@ class SyncJobStore:
         for job_id, _ in found:
             pipe.hget(self.keys.job(job_id), "request")
         requests = pipe.execute() if found else []
+        loaded = [json.loads(r) if r else {} for r in requests]
         return [
-            (j, q, json.loads(r).get("model") if r else None)
-            for (j, q), r in zip(found, requests, strict=True)
+            (j, q, request.get("model"), request.get("embed") is not None)
+            for (j, q), request in zip(found, loaded, strict=True)
         ]
 
     def unserved(self, job_id: str, queue: str, to: str, message: str) -> str:

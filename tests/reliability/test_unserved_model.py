@@ -6,7 +6,8 @@ names no model is queued for the model served last (not the first in order), and
 other; ``GET /v1/jobs/{id}`` says why each waits. Then a worker of a third model starts: once
 ``SPOOL_UNSERVED_GRACE_S`` passed since the gone models' last beats, its sweep moves the job that
 named no model to its own queue (it runs there) and fails the one that named its model with
-``model_not_served``.
+``model_not_served``; an embedding job that named no model it leaves for a worker whose model
+embeds.
 """
 
 from __future__ import annotations
@@ -71,6 +72,9 @@ def test_jobs_of_a_model_nobody_serves_are_reported_then_moved_or_failed(
     left(store, LAST)
     unnamed = submit(client, api)
     named = submit(client, api, model=FIRST)
+    r = client.post(f"{api.url}/v1/jobs", json={"embed": {"input": ["hello"]}})  # an embedding job
+    assert r.status_code == 202, r.text
+    embedding = r.json()["id"]
     waiting = {j: client.get(f"{api.url}/v1/jobs/{j}").json() for j in (unnamed, named)}
     assert all(w["status"] == "queued" for w in waiting.values()), waiting
     reason = waiting[unnamed]["waiting_reason"]
@@ -89,9 +93,11 @@ def test_jobs_of_a_model_nobody_serves_are_reported_then_moved_or_failed(
         fresh = finished_job(client, api.url, submit(client, api), timeout=60)  # a live model now
     finally:
         worker.stop()
-    assert moved["status"] == "succeeded" and moved["model"] == str(tiny_model), moved
+    assert moved["status"] == "succeeded" and moved["model"] == tiny_model.name, moved  # its directory's name
     assert failed["status"] == "failed" and failed["error"]["type"] == "model_not_served", failed
     assert FIRST in failed["error"]["message"], failed
     assert fresh["status"] == "succeeded", fresh
+    # The pass that moved the unnamed job looked at this one too: a generating worker leaves it.
+    assert client.get(f"{api.url}/v1/jobs/{embedding}").json()["status"] == "queued"
     figures["unserved_moved_after_worker_start_s"] = round(moved_s, 1)
     figures["unserved_failed_after_worker_start_s"] = round(failed_s, 1)
