@@ -32,7 +32,7 @@ from api.batch_lines import (
 from api.context_length import ContextCheck
 from api.enqueue import Enqueuer
 from api.errors import ApiError
-from api.served import ServedModels, queue_model
+from api.served import ServedModels, queue_model, served_name
 from common.asyncio_tasks import cancel_until_done
 from common.keys import BATCH_PRIORITY, Keys
 from common.schemas.views import JobStatus
@@ -280,7 +280,8 @@ class BatchFeeder:
             await self.batches.end_batch(batch_id, "cancelled")
             return
         models = await self.served.get()
-        default_model = await queue_model(self.jobs, models, None)
+        # The model of a line that names none: one that generates, or one that embeds.
+        defaults = {embed: await queue_model(self.jobs, models, None, embed) for embed in (False, True)}
         jobs: list[LineJob] = []
         rejected: list[LineResult] = []
         for i, raw in enumerate(raws, start):
@@ -300,7 +301,8 @@ class BatchFeeder:
             except Exception as e:  # a bug or a limit missed: this line fails, the batch goes on
                 rejected.append(crashed(i, line["custom_id"], e, job_id))
                 continue
-            model = line["body"].get("model") or default_model
+            named = line["body"].get("model")
+            model = served_name(models, named) if named else defaults[request.embed is not None]
             message = self.enqueuer.generate(job_id, self.settings.keys.model_queue(model), BATCH_PRIORITY)
             jobs.append(LineJob(job_id, i, line["custom_id"], request, message))
         fed = await self.batches.feed(batch_id, b["owner"], (start, start + len(raws)), jobs, rejected)

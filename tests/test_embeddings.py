@@ -73,7 +73,7 @@ def test_vectors_equal_sentence_transformers(
     for fmt in ("float", None):
         kw: dict[str, Any] = {} if fmt is None else {"encoding_format": fmt}
         got = oai.embeddings.create(model=model, input=TEXTS, **kw)
-        assert got.model == model and [d.index for d in got.data] == list(range(len(TEXTS)))
+        assert got.model == embedding_model.name and [d.index for d in got.data] == list(range(len(TEXTS)))
         torch.testing.assert_close(
             as_tensor([list(d.embedding) for d in got.data]), reference(st, TEXTS), atol=1e-5, rtol=0
         )
@@ -138,7 +138,7 @@ def test_refusals(oai: openai.OpenAI, embedding_model: Path, tiny_model: Path) -
     assert err["param"] == "input" and "outside the model's vocabulary" in err["message"], err
     err = refusal(oai, model=str(tiny_model), input="hello")
     assert (
-        err["param"] == "model" and str(tiny_model) in err["message"] and "does not embed" in err["message"]
+        err["param"] == "model" and tiny_model.name in err["message"] and "does not embed" in err["message"]
     )
     with pytest.raises(openai.BadRequestError) as e:
         oai.completions.create(model=model, prompt="hello", max_tokens=2)
@@ -148,12 +148,13 @@ def test_refusals(oai: openai.OpenAI, embedding_model: Path, tiny_model: Path) -
 def test_models_say_which_embed(stack: Cluster, embedding_model: Path, tiny_model: Path) -> None:
     body = httpx.get(f"{stack.url}/v1/models", timeout=10).json()
     models = {m["id"]: m for m in body["data"]}
-    assert models[str(embedding_model)]["capabilities"] == ["embeddings"]
-    assert models[str(embedding_model)]["embedding_dimensions"] == [64, 32, 16]
-    assert "embeddings" not in models[str(tiny_model)]["capabilities"]
+    # A model loaded from a directory is named by the directory's name.
+    assert models[embedding_model.name]["capabilities"] == ["embeddings"]
+    assert models[embedding_model.name]["embedding_dimensions"] == [64, 32, 16]
+    assert "embeddings" not in models[tiny_model.name]["capabilities"]
     # A generation request that names no model goes to the model that generates.
     done = httpx.post(f"{stack.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=60)
-    assert done.status_code == 200 and done.json()["model"] == str(tiny_model)
+    assert done.status_code == 200 and done.json()["model"] == tiny_model.name
 
 
 def test_batch_of_embedding_lines(oai: openai.OpenAI, embedding_model: Path, st: SentenceTransformer) -> None:
