@@ -44,9 +44,12 @@ def model_name(model: str) -> str:
     directory here, or starts with ``.`` or ``~``."""
     if not model:
         return model
-    path = Path(model).expanduser()
-    if path.is_absolute() or model.startswith((".", "~")) or path.is_dir():
-        return Path(os.path.abspath(path)).name or model
+    try:
+        path = Path(model).expanduser()
+        if path.is_absolute() or model.startswith((".", "~")) or path.is_dir():
+            return Path(os.path.abspath(path)).name or model
+    except (RuntimeError, ValueError, OSError):  # `~user` of no user, a NUL, a name too long
+        pass
     return model
 
 

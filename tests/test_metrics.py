@@ -22,7 +22,7 @@ class Stack:
     worker: Service
     worker_metrics: str  # the worker's /metrics URL
     api: Service
-    model: Path  # the worker's SPOOL_MODEL, its metrics' model_name
+    model: Path  # the worker's SPOOL_MODEL, whose directory's name is its metrics' model_name
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +67,7 @@ def streamed_job(client: httpx.Client, url: str, prompt: str, max_tokens: int) -
 def test_worker_histograms_and_counters_match_the_jobs(stack: Stack, client: httpx.Client) -> None:
     jobs = [streamed_job(client, stack.api.url, f"metrics job {i}", 6 + 3 * i) for i in range(4)]
     m = scrape(stack.worker_metrics)
-    model = {"model_name": str(stack.model)}
+    model = {"model_name": stack.model.name}
     n = len(jobs)
     for h in (
         "spool_time_to_first_token_seconds",

@@ -52,13 +52,13 @@ BATCH_SETTINGS = {"batch_feed_s": 0.1, "batch_window": 12}
 @dataclass
 class TwoModels:
     prefix: str
-    paths: dict[str, Path]  # worker name -> its model's directory (its served name, as a str)
+    paths: dict[str, Path]  # worker name -> its model's directory (served by the directory's name)
     workers: dict[str, Service]
     api: Service
     log_dir: Path
 
     def model(self, name: str) -> str:
-        return str(self.paths[name])
+        return self.paths[name].name
 
 
 @pytest.fixture(scope="module")
