@@ -285,7 +285,7 @@ def run_service(model: Path, args: argparse.Namespace) -> None:
     completions one by one, first alone (idle), then while "flood" has --flood short jobs queued
     (POST /v1/jobs, 8 tokens each): TTFT from each POST to its first chunk, at the client."""
     keys = SERVICE_KEYS
-    queue = Keys("x").model_queue(str(model))
+    queue = Keys("x").model_queue(model.name)  # a directory's model is served by its name
     owner = {name: auth_owner(key) for name, key in keys.items()}
     assert Keys.tenant_queue(queue, tenant_of(owner["flood"])) != Keys.tenant_queue(
         queue, tenant_of(owner["trickle"])
@@ -339,7 +339,7 @@ def service_mode(model: Path, url: str, fair: bool, args: argparse.Namespace, lo
             f"api-{prefix}", harness.spool_env(url, prefix, **settings), log_dir=logs
         )
         procs.append(api)
-        served = {str(model): 1}
+        served = {model.name: 1}  # a directory's model is served by its name
         harness.wait_until(
             lambda: live_models(api_url, SERVICE_KEYS["trickle"]) == served, "the worker", 300, procs
         )
@@ -428,7 +428,7 @@ def run_models(llama: Path, args: argparse.Namespace) -> dict[str, Any]:
                 "api", harness.spool_env(url, prefix), log_dir=logs, tree=REPO_ROOT
             )
             procs.append(api)
-            served = {str(p): 1 for p in paths.values()}
+            served = {p.name: 1 for p in paths.values()}  # each directory's model by its name
             harness.wait_until(lambda: live_models(api_url) == served, "both models served", 300, procs)
             figures = models_jobs(
                 api_url, redis.Redis.from_url(url, decode_responses=True), prefix, paths, args
@@ -488,7 +488,7 @@ def models_jobs(
             pipe.hget(keys.job(job_id), "worker")
         workers = pipe.execute()
     own = [
-        v["status"] == "succeeded" and v["model"] == str(paths[n]) and w == f"{prefix}-{n}"
+        v["status"] == "succeeded" and v["model"] == paths[n].name and w == f"{prefix}-{n}"
         for n, v, w in zip(names, views, workers, strict=True)
     ]
     wall = max(v["finished_at"] for v in views) - min(v["created_at"] for v in views)
