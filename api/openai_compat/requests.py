@@ -59,6 +59,18 @@ def _refuse_extras(extra: dict[str, Any] | None, where: str = "") -> None:
             )
 
 
+def service_tier(tier: str | None) -> str | None:
+    """OpenAI's service tier as Spool serves it (auto and default interactive, flex the batch tier)."""
+    if tier not in (None, *SERVICE_TIERS):
+        raise ApiError(
+            400,
+            f"service_tier {tier!r} is not served here; give one of {', '.join(SERVICE_TIERS)}",
+            param="service_tier",
+            code="unsupported_value",
+        )
+    return tier
+
+
 class _Open(BaseModel):
     # Unknown fields are kept so they can be refused by name with a 400 (not a bare 422).
     model_config = ConfigDict(extra="allow")
@@ -180,7 +192,7 @@ class OpenAIRequest(_Open):
             "n": self.n,
             "webhook": self.webhook,
             "webhook_events": self.webhook_events,
-            "service_tier": self._service_tier(),
+            "service_tier": service_tier(self.service_tier),
             "priority": self.priority,
             "ignore_eos": self.ignore_eos,
             "prompt_logprobs": self.prompt_logprobs,
@@ -190,16 +202,6 @@ class OpenAIRequest(_Open):
             return JobRequest.accept({k: v for k, v in fields.items() if v is not None}, settings)
         except ValidationError as e:
             raise body_errors(e, {"max_tokens": tokens_name}) from None
-
-    def _service_tier(self) -> str | None:
-        if self.service_tier not in (None, *SERVICE_TIERS):
-            raise ApiError(
-                400,
-                f"service_tier {self.service_tier!r} is not served here; give one of {', '.join(SERVICE_TIERS)}",
-                param="service_tier",
-                code="unsupported_value",
-            )
-        return self.service_tier
 
     def _response_format(self) -> dict[str, Any] | None:
         if self.guided_json is None:

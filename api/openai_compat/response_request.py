@@ -8,9 +8,8 @@ from typing import Any
 from pydantic import Field, ValidationError
 
 from api.errors import ApiError, body_errors
-from api.openai_compat.requests import _Open, _refuse_extras, tool_fields
+from api.openai_compat.requests import _Open, _refuse_extras, service_tier, tool_fields
 from api.openai_compat.response_record import ROLES, ResponseRecord, message_item
-from common.schemas.checks import SERVICE_TIERS
 from common.schemas.requests import JobRequest
 from common.settings import Settings
 
@@ -90,13 +89,7 @@ class ResponseRequest(_Open):
         """Refuse what Spool does not implement, by name."""
         _refuse_extras(self.model_extra)
         _refuse_extras(self.stream_options, "stream_options.")
-        if self.service_tier not in (None, *SERVICE_TIERS):
-            raise ApiError(
-                400,
-                f"service_tier {self.service_tier!r} is not served here; give one of {', '.join(SERVICE_TIERS)}",
-                param="service_tier",
-                code="unsupported_value",
-            )
+        service_tier(self.service_tier)
         if self.truncation not in (None, "disabled"):
             raise ApiError(
                 400, "truncation 'auto' is not supported", param="truncation", code="unsupported_parameter"
